@@ -1,0 +1,21 @@
+"""gqa: grouped-query attention for PyTorch — MHA, GQA and MQA as one mechanism, with K/V shared, never copied."""
+
+from .attention import GroupedQueryAttention
+from .backends import BACKENDS
+from .cache import DynamicKVCache, StaticKVCache, kv_cache_bytes
+from .functional import grouped_attention
+from .masks import causal_mask, padding_mask
+from .rope import RoPE
+
+__all__ = [
+    "BACKENDS",
+    "DynamicKVCache",
+    "GroupedQueryAttention",
+    "RoPE",
+    "StaticKVCache",
+    "causal_mask",
+    "grouped_attention",
+    "kv_cache_bytes",
+    "padding_mask",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,132 @@
+"""Input validation shared by the function, the module and the caches.
+
+Every check raises ``ValueError`` (bad sizes) or ``TypeError`` (bad types or dtypes) with a message that names the
+argument and shows its shape, so a wrong call never turns into a wrong answer, a NaN or a silent copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def shape_str(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def check_heads(num_heads: int, num_kv_heads: int) -> int:
+    """Return the group size ``G = num_heads // num_kv_heads`` or raise."""
+    for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+        if n < 1:
+            raise ValueError(f"{name} must be >= 1, got {n}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+    return num_heads // num_kv_heads
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """Sizes of one attention call: ``query (*B, H_q, L, D)``, ``key (*B, H_kv, S, D)``, ``value (*B, H_kv, S, D_v)``."""
+
+    batch: tuple[int, ...]
+    H_q: int
+    H_kv: int
+    L: int
+    S: int
+    D: int
+    D_v: int
+
+    @property
+    def G(self) -> int:
+        return self.H_q // self.H_kv
+
+    @property
+    def scores(self) -> tuple[int, ...]:
+        return (*self.batch, self.H_q, self.L, self.S)
+
+
+def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> AttnShape:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dim() < 3:
+            raise ValueError(f"{name} must have shape (*B, H, L, D) with at least 3 dims, got {shape_str(t)}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(
+            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype} and {value.dtype}"
+        )
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(
+            f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}"
+        )
+    if key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(
+            f"query, key and value must have the same number of dims, got query {shape_str(query)}, "
+            f"key {shape_str(key)}, value {shape_str(value)}"
+        )
+    *batch, H_q, L, D = query.shape
+    *kbatch, H_kv, S, Dk = key.shape
+    *vbatch, H_v, S_v, D_v = value.shape
+    if tuple(kbatch) != tuple(batch) or tuple(vbatch) != tuple(batch):
+        raise ValueError(
+            f"batch dims differ: query {shape_str(query)}, key {shape_str(key)}, value {shape_str(value)}"
+        )
+    if Dk != D:
+        raise ValueError(f"key head dim ({Dk}) must equal query head dim ({D}): key {shape_str(key)}")
+    if H_v != H_kv or S_v != S:
+        raise ValueError(
+            f"value {shape_str(value)} must have key's head count and length, key is {shape_str(key)}"
+        )
+    if min(H_q, H_kv) < 1 or D < 1:
+        raise ValueError(f"empty head or feature dim: query {shape_str(query)}, key {shape_str(key)}")
+    if H_q % H_kv:
+        raise ValueError(
+            f"query heads H_q ({H_q}) must be divisible by key/value heads H_kv ({H_kv}): "
+            f"query {shape_str(query)}, key {shape_str(key)}"
+        )
+    return AttnShape(tuple(batch), H_q, H_kv, L, S, D, D_v)
+
+
+def check_mask(attn_mask: torch.Tensor | None, shape: AttnShape, query: torch.Tensor) -> None:
+    """A mask must be bool or floating point and broadcast to ``(*B, H_q, L, S)``."""
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(
+            f"attn_mask must be bool (True = attend) or floating point (added to the scores), "
+            f"got dtype {attn_mask.dtype}"
+        )
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
+    target = shape.scores
+    ok = attn_mask.dim() <= len(target)
+    if ok:
+        try:
+            ok = torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"attn_mask of shape {shape_str(attn_mask)} does not broadcast to (*B, H_q, L, S) = {tuple(target)}"
+        )
+
+
+def check_scale(scale: float | None) -> None:
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+
+def check_dropout(dropout_p: float, name: str = "dropout_p") -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {dropout_p}")

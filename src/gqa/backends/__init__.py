@@ -1,0 +1,56 @@
+"""Attention backends: one keyword-only signature, a registry, and the ``auto`` policy.
+
+Every backend is called as ``fn(query, key, value, *, shape, attn_mask, dropout_p, is_causal, scale, return_weights)``
+with validated inputs and returns ``(out (*B, H_q, L, D_v), weights (*B, H_q, L, S) or None)``. None of them copies
+K/V per query head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .._checks import AttnShape
+from .grouped import grouped_attention_rows
+from .reference import reference_attention
+from .sdpa import sdpa_attention, sdpa_is_native
+
+BACKENDS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
+    "reference": reference_attention,
+    "grouped": grouped_attention_rows,
+    "sdpa": sdpa_attention,
+}
+
+# Up to this many query rows per KV head (G * L) the call is decode-like: the grouped matmul reads K/V once and
+# beats SDPA's flash kernel, which walks the cache once per query head. Measured with benchmarks/attention.py.
+DECODE_ROWS = 32
+
+
+def choose_backend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    shape: AttnShape,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    return_weights: bool,
+) -> str:
+    """The ``auto`` policy: the grouped matmul for decode-like shapes, weights or dropout; SDPA where it is natively
+    grouped (prefill); the grouped matmul otherwise."""
+    if return_weights or dropout_p > 0.0 or shape.G * shape.L <= DECODE_ROWS:
+        return "grouped"
+    native = sdpa_is_native(
+        query,
+        key,
+        value,
+        shape=shape,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+    )
+    return "sdpa" if native else "grouped"

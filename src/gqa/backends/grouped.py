@@ -1,0 +1,55 @@
+"""The grouped backend: fold the ``G`` query heads of a group into the row dimension of one matmul per KV head.
+
+``q (*B, H_q, L, D)`` is viewed as ``(*B, H_kv, G*L, D)``; one ``(G*L, D) @ (D, S)`` product per KV head computes the
+scores of the whole group while K is read once. This is the fast path for decode-like shapes (few query rows, a long
+cache), where the cost is reading K/V and a single wide matmul reads it best.
+
+Half precision: the matmuls run in the input dtype with float32 accumulation inside the GEMM (the CPU has no
+float32-output half GEMM); the scores are then converted to float32 once, and scaling, masking and the softmax run
+in float32. The weights are cast back to the value dtype for the second matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import HALF_DTYPES, AttnShape
+from ..masks import apply_mask_, causal_mask, group_mask, softmax_rows
+
+
+def grouped_attention_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    shape: AttnShape,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    return_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    B, H_kv, G, L, S = shape.batch, shape.H_kv, shape.G, shape.L, shape.S
+    q = query.reshape(*B, H_kv, G * L, shape.D)  # (*B, H_kv, G*L, D): the group folded into rows
+    if query.dtype in HALF_DTYPES:
+        q = q * scale  # scaling before the half GEMM keeps its output in range
+        scores = torch.matmul(q, key.transpose(-1, -2)).float()  # (*B, H_kv, G*L, S)
+    else:
+        scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scale)  # (*B, H_kv, G*L, S)
+
+    masked = attn_mask is not None or is_causal
+    if masked:
+        grouped = scores.view(*B, H_kv, G, L, S)  # (*B, H_kv, G, L, S)
+        if attn_mask is not None:
+            grouped = apply_mask_(grouped, group_mask(attn_mask, len(shape.scores), H_kv, G))
+        if is_causal:
+            grouped = apply_mask_(grouped, causal_mask(L, S, query.device))
+        scores = grouped.view(*B, H_kv, G * L, S)
+    weights = softmax_rows(scores, attn_mask is not None or (is_causal and L > S))
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p, training=True)
+
+    out = torch.matmul(weights.to(value.dtype), value)  # (*B, H_kv, G*L, D_v)
+    out = out.view(*B, shape.H_q, L, shape.D_v)  # (*B, H_q, L, D_v)
+    return out, (weights.view(shape.scores).to(query.dtype) if return_weights else None)
