@@ -31,7 +31,7 @@ def check_heads(num_heads: int, num_kv_heads: int) -> int:
 
 @dataclass(frozen=True)
 class AttnShape:
-    """Sizes of one attention call: ``query (*B, H_q, L, D)``, ``key (*B, H_kv, S, D)``, ``value (*B, H_kv, S, D_v)``."""
+    """Sizes of one call: ``query (*B, H_q, L, D)``, ``key (*B, H_kv, S, D)``, ``value (*B, H_kv, S, D_v)``."""
 
     batch: tuple[int, ...]
     H_q: int
@@ -59,9 +59,7 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> At
         if t.dim() < 3:
             raise ValueError(f"{name} must have shape (*B, H, L, D) with at least 3 dims, got {shape_str(t)}")
     if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(
-            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype} and {value.dtype}"
-        )
+        raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype} and {value.dtype}")
     if key.device != query.device or value.device != query.device:
         raise ValueError(
             f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}"
@@ -75,15 +73,11 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> At
     *kbatch, H_kv, S, Dk = key.shape
     *vbatch, H_v, S_v, D_v = value.shape
     if tuple(kbatch) != tuple(batch) or tuple(vbatch) != tuple(batch):
-        raise ValueError(
-            f"batch dims differ: query {shape_str(query)}, key {shape_str(key)}, value {shape_str(value)}"
-        )
+        raise ValueError(f"batch dims differ: query {shape_str(query)}, key {shape_str(key)}, value {shape_str(value)}")
     if Dk != D:
         raise ValueError(f"key head dim ({Dk}) must equal query head dim ({D}): key {shape_str(key)}")
     if H_v != H_kv or S_v != S:
-        raise ValueError(
-            f"value {shape_str(value)} must have key's head count and length, key is {shape_str(key)}"
-        )
+        raise ValueError(f"value {shape_str(value)} must have key's head count and length, key is {shape_str(key)}")
     if min(H_q, H_kv) < 1 or D < 1:
         raise ValueError(f"empty head or feature dim: query {shape_str(query)}, key {shape_str(key)}")
     if H_q % H_kv:

@@ -74,9 +74,7 @@ class GroupedQueryAttention(nn.Module):
         if rope is not None and not isinstance(rope, RoPE):
             raise TypeError(f"rope must be a gqa.RoPE or None, got {type(rope).__name__}")
         if rope is not None and rope.head_dim != head_dim:
-            raise ValueError(
-                f"rope was built for head_dim {rope.head_dim} but this module has head_dim {head_dim}"
-            )
+            raise ValueError(f"rope was built for head_dim {rope.head_dim} but this module has head_dim {head_dim}")
 
         self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = (
             embed_dim,
@@ -109,18 +107,14 @@ class GroupedQueryAttention(nn.Module):
         key_in, value_in = kv_input if isinstance(kv_input, (tuple, list)) else (kv_input, kv_input)
         for name, t, feat in (("key input", key_in, self.kdim), ("value input", value_in, self.vdim)):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(
-                    f"kv_input must be a tensor or a (key, value) pair of tensors, got {type(t).__name__}"
-                )
+                raise TypeError(f"kv_input must be a tensor or a (key, value) pair of tensors, got {type(t).__name__}")
             if t.dim() != x.dim() or t.shape[:-2] != x.shape[:-2] or t.shape[-1] != feat:
                 raise ValueError(
                     f"{name} must have shape (*B, S, {feat}) with the batch dims of x {shape_str(x)}, "
                     f"got {shape_str(t)}"
                 )
         if key_in.shape[-2] != value_in.shape[-2]:
-            raise ValueError(
-                f"key input {shape_str(key_in)} and value input {shape_str(value_in)} differ in S"
-            )
+            raise ValueError(f"key input {shape_str(key_in)} and value input {shape_str(value_in)} differ in S")
         return key_in, value_in
 
     def forward(
@@ -148,17 +142,11 @@ class GroupedQueryAttention(nn.Module):
             raise ValueError(f"x must have shape (*B, L, {self.embed_dim}), got {got}")
         if cache is not None:
             if kv_input is not None:
-                raise ValueError(
-                    "cache is for self-attention; compute cross-attention K/V once and pass kv_input"
-                )
+                raise ValueError("cache is for self-attention; compute cross-attention K/V once and pass kv_input")
             if not isinstance(cache, _KVCache):
-                raise TypeError(
-                    f"cache must be a StaticKVCache or DynamicKVCache, got {type(cache).__name__}"
-                )
+                raise TypeError(f"cache must be a StaticKVCache or DynamicKVCache, got {type(cache).__name__}")
             if x.dim() != 3:
-                raise ValueError(
-                    f"with a cache, x must have shape (B, L, {self.embed_dim}), got {shape_str(x)}"
-                )
+                raise ValueError(f"with a cache, x must have shape (B, L, {self.embed_dim}), got {shape_str(x)}")
         key_in, value_in = self._kv_inputs(x, kv_input)
         L = x.shape[-2]
 

@@ -120,9 +120,7 @@ class _KVCache(nn.Module):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dim() != 4 or t.shape[0] != B or t.shape[1] != H or t.shape[3] != feat:
-                raise ValueError(
-                    f"{name} must have shape ({B}, {H}, L, {feat}) for this cache, got {shape_str(t)}"
-                )
+                raise ValueError(f"{name} must have shape ({B}, {H}, L, {feat}) for this cache, got {shape_str(t)}")
             if t.dtype != self.key.dtype:
                 raise TypeError(f"{name} has dtype {t.dtype} but the cache stores {self.key.dtype}")
         L = key.shape[2]
@@ -156,9 +154,7 @@ class StaticKVCache(_KVCache):
     ) -> None:
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"max_len must be a positive int, got {max_len!r}")
-        super().__init__(
-            batch_size, num_kv_heads, head_dim, max_len, value_dim=value_dim, dtype=dtype, device=device
-        )
+        super().__init__(batch_size, num_kv_heads, head_dim, max_len, value_dim=value_dim, dtype=dtype, device=device)
 
     def _reserve(self, needed: int) -> None:
         if needed > self.capacity:

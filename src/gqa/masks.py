@@ -27,9 +27,7 @@ def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     The result broadcasts over heads and queries, so it can be passed as ``attn_mask`` directly.
     """
     if attention_mask.dim() != 2:
-        raise ValueError(
-            f"attention_mask must have shape (B, S), got ({', '.join(map(str, attention_mask.shape))})"
-        )
+        raise ValueError(f"attention_mask must have shape (B, S), got ({', '.join(map(str, attention_mask.shape))})")
     return attention_mask.bool()[:, None, None, :]
 
 

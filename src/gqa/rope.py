@@ -82,9 +82,7 @@ class RoPE(nn.Module):
             interleaved,
         )
         self.scaling = dict(scaling) if scaling else None
-        inv_freq = 1.0 / self.theta ** (
-            torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim
-        )
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim)
         self.position_scale = 1.0
         kind = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type", "default"))
         if kind == "llama3":
@@ -92,9 +90,7 @@ class RoPE(nn.Module):
         elif kind == "linear":
             self.position_scale = 1.0 / float(self.scaling["factor"])
         elif kind != "default":
-            raise ValueError(
-                f"unsupported rope scaling type {kind!r}; supported: 'default', 'linear', 'llama3'"
-            )
+            raise ValueError(f"unsupported rope scaling type {kind!r}; supported: 'default', 'linear', 'llama3'")
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # (rotary_dim / 2,)
         self.register_buffer("cos_cached", torch.empty(0, device=device), persistent=False)
         self.register_buffer("sin_cached", torch.empty(0, device=device), persistent=False)
@@ -111,20 +107,14 @@ class RoPE(nn.Module):
         length = 1 << max(length - 1, 1).bit_length()
         pos = torch.arange(length, dtype=torch.float64, device=self.inv_freq.device) * self.position_scale
         angles = pos[:, None] * self.inv_freq.double()[None, :]  # (P, rotary_dim / 2)
-        if self.interleaved:
-            angles = angles.repeat_interleave(2, dim=-1)  # (P, rotary_dim): pairs (2i, 2i + 1)
-        else:
-            angles = torch.cat([angles, angles], dim=-1)  # (P, rotary_dim): pairs (i, i + rotary_dim / 2)
+        # (P, rotary_dim): pairs (2i, 2i + 1) interleaved, or (i, i + rotary_dim / 2) in the half layout
+        angles = angles.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([angles, angles], dim=-1)
         self.cos_cached = angles.cos().float()
         self.sin_cached = angles.sin().float()
 
     def cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``cos, sin`` of shape ``(*P, rotary_dim)`` for integer ``position_ids (*P)``."""
-        if (
-            not isinstance(position_ids, torch.Tensor)
-            or position_ids.is_floating_point()
-            or position_ids.is_complex()
-        ):
+        if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() or position_ids.is_complex():
             raise TypeError("position_ids must be an integer tensor")
         if not torch.compiler.is_compiling() and position_ids.numel():
             top = int(position_ids.max())
@@ -144,9 +134,7 @@ class RoPE(nn.Module):
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x (*B, H, L, D)`` by ``cos, sin (*P, L, rotary_dim)`` broadcast over heads; computed in float32."""
         if x.shape[-1] != self.head_dim:
-            raise ValueError(
-                f"RoPE was built for head_dim {self.head_dim}, got a tensor of shape {shape_str(x)}"
-            )
+            raise ValueError(f"RoPE was built for head_dim {self.head_dim}, got a tensor of shape {shape_str(x)}")
         cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)  # (*P, 1, L, rotary_dim)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         xf = rot.float()
@@ -156,8 +144,8 @@ class RoPE(nn.Module):
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, position_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``query (*B, H_q, L, D)`` and ``key (*B, H_kv, L, D)`` at ``position_ids`` of shape ``(L,)`` (shared by
-        every row) or ``(B, L)`` (one row of positions per batch element)."""
+        """Rotate ``query (*B, H_q, L, D)`` and ``key (*B, H_kv, L, D)`` at ``position_ids`` ``(L,)`` (shared by every
+        row) or ``(B, L)`` (one row of positions per batch element)."""
         L = query.shape[-2]
         if position_ids.dim() == 0 or position_ids.shape[-1] != L or key.shape[-2] != L:
             raise ValueError(
@@ -165,8 +153,6 @@ class RoPE(nn.Module):
                 f"{shape_str(query)} and key {shape_str(key)}"
             )
         if position_ids.dim() > 1 and position_ids.shape[:-1] != query.shape[: position_ids.dim() - 1]:
-            raise ValueError(
-                f"position_ids {shape_str(position_ids)} batch dims do not match query {shape_str(query)}"
-            )
+            raise ValueError(f"position_ids {shape_str(position_ids)} batch dims do not match query {shape_str(query)}")
         cos, sin = self.cos_sin(position_ids)
         return self.rotate(query, cos, sin), self.rotate(key, cos, sin)

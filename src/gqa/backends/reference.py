@@ -1,4 +1,4 @@
-"""The reference backend: short, obvious, float32 (or float64) throughout — the oracle every fast path is tested against.
+"""The reference backend: short, obvious, float32 (or float64) throughout: the oracle for every fast path.
 
 The group lives in its own axis: ``q (*B, H_kv, G, L, D)`` against ``k (*B, H_kv, S, D)``. The einsum letter ``g``
 appears only on the query side, so K/V are shared by the ``G`` query heads of a group and never copied per head.

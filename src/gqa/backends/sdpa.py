@@ -47,9 +47,7 @@ def _native(q, k, v, mask, dropout_p: float, native_causal: bool, scale: float, 
     if dropout_p > 0.0:
         return False  # every CPU path with dropout is the copying math path
     try:
-        choice = torch._fused_sdp_choice(
-            q, k, v, mask, dropout_p, native_causal, scale=scale, enable_gqa=grouped
-        )
+        choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, native_causal, scale=scale, enable_gqa=grouped)
     except Exception:  # an older torch, or a tracer that cannot run the query: assume the copying path
         return False
     return SDPBackend(choice) not in (SDPBackend.MATH, SDPBackend.ERROR)
