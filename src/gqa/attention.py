@@ -159,7 +159,8 @@ class GroupedQueryAttention(nn.Module):
             q, k = self.rope(q, k, position_ids)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, H_kv, S, D) with S = everything cached
-            attn_mask = merge_masks(attn_mask, cache.key_mask(k.shape[-2]))
+            cache_mask, is_causal = cache.visibility(L, k.shape[-2], is_causal)
+            attn_mask = merge_masks(attn_mask, cache_mask)
 
         dropout_p = self.dropout if self.training else 0.0
         result = grouped_attention(

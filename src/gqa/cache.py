@@ -1,12 +1,13 @@
 """KV caches for decoding, one per attention layer. They store K/V with ``H_kv`` heads only: a GQA cache is
 ``H_q / H_kv`` times smaller than the MHA one, and that is the bytes each decoded token has to read.
 
-* ``StaticKVCache`` — preallocated to ``max_len``, written in place, never reallocated (``torch.compile`` friendly).
+* ``StaticKVCache`` — preallocated to ``max_len``, written in place, never reallocated; its position is a tensor,
+  so a compiled decode step runs with static shapes and never recompiles.
 * ``DynamicKVCache`` — grows on demand (capacity doubles, so appends are amortised O(1)).
 
 Batched decoding with left padding: ``set_left_padding(pad)`` records how many leading slots of each row are padding.
-The cache then provides the per-row key mask (``key_mask``), per-row RoPE positions (``positions``) and per-row real
-lengths (``lengths``); the attention module uses all three automatically.
+The cache then provides per-row RoPE positions (``positions``), the mask of what each query may see (``visibility``)
+and per-row real lengths (``lengths``); the attention module uses them automatically.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def kv_cache_bytes(
 
 
 class _KVCache(nn.Module):
-    """Shared machinery: buffers ``key (B, H_kv, capacity, D)``, ``value (B, H_kv, capacity, D_v)``, ``start (B,)``."""
+    """Shared machinery: buffers ``key (B, H_kv, capacity, D)``, ``value (B, H_kv, capacity, D_v)``, ``start (B,)``
+    (left padding per row) and ``cursor`` (slots written, a 0-dim tensor so compiled code never guards on it)."""
 
     def __init__(
         self,
@@ -60,12 +62,17 @@ class _KVCache(nn.Module):
         self.register_buffer("key", torch.zeros(B, H, capacity, head_dim, dtype=dtype, device=device))
         self.register_buffer("value", torch.zeros(B, H, capacity, value_dim, dtype=dtype, device=device))
         self.register_buffer("start", torch.zeros(B, dtype=torch.long, device=device))
-        self.seq_len = 0  # slots written so far (the same for every row; left padding is counted in it)
+        self.register_buffer("cursor", torch.zeros((), dtype=torch.long, device=device))
         self.padded = False
 
     @property
     def capacity(self) -> int:
         return self.key.shape[2]
+
+    @property
+    def seq_len(self) -> int:
+        """Slots written so far (the same for every row; left padding is counted in it)."""
+        return int(self.cursor)
 
     @property
     def nbytes(self) -> int:
@@ -75,11 +82,11 @@ class _KVCache(nn.Module):
     @property
     def lengths(self) -> torch.Tensor:
         """Real (non-padding) tokens per row, ``(B,)``."""
-        return (self.seq_len - self.start).clamp_min(0)
+        return (self.cursor - self.start).clamp_min(0)
 
     def reset(self) -> None:
         """Forget the contents (buffers are kept) and the padding."""
-        self.seq_len = 0
+        self.cursor.zero_()
         self.start.zero_()
         self.padded = False
 
@@ -99,21 +106,19 @@ class _KVCache(nn.Module):
 
     def positions(self, L: int) -> torch.Tensor:
         """RoPE positions ``(B, L)`` of the next ``L`` tokens: slot index minus the row's padding (0 on padding)."""
-        slots = torch.arange(self.seq_len, self.seq_len + L, device=self.start.device)
+        slots = self.cursor + torch.arange(L, device=self.cursor.device)  # (L,)
         return (slots[None, :] - self.start[:, None]).clamp_min(0)
-
-    def key_mask(self, S: int) -> torch.Tensor | None:
-        """Bool ``(B, 1, 1, S)``: False on each row's padding slots; None when no row is padded."""
-        if not self.padded:
-            return None
-        return (torch.arange(S, device=self.start.device)[None, :] >= self.start[:, None])[:, None, None, :]
 
     def _reserve(self, needed: int) -> None:
         raise NotImplementedError
 
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``key (B, H_kv, L, D)`` and ``value (B, H_kv, L, D_v)``; return all keys and values so far,
-        ``(B, H_kv, S, D)`` and ``(B, H_kv, S, D_v)`` with ``S = seq_len`` after the write (views, not copies)."""
+        """Append ``key (B, H_kv, L, D)`` and ``value (B, H_kv, L, D_v)``; return the keys and values to attend to,
+        ``(B, H_kv, S, D)`` and ``(B, H_kv, S, D_v)`` (views, not copies).
+
+        Eagerly ``S`` is the number of slots written; under ``torch.compile`` it is the whole capacity (static shapes),
+        and ``visibility`` masks the unwritten slots.
+        """
         B, H, _, D = self.key.shape
         D_v = self.value.shape[-1]
         for name, t, feat in (("key", key, D), ("value", value, D_v)):
@@ -126,12 +131,35 @@ class _KVCache(nn.Module):
         L = key.shape[2]
         if value.shape[2] != L:
             raise ValueError(f"key {shape_str(key)} and value {shape_str(value)} must have the same length")
-        end = self.seq_len + L
-        self._reserve(end)  # raises before anything is written when a static cache is full
-        self.key[:, :, self.seq_len : end].copy_(key)
-        self.value[:, :, self.seq_len : end].copy_(value)
-        self.seq_len = end
-        return self.key[:, :, :end], self.value[:, :, :end]
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            self._reserve(self.seq_len + L)  # raises before anything is written when a static cache is full
+        slots = self.cursor + torch.arange(L, device=self.cursor.device)  # (L,)
+        self.key.index_copy_(2, slots, key)
+        self.value.index_copy_(2, slots, value)
+        self.cursor.add_(L)
+        if compiling:
+            return self.key, self.value
+        S = self.seq_len
+        return self.key[:, :, :S], self.value[:, :, :S]
+
+    def visibility(self, L: int, S: int, is_causal: bool) -> tuple[torch.Tensor | None, bool]:
+        """After ``update`` of ``L`` tokens returned ``S`` slots: which slots the ``L`` new queries may see.
+
+        Returns ``(mask, is_causal)`` to hand to ``grouped_attention``: eagerly and without padding nothing is needed
+        beyond the bottom-right ``is_causal`` (``None, is_causal``); otherwise a bool ``(B, 1, L, S)`` mask that hides
+        padding, unwritten slots and — when ``is_causal`` — later tokens, with ``is_causal=False``.
+        """
+        if not self.padded and not torch.compiler.is_compiling():
+            return None, is_causal
+        slots = torch.arange(S, device=self.cursor.device)  # (S,)
+        first = self.cursor - L  # slot of the first new token
+        if is_causal:
+            seen = slots[None, :] <= first + torch.arange(L, device=slots.device)[:, None]  # (L, S)
+        else:
+            seen = (slots < self.cursor).expand(L, S)  # (L, S)
+        mask = seen[None] & (slots[None, None, :] >= self.start[:, None, None])  # (B, L, S)
+        return mask[:, None], False
 
 
 class StaticKVCache(_KVCache):
@@ -191,5 +219,5 @@ class DynamicKVCache(_KVCache):
         for name in ("key", "value"):
             old = getattr(self, name)
             new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
-            new[:, :, : self.seq_len].copy_(old[:, :, : self.seq_len])
+            new[:, :, : old.shape[2]].copy_(old)
             setattr(self, name, new)

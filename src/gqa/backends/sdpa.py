@@ -24,9 +24,11 @@ def _to_4d(t: torch.Tensor) -> torch.Tensor:
 
 def _mask_4d(mask: torch.Tensor, shape: AttnShape) -> torch.Tensor:
     """A mask broadcastable to ``(*B, H_q, L, S)`` as one broadcastable to ``(N, H_q, L, S)``."""
-    if mask.dim() <= 3 or len(shape.batch) == 1:
+    if mask.dim() <= 2 or (mask.dim() == 4 and len(shape.batch) == 1):
         return mask
-    mask = mask.reshape((1,) * (len(shape.scores) - mask.dim()) + tuple(mask.shape))
+    mask = mask.reshape((1,) * (len(shape.scores) - mask.dim()) + tuple(mask.shape))  # one dim per score dim
+    if len(shape.batch) == 0:
+        return mask[None]  # torch's fused kernels want a 4-D mask here
     if all(s == 1 for s in mask.shape[:-3]):
         return mask.reshape(1, *mask.shape[-3:])
     return mask.expand(*shape.batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])

@@ -1,0 +1,1 @@
+"""Benchmarks for gqa: ``python -m gqa.bench.attention`` or ``python benchmarks/attention.py``."""

@@ -1,0 +1,223 @@
+"""grouped_attention vs a float64 reference and vs torch SDPA on explicitly repeated K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _reference import TOL, attention64, bottom_right_allowed
+
+import gqa
+
+BACKENDS = ["reference", "grouped", "sdpa", "auto"]
+# (H_q, H_kv, L, S, D): odd GQA, MHA, MQA, decode, prefill, more queries than keys
+SHAPES = [(18, 6, 3, 7, 5), (4, 4, 5, 5, 8), (8, 1, 1, 9, 16), (6, 2, 1, 33, 8), (6, 3, 12, 12, 4), (4, 2, 6, 3, 8)]
+BATCHES = [(), (2,), (2, 3)]
+
+
+def make(batch, H_q, H_kv, L, S, D, dtype=torch.float32, D_v=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*batch, H_q, L, D, generator=g).to(dtype)
+    k = torch.randn(*batch, H_kv, S, D, generator=g).to(dtype)
+    v = torch.randn(*batch, H_kv, S, D_v or D, generator=g).to(dtype)
+    return q, k, v
+
+
+def make_mask(kind, batch, H_q, L, S, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None
+    if kind == "bool":  # per batch and head, with one fully masked query row
+        m = torch.rand(*batch, H_q, L, S, generator=g) > 0.4
+        m[..., 0, :] = False
+        return m
+    if kind == "bool_2d":
+        return torch.rand(L, S, generator=g) > 0.3
+    if kind == "float":  # additive, with -inf entries and finite biases
+        m = torch.randn(*batch, 1, L, S, generator=g)
+        return m.masked_fill(torch.rand(m.shape, generator=g) > 0.7, float("-inf")).to(dtype)
+    if kind == "padding":  # (B, 1, 1, S): some keys hidden per row
+        keep = torch.ones(*batch, 1, 1, S, dtype=torch.bool)
+        keep[..., : S // 3] = False
+        return keep
+    raise ValueError(kind)
+
+
+def check_close(out, ref, dtype, msg=""):
+    tol = TOL[dtype]
+    diff = (out.double() - ref).abs().max().item() if out.numel() else 0.0
+    assert torch.allclose(out.double(), ref, **tol), f"{msg} max abs diff {diff:.3e} (tol {tol})"
+
+
+def run(backend, *args, **kw):
+    try:
+        return gqa.grouped_attention(*args, backend=backend, **kw)
+    except ValueError as e:  # sdpa refuses where torch would copy K/V; that refusal is itself tested below
+        if backend == "sdpa" and "math path" in str(e):
+            pytest.skip("torch SDPA has no natively grouped kernel for this call")
+        raise
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "Hq{}_Hkv{}_L{}_S{}_D{}".format(*s))
+@pytest.mark.parametrize("batch", BATCHES, ids=lambda b: f"B{len(b)}")
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool", "bool_2d", "float", "padding", "bool+causal"])
+def test_matches_float64_reference(backend, shape, batch, mask_kind):
+    H_q, _, L, S, D = shape
+    q, k, v = make(batch, *shape)
+    causal = "causal" in mask_kind
+    mask = make_mask(mask_kind.replace("+causal", "").replace("causal", "none"), batch, H_q, L, S, q.dtype)
+    out = run(backend, q, k, v, attn_mask=mask, is_causal=causal)
+    ref, _ = attention64(q, k, v, mask, causal)
+    assert out.shape == (*batch, H_q, L, D) and out.dtype == q.dtype
+    check_close(out, ref, q.dtype, f"{backend} {mask_kind}")
+    assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "float", "bool"])
+def test_dtypes(backend, dtype, mask_kind):
+    shape = (8, 2, 4, 40, 16)
+    q, k, v = make((2,), *shape, dtype=dtype)
+    mask = make_mask({"causal": "none"}.get(mask_kind, mask_kind), (2,), 8, 4, 40, dtype)
+    out = run(backend, q, k, v, attn_mask=mask, is_causal=mask_kind == "causal")
+    ref, _ = attention64(q, k, v, mask, mask_kind == "causal")
+    assert out.dtype == dtype
+    check_close(out, ref, dtype, f"{backend} {dtype}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("L,S", [(3, 7), (7, 7), (1, 16), (7, 3)])
+def test_vs_sdpa_on_repeated_kv(backend, L, S):
+    """torch SDPA on K/V repeated per query head, with our bottom-right causal rule given as an explicit mask."""
+    q, k, v = make((2,), 12, 4, L, S, 8)
+    k_rep, v_rep = k.repeat_interleave(3, dim=-3), v.repeat_interleave(3, dim=-3)
+    expected = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=bottom_right_allowed(L, S))
+    out = run(backend, q, k, v, is_causal=True)
+    if L > S:  # rows with no visible key: we return zeros, SDPA (2.13) too
+        expected = torch.where(bottom_right_allowed(L, S).any(-1)[:, None], expected, 0.0)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    plain = F.scaled_dot_product_attention(q, k_rep, v_rep, scale=0.3)
+    torch.testing.assert_close(run(backend, q, k, v, scale=0.3), plain, atol=2e-5, rtol=2e-5)
+
+
+def test_causal_is_bottom_right_not_top_left():
+    """With L < S the last query sees every key; torch's top-left is_causal would hide keys from it."""
+    q, k, v = make((), 4, 2, 2, 6, 8)
+    out = gqa.grouped_attention(q, k, v, is_causal=True)
+    full = gqa.grouped_attention(q[..., -1:, :], k, v)  # the last query, unmasked
+    torch.testing.assert_close(out[..., -1:, :], full)
+    top_left = F.scaled_dot_product_attention(q, k.repeat_interleave(2, -3), v.repeat_interleave(2, -3), is_causal=True)
+    assert not torch.allclose(out, top_left, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped"])
+def test_value_dim_differs(backend):
+    q, k, v = make((2,), 18, 6, 3, 7, 5, D_v=11)
+    out = gqa.grouped_attention(q, k, v, is_causal=True, backend=backend)
+    ref, _ = attention64(q, k, v, None, True)
+    assert out.shape == (2, 18, 3, 11)
+    check_close(out, ref, torch.float32)
+    assert gqa.grouped_attention(q, k, v, backend="auto").shape == (2, 18, 3, 11)
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped", "auto"])
+@pytest.mark.parametrize("batch", BATCHES, ids=lambda b: f"B{len(b)}")
+def test_return_weights(backend, batch):
+    q, k, v = make(batch, 18, 6, 3, 7, 5)
+    mask = make_mask("bool", batch, 18, 3, 7, q.dtype)
+    out, w = gqa.grouped_attention(q, k, v, mask, is_causal=True, return_weights=True, backend=backend)
+    ref_out, ref_w = attention64(q, k, v, mask, True)
+    assert w.shape == (*batch, 18, 3, 7)
+    check_close(w, ref_w, torch.float32)
+    check_close(out, ref_out, torch.float32)
+    with pytest.raises(ValueError, match="cannot return attention weights"):
+        gqa.grouped_attention(q, k, v, return_weights=True, backend="sdpa")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_rows_are_zero_with_finite_grads(backend):
+    q, k, v = make((2,), 6, 2, 4, 5, 8)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mask = torch.ones(2, 6, 4, 5, dtype=torch.bool)
+    mask[:, :, 1] = False  # query row 1 sees nothing, in every head
+    mask[0, 3] = False  # and one whole head of one batch element
+    out = run(backend, q, k, v, attn_mask=mask)
+    assert torch.equal(out[:, :, 1], torch.zeros_like(out[:, :, 1]))
+    assert torch.equal(out[0, 3], torch.zeros_like(out[0, 3]))
+    out.square().sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[:, :, 1], torch.zeros_like(q.grad[:, :, 1]))
+    float_mask = torch.zeros(4, 5).masked_fill(~mask[0, 0], float("-inf"))
+    out2 = run(backend, q.detach(), k.detach(), v.detach(), attn_mask=float_mask)
+    assert not out2.isnan().any() and torch.equal(out2[:, :, 1], torch.zeros_like(out2[:, :, 1]))
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped", "sdpa"])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "float"])
+def test_gradcheck_float64(backend, mask_kind):
+    q, k, v = make((2,), 4, 2, 3, 5, 4, dtype=torch.float64)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    mask = make_mask("float", (2,), 4, 3, 5, torch.float64) if mask_kind == "float" else None
+    if mask is not None:
+        mask = mask.clamp_min(-1e9)  # gradcheck perturbs inputs; keep every row visible but strongly biased
+    causal = mask_kind == "causal"
+
+    def fn(q, k, v):
+        return gqa.grouped_attention(q, k, v, mask, is_causal=causal, backend=backend)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped", "sdpa"])
+def test_grads_match_reference(backend):
+    q, k, v = make((2,), 18, 6, 3, 7, 8)
+    ours = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    gqa.grouped_attention(*ours, is_causal=True, backend=backend).sum().backward()
+    attention64(*ref, None, True)[0].sum().backward()
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a.grad.double(), b.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_dropout():
+    """Dropped weights are 0 or the undropped weight / (1 - p); p = 0 is exact; the same seed repeats."""
+    q, k, v = make((2,), 8, 2, 5, 9, 8)
+    p = 0.4
+    for backend in ("reference", "grouped", "auto"):
+        torch.manual_seed(3)
+        out, w = gqa.grouped_attention(q, k, v, dropout_p=p, return_weights=True, backend=backend)
+        _, clean = attention64(q, k, v)
+        kept = w != 0
+        assert 0.4 < kept.float().mean() < 0.8
+        torch.testing.assert_close(w[kept].double(), clean[kept] / (1 - p), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.double(), w.double() @ v.double().repeat_interleave(4, -3), atol=1e-5, rtol=1e-5)
+        torch.manual_seed(3)
+        again = gqa.grouped_attention(q, k, v, dropout_p=p, backend=backend)
+        torch.testing.assert_close(again, out)
+    with pytest.raises(ValueError, match="math path"):
+        gqa.grouped_attention(q, k, v, dropout_p=p, backend="sdpa")
+
+
+def test_mqa_and_mha_are_special_cases():
+    q, k, v = make((2,), 8, 8, 4, 6, 8)
+    torch.testing.assert_close(gqa.grouped_attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    q1, k1, v1 = make((2,), 8, 1, 4, 6, 8)
+    torch.testing.assert_close(
+        gqa.grouped_attention(q1, k1, v1),
+        F.scaled_dot_product_attention(q1, k1.expand(2, 8, 6, 8), v1.expand(2, 8, 6, 8)),
+    )
+
+
+def test_non_contiguous_inputs():
+    """Keys/values as views of a larger buffer (as a static cache hands them out) and transposed queries."""
+    q, k, v = make((2,), 6, 2, 3, 10, 8)
+    big_k = torch.zeros(2, 2, 32, 8)
+    big_v = torch.zeros(2, 2, 32, 8)
+    big_k[:, :, :10], big_v[:, :, :10] = k, v
+    q_t = q.transpose(-2, -3).contiguous().transpose(-2, -3)
+    for backend in BACKENDS:
+        out = gqa.grouped_attention(q_t, big_k[:, :, :10], big_v[:, :, :10], is_causal=True, backend=backend)
+        check_close(out, attention64(q, k, v, None, True)[0], torch.float32, backend)
