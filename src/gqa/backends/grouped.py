@@ -6,7 +6,8 @@ cache), where the cost is reading K/V and a single wide matmul reads it best.
 
 Half precision: the matmuls run in the input dtype with float32 accumulation inside the GEMM (the CPU has no
 float32-output half GEMM); the scores are then converted to float32 once, and scaling, masking and the softmax run
-in float32. The weights are cast back to the value dtype for the second matmul.
+in float32. The weights are cast back to the value dtype for the second matmul. float16 on CPU, which has no fast
+float16 GEMM, is computed in float32 (K/V converted once, at ``H_kv`` heads) and cast back.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def grouped_attention_rows(
     return_weights: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     B, H_kv, G, L, S = shape.batch, shape.H_kv, shape.G, shape.L, shape.S
+    out_dtype = query.dtype
+    if out_dtype == torch.float16 and query.device.type == "cpu":  # no fast fp16 GEMM on CPU: run it in float32
+        query, key, value = query.float(), key.float(), value.float()
     q = query.reshape(*B, H_kv, G * L, shape.D)  # (*B, H_kv, G*L, D): the group folded into rows
     if query.dtype in HALF_DTYPES:
         q = q * scale  # scaling before the half GEMM keeps its output in range
@@ -51,5 +55,5 @@ def grouped_attention_rows(
         weights = F.dropout(weights, p=dropout_p, training=True)
 
     out = torch.matmul(weights.to(value.dtype), value)  # (*B, H_kv, G*L, D_v)
-    out = out.view(*B, shape.H_q, L, shape.D_v)  # (*B, H_q, L, D_v)
-    return out, (weights.view(shape.scores).to(query.dtype) if return_weights else None)
+    out = out.view(*B, shape.H_q, L, shape.D_v).to(out_dtype)  # (*B, H_q, L, D_v)
+    return out, (weights.view(shape.scores).to(out_dtype) if return_weights else None)
