@@ -73,8 +73,11 @@ class RoPE(nn.Module):
             raise ValueError(f"rotary_dim ({rotary_dim}) must be even and >= 2")
         if rotary_dim > head_dim:
             raise ValueError(f"rotary_dim ({rotary_dim}) must not exceed head_dim ({head_dim})")
-        if theta <= 0:
-            raise ValueError(f"theta must be > 0, got {theta}")
+        for name, n in (("head_dim", head_dim), ("rotary_dim", rotary_dim)):
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+            raise ValueError(f"theta must be > 0 and finite, got {theta!r}")
         self.head_dim, self.rotary_dim, self.theta, self.interleaved = (
             head_dim,
             rotary_dim,
@@ -85,6 +88,15 @@ class RoPE(nn.Module):
         inv_freq = 1.0 / self.theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim)
         self.position_scale = 1.0
         kind = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type", "default"))
+        if kind in ("linear", "llama3"):
+            factor = self.scaling.get("factor")
+            if (
+                isinstance(factor, bool)
+                or not isinstance(factor, (int, float))
+                or not math.isfinite(factor)
+                or factor <= 0
+            ):
+                raise ValueError(f"rope scaling {kind!r} needs a finite factor > 0, got {factor!r}")
         if kind == "llama3":
             inv_freq = llama3_inv_freq(inv_freq, self.scaling)
         elif kind == "linear":
@@ -114,8 +126,15 @@ class RoPE(nn.Module):
 
     def cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``cos, sin`` of shape ``(*P, rotary_dim)`` for integer ``position_ids (*P)``."""
-        if not isinstance(position_ids, torch.Tensor) or position_ids.is_floating_point() or position_ids.is_complex():
-            raise TypeError("position_ids must be an integer tensor")
+        if (
+            not isinstance(position_ids, torch.Tensor)
+            or position_ids.dtype == torch.bool
+            or position_ids.is_floating_point()
+            or position_ids.is_complex()
+        ):
+            got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
+            raise TypeError(f"position_ids must be an integer tensor, got {got}")
+        position_ids = position_ids.long()
         if not torch.compiler.is_compiling() and position_ids.numel():
             top = int(position_ids.max())
             if int(position_ids.min()) < 0:
@@ -152,7 +171,7 @@ class RoPE(nn.Module):
                 f"position_ids {shape_str(position_ids)} must end in the sequence length L={L} of query "
                 f"{shape_str(query)} and key {shape_str(key)}"
             )
-        if position_ids.dim() > 1 and position_ids.shape[:-1] != query.shape[: position_ids.dim() - 1]:
+        if position_ids.dim() > 1 and position_ids.shape[:-1] != query.shape[:-3]:
             raise ValueError(f"position_ids {shape_str(position_ids)} batch dims do not match query {shape_str(query)}")
         cos, sin = self.cos_sin(position_ids)
         return self.rotate(query, cos, sin), self.rotate(key, cos, sin)
