@@ -67,7 +67,7 @@ class Sizes:
     decode_batch: int = 8
     decode_len: int = 4096  # S of the KV cache
     prefill_len: int = 2048  # L == S
-    decode_repeats: int = 7
+    decode_repeats: int = 25
     prefill_repeats: int = 5
     warmup: int = 2
 
