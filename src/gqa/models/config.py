@@ -1,0 +1,106 @@
+"""``ModelConfig``: the hyper-parameters of a Llama-family decoder (Llama, SmolLM, Qwen2), read from an HF
+``config.json`` or from GGUF metadata, and written back as an HF ``config.json``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    """Sizes and options of a decoder-only Llama-family model.
+
+    ``num_kv_heads`` is the number of key/value heads: ``num_heads`` for MHA, 1 for MQA, a divisor between for GQA.
+    """
+
+    arch: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_layers: int = 30
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        if isinstance(self.eos_token_id, int):
+            self.eos_token_id = [self.eos_token_id]
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """From the dict of an HF ``config.json`` (``model_type`` llama or qwen2)."""
+        arch = cfg.get("model_type")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported model_type {arch!r} in config.json; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            rope = cfg.get("rope_parameters") or {}
+            scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            return cls(
+                arch=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                rope_scaling=dict(scaling) if scaling else None,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "qwen2")),
+                attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_id=cfg.get("eos_token_id") or [],
+                pad_token_id=cfg.get("pad_token_id"),
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the required key {e.args[0]!r}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF ``config.json`` dict for this model (loads in transformers and in ``gqa.load_model``)."""
+        cfg: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM" if self.arch == "llama" else "Qwen2ForCausalLM"],
+            "model_type": self.arch,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.arch == "llama":
+            cfg |= {"attention_bias": self.attention_bias, "mlp_bias": False}
+        return cfg
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
