@@ -1,0 +1,150 @@
+"""Text generation: one prefill of the (left-padded) prompts, then one token per step through static KV caches.
+
+Greedy (``temperature=0``) or sampling with temperature, top-k and top-p from a seeded generator; stops at EOS per
+row or after ``max_new_tokens``; ``generate_stream`` yields each step's tokens as they come.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from .models.llama import CausalLM, set_left_padding
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next tokens ``(B,)`` from ``logits (B, vocab)``: argmax when ``temperature == 0``, else a sample from the
+    temperature-scaled distribution restricted to the ``top_k`` most likely tokens and the smallest set whose
+    probability reaches ``top_p``."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # tokens after the nucleus is already complete
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    pads = [width - len(p) for p in prompts]
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    for row, (p, pad) in enumerate(zip(prompts, pads, strict=True)):
+        ids[row, pad:] = torch.as_tensor(list(p), dtype=torch.long)
+    return ids, pads
+
+
+@torch.inference_mode()
+def generate_stream(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    step_fn: Callable[[torch.Tensor, list], torch.Tensor] | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yield the next token of every row ``(B,)`` per step; a row that has finished yields ``pad_token_id``.
+
+    ``prompts`` are token-id lists of any lengths (left-padded into one batch, each row with its own positions).
+    ``step_fn(tokens (B, 1), caches) -> logits (B, 1, vocab)`` replaces the plain decode step (e.g. a compiled one).
+    """
+    cfg = model.config
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    eos = list(cfg.eos_token_id if eos_token_ids is None else eos_token_ids)
+    pad_id = pad_token_id if pad_token_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+    ids, pads = _left_pad(prompts, pad_id, model.device)
+    B, P = ids.shape
+    if P + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {P} tokens + max_new_tokens {max_new_tokens} exceeds the model's context of "
+            f"{cfg.max_position_embeddings} tokens; shorten the prompt or lower max_new_tokens"
+        )
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(seed)
+
+    caches = model.new_caches(B, P + max_new_tokens)
+    set_left_padding(caches, pads)
+    logits = model(ids, caches=caches, last_only=True)[:, -1]  # (B, vocab)
+    step = step_fn or (lambda tok, c: model(tok, caches=c))
+    eos_ids = torch.tensor(eos, dtype=torch.long, device=model.device)
+    finished = torch.zeros(B, dtype=torch.bool, device=model.device)
+    for i in range(max_new_tokens):
+        token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        token = token.masked_fill(finished, pad_id)
+        yield token
+        finished |= torch.isin(token, eos_ids)
+        if bool(finished.all()) or i == max_new_tokens - 1:
+            return
+        logits = step(token[:, None], caches)[:, -1]  # (B, vocab)
+
+
+def generate(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]] | Sequence[int],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    on_token: Callable[[torch.Tensor], None] | None = None,
+    step_fn: Callable[[torch.Tensor, list], torch.Tensor] | None = None,
+) -> list[list[int]] | list[int]:
+    """Generate continuations of token-id prompts; returns the new tokens of each row, EOS included, padding not.
+
+    A single prompt (a list of ints) gives a single list back. ``on_token(tokens (B,))`` is called at every step.
+    """
+    single = len(prompts) > 0 and isinstance(prompts[0], int)
+    batch = [list(prompts)] if single else [list(p) for p in prompts]
+    eos = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
+    out: list[list[int]] = [[] for _ in batch]
+    done = [False] * len(batch)
+    for token in generate_stream(
+        model,
+        batch,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eos_token_ids=eos_token_ids,
+        step_fn=step_fn,
+    ):
+        if on_token is not None:
+            on_token(token)
+        for row, t in enumerate(token.tolist()):
+            if not done[row]:
+                out[row].append(t)
+                done[row] = t in eos
+    return out[0] if single else out

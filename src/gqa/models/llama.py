@@ -1,0 +1,174 @@
+"""A Llama-family decoder (Llama, SmolLM, Qwen2) on ``gqa.GroupedQueryAttention`` and ``gqa`` KV caches.
+
+Parameter names are HF transformers' (``model.layers.{i}.self_attn.q_proj.weight`` ...), so an HF state dict loads
+as it is. One layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; RMSNorm, SwiGLU MLP, RoPE on q and k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import GroupedQueryAttention
+from ..cache import StaticKVCache
+from ..masks import padding_mask
+from ..rope import RoPE
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, computed in float32 and cast back (as HF does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RoPE) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = GroupedQueryAttention(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qkv_bias=cfg.attention_bias, rope=rope
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cache: StaticKVCache | None,
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, attn_mask=attn_mask, is_causal=True, position_ids=position_ids, cache=cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Embeddings, layers and the final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rope = RoPE(
+            cfg.head_dim,
+            theta=cfg.rope_theta,
+            scaling=cfg.rope_scaling,
+            max_position=min(cfg.max_position_embeddings, 8192),
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model: ``input_ids (B, L)`` -> ``logits (B, L, vocab)``.
+
+    Caches come from ``new_caches``; with them ``forward`` appends the new tokens and attends to everything cached,
+    and left padding declared with ``set_left_padding(caches, pad)`` is masked with per-row positions. ``generate``
+    lives in ``gqa.generation``; ``tokenizer`` is attached by ``gqa.load_model``.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tokenizer = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def generate(self, prompts: list, **kwargs: object) -> list:
+        """Generate continuations of token-id prompts; see ``gqa.generation.generate`` for the arguments."""
+        from ..generation import generate
+
+        return generate(self, prompts, **kwargs)
+
+    def new_caches(self, batch_size: int, max_len: int) -> list[StaticKVCache]:
+        """One preallocated ``StaticKVCache`` per layer, ``H_kv`` heads each, in the model's dtype and device."""
+        if max_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_len ({max_len}) exceeds the model's context of {self.config.max_position_embeddings} tokens"
+            )
+        cfg = self.config
+        return [
+            StaticKVCache(batch_size, cfg.num_kv_heads, cfg.head_dim, max_len, dtype=self.dtype, device=self.device)
+            for _ in range(cfg.num_layers)
+        ]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        caches: list[StaticKVCache] | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits ``(B, L, vocab)`` (``(B, 1, vocab)`` with ``last_only``) for ``input_ids (B, L)``.
+
+        ``attention_mask (B, L)`` (1 = token, 0 = padding) is for cache-less calls on left-padded batches; with
+        ``caches`` the padding is the caches' (``set_left_padding``) and positions come from them.
+        """
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
+            raise ValueError(
+                f"input_ids must be an integer tensor (B, L), got {input_ids.dtype} {tuple(input_ids.shape)}"
+            )
+        if caches is not None and len(caches) != len(self.model.layers):
+            raise ValueError(f"caches has {len(caches)} entries, the model has {len(self.model.layers)} layers")
+        if not torch.compiler.is_compiling() and input_ids.numel():
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(f"input_ids must be in [0, {self.config.vocab_size}), got values in [{low}, {high}]")
+        mask = None
+        if attention_mask is not None:
+            if caches is not None:
+                raise ValueError("pass padding to the caches (set_left_padding), not attention_mask, when using caches")
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}"
+                )
+            mask = padding_mask(attention_mask)  # (B, 1, 1, L)
+            if position_ids is None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L) per-row positions
+        x = self.model.embed_tokens(input_ids)  # (B, L, E)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, mask, position_ids, None if caches is None else caches[i])
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x))  # (B, L, vocab)
+
+
+def set_left_padding(caches: list[StaticKVCache], pad: torch.Tensor | list[int]) -> None:
+    """Declare ``pad[b]`` left-padding slots for row ``b`` in every layer's cache."""
+    for cache in caches:
+        cache.set_left_padding(pad)
