@@ -1,5 +1,6 @@
 """gqa: grouped-query attention for PyTorch — MHA, GQA and MQA as one mechanism, with K/V shared, never copied."""
 
+from .api import load_model, load_tokenizer
 from .attention import GroupedQueryAttention
 from .backends import BACKENDS
 from .cache import DynamicKVCache, StaticKVCache, kv_cache_bytes
@@ -16,6 +17,8 @@ __all__ = [
     "causal_mask",
     "grouped_attention",
     "kv_cache_bytes",
+    "load_model",
+    "load_tokenizer",
     "padding_mask",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,116 @@
+"""``gqa generate`` and ``gqa info``: the model commands of the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from .cache import kv_cache_bytes
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt (a user message, or plain text with --raw)")
+    add_model_arguments(parser)
+    parser.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
+    parser.add_argument("--system", default=None, help="system message for the chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stats", action="store_true", help="print prefill/decode tokens per second to stderr")
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    from .api import load_model
+    from .generation import generate_stream
+
+    model = load_model(ns.model, dtype=DTYPES[ns.dtype])
+    tok = model.tokenizer
+    if ns.raw:
+        prompt_ids = tok.encode(ns.prompt)
+    else:
+        messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + [
+            {"role": "user", "content": ns.prompt}
+        ]
+        prompt_ids = tok.apply_chat(messages)
+    generated: list[int] = []
+    printed = ""
+    start = time.perf_counter()
+    first = None
+    for token in generate_stream(
+        model,
+        [prompt_ids],
+        max_new_tokens=ns.max_new_tokens,
+        temperature=ns.temperature,
+        top_k=ns.top_k,
+        top_p=ns.top_p,
+        seed=ns.seed,
+        eos_token_ids=tok.eos_token_ids,
+    ):
+        first = first or time.perf_counter()
+        t = int(token[0])
+        if t in tok.eos_token_ids:
+            break
+        generated.append(t)
+        text = tok.decode(generated)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(printed) :])
+            sys.stdout.flush()
+            printed = text
+    sys.stdout.write(tok.decode(generated)[len(printed) :] + "\n")
+    end = time.perf_counter()
+    if ns.stats and first is not None:
+        decode_s = end - first
+        print(
+            f"[prompt {len(prompt_ids)} tokens, prefill {len(prompt_ids) / (first - start):.0f} tok/s; "
+            f"{len(generated)} new tokens, decode {max(len(generated) - 1, 0) / max(decode_s, 1e-9):.1f} tok/s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def kv_cache_table(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:
+    """Markdown table: KV-cache bytes per token and for 4096 tokens as MHA, this model's head count, and MQA."""
+    rows = [("MHA", num_heads), (f"this model (GQA, {num_kv_heads} KV heads)", num_kv_heads), ("MQA", 1)]
+    seen, lines = set(), []
+    name = str(dtype).removeprefix("torch.")
+    lines.append(f"| variant | KV heads | KV cache per token ({name}) | for 4096 tokens |")
+    lines.append("|---|---:|---:|---:|")
+    for label, heads in rows:
+        if heads in seen:
+            continue
+        seen.add(heads)
+        per_token = kv_cache_bytes(num_layers, heads, head_dim, 1, dtype=dtype)
+        lines.append(f"| {label} | {heads} | {per_token / 1024:.1f} KiB | {per_token * 4096 / 2**20:.1f} MiB |")
+    return "\n".join(lines)
+
+
+def run_info(ns: argparse.Namespace) -> int:
+    from .loaders import read_model
+
+    cfg, state = read_model(ns.model)
+    params = sum(t.numel() for k, t in state.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
+    print(f"architecture     {cfg.arch}")
+    print(f"parameters       {params / 1e6:.1f} M")
+    print(f"layers           {cfg.num_layers}")
+    print(f"hidden size      {cfg.hidden_size}")
+    print(f"query heads      {cfg.num_heads}")
+    print(f"KV heads         {cfg.num_kv_heads}  (group size {cfg.num_heads // cfg.num_kv_heads})")
+    print(f"head dim         {cfg.head_dim}")
+    print(f"context          {cfg.max_position_embeddings}")
+    print(f"vocab            {cfg.vocab_size}")
+    print(f"RoPE theta       {cfg.rope_theta:g}")
+    print()
+    print(kv_cache_table(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, DTYPES[ns.dtype]))
+    return 0
