@@ -125,6 +125,7 @@ class GroupedQueryAttention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         position_ids: torch.Tensor | None = None,
+        rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: _KVCache | None = None,
         need_weights: bool = False,
         backend: str = "auto",
@@ -133,7 +134,8 @@ class GroupedQueryAttention(nn.Module):
 
         ``attn_mask`` broadcasts to ``(*B, H_q, L, S)`` (bool: True = attend; float: added). ``is_causal`` is aligned
         bottom-right, so it stays right when a cache makes ``S > L``. ``position_ids`` ``(L,)`` or ``(B, L)`` feed
-        RoPE; by default ``0..L-1``, or the cache's per-row positions. With ``cache`` (self-attention, ``x (B, L, E)``)
+        RoPE; by default ``0..L-1``, or the cache's per-row positions. ``rope_cos_sin`` (from ``RoPE.cos_sin``) skips
+        that lookup when a model shares one RoPE table across layers. With ``cache`` (self-attention, ``x (B, L, E)``)
         the new K/V are appended and attention runs over everything cached; the cache's left padding is masked.
         Returns ``out (*B, L, E)``, or ``(out, weights (*B, H_q, L, S))`` with ``need_weights=True``.
         """
@@ -154,9 +156,12 @@ class GroupedQueryAttention(nn.Module):
         k = self._heads(self.k_proj(key_in), self.num_kv_heads)  # (*B, H_kv, S, D)
         v = self._heads(self.v_proj(value_in), self.num_kv_heads)  # (*B, H_kv, S, D)
         if self.rope is not None and kv_input is None:
-            if position_ids is None:
-                position_ids = cache.positions(L) if cache is not None else torch.arange(L, device=x.device)
-            q, k = self.rope(q, k, position_ids)
+            if rope_cos_sin is None:
+                if position_ids is None:
+                    position_ids = cache.positions(L) if cache is not None else torch.arange(L, device=x.device)
+                q, k = self.rope(q, k, position_ids)
+            else:
+                q, k = self.rope.rotate(q, *rope_cos_sin), self.rope.rotate(k, *rope_cos_sin)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, H_kv, S, D) with S = everything cached
             cache_mask, is_causal = cache.visibility(L, k.shape[-2], is_causal)

@@ -58,11 +58,11 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         attn_mask: torch.Tensor | None,
-        position_ids: torch.Tensor | None,
+        rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
         cache: StaticKVCache | None,
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
-        x = x + self.self_attn(h, attn_mask=attn_mask, is_causal=True, position_ids=position_ids, cache=cache)
+        x = x + self.self_attn(h, attn_mask=attn_mask, is_causal=True, rope_cos_sin=rope_cos_sin, cache=cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -72,7 +72,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rope = RoPE(
+        self.rope = rope = RoPE(
             cfg.head_dim,
             theta=cfg.rope_theta,
             scaling=cfg.rope_scaling,
@@ -160,9 +160,13 @@ class CausalLM(nn.Module):
             mask = padding_mask(attention_mask)  # (B, 1, 1, L)
             if position_ids is None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)  # (B, L) per-row positions
+        if position_ids is None:  # one lookup of positions and cos/sin per forward, shared by every layer
+            L = input_ids.shape[1]
+            position_ids = caches[0].positions(L) if caches is not None else torch.arange(L, device=input_ids.device)
+        rope_cos_sin = self.model.rope.cos_sin(position_ids)  # (*P, L, D) each
         x = self.model.embed_tokens(input_ids)  # (B, L, E)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, mask, position_ids, None if caches is None else caches[i])
+            x = layer(x, mask, rope_cos_sin, None if caches is None else caches[i])
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))  # (B, L, vocab)
