@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .models import CausalLM
+from .models import CausalLM, use_input_major_weights
 
 if TYPE_CHECKING:  # the tokenizer module imports transformers: only when a tokenizer is actually loaded
     from .tokenizer import Tokenizer
@@ -51,6 +51,8 @@ def load_model(
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True)
     model = model.to(device=device, dtype=dtype).eval()
+    if dtype == torch.float32 and model.device.type == "cpu":
+        use_input_major_weights(model)  # faster batch-1 decode GEMVs; same values
     if tokenizer:
         model.tokenizer = load_tokenizer(path)
     return model

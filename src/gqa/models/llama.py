@@ -176,3 +176,27 @@ def set_left_padding(caches: list[StaticKVCache], pad: torch.Tensor | list[int])
     """Declare ``pad[b]`` left-padding slots for row ``b`` in every layer's cache."""
     for cache in caches:
         cache.set_left_padding(pad)
+
+
+def use_input_major_weights(model: nn.Module) -> None:
+    """Re-store every ``nn.Linear`` weight ``(out, in)`` as a transposed view of an ``(in, out)``-contiguous tensor.
+
+    Values, names and shapes stay the same (state dicts load and save as before); only the memory layout changes.
+    ``F.linear`` then runs ``x @ W_t`` on a contiguous ``W_t``: for float32 on CPU a batch-1 decode GEMV streams
+    that layout about 1.4x faster than ``x @ W.T`` (measured on SmolLM2: 44 -> 32 ms per token). bf16 GEMVs prefer
+    the usual layout, so ``gqa.load_model`` applies this to float32 models only. Tied weights stay tied.
+    """
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name in ("weight",):
+            param = getattr(module, name, None)
+            if not isinstance(module, (nn.Linear, nn.Embedding)) or not isinstance(param, nn.Parameter):
+                continue
+            if id(param) not in new:
+                if isinstance(module, nn.Embedding) and not any(
+                    m.weight is param for m in model.modules() if isinstance(m, nn.Linear)
+                ):
+                    continue  # an untied embedding is only gathered from: keep rows contiguous
+                data = param.detach().t().contiguous().t()  # same (out, in) values, (in, out) memory
+                new[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+            setattr(module, name, new[id(param)])
