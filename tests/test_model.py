@@ -65,7 +65,9 @@ def test_cached_decoding_equals_full_forward(ours):
         caches = ours.new_caches(1, ids.shape[1])
         steps = [ours(ids[:, :4], caches=caches)]
         steps += [ours(ids[:, i : i + 1], caches=caches) for i in range(4, ids.shape[1])]
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=1e-4)
+    # one-token steps run GEMVs, the full forward GEMMs: fp32 summation order differs; over 30 layers the logits
+    # (magnitude ~20) drift by ~2e-4
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-3, rtol=1e-4)
 
 
 def test_batched_generation_equals_per_row(ours):
