@@ -146,3 +146,26 @@ def test_bf16_model_runs_and_tracks_fp32(ours):
     assert lo.dtype == torch.bfloat16
     assert lo[0, -1].argmax() == hi[0, -1].argmax()
     assert (lo.float() - hi).abs().max() < 1.0
+
+
+def test_input_major_weights_keep_values_names_and_ties():
+    from gqa.models import CausalLM, ModelConfig, use_input_major_weights
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, max_position_embeddings=64, tie_word_embeddings=True)  # fmt: skip
+    model = CausalLM(cfg).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 50, (2, 7))
+    logits = model(ids)
+    use_input_major_weights(model)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]) and before[k].shape == after[k].shape, k
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert q.shape == (32, 32) and q.stride() == (1, 32)  # (out, in) values in (in, out) memory
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(model(ids), logits, atol=1e-5, rtol=1e-5)
+    model.load_state_dict(before)  # loading still works into the new layout
+    torch.testing.assert_close(model(ids), logits, atol=1e-5, rtol=1e-5)

@@ -8,8 +8,10 @@ memory (max RSS) is its own. Engines:
 * ``hf`` — ``transformers`` ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (default SDPA attention) holding the very
   same tensors, driven by its own ``generate``.
 
-Per context ``C``: prefill = one forward over a ``C``-token prompt (batch 1); decode = ``(N - 1) / (t_generate(N) -
-t_prefill)`` for ``N`` new tokens, the same formula for every engine. Run ``gqa bench model --help`` for the flags.
+Per context ``C``: prefill = one forward over a ``C``-token prompt (batch 1) that returns the last position's logits
+(as generation needs); decode = ``(N - 1) / (t_N - t_1)`` for ``N`` new tokens, from the wall-clock time at which the
+first and the last new token came out of generation (our ``generate_stream``; HF's ``streamer``). Run ``gqa bench
+model --help`` for the flags.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def _prompt(context: int, vocab: int, seed: int = 0) -> list[int]:
 
 def _run_gqa(path: str | None, dtype: torch.dtype, contexts: list[int], new: int, compiled: bool) -> list[dict]:
     import gqa
+    from gqa.generation import generate_stream
 
     model = gqa.load_model(path, dtype=dtype, tokenizer=False)
     step = None
@@ -58,11 +61,11 @@ def _run_gqa(path: str | None, dtype: torch.dtype, contexts: list[int], new: int
             start = time.perf_counter()
             model(torch.tensor([ids]), caches=model.new_caches(1, context + new), last_only=True)
             prefill = time.perf_counter() - start
-            start = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=new, eos_token_ids=[], step_fn=step)
-            total = time.perf_counter() - start
-            assert len(out) == new
-            rows.append(_row(context, new, prefill, total))
+            stamps = []
+            for _ in generate_stream(model, [ids], max_new_tokens=new, eos_token_ids=[], step_fn=step):
+                stamps.append(time.perf_counter())
+            assert len(stamps) == new
+            rows.append(_row(context, prefill, stamps))
     return rows
 
 
@@ -83,26 +86,41 @@ def _run_hf(path: str | None, dtype: torch.dtype, contexts: list[int], new: int)
         for context in contexts:
             ids = torch.tensor([_prompt(context, cfg.vocab_size)])
             start = time.perf_counter()
-            model(ids, use_cache=True)
+            model(ids, use_cache=True, logits_to_keep=1)
             prefill = time.perf_counter() - start
-            start = time.perf_counter()
+            streamer = _Stamps()
             out = model.generate(
-                ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None
-            )
-            total = time.perf_counter() - start
-            assert out.shape[1] == context + new
-            rows.append(_row(context, new, prefill, total))
+                ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
+                streamer=streamer,
+            )  # fmt: skip
+            assert out.shape[1] == context + new and len(streamer.stamps) == new + 1  # the prompt, then each token
+            rows.append(_row(context, prefill, streamer.stamps[1:]))
     return rows
 
 
-def _row(context: int, new: int, prefill: float, total: float) -> dict:
+class _Stamps:
+    """An HF ``streamer`` that only records when each ``put`` (the prompt, then every new token) happens."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _row(context: int, prefill: float, stamps: list[float]) -> dict:
+    """``stamps``: the time each new token came out, the first one right after the prefill."""
+    new = len(stamps)
     return {
         "context": context,
         "new_tokens": new,
         "prefill_s": prefill,
-        "generate_s": total,
+        "decode_s": stamps[-1] - stamps[0],
         "prefill_tok_s": context / prefill,
-        "decode_tok_s": (new - 1) / max(total - prefill, 1e-9),
+        "decode_tok_s": (new - 1) / (stamps[-1] - stamps[0]),
     }
 
 
