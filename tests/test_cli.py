@@ -12,7 +12,9 @@ ENV = os.environ | {"HF_HUB_OFFLINE": "1"}
 
 
 def gqa(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gqa", *args], capture_output=True, text=True, env=ENV, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "gqa", *args], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
 
 
 def test_generate_chat_greedy():
@@ -43,7 +45,7 @@ def test_info_compares_kv_cache_with_mha_and_mqa():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (("info", "--model", "/nonexistent/model.gguf"), "does not exist"),
+        (("info", "--model", "/nonexistent/model.gguf"), "no such file or folder"),
         (("generate", "hi", "--top-p", "2"), "top_p must be in"),
         (("generate", "hi", "--max-new-tokens", "9000"), "exceeds the model's context"),
     ],
