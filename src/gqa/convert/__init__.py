@@ -1,0 +1,212 @@
+"""Change a model's number of KV heads and write the result as an HF checkpoint folder.
+
+``convert(src, dst, kv_heads=N)`` reads a GGUF file or HF folder, gives every layer ``N`` KV heads — exact
+expansion when ``N`` is a multiple of ``H_kv``, a registered method (``mean``, ``first``, ...; see
+``gqa.convert.methods``) when ``N`` divides ``H_kv`` — and writes ``config.json``, ``model.safetensors``,
+``generation_config.json`` and the tokenizer to ``dst``, which loads in ``gqa.load_model`` and in transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..loaders import read_model, resolve_model_path
+from ..models.config import ModelConfig
+from . import pca as _pca  # noqa: F401 - registers the "pca" method
+from .calibration import default_calibration_text
+from .methods import METHODS, AttentionWeights, Method, check_kv_heads, convert_layer, register_method
+from .writer import check_destination, write_checkpoint
+
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
+
+__all__ = ["DEFAULT_METHOD", "METHODS", "AttentionWeights", "Method", "convert", "convert_state", "register_method"]
+
+DEFAULT_METHOD = "pca"  # calibrated, training-free; far better than the paper's mean-pooling (docs/conversion.md)
+NEEDS_CALIBRATION = {"pca"}
+
+_PROJ = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+
+
+def _layer_names(i: int) -> dict[str, str]:
+    """``AttentionWeights`` field -> HF tensor name in layer ``i``."""
+    p = f"model.layers.{i}.self_attn."
+    names = {f: f"{p}{proj}.weight" for f, proj in _PROJ.items()}
+    return names | {f"{f}_bias": f"{p}{_PROJ[f]}.bias" for f in ("q", "k", "v")}
+
+
+def convert_state(
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    kv_heads: int,
+    method: str = "mean",
+    activations: list[torch.Tensor] | None = None,
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """In memory: a model's config and HF-named tensors with ``kv_heads`` KV heads in every layer.
+
+    Parameters
+    ----------
+    cfg, state : as ``gqa.loaders.read_model`` returns them (float32 tensors by HF name).
+    kv_heads : N, the new KV head count.
+    method : a name in ``METHODS``, used when N < ``cfg.num_kv_heads``.
+    activations : per layer, ``(T, hidden)`` calibration inputs of the attention, or ``None``.
+
+    Returns
+    -------
+    (ModelConfig, dict) : the new config (``num_kv_heads = N``) and a new dict; tensors that do not change are the
+    input's own (not copies).
+    """
+    check_kv_heads(cfg, kv_heads, method)
+    out = dict(state)
+    for i in range(cfg.num_layers):
+        names = _layer_names(i)
+        w = AttentionWeights(**{f: state.get(n) for f, n in names.items()})
+        new = convert_layer(w, cfg, kv_heads, method, None if activations is None else activations[i])
+        for f, n in names.items():
+            t = getattr(new, f)
+            if t is not None:
+                out[n] = t
+    return dataclasses.replace(cfg, num_kv_heads=kv_heads), out
+
+
+def _calibration_activations(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], tok: Tokenizer, text: str
+) -> list[torch.Tensor]:
+    """Per layer ``(T, hidden)``: the input of each attention (after ``input_layernorm``) in the source model, on
+    ``text`` cut into windows of at most ``min(max_position_embeddings, 2048)`` tokens."""
+    from ..models import CausalLM
+
+    ids = tok.encode(text)
+    if not ids:
+        raise ValueError("calibration_text encodes to no tokens")
+    model = CausalLM(cfg).eval()
+    weights = dict(state)
+    if cfg.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    model.load_state_dict(weights, strict=True, assign=True)  # shares the tensors: no second copy of the weights
+    acts: list[list[torch.Tensor]] = [[] for _ in range(cfg.num_layers)]
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(lambda _m, args, i=i: acts[i].append(args[0].flatten(0, 1)))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    window = min(cfg.max_position_embeddings, 2048)
+    try:
+        with torch.inference_mode():
+            for start in range(0, len(ids), window):
+                model(torch.tensor([ids[start : start + window]]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [torch.cat(a) for a in acts]  # (T, hidden) each
+
+
+def _generation_config(resolved: Path, cfg: ModelConfig) -> dict[str, Any]:
+    """The source folder's ``generation_config.json`` if it has one, else the special token ids of ``cfg``."""
+    file = resolved / "generation_config.json"
+    if resolved.is_dir() and file.is_file():
+        try:
+            return json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            pass  # an unreadable optional file: write a fresh one
+    eos = cfg.eos_token_id[0] if len(cfg.eos_token_id) == 1 else (cfg.eos_token_id or None)
+    ids = {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos, "pad_token_id": cfg.pad_token_id}
+    return {k: v for k, v in ids.items() if v is not None}
+
+
+def _source_tokenizer(resolved: Path) -> Tokenizer | None:
+    from ..loaders import load_tokenizer
+
+    try:
+        return load_tokenizer(resolved)
+    except ValueError as e:
+        warnings.warn(f"{resolved}: no usable tokenizer, the converted model will have none ({e})", stacklevel=3)
+        return None
+
+
+def convert(
+    src: str | Path | None = None,
+    dst: str | Path | None = None,
+    *,
+    kv_heads: int,
+    method: str = DEFAULT_METHOD,
+    force: bool = False,
+    calibration_text: str | None = None,
+) -> Path:
+    """Convert a model to ``kv_heads`` KV heads and write it as an HF checkpoint folder.
+
+    Parameters
+    ----------
+    src : str, Path or None
+        A ``.gguf`` file, an HF checkpoint folder, a folder with one ``.gguf`` file, or ``None`` for the embedded
+        SmolLM2-135M-Instruct (9 query heads, 3 KV heads). Never written to.
+    dst : str or Path
+        The folder to write (required): ``config.json``, ``model.safetensors`` (float32; no ``lm_head.weight`` when
+        tied), ``generation_config.json`` and the source's tokenizer files. Must not be, lie inside or contain the
+        source.
+    kv_heads : int
+        N, the new number of KV heads; must divide the number of query heads ``H_q``. ``N > H_kv`` (a multiple of
+        ``H_kv``) repeats each KV head ``N / H_kv`` times: the model computes exactly what it did. ``N < H_kv``
+        (a divisor of ``H_kv``) merges groups of ``H_kv / N`` adjacent heads with ``method``. ``N == H_kv`` copies.
+    method : str
+        A name in ``METHODS``, only used when reducing: ``"pca"`` (default; calibrated RoPE-commuting key merge and
+        ``o_proj``-weighted value PCA, see ``gqa.convert.pca``), ``"mean"`` (GQA paper: mean-pool each group's K/V
+        weights and biases) or ``"first"`` (keep each group's first head).
+    force : bool
+        Replace an existing ``dst``. The old folder is deleted only after the new one is in place.
+    calibration_text : str or None
+        Text run through the source model to give methods per-layer attention inputs ``(T, hidden)``; ``mean`` and
+        ``first`` do not use them. ``pca`` defaults to ``default_calibration_text()`` (standard-library docstrings).
+
+    Returns
+    -------
+    Path : the resolved ``dst``.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``src`` does not exist.
+    FileExistsError
+        ``dst`` exists and ``force`` is false.
+    ValueError
+        Unknown ``method``; ``kv_heads`` < 1, not dividing ``H_q``, or incompatible with ``H_kv``; ``dst`` overlaps
+        the source; an unreadable source.
+    """
+    if dst is None:
+        raise TypeError("convert() needs a destination folder dst")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known methods: {', '.join(sorted(METHODS))}")
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+        raise ValueError(f"kv_heads must be a positive int, got {kv_heads!r}")
+    if src is not None and not Path(src).expanduser().exists():
+        raise FileNotFoundError(f"source model {src} does not exist")
+    resolved = resolve_model_path(None if src is None else Path(src).expanduser())
+    sources = [resolved] if src is None else [Path(src), resolved]
+    out = check_destination(sources, Path(dst), force)  # fail before the slow part
+    cfg, state = read_model(resolved)
+    check_kv_heads(cfg, kv_heads, method)
+    tok = _source_tokenizer(resolved)
+    activations = None
+    if calibration_text is None and method in NEEDS_CALIBRATION and kv_heads < cfg.num_kv_heads:
+        calibration_text = default_calibration_text()
+    if calibration_text is not None and kv_heads < cfg.num_kv_heads:
+        if tok is None:
+            raise ValueError(
+                f"{resolved}: method {method!r} calibrates on text, which needs the source's tokenizer, and it has "
+                "none; use method 'mean' or 'first', or add the tokenizer files"
+            )
+        activations = _calibration_activations(cfg, state, tok, calibration_text)
+    new_cfg, new_state = convert_state(cfg, state, kv_heads, method, activations)
+    return write_checkpoint(
+        out,
+        new_cfg,
+        new_state,
+        force=force,
+        generation_config=_generation_config(resolved, cfg),
+        extra=None if tok is None else tok.hf.save_pretrained,
+    )
