@@ -2,8 +2,8 @@
 
 The windows are HF transformers' "strided" perplexity (docs: *Perplexity of fixed-length models*): windows of up
 to ``window`` tokens start every ``stride`` tokens, and each window scores only the tokens the previous window did
-not, so every token but the first is predicted exactly once, with up to ``window - stride`` tokens of context
-carried over. ``window >= len(ids)`` is one full-sequence forward.
+not, so every token but the first is predicted exactly once, with at least ``window - stride`` tokens of context
+(fewer near the start). ``window >= len(ids)`` is one full-sequence forward.
 """
 
 from __future__ import annotations

@@ -1,0 +1,106 @@
+"""Conversion results for docs/conversion.md: SmolLM2-135M-Instruct with 9, 3 and 1 KV heads, every method.
+
+For each variant: perplexity on the default evaluation text (``gqa.evaluate.default_eval_text``: CPython's
+LICENSE.txt, first ``--tokens`` tokens, window 512, stride 256), mean KL(original || variant) on the same windows,
+KV-cache bytes per token, and decode tokens/s (eager, batch 1, 32 new tokens after a 512-token prompt, once per head
+count). Conversions run in memory with ``gqa.convert.convert_state``; calibrated methods use the default calibration
+text (standard-library docstrings), which is not the evaluation text.
+
+    .venv/bin/python benchmarks/conversion.py --json results/conversion.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gqa.cache import kv_cache_bytes
+from gqa.convert import _calibration_activations, convert_state
+from gqa.convert.calibration import default_calibration_text
+from gqa.evaluate import default_eval_text, mean_kl, perplexity
+from gqa.generation import generate_stream
+from gqa.loaders import load_tokenizer, read_model
+from gqa.models import CausalLM, use_input_major_weights
+
+
+def build(cfg, state) -> CausalLM:
+    state = dict(state)
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model = CausalLM(cfg).eval()
+    model.load_state_dict(state)
+    use_input_major_weights(model)
+    return model
+
+
+def decode_tok_s(model: CausalLM, prompt: list[int], new: int = 32) -> float:
+    stamps = [time.perf_counter() for _ in generate_stream(model, [prompt], max_new_tokens=new, eos_token_ids=[])]
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="evaluation tokens (default 2048)")
+    parser.add_argument("--json", type=Path, default=None)
+    ns = parser.parse_args()
+    torch.set_grad_enabled(False)
+    cfg, state = read_model(None)
+    tok = load_tokenizer(None)
+    text, description = default_eval_text()
+    ids = tok.encode(text, add_special_tokens=False)[: ns.tokens]
+    original = build(cfg, state)
+
+    expanded_cfg, expanded_state = convert_state(cfg, state, 9)  # exact expansion 3 -> 9 (MHA)
+    calib = default_calibration_text()
+    acts3 = _calibration_activations(cfg, state, tok, calib)
+    acts9 = _calibration_activations(expanded_cfg, expanded_state, tok, calib)
+    variants = [("original", 3, "-", cfg, state), ("expanded", 9, "exact", expanded_cfg, expanded_state)]
+    for method in ("pca", "mean", "first"):
+        variants.append(("9 -> 3", 3, method, *convert_state(expanded_cfg, expanded_state, 3, method, acts9)))
+    for method in ("pca", "mean", "first"):
+        variants.append(("3 -> 1", 1, method, *convert_state(cfg, state, 1, method, acts3)))
+
+    rows, speed = [], {}
+    prompt = ids[:512]
+    for name, heads, method, c, s in variants:
+        model = original if name == "original" else build(c, s)
+        row = {"variant": name, "kv_heads": heads, "method": method, "perplexity": perplexity(model, ids)}
+        row["kl"] = 0.0 if name == "original" else mean_kl(model, original, ids)
+        row["kv_bytes_per_token_fp32"] = kv_cache_bytes(c.num_layers, heads, c.head_dim, 1, dtype=torch.float32)
+        if heads not in speed:
+            speed[heads] = decode_tok_s(model, prompt)
+        row["decode_tok_s"] = speed[heads]
+        rows.append(row)
+        print(f"[conversion] {name} {method}: ppl {row['perplexity']:.2f}", flush=True)
+
+    base = rows[0]["perplexity"]
+    print(f"\nEvaluation text: {description}, first {len(ids)} tokens, window 512, stride 256.\n")
+    print(
+        "| variant | KV heads | method | perplexity | x original | mean KL (nats) | KV cache / token | decode tok/s |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['variant']} | {r['kv_heads']} | {r['method']} | {r['perplexity']:.2f} | "
+            f"{r['perplexity'] / base:.2f} | {r['kl']:.3f} | {r['kv_bytes_per_token_fp32'] / 1024:.1f} KiB | "
+            f"{r['decode_tok_s']:.1f} |"
+        )
+    if ns.json:
+        ns.json.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=ns.json.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(
+                {"eval_text": description, "tokens": len(ids), "torch": torch.__version__, "rows": rows}, f, indent=2
+            )
+        os.replace(tmp, ns.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
