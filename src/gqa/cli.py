@@ -1,4 +1,4 @@
-"""The ``gqa`` command line: ``generate``, ``info``, ``bench``, ``demo``."""
+"""The ``gqa`` command line: ``generate``, ``info``, ``eval``, ``convert``, ``bench``, ``demo``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
     argv = sys.argv[1:] if argv is None else argv
     from .commands import add_generate_arguments, add_model_arguments, run_generate, run_info
+    from .commands_convert import add_convert_arguments, run_convert
     from .commands_eval import add_eval_arguments, run_eval
 
     parser = argparse.ArgumentParser(prog="gqa", description="Grouped-query attention for PyTorch.")
@@ -19,8 +20,6 @@ def main(argv: list[str] | None = None) -> int:
     add_model_arguments(sub.add_parser("info", help="a model's architecture and KV-cache size vs MHA and MQA"))
     add_eval_arguments(sub.add_parser("eval", help="perplexity on a text, and mean KL divergence from a reference"))
     sub.add_parser("demo", help="MHA vs GQA vs MQA: cache size, cached decoding checked against a full forward")
-    from .commands_convert import add_convert_arguments, run_convert
-
     add_convert_arguments(sub.add_parser("convert", help="change a model's number of KV heads; writes an HF folder"))
     bench = sub.add_parser("bench", help="benchmarks (e.g. 'gqa bench attention --help')")
     bench.add_argument("what", choices=["attention", "model"])

@@ -33,8 +33,11 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_generate(ns: argparse.Namespace) -> int:
     from .api import load_model
-    from .generation import generate_stream
+    from .generation import check_sampling, generate_stream
 
+    check_sampling(ns.temperature, ns.top_k, ns.top_p)  # before the model is loaded
+    if ns.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {ns.max_new_tokens}")
     model = load_model(ns.model, dtype=DTYPES[ns.dtype])
     tok = model.tokenizer
     if ns.raw:

@@ -13,6 +13,16 @@ import torch
 from .models.llama import CausalLM, set_left_padding
 
 
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise ``ValueError`` for a negative temperature, ``top_k < 1`` or ``top_p`` outside ``(0, 1]``."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 def sample_next(
     logits: torch.Tensor,
     *,
@@ -24,12 +34,7 @@ def sample_next(
     """Next tokens ``(B,)`` from ``logits (B, vocab)``: argmax when ``temperature == 0``, else a sample from the
     temperature-scaled distribution restricted to the ``top_k`` most likely tokens and the smallest set whose
     probability reaches ``top_p``."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_sampling(temperature, top_k, top_p)
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(-1)
