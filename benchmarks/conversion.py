@@ -12,14 +12,12 @@ text (standard-library docstrings), which is not the evaluation text.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from gqa.bench import write_json_atomic
 from gqa.cache import kv_cache_bytes
 from gqa.convert import _calibration_activations, convert_state
 from gqa.convert.calibration import default_calibration_text
@@ -92,13 +90,8 @@ def main() -> int:
             f"{r['decode_tok_s']:.1f} |"
         )
     if ns.json:
-        ns.json.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=ns.json.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(
-                {"eval_text": description, "tokens": len(ids), "torch": torch.__version__, "rows": rows}, f, indent=2
-            )
-        os.replace(tmp, ns.json)
+        payload = {"eval_text": description, "tokens": len(ids), "torch": torch.__version__, "rows": rows}
+        write_json_atomic(ns.json, payload)
     return 0
 
 

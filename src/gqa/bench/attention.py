@@ -15,12 +15,10 @@ repetitions. Run ``python benchmarks/attention.py --help`` for the flags.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ import torch.nn.functional as F
 import gqa
 from gqa._checks import check_qkv
 from gqa.backends import BACKENDS, choose_backend
+from gqa.bench import write_json_atomic
 from gqa.cache import kv_cache_bytes
 
 OURS: tuple[str, ...] = tuple(BACKENDS)  # ("reference", "grouped", "sdpa")
@@ -420,20 +419,6 @@ def machine_description(device: torch.device) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write ``payload`` to ``path`` via a temporary file in the same directory and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ----------------------------------------------------------------------------------------------------------------

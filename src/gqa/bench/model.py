@@ -23,12 +23,13 @@ import platform
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from gqa.bench import write_json_atomic
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ENGINES = ("gqa", "gqa-eager", "hf")
@@ -173,18 +174,6 @@ def _table(results: list[dict], contexts: list[int]) -> str:
     return "\n".join(lines)
 
 
-def _write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gqa bench model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
@@ -225,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(header + "\n\n" + _table(results, ns.contexts))
     if ns.json:
-        _write_json(ns.json, {
+        write_json_atomic(ns.json, {
             "benchmark": "model",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": _machine(),
