@@ -28,11 +28,7 @@ from gqa.models import CausalLM, use_input_major_weights
 
 
 def build(cfg, state) -> CausalLM:
-    state = dict(state)
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model = CausalLM(cfg).eval()
-    model.load_state_dict(state)
+    model = CausalLM.from_state(cfg, state)
     use_input_major_weights(model)
     return model
 

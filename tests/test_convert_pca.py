@@ -13,12 +13,7 @@ from gqa.models import CausalLM, ModelConfig
 
 
 def _model(cfg: ModelConfig, state: dict) -> CausalLM:
-    state = dict(state)
-    if cfg.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model = CausalLM(cfg).eval()
-    model.load_state_dict(state)
-    return model
+    return CausalLM.from_state(cfg, state)
 
 
 def _activations(model: CausalLM, ids: torch.Tensor) -> list[torch.Tensor]:

@@ -45,12 +45,7 @@ def load_model(
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     cfg, state = read_model(path)
-    model = CausalLM(cfg)
-    if cfg.tie_word_embeddings:
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True)
-    model = model.to(device=device, dtype=dtype).eval()
+    model = CausalLM.from_state(cfg, state).to(device=device, dtype=dtype)
     if dtype == torch.float32 and model.device.type == "cpu":
         use_input_major_weights(model)  # faster batch-1 decode GEMVs; same values
     if tokenizer:

@@ -85,11 +85,7 @@ def _calibration_activations(
     ids = tok.encode(text)
     if not ids:
         raise ValueError("calibration_text encodes to no tokens")
-    model = CausalLM(cfg).eval()
-    weights = dict(state)
-    if cfg.tie_word_embeddings:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    model.load_state_dict(weights, strict=True, assign=True)  # shares the tensors: no second copy of the weights
+    model = CausalLM.from_state(cfg, state, assign=True)  # shares the tensors: no second copy of the weights
     acts: list[list[torch.Tensor]] = [[] for _ in range(cfg.num_layers)]
     hooks = [
         layer.self_attn.register_forward_pre_hook(lambda _m, args, i=i: acts[i].append(args[0].flatten(0, 1)))

@@ -99,6 +99,19 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.tokenizer = None
 
+    @classmethod
+    def from_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], *, assign: bool = False) -> CausalLM:
+        """A model in eval mode holding ``state`` (HF names, as the loaders return it; ``lm_head.weight`` may be
+        absent when the embeddings are tied). ``assign=True`` keeps the given tensors instead of copying them."""
+        model = cls(cfg)
+        state = dict(state)
+        if cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=assign)
+        if cfg.tie_word_embeddings:  # assign=True installs two Parameters: make them one again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model.eval()
+
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
