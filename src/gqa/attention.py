@@ -11,6 +11,7 @@ from torch import nn
 from ._checks import check_dropout, check_heads, shape_str
 from .cache import _KVCache
 from .functional import grouped_attention
+from .linear import Linear
 from .masks import merge_masks
 from .rope import RoPE
 
@@ -85,10 +86,10 @@ class GroupedQueryAttention(nn.Module):
         self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
         self.dropout = float(dropout)
         factory = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=qkv_bias, **factory)
-        self.k_proj = nn.Linear(self.kdim, num_kv_heads * head_dim, bias=qkv_bias, **factory)
-        self.v_proj = nn.Linear(self.vdim, num_kv_heads * head_dim, bias=qkv_bias, **factory)
-        self.o_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=out_bias, **factory)
+        self.q_proj = Linear(embed_dim, num_heads * head_dim, bias=qkv_bias, **factory)
+        self.k_proj = Linear(self.kdim, num_kv_heads * head_dim, bias=qkv_bias, **factory)
+        self.v_proj = Linear(self.vdim, num_kv_heads * head_dim, bias=qkv_bias, **factory)
+        self.o_proj = Linear(num_heads * head_dim, embed_dim, bias=out_bias, **factory)
         self.rope = rope
 
     def extra_repr(self) -> str:

@@ -43,8 +43,8 @@ def grouped_attention(
         Multiplies the scores; default ``D ** -0.5``.
     return_weights : bool
         Also return the attention weights ``(*B, H_q, L, S)`` (after dropout, if any).
-    backend : {"auto", "reference", "grouped", "sdpa"}
-        ``auto`` picks per shape, device and dtype.
+    backend : {"auto", "reference", "grouped", "sdpa", "fused"}
+        ``auto`` picks per shape, device and dtype; ``fused`` is the native CPU decode kernel (see ``gqa.kernels``).
 
     Returns
     -------

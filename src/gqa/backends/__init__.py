@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from .._checks import AttnShape
+from . import fused
 from .grouped import grouped_attention_rows
 from .reference import reference_attention
 from .sdpa import sdpa_attention, sdpa_is_native
@@ -20,11 +21,16 @@ BACKENDS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
     "reference": reference_attention,
     "grouped": grouped_attention_rows,
     "sdpa": sdpa_attention,
+    "fused": fused.fused_attention,
 }
 
 # Up to this many query rows per KV head (G * L) the call is decode-like: the grouped matmul reads K/V once and
 # beats SDPA's flash kernel, which walks the cache once per query head. Measured with benchmarks/attention.py.
 DECODE_ROWS = 32
+
+# Up to this many query rows per KV head the native fused kernel (where built) beats the grouped matmul: it reads
+# K/V once at close to the read bandwidth while its per-row work is small. Measured with benchmarks/attention.py.
+FUSED_ROWS = 8
 
 
 def choose_backend(
@@ -39,8 +45,13 @@ def choose_backend(
     scale: float,
     return_weights: bool,
 ) -> str:
-    """The ``auto`` policy: the grouped matmul for decode-like shapes, weights or dropout; SDPA where it is natively
-    grouped (prefill); the grouped matmul otherwise."""
+    """The ``auto`` policy: the native fused kernel for decode on CPU (where built); the grouped matmul for other
+    decode-like shapes, weights or dropout; SDPA where it is natively grouped (prefill); else the grouped matmul."""
+    if (
+        shape.G * shape.L <= FUSED_ROWS
+        and fused.supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights) is None
+    ):
+        return "fused"
     if return_weights or dropout_p > 0.0 or shape.G * shape.L <= DECODE_ROWS:
         return "grouped"
     native = sdpa_is_native(

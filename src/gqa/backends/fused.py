@@ -1,0 +1,77 @@
+"""The fused backend: the native CPU decode kernel ``torch.ops.gqa.decode_attention`` (``gqa/kernels/csrc``).
+
+The ``G * L`` query rows of one KV head (the whole group and every new token) go through that head's keys and
+values in one pass with an online softmax in float32: each K/V row is read from memory once for all of them, and
+the context is split into chunks so that every thread streams even when there is a single head. K/V may be strided
+views of a larger cache; masks are read through their broadcast strides (no expanded copy). float32 and bfloat16,
+inference only (no backward, no weights, no dropout); ``supports`` says why it refuses the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from .._checks import AttnShape
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _flat_view(t: torch.Tensor, tail: int) -> torch.Tensor | None:
+    """``t`` with its leading dims merged into one, as a view (``None`` where that would need a copy)."""
+    try:
+        return t.view(-1, *t.shape[-tail:]) if t.dim() > tail else t.unsqueeze(0)
+    except RuntimeError:
+        return None
+
+
+def supports(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    dropout_p: float,
+    return_weights: bool,
+) -> str | None:
+    """``None`` if the kernel can run this call, else the reason it cannot."""
+    if query.device.type != "cpu":
+        return f"device {query.device.type} (CPU only)"
+    if query.dtype not in DTYPES:
+        return f"dtype {query.dtype} (float32 and bfloat16 only)"
+    if return_weights or dropout_p > 0.0:
+        return "attention weights / dropout"
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return "inputs that need gradients (no backward)"
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        return "key/value whose last dim is not contiguous"
+    if _flat_view(key, 3) is None or _flat_view(value, 3) is None:
+        return "key/value whose batch dims cannot be merged without a copy"
+    if not kernels.available():
+        return "native kernels not built (python -m gqa.kernels)"
+    return None
+
+
+def fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    shape: AttnShape,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    return_weights: bool,
+) -> tuple[torch.Tensor, None]:
+    reason = supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
+    if reason is not None:
+        raise ValueError(f"backend 'fused' cannot run this call: {reason}")
+    H_kv, G, L, S, D = shape.H_kv, shape.G, shape.L, shape.S, shape.D
+    q = query.reshape(-1, H_kv, G * L, D)  # (N, H_kv, G*L, D): rows g*L + l; a view unless query is strided
+    k, v = _flat_view(key, 3), _flat_view(value, 3)  # (N, H_kv, S, D), (N, H_kv, S, D_v)
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.float()
+        mask = mask.expand(shape.scores).reshape(-1, H_kv, G, L, S)  # (N, H_kv, G, L, S): strided, stride-0 dims
+    out = torch.ops.gqa.decode_attention(q, k, v, mask, scale, L, is_causal)  # (N, H_kv, G*L, D_v)
+    return out.view(*shape.batch, shape.H_q, L, shape.D_v), None

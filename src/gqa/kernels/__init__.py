@@ -1,0 +1,121 @@
+"""Native CPU kernels (``csrc/cpu_kernels.cpp``), compiled once on the machine that runs them.
+
+The library is pure Python and works without them; where they are built, ``gqa.ops`` and the ``fused`` attention
+backend use them. They are built with the machine's C++ compiler (``-O3 -march=native``, OpenMP threads through
+ATen's ``parallel_for``) by ``python -m gqa.kernels`` — ``make`` does this while setting up — into a folder keyed by
+a hash of the source, the flags, the torch version and the CPU, so a changed source or a different torch gets a fresh
+build instead of a stale library.
+
+Nothing compiles on import: :func:`load` only loads a library that is already built (set ``GQA_BUILD_KERNELS=1`` to
+build on first use instead), and ``GQA_DISABLE_KERNELS=1`` turns them off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+NAME = "gqa_cpu_kernels"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
+LDFLAGS = ("-fopenmp",)
+
+_loaded: bool | None = None  # None: not tried yet
+
+
+def _key() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode()):
+        digest.update(part)
+    digest.update((platform.machine() + platform.processor() + _cpu_flags()).encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_dir() -> Path:
+    """Where the library of this source/torch/CPU lives: ``$GQA_KERNELS_DIR`` or ``<sys.prefix>/share/gqa-kernels``."""
+    base = os.environ.get("GQA_KERNELS_DIR")
+    root = Path(base) if base else Path(sys.prefix) / "share" / "gqa-kernels"
+    return root / _key()
+
+
+def library_path() -> Path:
+    return build_dir() / f"{NAME}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels (about a minute) and load them; returns the library's path."""
+    from torch.utils.cpp_extension import load  # slow import, only when building
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    load(
+        name=NAME,
+        sources=[str(SOURCE)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    _register_fakes()
+    global _loaded
+    _loaded = True
+    return library_path()
+
+
+def load() -> bool:
+    """Load the built kernels if there are any (building them first with ``GQA_BUILD_KERNELS=1``); True if loaded."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    _loaded = False
+    if os.environ.get("GQA_DISABLE_KERNELS") == "1" or sys.platform == "win32":
+        return False
+    path = library_path()
+    if path.exists():
+        torch.ops.load_library(str(path))
+        _register_fakes()
+        _loaded = True
+    elif os.environ.get("GQA_BUILD_KERNELS") == "1":
+        build()
+    return _loaded
+
+
+def available() -> bool:
+    """Whether the native kernels are loaded (loading them if they are built)."""
+    return load()
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile / meta tensors: the kernels are opaque custom ops to the compiler."""
+
+    @torch.library.register_fake("gqa::linear_rows")
+    def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("gqa::decode_attention")
+    def _decode_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        query_len: int,
+        causal: bool,
+    ) -> torch.Tensor:
+        return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
