@@ -146,7 +146,7 @@ def run_case(
     """Check and time every implementation on one case; returns the case's JSON row."""
     inputs = make_inputs(case, device, seed)
     row: dict = {**case.to_json(), "status": "ran", "auto_backend": auto_choice(inputs)}
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference_mode: torch.compile (flex) and inference tensors mix badly
         expected = reference_output(inputs)  # (B, H_q, L, D) float32
         left = budget - case.input_bytes - expected.numel() * 4
         calls, refused = prepare_calls(impls, case, inputs, memory_left=left)
