@@ -22,6 +22,7 @@ from gqa.bench.implementations import (
     repeat_kv,
 )
 from gqa.bench.plots import PLOT_FILES
+from gqa.bench.report import fmt_ms, summary_table
 from gqa.bench.timing import TOLERANCE, check_calls, reference_output
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -257,6 +258,9 @@ def test_memory_and_time_limits_skip_with_a_reason():
     slow = bench.Settings(**{**settings.__dict__, "max_call_s": 1e-9})
     row = bench.run_case(case, impls, device=torch.device("cpu"), settings=slow, repeats=2, budget=2**30, seed=0)
     assert all("checked, not timed" in row["skipped"][i.name] for i in impls)
+    assert row["not_timed"] == ["grouped", "torch-sdpa"] and row["median_ms"]["grouped"] is None
+    table = summary_table([row], ["grouped", "torch-sdpa"], "prefill")
+    assert f"({fmt_ms(row['first_call_ms']['grouped'])})" in table  # the one checked call, marked as such
     assert all(row["error_over_tolerance"][i.name] <= 1.0 for i in impls)  # still checked
 
 

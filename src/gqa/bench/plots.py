@@ -69,7 +69,8 @@ def plot_decode(payload: dict, path: Path) -> None:
                 pts = [(r["S"], r["median_ms"][name]) for r in panel if r["median_ms"].get(name) is not None]
                 if pts:
                     style = "-" if name in ("auto", *payload.get("ours", [])) else "--"
-                    ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=name, color=cmap(k % 20))
+                    ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=name, color=cmap(k % 20),
+                            lw=2.5 if name == "auto" else 1.2)  # fmt: skip
             floor = [(r["S"], r["floor_ms"]) for r in panel if r.get("floor_ms")]
             if floor:
                 ax.plot(*zip(*floor, strict=True), ":", color="black", lw=2, label="bandwidth floor")

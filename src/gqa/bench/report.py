@@ -118,6 +118,8 @@ def _cell(row: dict, name: str, best: float | None) -> str:
         return f"**{fmt_ms(row['median_ms'].get(name))} MISMATCH**"
     if name in row.get("errors", {}):
         return "error"
+    if name in row.get("not_timed", []):
+        return f"({fmt_ms(row['first_call_ms'][name])})"  # one checked call, not timed
     if name in row.get("skipped", {}):
         return "—"
     ms = row["median_ms"].get(name)
@@ -128,6 +130,7 @@ def _cell(row: dict, name: str, best: float | None) -> str:
 def _columns(rows: Sequence[dict], implementations: Sequence[str]) -> list[str]:
     """Implementations that ran on at least one of ``rows``, in the payload's order."""
     ran = {name for r in rows for name, ms in r.get("median_ms", {}).items() if ms is not None}
+    ran |= {name for r in rows for name in r.get("not_timed", [])}
     return [name for name in implementations if name in ran]
 
 
@@ -236,7 +239,8 @@ def format_markdown(payload: dict) -> str:
         "floor ms = that work at the limit. Times are the median of round-robin repetitions "
         + ("(CUDA events, L2 flushed before each call)" if machine["device"].startswith("cuda") else "(wall clock)")
         + "; every implementation's output was checked against the reference backend first (bold = fastest; "
-        "— = did not run, see the list at the end).",
+        "— = did not run, see the list at the end; (ms) = one checked call only, slower than --max-call-s, not "
+        "timed).",
     ]
     for kind, title in (("decode", "Decode (L=1), median ms"), ("prefill", "Causal prefill (L=S), median ms")):
         table = summary_table(rows, names, kind)
