@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-call-s",
         type=_positive_float,
         help="an implementation whose checked call takes longer is "
-        "not timed (default: 20 on CPU, 5 with --quick, 300 on CUDA)",
+        "not timed (default: 10 on CPU, 5 with --quick, 300 on CUDA)",
     )
     p.add_argument("--max-seconds", type=_positive_float, help="start no new case after this many seconds")
     p.add_argument(
