@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-heads", type=_positive_int, help="H_q (default: 32)")
     p.add_argument("--head-dim", type=_positive_int, help="D (default: 128)")
     p.add_argument("--repeats", type=_positive_int, help="timed repetitions per case (default: adaptive)")
-    p.add_argument("--warmup", type=int, help="untimed rounds after the check (default: 0 on CPU, 2 on CUDA)")
+    p.add_argument("--warmup", type=int, help="untimed rounds after the check (default: 0 on CPU, 1-2 on CUDA)")
     p.add_argument(
         "--max-call-s",
         type=_positive_float,
