@@ -178,58 +178,139 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
 // ---------------------------------------------------------------------------------------------------------------
 // decode_attention
 
-constexpr int64_t CHUNK = 32;  // keys per online-softmax step: the value rows of a chunk stay in L1
+constexpr int64_t CHUNK = 64;  // keys per online-softmax step: the chunk's K/V rows stay in L1
+constexpr int64_t ROW_TILE = 4;
+#ifndef PREFETCH_CHUNKS
+#define PREFETCH_CHUNKS 4
+#endif  // query rows that share each loaded value row
 
-template <typename T>
-inline float dot_row(const float* q, const T* k, int64_t D) {
-  int64_t d = 0;
-  float s = 0.0f;
 #if defined(__AVX512F__)
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  for (; d + 32 <= D; d += 32) {
-    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), a0);
-    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d + 16), load16(k + d + 16), a1);
+// Lane i of the result = the sum of the 16 lanes of a[i]: a transposing reduction, ~3 instructions per key instead
+// of a full horizontal sum per (row, key).
+inline __m512 reduce16(__m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // float adds: the pd ops only move pairs
   }
-  for (; d + 16 <= D; d += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), a0);
-  s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  // c[i], 128-bit lane j: partial sums of keys 4i..4i+3 over lane j. Sum the four 128-bit lanes.
+  __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
 #endif
-  for (; d < D; ++d) s += q[d] * to_float(k[d]);
-  return s;
+
+inline void to_float_row(const BFloat16* x, float* y, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, load16(x + i));
+#endif
+  for (; i < n; ++i) y[i] = to_float(x[i]);
+}
+inline void to_float_row(const float* x, float* y, int64_t n) { std::copy(x, x + n, y); }
+
+// s[c] = q . k[c] for the n (<= CHUNK) keys of a chunk; k rows are float32 here (bf16 chunks are converted first).
+inline void chunk_scores(const float* q, const float* k, int64_t sk, int64_t n, int64_t D, float* s) {
+  int64_t c = 0;
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    for (; c + 16 <= n; c += 16) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qd = _mm512_loadu_ps(q + d);
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + (c + i) * sk + d), acc[i]);
+      }
+      _mm512_storeu_ps(s + c, reduce16(acc));
+    }
+  }
+#endif
+  for (; c < n; ++c) {
+    float acc = 0.0f;
+    for (int64_t d = 0; d < D; ++d) acc += q[d] * k[c * sk + d];
+    s[c] = acc;
+  }
 }
 
-// acc[0:Dv] = acc * alpha + sum_c p[c] * v[c, :] over a chunk, in registers 64 columns at a time.
-template <typename T>
-inline void accumulate_values(float* acc, float alpha, const float* p, const T* v, int64_t sv, int64_t n, int64_t Dv) {
+#if defined(__AVX512BF16__)
+// bfloat16 keys and query: s[c] = scale * (q . k[c]) with vdpbf16ps (32 products per instruction, exact products,
+// float32 sums), straight from the cache's bf16 rows. Needs D % 32 == 0.
+inline void chunk_scores_bf16(const BFloat16* q, const BFloat16* k, int64_t sk, int64_t n, int64_t D, float scale,
+                              float* s) {
+  int64_t c = 0;
+  for (; c < n; c += 16) {
+    const int64_t m = std::min<int64_t>(16, n - c);
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + d);
+      for (int i = 0; i < m; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], qd, (__m512bh)_mm512_loadu_si512(k + (c + i) * sk + d));
+    }
+    const __m512 r = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(s + c, static_cast<__mmask16>((1u << m) - 1u), r);
+  }
+}
+#endif
+
+// For RT rows: acc_r[0:Dv] = acc_r * alpha_r + sum_c p_r[c] v[c, :] over a chunk of n keys; each value row is
+// loaded (and converted) once for the RT rows, 64 columns at a time in registers.
+template <typename T, int RT>
+inline void accumulate_values(float* acc, int64_t lda, const float* alpha, const float* p, int64_t ldp, const T* v,
+                              int64_t sv, int64_t n, int64_t Dv) {
   int64_t d = 0;
 #if defined(__AVX512F__)
-  const __m512 va = _mm512_set1_ps(alpha);
   for (; d + 64 <= Dv; d += 64) {
-    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + d), va), a1 = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 16), va);
-    __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 32), va), a3 = _mm512_mul_ps(_mm512_loadu_ps(acc + d + 48), va);
-    for (int64_t c = 0; c < n; ++c) {
-      const __m512 pc = _mm512_set1_ps(p[c]);
-      const T* vc = v + c * sv + d;
-      a0 = _mm512_fmadd_ps(pc, load16(vc), a0);
-      a1 = _mm512_fmadd_ps(pc, load16(vc + 16), a1);
-      a2 = _mm512_fmadd_ps(pc, load16(vc + 32), a2);
-      a3 = _mm512_fmadd_ps(pc, load16(vc + 48), a3);
+    __m512 a[RT][4];
+    for (int r = 0; r < RT; ++r) {
+      const __m512 al = _mm512_set1_ps(alpha[r]);
+      for (int j = 0; j < 4; ++j) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * lda + d + 16 * j), al);
     }
-    _mm512_storeu_ps(acc + d, a0);
-    _mm512_storeu_ps(acc + d + 16, a1);
-    _mm512_storeu_ps(acc + d + 32, a2);
-    _mm512_storeu_ps(acc + d + 48, a3);
+    for (int64_t c = 0; c < n; ++c) {
+      const T* vc = v + c * sv + d;
+      const __m512 v0 = load16(vc), v1 = load16(vc + 16), v2 = load16(vc + 32), v3 = load16(vc + 48);
+      for (int r = 0; r < RT; ++r) {
+        const __m512 pc = _mm512_set1_ps(p[r * ldp + c]);
+        a[r][0] = _mm512_fmadd_ps(pc, v0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(pc, v1, a[r][1]);
+        a[r][2] = _mm512_fmadd_ps(pc, v2, a[r][2]);
+        a[r][3] = _mm512_fmadd_ps(pc, v3, a[r][3]);
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * lda + d + 16 * j, a[r][j]);
   }
   for (; d + 16 <= Dv; d += 16) {
-    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + d), va);
-    for (int64_t c = 0; c < n; ++c) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[c]), load16(v + c * sv + d), a0);
-    _mm512_storeu_ps(acc + d, a0);
+    __m512 a[RT];
+    for (int r = 0; r < RT; ++r) a[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * lda + d), _mm512_set1_ps(alpha[r]));
+    for (int64_t c = 0; c < n; ++c) {
+      const __m512 vc = load16(v + c * sv + d);
+      for (int r = 0; r < RT; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * ldp + c]), vc, a[r]);
+    }
+    for (int r = 0; r < RT; ++r) _mm512_storeu_ps(acc + r * lda + d, a[r]);
   }
 #endif
-  for (; d < Dv; ++d) {
-    float a = acc[d] * alpha;
-    for (int64_t c = 0; c < n; ++c) a += p[c] * to_float(v[c * sv + d]);
-    acc[d] = a;
-  }
+  for (; d < Dv; ++d)
+    for (int r = 0; r < RT; ++r) {
+      float x = acc[r * lda + d] * alpha[r];
+      for (int64_t c = 0; c < n; ++c) x += p[r * ldp + c] * to_float(v[c * sv + d]);
+      acc[r * lda + d] = x;
+    }
+}
+
+inline float max_of(const float* s, int64_t n) {
+  int64_t c = 0;
+  float mx = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(mx);
+  for (; c + 16 <= n; c += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + c));
+  mx = _mm512_reduce_max_ps(vm);
+#endif
+  for (; c < n; ++c) mx = std::max(mx, s[c]);
+  return mx;
 }
 
 // p[0:n] = exp(s[0:n] - m), returns their sum.
@@ -278,8 +359,14 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const T* vp = v.const_data_ptr<T>();
   const float NEG_INF = -std::numeric_limits<float>::infinity();
 
+#if defined(__AVX512BF16__)
+  const bool use_dpbf16 = std::is_same_v<T, BFloat16> && D % 32 == 0;
+#else
+  const bool use_dpbf16 = false;
+#endif
+
   at::parallel_for(0, heads * splits, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(R * D), scores(R * CHUNK);
+    std::vector<float> qf(R * D), scores(R * CHUNK), alpha(R), kbuf(std::is_same_v<T, float> ? 0 : CHUNK * D);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t head = task / splits, split = task % splits, b = head / H, h = head % H;
       const int64_t j_begin = split * span, j_end = std::min(S, j_begin + span);
@@ -298,13 +385,39 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
 
       for (int64_t c0 = j_begin; c0 < j_end; c0 += CHUNK) {
         const int64_t n = std::min(CHUNK, j_end - c0);
+#if defined(__AVX512F__)
+        // Prefetch the K/V rows PREFETCH_CHUNKS chunks ahead: the hardware prefetcher alone leaves bandwidth unused.
+        for (int64_t c = c0 + PREFETCH_CHUNKS * CHUNK; c < std::min(j_end, c0 + (PREFETCH_CHUNKS + 1) * CHUNK); ++c) {
+          for (int64_t d = 0; d < D; d += 64 / int64_t(sizeof(T)))
+            _mm_prefetch(reinterpret_cast<const char*>(kh + c * sk + d), _MM_HINT_T0);
+          for (int64_t d = 0; d < Dv; d += 64 / int64_t(sizeof(T)))
+            _mm_prefetch(reinterpret_cast<const char*>(vh + c * sv + d), _MM_HINT_T0);
+        }
+#endif
+        const float* kc = nullptr;  // the chunk's keys as float32 rows, stride kstride
+        int64_t kstride = 0;
+        if (use_dpbf16) {
+          // scores straight from the bf16 rows, below
+        } else if constexpr (std::is_same_v<T, float>) {
+          kc = kh + c0 * sk;
+          kstride = sk;
+        } else {
+          for (int64_t c = 0; c < n; ++c) to_float_row(kh + (c0 + c) * sk, kbuf.data() + c * D, D);
+          kc = kbuf.data();
+          kstride = D;
+        }
         for (int64_t r = 0; r < R; ++r) {
           const int64_t g = r / L, lr = r % L;
           // Keys this row may see in the chunk: [c0, c0 + visible).
           int64_t visible = n;
           if (causal) visible = std::max<int64_t>(0, std::min(n, S - L + lr + 1 - c0));
           float* s = scores.data() + r * CHUNK;
-          for (int64_t c = 0; c < visible; ++c) s[c] = dot_row(qf.data() + r * D, kh + (c0 + c) * sk, D);
+#if defined(__AVX512BF16__)
+          if constexpr (std::is_same_v<T, BFloat16>) {
+            if (use_dpbf16) chunk_scores_bf16(qh + r * q.stride(2), kh + c0 * sk, sk, visible, D, scale, s);
+          }
+#endif
+          if (!use_dpbf16) chunk_scores(qf.data() + r * D, kc, kstride, visible, D, s);
           for (int64_t c = visible; c < n; ++c) s[c] = NEG_INF;
           if (mask.data) {
             const int64_t off = b * mask.sb + h * mask.sh + g * mask.sg + lr * mask.sl;
@@ -317,16 +430,27 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
               for (int64_t c = 0; c < visible; ++c) s[c] += mp[(c0 + c) * mask.ss];
             }
           }
-          float mx = NEG_INF;
-          for (int64_t c = 0; c < visible; ++c) mx = std::max(mx, s[c]);
-          if (mx == NEG_INF) continue;  // nothing visible in this chunk for this row
+          const float mx = max_of(s, visible);
+          if (mx == NEG_INF) {  // nothing visible in this chunk for this row: weights 0, accumulator unchanged
+            std::fill(s, s + n, 0.0f);
+            alpha[r] = 1.0f;
+            continue;
+          }
           const float m_new = std::max(m[r], mx);
-          const float alpha = (m[r] == NEG_INF) ? 0.0f : std::exp(m[r] - m_new);
+          alpha[r] = (m[r] == NEG_INF) ? 0.0f : std::exp(m[r] - m_new);
           const float psum = exp_shifted(s, m_new, visible);
-          l[r] = l[r] * alpha + psum;
+          std::fill(s + visible, s + n, 0.0f);
+          l[r] = l[r] * alpha[r] + psum;
           m[r] = m_new;
-          accumulate_values(acc + r * Dv, alpha, s, vh + c0 * sv, sv, visible, Dv);
         }
+        const T* vc = vh + c0 * sv;
+        int64_t r = 0;
+        for (; r + ROW_TILE <= R; r += ROW_TILE)
+          accumulate_values<T, ROW_TILE>(acc + r * Dv, Dv, alpha.data() + r, scores.data() + r * CHUNK, CHUNK, vc,
+                                         sv, n, Dv);
+        for (; r < R; ++r)
+          accumulate_values<T, 1>(acc + r * Dv, Dv, alpha.data() + r, scores.data() + r * CHUNK, CHUNK, vc, sv, n,
+                                  Dv);
       }
     }
   });
