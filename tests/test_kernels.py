@@ -14,7 +14,7 @@ from torch._dynamo.testing import CompileCounter
 import gqa
 from gqa import kernels
 from gqa.backends import choose_backend
-from gqa.linear import Linear, linear, uses_kernel
+from gqa.linear import Linear, linear, linears, uses_kernel
 
 DISABLED = os.environ.get("GQA_DISABLE_KERNELS") == "1"
 pytestmark = pytest.mark.skipif(DISABLED, reason="GQA_DISABLE_KERNELS=1")
@@ -89,6 +89,34 @@ def test_linear_module_is_nn_linear_with_gradients():
     assert ours.weight.grad is not None and x.grad is not None
     with torch.inference_mode():
         torch.testing.assert_close(ours(x.detach()), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [1, 3, 6])
+def test_linear_rows_n_matches_float64(dtype, N):
+    # Several matrices of one input in one parallel region: sizes that do not fill whole 4-row tiles, mixed biases.
+    g = torch.Generator().manual_seed(N)
+    K = 72
+    x = torch.randn(N, K, generator=g).to(dtype)
+    ws = [torch.randn(M, K, generator=g).to(dtype) for M in (9, 3, 130)]
+    bs = [torch.randn(9, generator=g).to(dtype), None, torch.randn(130, generator=g).to(dtype)]
+    outs = torch.ops.gqa.linear_rows_n(x, ws, bs)
+    assert [o.shape for o in outs] == [(N, 9), (N, 3), (N, 130)]
+    for out, w, b in zip(outs, ws, bs, strict=True):
+        _close(out, x.double() @ w.double().T + (0.0 if b is None else b.double()), dtype)
+
+
+def test_linears_equals_each_layer():
+    torch.manual_seed(1)
+    layers = [Linear(16, 8, bias=True), Linear(16, 4, bias=False), Linear(16, 12)]
+    x = torch.randn(2, 1, 16)
+    with torch.inference_mode():
+        assert all(uses_kernel(x, m.weight, m.bias) for m in layers)
+        for out, m in zip(linears(x, layers), layers, strict=True):
+            assert out.shape == (2, 1, m.out_features)
+            _close(out, F.linear(x.double(), m.weight.double(), None if m.bias is None else m.bias.double()), x.dtype)
+    outs = linears(x, layers)  # with gradients: the modules themselves
+    assert all(o.grad_fn is not None for o in outs)
 
 
 def test_linear_rows_rejects_bad_inputs():

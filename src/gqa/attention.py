@@ -11,7 +11,7 @@ from torch import nn
 from ._checks import check_dropout, check_heads, shape_str
 from .cache import _KVCache
 from .functional import grouped_attention
-from .linear import Linear
+from .linear import Linear, linears
 from .masks import merge_masks
 from .rope import RoPE
 
@@ -153,9 +153,13 @@ class GroupedQueryAttention(nn.Module):
         key_in, value_in = self._kv_inputs(x, kv_input)
         L = x.shape[-2]
 
-        q = self._heads(self.q_proj(x), self.num_heads)  # (*B, H_q, L, D)
-        k = self._heads(self.k_proj(key_in), self.num_kv_heads)  # (*B, H_kv, S, D)
-        v = self._heads(self.v_proj(value_in), self.num_kv_heads)  # (*B, H_kv, S, D)
+        if key_in is x and value_in is x:  # self-attention: one pass over the three projections
+            q, k, v = linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(key_in), self.v_proj(value_in)
+        q = self._heads(q, self.num_heads)  # (*B, H_q, L, D)
+        k = self._heads(k, self.num_kv_heads)  # (*B, H_kv, S, D)
+        v = self._heads(v, self.num_kv_heads)  # (*B, H_kv, S, D)
         if self.rope is not None and kv_input is None:
             if rope_cos_sin is None:
                 if position_ids is None:

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from . import kernels
 from .cache import kv_cache_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -114,6 +115,8 @@ def run_info(ns: argparse.Namespace) -> int:
     print(f"context          {cfg.max_position_embeddings}")
     print(f"vocab            {cfg.vocab_size}")
     print(f"RoPE theta       {cfg.rope_theta:g}")
+    native = f"built: {kernels.library_path()}" if kernels.available() else "not built (python -m gqa.kernels)"
+    print(f"native kernels   {native}")
     print()
     print(kv_cache_table(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, DTYPES[ns.dtype]))
     return 0

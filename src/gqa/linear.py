@@ -8,6 +8,8 @@ dtypes, or no built kernels) goes to ``F.linear``. Same parameters, names and st
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +42,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (N, in), N <= KERNEL_MAX_ROWS: a copy of at most 8 rows
     out = torch.ops.gqa.linear_rows(rows, weight, bias)  # (N, out)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def linears(x: torch.Tensor, layers: Sequence[nn.Linear]) -> list[torch.Tensor]:
+    """``[layer(x) for layer in layers]`` — in one kernel call (one pass of the threads over all the weights) where
+    the native kernel applies to every layer, e.g. q/k/v or gate/up projections of one decoded token."""
+    if not all(uses_kernel(x, layer.weight, layer.bias) for layer in layers):
+        return [layer(x) for layer in layers]
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (N, in)
+    outs = torch.ops.gqa.linear_rows_n(rows, [m.weight for m in layers], [m.bias for m in layers])  # [(N, out_i)]
+    return [out.view(*x.shape[:-1], out.shape[-1]) for out in outs]
 
 
 class Linear(nn.Linear):

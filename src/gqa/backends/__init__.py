@@ -28,9 +28,10 @@ BACKENDS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
 # beats SDPA's flash kernel, which walks the cache once per query head. Measured with benchmarks/attention.py.
 DECODE_ROWS = 32
 
-# Up to this many query rows per KV head the native fused kernel (where built) beats the grouped matmul: it reads
-# K/V once at close to the read bandwidth while its per-row work is small. Measured with benchmarks/attention.py.
-FUSED_ROWS = 8
+# Up to this many query rows per KV head (per dtype) the native fused kernel, where built, beats the grouped matmul:
+# it reads K/V once close to the read bandwidth. fp32: faster at every measured row count up to 32 (MQA: 2-3x);
+# bf16 MQA (32 rows) is within +-30% either way, so bf16 stops at 8. Measured with `gqa bench attention`.
+FUSED_ROWS = {torch.float32: 32, torch.bfloat16: 8}
 
 
 def choose_backend(
@@ -47,12 +48,13 @@ def choose_backend(
 ) -> str:
     """The ``auto`` policy: the native fused kernel for decode on CPU (where built); the grouped matmul for other
     decode-like shapes, weights or dropout; SDPA where it is natively grouped (prefill); else the grouped matmul."""
+    rows = shape.G * shape.L  # query rows per KV head
     if (
-        shape.G * shape.L <= FUSED_ROWS
+        rows <= FUSED_ROWS.get(query.dtype, 0)
         and fused.supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights) is None
     ):
         return "fused"
-    if return_weights or dropout_p > 0.0 or shape.G * shape.L <= DECODE_ROWS:
+    if return_weights or dropout_p > 0.0 or rows <= DECODE_ROWS:
         return "grouped"
     native = sdpa_is_native(
         query,

@@ -108,6 +108,12 @@ def _register_fakes() -> None:
     def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
 
+    @torch.library.register_fake("gqa::linear_rows_n")
+    def _linear_rows_n(
+        x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
+    ) -> list[torch.Tensor]:
+        return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+
     @torch.library.register_fake("gqa::decode_attention")
     def _decode_attention(
         q: torch.Tensor,

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..attention import GroupedQueryAttention
 from ..cache import StaticKVCache
-from ..linear import Linear
+from ..linear import Linear, linears
 from ..masks import padding_mask
 from ..rope import RoPE
 from .config import ModelConfig
@@ -42,7 +42,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linears(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -3,6 +3,8 @@
 //   gqa::linear_rows(x (N, K), weight (M, K), bias (M,)?) -> (N, M)
 //       y = x @ weight^T + bias for a few rows N (decode): every thread streams its own slice of weight rows once,
 //       all N rows of x at a time. nn.Linear's (out, in) layout is the streaming order, so no re-layout is needed.
+//   gqa::linear_rows_n(x (N, K), weights [(M_i, K)], biases [(M_i,)?]) -> [(N, M_i)]
+//       the same for several matrices of one input (q/k/v, gate/up) in one parallel region.
 //
 //   gqa::decode_attention(q (B, H_kv, R, D), k (B, H_kv, S, D), v (B, H_kv, S, Dv),
 //                         mask (B, H_kv, G, L, S)?, scale, query_len L, causal) -> (B, H_kv, R, Dv)
@@ -122,67 +124,102 @@ void gemv_rows_nr(const T* W, int64_t K, const T* x, float* out, int64_t ldo, in
   for (; i < rows; ++i) gemv_tile<T, 1, NR>(W + i * K, K, x, out + i, ldo);
 }
 
+// One weight matrix of a (possibly multi-matrix) call: y (N, M) = x (N, K) @ w (M, K)^T + bias.
+struct LinearPart {
+  const void* w;
+  const void* bias;
+  void* y;
+  int64_t M;
+  int64_t first_tile;  // index of its first 4-row tile among all parts' tiles
+};
+
 template <typename T>
-void linear_rows_impl(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
-  const int64_t N = x.size(0), K = x.size(1), M = w.size(0);
+void linear_rows_impl(const at::Tensor& x, const std::vector<LinearPart>& parts) {
+  const int64_t N = x.size(0), K = x.size(1);
   const T* xp = x.const_data_ptr<T>();
-  const T* wp = w.const_data_ptr<T>();
-  const T* bp = bias.has_value() ? bias->const_data_ptr<T>() : nullptr;
-  T* yp = y.mutable_data_ptr<T>();
-  // Each chunk covers whole 4-row tiles; at least 64 rows so that tiny layers do not pay for thread wake-ups.
-  at::parallel_for(0, (M + 3) / 4, 16, [&](int64_t t0, int64_t t1) {
-    const int64_t m0 = t0 * 4, m1 = std::min(M, t1 * 4), rows = m1 - m0;
-    std::vector<float> buf(4 * rows);
-    for (int64_t n0 = 0; n0 < N; n0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, N - n0);
-      const T* xn = xp + n0 * K;
-      switch (nr) {
-        case 1: gemv_rows_nr<T, 1>(wp + m0 * K, K, xn, buf.data(), rows, rows); break;
-        case 2: gemv_rows_nr<T, 2>(wp + m0 * K, K, xn, buf.data(), rows, rows); break;
-        case 3: gemv_rows_nr<T, 3>(wp + m0 * K, K, xn, buf.data(), rows, rows); break;
-        default: gemv_rows_nr<T, 4>(wp + m0 * K, K, xn, buf.data(), rows, rows); break;
-      }
-      for (int64_t n = 0; n < nr; ++n)
-        for (int64_t i = 0; i < rows; ++i) {
-          float s = buf[n * rows + i];
-          if (bp) s += to_float(bp[m0 + i]);
-          yp[(n0 + n) * M + m0 + i] = static_cast<T>(s);
+  const int64_t tiles = parts.back().first_tile + (parts.back().M + 3) / 4;
+  // One parallel region over the 4-row tiles of every matrix (q/k/v or gate/up share one thread wake-up); at least
+  // 16 tiles per chunk so that small layers do not pay for waking threads they cannot use.
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf;
+    for (const LinearPart& part : parts) {
+      const int64_t p0 = std::max(t0, part.first_tile), p1 = std::min(t1, part.first_tile + (part.M + 3) / 4);
+      if (p0 >= p1) continue;
+      const int64_t M = part.M, m0 = (p0 - part.first_tile) * 4, m1 = std::min(M, (p1 - part.first_tile) * 4);
+      const int64_t rows = m1 - m0;
+      const T* wp = static_cast<const T*>(part.w) + m0 * K;
+      const T* bp = static_cast<const T*>(part.bias);
+      T* yp = static_cast<T*>(part.y);
+      buf.resize(4 * rows);
+      for (int64_t n0 = 0; n0 < N; n0 += 4) {
+        const int64_t nr = std::min<int64_t>(4, N - n0);
+        const T* xn = xp + n0 * K;
+        switch (nr) {
+          case 1: gemv_rows_nr<T, 1>(wp, K, xn, buf.data(), rows, rows); break;
+          case 2: gemv_rows_nr<T, 2>(wp, K, xn, buf.data(), rows, rows); break;
+          case 3: gemv_rows_nr<T, 3>(wp, K, xn, buf.data(), rows, rows); break;
+          default: gemv_rows_nr<T, 4>(wp, K, xn, buf.data(), rows, rows); break;
         }
+        for (int64_t n = 0; n < nr; ++n)
+          for (int64_t i = 0; i < rows; ++i) {
+            float v = buf[n * rows + i];
+            if (bp) v += to_float(bp[m0 + i]);
+            yp[(n0 + n) * M + m0 + i] = static_cast<T>(v);
+          }
+      }
     }
   });
 }
 
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "gqa::linear_rows: x (N, K) and weight (M, K) must be 2-D, got ",
-              x.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(x.size(1) == weight.size(1), "gqa::linear_rows: x ", x.sizes(), " and weight ", weight.sizes(),
-              " disagree on K");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "gqa::linear_rows: x and weight must share a dtype");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "gqa::linear_rows: x and weight must be contiguous");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous() &&
-                    bias->scalar_type() == weight.scalar_type(),
-                "gqa::linear_rows: bias must be contiguous (M,) of the weight's dtype, got ", bias->sizes());
+std::vector<at::Tensor> linear_rows_n(const at::Tensor& x, at::TensorList weights,
+                                      const c10::List<c10::optional<at::Tensor>>& biases) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gqa::linear_rows: x must be a contiguous (N, K) matrix, got ",
+              x.sizes());
+  TORCH_CHECK(!weights.empty() && biases.size() == weights.size(),
+              "gqa::linear_rows: one bias (or None) per weight, and at least one weight");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "gqa::linear_rows: float32 or bfloat16 only, got ", x.scalar_type());
+  std::vector<at::Tensor> outs;
+  std::vector<LinearPart> parts;
+  int64_t first_tile = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "gqa::linear_rows: x ", x.sizes(), " and weight ", w.sizes(),
+                " disagree on K");
+    TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.is_contiguous(),
+                "gqa::linear_rows: weights must be contiguous and of x's dtype");
+    const c10::optional<at::Tensor> b = biases.get(i);
+    if (b.has_value()) {
+      TORCH_CHECK(b->dim() == 1 && b->size(0) == w.size(0) && b->is_contiguous() && b->scalar_type() == w.scalar_type(),
+                  "gqa::linear_rows: bias must be contiguous (M,) of the weight's dtype, got ", b->sizes());
+    }
+    outs.push_back(at::empty({x.size(0), w.size(0)}, x.options()));
+    if (w.size(0) == 0) continue;
+    parts.push_back({w.const_data_ptr(), b.has_value() ? b->const_data_ptr() : nullptr, outs.back().mutable_data_ptr(),
+                     w.size(0), first_tile});
+    first_tile += (w.size(0) + 3) / 4;
   }
-  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (parts.empty() || x.size(0) == 0) return outs;
   if (x.scalar_type() == at::kFloat) {
-    linear_rows_impl<float>(x, weight, bias, y);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    linear_rows_impl<BFloat16>(x, weight, bias, y);
+    linear_rows_impl<float>(x, parts);
   } else {
-    TORCH_CHECK(false, "gqa::linear_rows: float32 or bfloat16 only, got ", x.scalar_type());
+    linear_rows_impl<BFloat16>(x, parts);
   }
-  return y;
+  return outs;
+}
+
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  c10::List<c10::optional<at::Tensor>> biases;
+  biases.push_back(bias);
+  return linear_rows_n(x, {weight}, biases)[0];
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // decode_attention
 
 constexpr int64_t CHUNK = 64;  // keys per online-softmax step: the chunk's K/V rows stay in L1
-constexpr int64_t ROW_TILE = 4;
-#ifndef PREFETCH_CHUNKS
-#define PREFETCH_CHUNKS 4
-#endif  // query rows that share each loaded value row
+constexpr int64_t ROW_TILE = 4;         // query rows that share each loaded value row
+constexpr int64_t PREFETCH_CHUNKS = 2;  // K/V rows this many chunks ahead are prefetched
 
 #if defined(__AVX512F__)
 // Lane i of the result = the sum of the 16 lanes of a[i]: a transposing reduction, ~3 instructions per key instead
@@ -524,6 +561,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY(gqa, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_rows_n(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int query_len, bool causal) "
       "-> Tensor");
@@ -531,5 +569,6 @@ TORCH_LIBRARY(gqa, m) {
 
 TORCH_LIBRARY_IMPL(gqa, CPU, m) {
   m.impl("linear_rows", &linear_rows);
+  m.impl("linear_rows_n", &linear_rows_n);
   m.impl("decode_attention", &decode_attention);
 }
