@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -37,16 +38,31 @@ from gqa.convert import (
     save_loss_curve,
 )
 from gqa.convert.calibration import default_calibration_text, default_heal_text
-from gqa.evaluate import default_eval_text, mean_kl, perplexity
+from gqa.evaluate import DEFAULT_WINDOW, _score, default_eval_text, perplexity
 from gqa.generation import generate_stream
 from gqa.loaders import load_tokenizer, read_model
 from gqa.models import CausalLM, use_input_major_weights
+
+
+def save(path: Path | None, description: str, ids: list[int], rows: list[dict]) -> None:
+    """Write the rows so far (after every row, so that a long healing run leaves its partial results)."""
+    if path is not None:
+        payload = {"eval_text": description, "tokens": len(ids), "torch": torch.__version__, "rows": rows}
+        write_json_atomic(path, payload | {"threads": torch.get_num_threads()})
 
 
 def build(cfg, state) -> CausalLM:
     model = CausalLM.from_state(cfg, state)
     use_input_major_weights(model)
     return model
+
+
+def quality(model: CausalLM, original: CausalLM, ids: list[int]) -> dict[str, float]:
+    """Perplexity and mean KL(original || model) in one pass over the windows (window 512, stride 256)."""
+    if model is original:
+        return {"perplexity": perplexity(model, ids), "kl": 0.0}
+    nll, kl, count = _score(model, torch.tensor(ids), DEFAULT_WINDOW, None, original)
+    return {"perplexity": math.exp(nll / count), "kl": kl / count}
 
 
 def decode_tok_s(model: CausalLM, prompt: list[int], new: int = 32) -> float:
@@ -89,14 +105,14 @@ def main() -> int:
     prompt = ids[:512]
     for name, heads, method, c, s in variants:
         model = original if name == "original" else build(c, s)
-        row = {"variant": name, "kv_heads": heads, "method": method, "perplexity": perplexity(model, ids)}
-        row["kl"] = 0.0 if name == "original" else mean_kl(model, original, ids)
+        row = {"variant": name, "kv_heads": heads, "method": method, **quality(model, original, ids)}
         row["kv_bytes_per_token_fp32"] = kv_cache_bytes(c.num_layers, heads, c.head_dim, 1, dtype=torch.float32)
         if heads not in speed:
             speed[heads] = decode_tok_s(model, prompt)
         row["decode_tok_s"] = speed[heads]
         rows.append(row)
         print(f"[conversion] {name} {method}: ppl {row['perplexity']:.2f}", flush=True)
+        save(ns.json, description, ids, rows)
 
     heal_ids = tok.encode(default_heal_text()) if ns.heal_steps > 0 else []
     for name, heads, method, c, s in variants:
@@ -111,8 +127,7 @@ def main() -> int:
             ns.plots.mkdir(parents=True, exist_ok=True)
             save_loss_curve(res, ns.plots / f"heal_{method}.png", f"SmolLM2 3 -> 1 KV heads ({method}), healing")
         use_input_major_weights(student)
-        row = {"variant": "3 -> 1 healed", "kv_heads": heads, "method": method, "perplexity": perplexity(student, ids)}
-        row["kl"] = mean_kl(student, original, ids)
+        row = {"variant": "3 -> 1 healed", "kv_heads": heads, "method": method, **quality(student, original, ids)}
         row["kv_bytes_per_token_fp32"] = kv_cache_bytes(c.num_layers, heads, c.head_dim, 1, dtype=torch.float32)
         row["decode_tok_s"] = speed[heads]
         row["heal"] = dataclasses.asdict(config) | {
@@ -125,6 +140,7 @@ def main() -> int:
             f"ppl {row['perplexity']:.2f}, KL {row['kl']:.3f}",
             flush=True,
         )
+        save(ns.json, description, ids, rows)
 
     base = rows[0]["perplexity"]
     print(f"\nEvaluation text: {description}, first {len(ids)} tokens, window 512, stride 256.\n")
@@ -145,10 +161,7 @@ def main() -> int:
             f"{r['perplexity'] / base:.2f} | {r['kl']:.3f} | {r['kv_bytes_per_token_fp32'] / 1024:.1f} KiB | "
             f"{r['decode_tok_s']:.1f} |"
         )
-    if ns.json:
-        payload = {"eval_text": description, "tokens": len(ids), "torch": torch.__version__, "rows": rows}
-        payload["threads"] = torch.get_num_threads()
-        write_json_atomic(ns.json, payload)
+    save(ns.json, description, ids, rows)
     return 0
 
 
