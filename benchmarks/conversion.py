@@ -131,7 +131,8 @@ def main() -> int:
         row["kv_bytes_per_token_fp32"] = kv_cache_bytes(c.num_layers, heads, c.head_dim, 1, dtype=torch.float32)
         row["decode_tok_s"] = speed[heads]
         row["heal"] = dataclasses.asdict(config) | {
-            "seconds": res.seconds, "seconds_per_step": res.seconds_per_step, "tokens_per_step": res.tokens_per_step,
+            "seconds": res.seconds, "seconds_per_step": res.seconds_per_step, "cpu_seconds": res.cpu_seconds,
+            "tokens_per_step": res.tokens_per_step,
             "trained_parameters": res.trained_parameters, "heal_text_tokens": len(heal_ids), "losses": res.losses,
         }  # fmt: skip
         rows.append(row)

@@ -258,6 +258,8 @@ def convert(
                 "text": "default_heal_text()" if heal_text is None else f"{len(heal_text)} characters given",
                 "seconds": result.seconds,
                 "seconds_per_step": result.seconds_per_step,
+                "cpu_seconds": result.cpu_seconds,
+                "threads": torch.get_num_threads(),
                 "tokens_per_step": result.tokens_per_step,
                 "trained_parameters": result.trained_parameters,
                 "losses": result.losses,

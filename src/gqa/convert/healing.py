@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -73,6 +73,8 @@ class HealResult:
         the step's update (so ``losses[0]`` is the converted model's loss).
     lrs : the learning rate of each step.
     seconds : wall time of the loop (the teacher's and the student's passes and the updates).
+    cpu_seconds : CPU time of this process during the loop, all threads together (unlike ``seconds``, it does not
+        grow while the process waits for a busy machine).
     tokens_per_step : ``batch_size * seq_len``.
     config : the ``HealConfig`` used.
     """
@@ -83,7 +85,7 @@ class HealResult:
     tokens_per_step: int
     config: HealConfig
     trained_parameters: int = 0
-    meta: dict = field(default_factory=dict)
+    cpu_seconds: float = 0.0
 
     @property
     def seconds_per_step(self) -> float:
@@ -190,7 +192,7 @@ def heal(
         bar = tqdm(total=steps, desc="healing", unit="step", file=sys.stderr, dynamic_ncols=True)
     teacher.eval()
     student.train()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     try:
         for step in range(steps):
             batch = torch.stack([next(windows) for _ in range(batch_size)]).to(device)  # (B, L)
@@ -221,9 +223,9 @@ def heal(
         for p in student.parameters():
             p.requires_grad_(was[id(p)])
             p.grad = None
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     n = sum(p.numel() for p in params)
-    return HealResult(losses, lrs, seconds, batch_size * seq_len, cfg, n)
+    return HealResult(losses, lrs, seconds, batch_size * seq_len, cfg, n, cpu_seconds)
 
 
 def save_loss_curve(result: HealResult, path: str | Path, title: str | None = None) -> Path:
