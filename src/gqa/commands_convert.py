@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .cache import kv_cache_bytes
 from .models.config import ModelConfig
 
+if TYPE_CHECKING:
+    from .convert import HealConfig
+
+
+BUILTIN_HEAL_TEXT = "stdlib"
+
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    from .convert import DEFAULT_METHOD, METHODS
+    from .convert import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME, METHODS, TRAINABLE, HealConfig
 
     src_help = "GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct); never modified"
     parser.add_argument("src", nargs="?", default=None, metavar="SRC", help=src_help)
@@ -25,6 +33,31 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="text for calibrated methods (default: standard-library docstrings)",
     )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+    heal = parser.add_argument_group(
+        "healing", "distil the merged model from SRC (KL on the logits) before writing it; "
+        f"DST then also holds {HEAL_PLOT_NAME} (loss curve) and {HEAL_LOG_NAME}",
+    )  # fmt: skip
+    heal.add_argument("--heal-steps", type=int, default=0, metavar="N", help="optimizer steps (default 0: no healing)")
+    heal.add_argument(
+        "--heal-text", default=None, metavar="FILE",
+        help=f"UTF-8 text to heal on, required with --heal-steps; '{BUILTIN_HEAL_TEXT}' is the built-in ~400 kB of "
+        "standard-library docstrings (disjoint from gqa eval's default text)",
+    )  # fmt: skip
+    d = HealConfig(steps=1)
+    heal.add_argument(
+        "--heal-lr", type=float, default=d.lr, metavar="LR", help=f"peak learning rate (default {d.lr:g})"
+    )
+    heal.add_argument(
+        "--heal-seq-len", type=int, default=d.seq_len, metavar="L", help=f"tokens per window (default {d.seq_len})"
+    )
+    heal.add_argument(
+        "--heal-batch", type=int, default=d.batch_size, metavar="B", help=f"windows per step (default {d.batch_size})"
+    )
+    heal.add_argument(
+        "--heal-train", choices=TRAINABLE, default=d.train,
+        help=f"which parameters train: the q/k/v/o projections or all (default {d.train})",
+    )  # fmt: skip
+    heal.add_argument("--heal-seed", type=int, default=d.seed, help=f"seed of the window order (default {d.seed})")
 
 
 def _source_config(src: str | None) -> ModelConfig:
@@ -41,15 +74,43 @@ def _kib(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
+def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None]:
+    """``(HealConfig or None, heal text or None)`` from the flags; ``ValueError`` for inconsistent ones. The text
+    is ``None`` for the built-in one."""
+    from .convert import HealConfig
+
+    if ns.heal_steps < 0:
+        raise ValueError(f"--heal-steps must be >= 0, got {ns.heal_steps}")
+    if ns.heal_steps == 0:
+        if ns.heal_text is not None:
+            raise ValueError("--heal-text is only used with --heal-steps N (N > 0)")
+        return None, None
+    if ns.heal_text is None:
+        raise ValueError(
+            f"--heal-steps needs --heal-text FILE (the text to heal on; '{BUILTIN_HEAL_TEXT}' for the built-in "
+            "standard-library docstrings); do not heal on the text you evaluate on"
+        )
+    config = HealConfig(ns.heal_steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train, None, ns.heal_seed)
+    if ns.heal_text == BUILTIN_HEAL_TEXT and not Path(ns.heal_text).exists():
+        return config, None
+    return config, Path(ns.heal_text).read_text(encoding="utf-8")
+
+
 def run_convert(ns: argparse.Namespace) -> int:
-    from .convert import convert
+    from .convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, convert
 
     src, dst = ns.src, ns.dst
+    heal, heal_text = heal_settings(ns)  # before anything slow
     if src is not None and not Path(src).expanduser().exists():
         raise FileNotFoundError(f"source model {src} does not exist")
     cfg = _source_config(src)
+    if heal is not None and ns.kv_heads >= cfg.num_kv_heads:
+        raise ValueError(f"--heal-steps only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
     text = None if ns.calibration_text is None else ns.calibration_text.read_text(encoding="utf-8")
-    out = convert(src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text)
+    out = convert(
+        src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, heal=heal,
+        heal_text=heal_text,
+    )  # fmt: skip
     n, h_kv = ns.kv_heads, cfg.num_kv_heads
     how = "copied" if n == h_kv else "expanded exactly" if n > h_kv else f"merged with method {ns.method!r}"
     before, after = (kv_cache_bytes(cfg.num_layers, h, cfg.head_dim, 1, dtype=torch.float32) for h in (h_kv, n))
@@ -59,6 +120,17 @@ def run_convert(ns: argparse.Namespace) -> int:
     print(f"group size   {cfg.num_heads // h_kv} -> {cfg.num_heads // n} query heads per KV head")
     print(f"KV cache     {_kib(before)} -> {_kib(after)} per token in fp32 ({after / before:.2f}x)")
     print(f"wrote        {out}  ({', '.join(sorted(f.name for f in out.iterdir()))}; {size / 1e6:.1f} MB)")
-    if n < h_kv:
-        print("note         merged K/V heads usually change the model's outputs; the GQA paper uptrains after merging")
+    if heal is not None:
+        log = json.loads((out / HEAL_LOG_NAME).read_text(encoding="utf-8"))
+        losses = log["losses"]
+        k = max(1, min(10, len(losses) // 10))
+        first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+        print(
+            f"healed       {len(losses)} steps x {log['tokens_per_step']} tokens ({heal.train}, lr {heal.lr:g}) in "
+            f"{log['seconds']:.0f} s ({log['seconds_per_step']:.2f} s/step); KL(source || model) on the healing text "
+            f"{first:.3f} -> {last:.3f} nats/token (mean of first / last {k} steps)"
+        )
+        print(f"loss curve   {out / HEAL_PLOT_NAME}")
+    elif n < h_kv:
+        print("note         merged K/V heads usually change the model's outputs; heal them with --heal-steps N")
     return 0

@@ -4,6 +4,8 @@
 expansion when ``N`` is a multiple of ``H_kv``, a registered method (``mean``, ``first``, ...; see
 ``gqa.convert.methods``) when ``N`` divides ``H_kv`` — and writes ``config.json``, ``model.safetensors``,
 ``generation_config.json`` and the tokenizer to ``dst``, which loads in ``gqa.load_model`` and in transformers.
+``convert(..., heal=HealConfig(steps=N))`` first distils the converted model from the source (``gqa.convert.healing``;
+``heal(student, teacher, token_ids, steps=N)`` is the same on models in memory).
 """
 
 from __future__ import annotations
@@ -19,17 +21,35 @@ import torch
 from ..loaders import read_model, resolve_model_path
 from ..models.config import ModelConfig
 from . import pca as _pca  # noqa: F401 - registers the "pca" method
-from .calibration import default_calibration_text
+from .calibration import default_calibration_text, default_heal_text
+from .healing import TRAINABLE, HealConfig, HealResult, heal, save_loss_curve
 from .methods import METHODS, AttentionWeights, Method, check_kv_heads, convert_layer, register_method
 from .writer import check_destination, write_checkpoint
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "AttentionWeights", "Method", "convert", "convert_state", "register_method"]
+__all__ = [
+    "DEFAULT_METHOD",
+    "HEAL_LOG_NAME",
+    "HEAL_PLOT_NAME",
+    "METHODS",
+    "TRAINABLE",
+    "AttentionWeights",
+    "HealConfig",
+    "HealResult",
+    "Method",
+    "convert",
+    "convert_state",
+    "heal",
+    "register_method",
+    "save_loss_curve",
+]
 
 DEFAULT_METHOD = "pca"  # calibrated, training-free; far better than the paper's mean-pooling (docs/conversion.md)
 NEEDS_CALIBRATION = {"pca"}
+HEAL_PLOT_NAME = "heal_loss.png"  # written inside DST when healing: the loss curve
+HEAL_LOG_NAME = "heal_log.json"  # and the per-step losses, learning rates, settings and timing
 
 _PROJ = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 
@@ -133,6 +153,9 @@ def convert(
     method: str = DEFAULT_METHOD,
     force: bool = False,
     calibration_text: str | None = None,
+    heal: HealConfig | None = None,
+    heal_text: str | None = None,
+    progress: bool = True,
 ) -> Path:
     """Convert a model to ``kv_heads`` KV heads and write it as an HF checkpoint folder.
 
@@ -158,6 +181,16 @@ def convert(
     calibration_text : str or None
         Text run through the source model to give methods per-layer attention inputs ``(T, hidden)``; ``mean`` and
         ``first`` do not use them. ``pca`` defaults to ``default_calibration_text()`` (standard-library docstrings).
+    heal : HealConfig or None
+        Heal the merged model before writing it (only when ``kv_heads < H_kv``): ``heal.steps`` steps of
+        distillation from the source model (``gqa.convert.healing.heal``; learning rate, window length, batch,
+        which parameters train, seed). ``dst`` then also holds ``heal_loss.png`` (the loss curve) and
+        ``heal_log.json`` (per-step losses and learning rates, settings, timing).
+    heal_text : str or None
+        The text healing reads (never the evaluation text); default ``default_heal_text()`` (~400 kB of
+        standard-library docstrings, ~108k SmolLM2 tokens, kept disjoint from CPython's ``LICENSE.txt``).
+    progress : bool
+        Show a progress bar while healing.
 
     Returns
     -------
@@ -171,7 +204,9 @@ def convert(
         ``dst`` exists and ``force`` is false.
     ValueError
         Unknown ``method``; ``kv_heads`` < 1, not dividing ``H_q``, or incompatible with ``H_kv``; ``dst`` overlaps
-        the source; an unreadable source.
+        the source; an unreadable source; ``heal`` when not merging, or ``heal_text`` without ``heal``.
+
+    An exception or interrupt while healing leaves no ``dst`` (nothing is written before the healed model is ready).
     """
     if dst is None:
         raise TypeError("convert() needs a destination folder dst")
@@ -179,6 +214,10 @@ def convert(
         raise ValueError(f"unknown method {method!r}; known methods: {', '.join(sorted(METHODS))}")
     if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
         raise ValueError(f"kv_heads must be a positive int, got {kv_heads!r}")
+    if heal is not None and not isinstance(heal, HealConfig):
+        raise TypeError(f"heal must be a HealConfig or None, got {type(heal).__name__}")
+    if heal_text is not None and heal is None:
+        raise ValueError("heal_text is only used when healing: pass heal=HealConfig(steps=...)")
     if src is not None and not Path(src).expanduser().exists():
         raise FileNotFoundError(f"source model {src} does not exist")
     resolved = resolve_model_path(None if src is None else Path(src).expanduser())
@@ -186,7 +225,13 @@ def convert(
     out = check_destination(sources, Path(dst), force)  # fail before the slow part
     cfg, state = read_model(resolved)
     check_kv_heads(cfg, kv_heads, method)
+    if heal is not None and kv_heads >= cfg.num_kv_heads:
+        raise ValueError(
+            f"healing only applies when merging KV heads (kv_heads < {cfg.num_kv_heads}); going to {kv_heads} is exact"
+        )
     tok = _source_tokenizer(resolved)
+    if heal is not None and tok is None:
+        raise ValueError(f"{resolved}: healing reads a text, which needs the source's tokenizer, and it has none")
     activations = None
     if calibration_text is None and method in NEEDS_CALIBRATION and kv_heads < cfg.num_kv_heads:
         calibration_text = default_calibration_text()
@@ -198,11 +243,52 @@ def convert(
             )
         activations = _calibration_activations(cfg, state, tok, calibration_text)
     new_cfg, new_state = convert_state(cfg, state, kv_heads, method, activations)
+    result = None
+    if heal is not None:
+        new_state, result = _heal_state(cfg, state, new_cfg, new_state, tok, heal, heal_text, progress)
+
+    def extra(folder: Path) -> None:
+        if tok is not None:
+            tok.hf.save_pretrained(folder)
+        if result is not None:
+            save_loss_curve(result, folder / HEAL_PLOT_NAME, f"healing {cfg.num_kv_heads} -> {kv_heads} KV heads "
+                            f"({method}), train={heal.train}, lr={heal.lr:g}")  # fmt: skip
+            log = {
+                "config": dataclasses.asdict(result.config),
+                "text": "default_heal_text()" if heal_text is None else f"{len(heal_text)} characters given",
+                "seconds": result.seconds,
+                "seconds_per_step": result.seconds_per_step,
+                "cpu_seconds": result.cpu_seconds,
+                "threads": torch.get_num_threads(),
+                "tokens_per_step": result.tokens_per_step,
+                "trained_parameters": result.trained_parameters,
+                "losses": result.losses,
+                "lrs": result.lrs,
+            }
+            (folder / HEAL_LOG_NAME).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
+
     return write_checkpoint(
-        out,
-        new_cfg,
-        new_state,
-        force=force,
-        generation_config=_generation_config(resolved, cfg),
-        extra=None if tok is None else tok.hf.save_pretrained,
+        out, new_cfg, new_state, force=force, generation_config=_generation_config(resolved, cfg), extra=extra
     )
+
+
+def _heal_state(
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    new_cfg: ModelConfig,
+    new_state: dict[str, torch.Tensor],
+    tok: Tokenizer,
+    config: HealConfig,
+    text: str | None,
+    progress: bool,
+) -> tuple[dict[str, torch.Tensor], HealResult]:
+    """Heal the converted model (``new_cfg``, ``new_state``) from the source (``cfg``, ``state``) on ``text``:
+    the healed tensors by HF name (the same names as ``new_state``) and the ``HealResult``."""
+    from ..models import CausalLM
+
+    ids = tok.encode(default_heal_text() if text is None else text)
+    teacher = CausalLM.from_state(cfg, state, assign=True)  # shares the source tensors: only read
+    student = CausalLM.from_state(new_cfg, new_state)  # its own copy: trained in place
+    result = heal(student, teacher, ids, progress=progress, **dataclasses.asdict(config))
+    healed = student.state_dict()
+    return {name: healed[name].detach() for name in new_state}, result

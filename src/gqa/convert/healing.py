@@ -1,0 +1,267 @@
+"""Healing: a short distillation of a converted model (the student) from the model it came from (the teacher).
+
+The GQA paper (arXiv 2305.13245) "uptrains" a mean-pooled checkpoint on 5% of the pre-training compute; here the
+budget is minutes on a CPU, so instead of language-model training the student learns the teacher's next-token
+distributions: the loss is the mean over tokens of ``KL(teacher || student)`` on the logits (the same quantity
+``gqa eval --reference`` reports), on windows of ``seq_len`` tokens cut from a text both models read.
+
+One step: take ``batch_size`` windows (non-overlapping chunks of the text, shuffled every pass with ``seed``), run
+the teacher without gradients and the student with them, AdamW on the trained parameters (``train="attention"``: the
+q/k/v/o projections, where the conversion changed the model; ``"all"``: every parameter), gradient norm clipped to
+1, linear warm-up then cosine decay of the learning rate to a tenth.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TRAINABLE", "HealConfig", "HealResult", "heal", "kl_loss", "save_loss_curve"]
+
+TRAINABLE = ("attention", "all")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    """The knobs of ``heal`` (see there), as one value for ``gqa.convert.convert(..., heal=HealConfig(...))``."""
+
+    steps: int
+    lr: float = 3e-4
+    seq_len: int = 256
+    batch_size: int = 1
+    train: str = "attention"
+    warmup: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seq_len", "batch_size", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"heal {name} must be an int, got {value!r}")
+        if self.steps < 1:
+            raise ValueError(f"heal steps must be >= 1, got {self.steps}")
+        if self.seq_len < 2:
+            raise ValueError(f"heal seq_len must be >= 2 tokens, got {self.seq_len}")
+        if self.batch_size < 1:
+            raise ValueError(f"heal batch_size must be >= 1, got {self.batch_size}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"heal lr must be a positive number, got {self.lr!r}")
+        if self.train not in TRAINABLE:
+            raise ValueError(f"heal train must be one of {', '.join(TRAINABLE)}; got {self.train!r}")
+        if self.warmup is not None and not (isinstance(self.warmup, int) and 0 <= self.warmup <= self.steps):
+            raise ValueError(f"heal warmup must be an int in [0, steps={self.steps}], got {self.warmup!r}")
+
+
+@dataclass
+class HealResult:
+    """What ``heal`` did.
+
+    Attributes
+    ----------
+    losses : per step, the mean ``KL(teacher || student)`` in nats per token on that step's windows, measured before
+        the step's update (so ``losses[0]`` is the converted model's loss).
+    lrs : the learning rate of each step.
+    seconds : wall time of the loop (the teacher's and the student's passes and the updates).
+    cpu_seconds : CPU time of this process during the loop, all threads together (unlike ``seconds``, it does not
+        grow while the process waits for a busy machine).
+    tokens_per_step : ``batch_size * seq_len``.
+    config : the ``HealConfig`` used.
+    """
+
+    losses: list[float]
+    lrs: list[float]
+    seconds: float
+    tokens_per_step: int
+    config: HealConfig
+    trained_parameters: int = 0
+    cpu_seconds: float = 0.0
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.seconds / max(len(self.losses), 1)
+
+
+def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of ``KL(teacher || student)`` in nats: logits ``(B, L, vocab)`` each, float32 softmax."""
+    s = student_logits.float().flatten(0, -2).log_softmax(-1)  # (B*L, vocab)
+    t = teacher_logits.float().flatten(0, -2).log_softmax(-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean")  # sum_v p (log p - log q), mean over positions
+
+
+def trainable_parameters(model: nn.Module, train: str) -> list[nn.Parameter]:
+    """The parameters ``train`` names: ``"attention"`` (q/k/v/o projection weights and biases) or ``"all"``."""
+    if train not in TRAINABLE:
+        raise ValueError(f"train must be one of {', '.join(TRAINABLE)}; got {train!r}")
+    params, seen = [], set()
+    for name, p in model.named_parameters():  # tied weights appear once
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if train == "all" or any(f".{proj}." in name for proj in _ATTENTION):
+            params.append(p)
+    return params
+
+
+def _lr_at(step: int, steps: int, warmup: int, lr: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay from ``lr`` to ``lr / 10`` at the last step."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(steps - warmup - 1, 1)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def _windows(ids: torch.Tensor, seq_len: int, gen: torch.Generator):
+    """Endless ``(seq_len,)`` chunks of ``ids``: the non-overlapping chunks in a new random order every pass."""
+    n = (len(ids) - seq_len) // seq_len + 1
+    while True:
+        for j in torch.randperm(n, generator=gen).tolist():
+            yield ids[j * seq_len : (j + 1) * seq_len]
+
+
+def heal(
+    student: nn.Module,
+    teacher: nn.Module,
+    token_ids: Sequence[int] | torch.Tensor,
+    *,
+    steps: int,
+    lr: float = 3e-4,
+    seq_len: int = 256,
+    batch_size: int = 1,
+    train: str = "attention",
+    warmup: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    callback: Callable[[int, float], None] | None = None,
+) -> HealResult:
+    """Distil ``student`` from ``teacher`` in place: ``steps`` AdamW steps on ``KL(teacher || student)`` of the logits.
+
+    Parameters
+    ----------
+    student : the converted model, ``model(input_ids (B, L)) -> logits (B, L, vocab)``; its parameters are updated
+        in place and it is left in eval mode with ``requires_grad`` as it was.
+    teacher : the source model (same vocabulary); only read, without gradients.
+    token_ids : ``(N,)`` the healing text's token ids, ``N >= seq_len`` (never the evaluation text).
+    steps : optimizer steps, ``>= 1``.
+    lr : peak learning rate (AdamW, no weight decay).
+    seq_len : tokens per window (at most the models' context).
+    batch_size : windows per step.
+    train : ``"attention"`` (q/k/v/o projections only) or ``"all"`` (every parameter, embeddings included).
+    warmup : warm-up steps; default ``min(20, steps // 10)``.
+    seed : seeds the window order (same seed, same data and the same result on the same machine).
+    progress : show a tqdm progress bar (on stderr) with the running loss.
+    callback : called as ``callback(step, loss)`` after every step.
+
+    Returns
+    -------
+    HealResult : per-step losses and learning rates, wall time.
+    """
+    cfg = HealConfig(steps, lr, seq_len, batch_size, train, warmup, seed)  # validates
+    warmup = min(20, steps // 10) if warmup is None else warmup
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
+    if len(ids) < seq_len:
+        raise ValueError(f"the healing text is {len(ids)} tokens long; seq_len ({seq_len}) needs at least as many")
+    for m in (student, teacher):
+        context = getattr(getattr(m, "config", None), "max_position_embeddings", None)
+        if context is not None and seq_len > context:
+            raise ValueError(f"seq_len ({seq_len}) exceeds the model's context of {context} tokens")
+    device = next(student.parameters()).device
+    params = trainable_parameters(student, train)
+    was = {id(p): p.requires_grad for p in student.parameters()}
+    train_ids = {id(p) for p in params}
+    for p in student.parameters():
+        p.requires_grad_(id(p) in train_ids)
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    windows = _windows(ids, seq_len, gen)
+    losses, lrs = [], []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc="healing", unit="step", file=sys.stderr, dynamic_ncols=True)
+    teacher.eval()
+    student.train()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    try:
+        for step in range(steps):
+            batch = torch.stack([next(windows) for _ in range(batch_size)]).to(device)  # (B, L)
+            with torch.no_grad():
+                target = teacher(batch)  # (B, L, vocab)
+            loss = kl_loss(student(batch), target)
+            step_lr = _lr_at(step, steps, warmup, lr)
+            for group in opt.param_groups:
+                group["lr"] = step_lr
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            value = loss.item()
+            if not math.isfinite(value):
+                raise FloatingPointError(f"healing diverged at step {step}: loss {value}; try a smaller lr")
+            losses.append(value)
+            lrs.append(step_lr)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(kl=f"{value:.3f}")
+            if callback is not None:
+                callback(step, value)
+    finally:
+        if bar is not None:
+            bar.close()
+        student.eval()
+        for p in student.parameters():
+            p.requires_grad_(was[id(p)])
+            p.grad = None
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    n = sum(p.numel() for p in params)
+    return HealResult(losses, lrs, seconds, batch_size * seq_len, cfg, n, cpu_seconds)
+
+
+def save_loss_curve(result: HealResult, path: str | Path, title: str | None = None) -> Path:
+    """Plot ``result.losses`` (each step, and a running mean) against the step as a PNG at ``path``, atomically:
+    drawn into a temporary file in the same folder and renamed into place. Uses matplotlib's Agg backend (no
+    display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # before pyplot; no display
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    losses = result.losses
+    k = max(1, len(losses) // 20)
+    smooth = [
+        sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1]) for i in range(len(losses))
+    ]
+    fig = Figure(figsize=(7, 4), dpi=100)
+    ax = fig.subplots()
+    steps = range(1, len(losses) + 1)
+    ax.plot(steps, losses, lw=0.8, alpha=0.4, label="per step")
+    ax.plot(steps, smooth, lw=2, label=f"mean of last {k}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL(teacher || student), nats/token")
+    c = result.config
+    ax.set_title(title or f"healing: train={c.train}, lr={c.lr:g}, {result.tokens_per_step} tokens/step")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,247 @@
+"""Healing (``gqa.convert.healing``): a merged tiny model gets closer to its source, deterministically; the loss curve
+is a real PNG; ``convert(..., heal=...)`` and ``gqa convert --heal-steps`` write the healed model safely, validate their
+flags before loading anything, and an interrupted heal leaves no destination and an untouched source."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from test_convert import WORDS, digest, tensors, tiny_dir
+
+import gqa
+from gqa.cli import main as cli
+from gqa.convert import HealConfig, convert, convert_state, heal, save_loss_curve
+from gqa.convert import healing as healing_module
+from gqa.convert.calibration import _shingles, default_heal_text
+from gqa.evaluate import default_eval_text, mean_kl
+from gqa.models import CausalLM, ModelConfig
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# ---------------------------------------------------------------------------------------------------------------------
+# heal() on models in memory
+
+
+def tiny_pair(seed: int = 0) -> tuple[CausalLM, CausalLM]:
+    """(teacher, student): a random 2-layer model with 6 query / 2 KV heads, and its 1-KV-head mean merge."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=6, num_kv_heads=2,
+                      head_dim=8, max_position_embeddings=64)  # fmt: skip
+    teacher = CausalLM(cfg).eval()
+    for p in teacher.parameters():
+        torch.nn.init.normal_(p, std=0.3)  # peaked, context-dependent predictions
+    state = {k: v for k, v in teacher.state_dict().items() if k != "lm_head.weight"}
+    cfg1, state1 = convert_state(cfg, state, 1, "mean")
+    return teacher, CausalLM.from_state(cfg1, {k: v.clone() for k, v in state1.items()})
+
+
+TRAIN_IDS = torch.randint(0, 64, (600,), generator=torch.Generator().manual_seed(1))
+HELD_OUT = torch.randint(0, 64, (120,), generator=torch.Generator().manual_seed(2))
+
+
+def test_heal_lowers_the_kl_to_the_teacher():
+    teacher, student = tiny_pair()
+    before = mean_kl(student, teacher, HELD_OUT, window=32)
+    res = heal(student, teacher, TRAIN_IDS, steps=30, lr=3e-3, seq_len=32, batch_size=2, progress=False)
+    after = mean_kl(student, teacher, HELD_OUT, window=32)
+    assert before > 0.05, before  # the merge really changed the model
+    assert after < 0.7 * before, (before, after)  # on text it never trained on
+    assert len(res.losses) == len(res.lrs) == 30 and res.tokens_per_step == 64
+    assert sum(res.losses[-5:]) < 0.7 * sum(res.losses[:5])
+    assert res.lrs[0] < res.lrs[3] == pytest.approx(3e-3) and res.lrs[-1] == pytest.approx(3e-4)  # warm-up, cosine
+    assert not student.training and all(p.requires_grad for p in student.parameters())  # left as found
+    assert all(p.grad is None for p in student.parameters())
+
+
+def test_heal_is_deterministic_with_a_seed():
+    runs = []
+    for seed in (0, 0, 1):
+        teacher, student = tiny_pair()
+        res = heal(student, teacher, TRAIN_IDS, steps=5, lr=1e-3, seq_len=32, seed=seed, progress=False)
+        runs.append((res.losses, student.state_dict()))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+    assert runs[0][0] != runs[2][0]  # another seed reads other windows
+
+
+@pytest.mark.parametrize("train", ["attention", "all"])
+def test_only_the_chosen_parameters_train(train):
+    teacher, student = tiny_pair()
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    res = heal(student, teacher, TRAIN_IDS, steps=3, lr=1e-3, seq_len=32, train=train, progress=False)
+    after = student.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    attention = {k for k in before if any(f".{p}_proj." in k for p in "qkvo")}
+    assert changed == (attention if train == "attention" else set(before)), changed ^ attention
+    n_attention = sum(before[k].numel() for k in attention)
+    assert res.trained_parameters == (
+        n_attention if train == "attention" else sum(p.numel() for p in student.parameters())
+    )
+    assert all(torch.equal(teacher_before[k], v) for k, v in teacher.state_dict().items())  # the teacher is only read
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(steps=0), "steps must be >= 1"),
+        (dict(steps=2, lr=-1.0), "lr must be a positive number"),
+        (dict(steps=2, train="mlp"), "train must be one of attention, all"),
+        (dict(steps=2, seq_len=1), "seq_len must be >= 2"),
+        (dict(steps=2, seq_len=100), "seq_len (100) exceeds the model's context of 64"),
+        (dict(steps=2, seq_len=32, warmup=3), "warmup must be an int in [0, steps=2]"),
+    ],
+)
+def test_bad_heal_arguments(kwargs, message):
+    teacher, student = tiny_pair()
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        heal(student, teacher, TRAIN_IDS, progress=False, **kwargs)
+    with pytest.raises(ValueError, match="healing text is 10 tokens long"):
+        heal(student, teacher, TRAIN_IDS[:10], steps=2, seq_len=32, progress=False)
+
+
+def test_loss_curve_is_a_valid_png(tmp_path):
+    teacher, student = tiny_pair()
+    res = heal(student, teacher, TRAIN_IDS, steps=4, lr=1e-3, seq_len=32, progress=False)
+    path = save_loss_curve(res, tmp_path / "curve.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert struct.unpack(">II", data[16:24]) == (700, 400)  # 7 x 4 inches at 100 dpi
+    from PIL import Image
+
+    with Image.open(path) as img:
+        img.verify()  # checks the chunks' CRCs
+    assert [p.name for p in tmp_path.iterdir()] == ["curve.png"]  # no temporary file left
+
+
+def test_default_heal_text_is_disjoint_from_the_eval_text():
+    text = default_heal_text()
+    assert 300_000 <= len(text) <= 400_000 and text == default_heal_text()  # stable
+    eval_text = default_eval_text()[0]
+    assert _shingles(text).isdisjoint(_shingles(eval_text))
+    # the exclusion really works: excluding the start of the text removes the docstrings it came from
+    assert text[:300] not in default_heal_text(max_chars=20_000, exclude=text[:300])
+    assert default_heal_text(max_chars=20_000, exclude="").startswith(text[:300])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# convert(..., heal=...) and gqa convert --heal-steps, on a tiny HF checkpoint
+
+HEAL_TEXT = " ".join(WORDS[(i * 5 + i // 7) % len(WORDS)] for i in range(400))
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return tiny_dir(tmp_path_factory.mktemp("heal") / "src", "qwen2", 8, 4)  # Qwen2: biases, untied embeddings
+
+
+def _kl_to_source(folder: Path, src: Path) -> float:
+    ids = torch.tensor([1, *[3 + (i * 3 + i // 5) % 7 for i in range(60)]])
+    return mean_kl(gqa.load_model(folder, tokenizer=False), gqa.load_model(src, tokenizer=False), ids, window=64)
+
+
+def test_convert_with_healing_writes_the_healed_model(src, tmp_path):
+    before = digest(src)
+    plain = convert(src, tmp_path / "plain", kv_heads=1, method="mean")
+    config = HealConfig(steps=25, lr=3e-3, seq_len=16, batch_size=2)
+    healed = convert(src, tmp_path / "healed", kv_heads=1, method="mean", heal=config, heal_text=HEAL_TEXT,
+                     progress=False)  # fmt: skip
+    assert digest(src) == before  # the source was only read
+    assert {"config.json", "model.safetensors", "heal_loss.png", "heal_log.json", "tokenizer.json"} <= {
+        p.name for p in healed.iterdir()
+    }
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folders left
+    log = json.loads((healed / "heal_log.json").read_text())
+    assert len(log["losses"]) == 25 and log["config"]["lr"] == 3e-3 and log["tokens_per_step"] == 32
+    assert (healed / "heal_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert gqa.load_model(healed).config.num_kv_heads == 1
+    a, b = tensors(plain), tensors(healed)
+    assert a.keys() == b.keys()
+    assert not torch.equal(a["model.layers.0.self_attn.k_proj.weight"], b["model.layers.0.self_attn.k_proj.weight"])
+    assert torch.equal(a["model.layers.0.mlp.up_proj.weight"], b["model.layers.0.mlp.up_proj.weight"])
+    assert _kl_to_source(healed, src) < 0.8 * _kl_to_source(plain, src)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_interrupted_healing_leaves_no_destination(src, tmp_path, monkeypatch, existing, error):
+    dst = tmp_path / "out"
+    if existing:
+        dst.mkdir()
+        (dst / "mine.txt").write_text("keep me")
+    before, source_before = digest(tmp_path), digest(src)
+    calls = []
+    real = healing_module.kl_loss
+
+    def failing(*args):
+        calls.append(None)
+        if len(calls) == 3:
+            raise error("interrupted (simulated)")
+        return real(*args)
+
+    monkeypatch.setattr(healing_module, "kl_loss", failing)
+    with pytest.raises(error, match="simulated"):
+        convert(src, dst, kv_heads=1, method="mean", heal=HealConfig(steps=10, seq_len=16), heal_text=HEAL_TEXT,
+                force=True, progress=False)  # fmt: skip
+    assert len(calls) == 3  # it failed inside the loop
+    assert digest(tmp_path) == before  # DST absent, or the user's folder untouched; no temporary folder
+    assert digest(src) == source_before
+
+
+def test_convert_healing_arguments(src, tmp_path):
+    dst = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"healing only applies when merging KV heads \(kv_heads < 4\)"):
+        convert(src, dst, kv_heads=8, heal=HealConfig(steps=2), heal_text=HEAL_TEXT)
+    with pytest.raises(ValueError, match="heal_text is only used when healing"):
+        convert(src, dst, kv_heads=1, heal_text=HEAL_TEXT)
+    with pytest.raises(TypeError, match="heal must be a HealConfig"):
+        convert(src, dst, kv_heads=1, heal=5)
+    assert not dst.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The CLI
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--heal-steps", "5"], "--heal-steps needs --heal-text FILE"),
+        (["--heal-steps", "-1", "--heal-text", "stdlib"], "--heal-steps must be >= 0, got -1"),
+        (["--heal-text", "stdlib"], "--heal-text is only used with --heal-steps N"),
+        (["--heal-steps", "5", "--heal-text", "stdlib", "--heal-lr", "0"], "heal lr must be a positive number"),
+        (["--heal-steps", "5", "--heal-text", "stdlib", "--heal-batch", "0"], "heal batch_size must be >= 1"),
+        (["--heal-steps", "5", "--heal-text", "/nonexistent/heal.txt"], "No such file"),
+    ],
+)
+def test_cli_heal_flag_errors(src, tmp_path, capsys, flags, message):
+    dst = tmp_path / "out"
+    assert cli(["convert", str(src), str(dst), "--kv-heads", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gqa convert: error: ") and message in err, err
+    assert not dst.exists()
+
+
+def test_cli_heal_needs_a_merge(src, tmp_path, capsys):
+    assert cli(["convert", str(src), str(tmp_path / "o"), "--kv-heads", "8", "--heal-steps", "3", "--heal-text",
+                "stdlib"]) == 2  # fmt: skip
+    assert "--heal-steps only applies when merging KV heads (--kv-heads < 4)" in capsys.readouterr().err
+
+
+def test_cli_heals(src, tmp_path, capsys):
+    text = tmp_path / "heal.txt"
+    text.write_text(HEAL_TEXT)
+    dst = tmp_path / "out"
+    flags = ["--heal-steps", "6", "--heal-text", str(text), "--heal-seq-len", "16", "--heal-lr", "1e-3"]
+    assert cli(["convert", str(src), str(dst), "--kv-heads", "2", "--method", "first", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "healed       6 steps x 16 tokens (attention, lr 0.001)" in out
+    assert f"loss curve   {dst.resolve() / 'heal_loss.png'}" in out
+    log = json.loads((dst / "heal_log.json").read_text())
+    assert log["config"] == {"steps": 6, "lr": 1e-3, "seq_len": 16, "batch_size": 1, "train": "attention",
+                             "warmup": None, "seed": 0}  # fmt: skip
