@@ -37,7 +37,7 @@ class HealConfig:
     """The knobs of ``heal`` (see there), as one value for ``gqa.convert.convert(..., heal=HealConfig(...))``."""
 
     steps: int
-    lr: float = 3e-4
+    lr: float = 1e-4
     seq_len: int = 256
     batch_size: int = 1
     train: str = "attention"
@@ -135,7 +135,7 @@ def heal(
     token_ids: Sequence[int] | torch.Tensor,
     *,
     steps: int,
-    lr: float = 3e-4,
+    lr: float = 1e-4,
     seq_len: int = 256,
     batch_size: int = 1,
     train: str = "attention",
