@@ -260,6 +260,9 @@ def save_loss_curve(result: HealResult, path: str | Path, title: str | None = No
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the result is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
