@@ -12,7 +12,7 @@ steps, ``mean`` and ``first`` for ``--heal-steps-others`` steps — and measured
 curve as ``DIR/heal_<method>.png``.
 
     .venv/bin/python benchmarks/conversion.py --json results/conversion.json
-    .venv/bin/python benchmarks/conversion.py --heal-steps 800 --heal-steps-others 200 --plots results \\
+    .venv/bin/python benchmarks/conversion.py --heal-steps 800 --heal-steps-others 100 --heal-lr 1e-4 --plots results \\
         --json results/conversion-healed.json
 """
 

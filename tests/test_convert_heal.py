@@ -117,6 +117,9 @@ def test_loss_curve_is_a_valid_png(tmp_path):
     with Image.open(path) as img:
         img.verify()  # checks the chunks' CRCs
     assert [p.name for p in tmp_path.iterdir()] == ["curve.png"]  # no temporary file left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file, not mkstemp's private one
 
 
 def test_default_heal_text_is_disjoint_from_the_eval_text():

@@ -37,7 +37,7 @@ class HealConfig:
     """The knobs of ``heal`` (see there), as one value for ``gqa.convert.convert(..., heal=HealConfig(...))``."""
 
     steps: int
-    lr: float = 3e-4
+    lr: float = 1e-4
     seq_len: int = 256
     batch_size: int = 1
     train: str = "attention"
@@ -135,7 +135,7 @@ def heal(
     token_ids: Sequence[int] | torch.Tensor,
     *,
     steps: int,
-    lr: float = 3e-4,
+    lr: float = 1e-4,
     seq_len: int = 256,
     batch_size: int = 1,
     train: str = "attention",
@@ -260,6 +260,9 @@ def save_loss_curve(result: HealResult, path: str | Path, title: str | None = No
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the result is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
