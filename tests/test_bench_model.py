@@ -74,3 +74,12 @@ def test_bad_flags_give_clear_errors(tiny, flags, message, capsys):
         code = e.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_decode_rate_is_robust_to_one_slow_token():
+    from gqa.bench.model_worker import _row
+
+    row = _row(16, prefill=0.5, stamps=[0.0, 0.1, 0.2, 1.0, 1.1])  # the third interval hit a burst of other work
+    assert row["decode_tok_s"] == pytest.approx(10.0)
+    assert row["decode_mean_tok_s"] == pytest.approx(4 / 1.1)
+    assert row["prefill_tok_s"] == pytest.approx(32.0)

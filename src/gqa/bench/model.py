@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         check_plotting()  # fail before the long part
 
     started = time.perf_counter()
-    cfg, _ = read_model(ns.model)
+    cfg = read_model(ns.model)[0]  # the weights are not kept: workers load their own
     counts = _head_counts(cfg, ns.kv_heads)
     if max(ns.contexts) + ns.new_tokens > cfg.max_position_embeddings:
         parser.error(f"--contexts {max(ns.contexts)} + --new-tokens {ns.new_tokens} exceeds the model's "

@@ -10,15 +10,18 @@ Engines:
   same tensors, driven by its own ``generate``.
 
 Per context ``C``: prefill = one forward over a ``C``-token prompt (batch 1) that returns the last position's logits
-(as generation needs); decode = ``(N - 1) / (t_N - t_1)`` for ``N`` new tokens, from the wall-clock time at which the
-first and the last new token came out of generation (our ``generate_stream``; HF's ``streamer``).
+(as generation needs); decode = one over the median time between consecutive new tokens (``N`` new tokens give ``N - 1``
+intervals), from the wall-clock time at which each came out of generation (our ``generate_stream``; HF's
+``streamer``); ``decode_mean_tok_s`` is ``(N - 1) / (t_N - t_1)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -104,15 +107,19 @@ class _Stamps:
 
 
 def _row(context: int, prefill: float, stamps: list[float]) -> dict:
-    """``stamps``: the time each new token came out, the first one right after the prefill."""
+    """``stamps``: the time each new token came out, the first one right after the prefill. Decode tokens/s is one
+    over the median time between consecutive tokens (robust to a burst of other work on the machine); the mean rate
+    over the whole span is kept beside it."""
     new = len(stamps)
+    median = statistics.median(b - a for a, b in itertools.pairwise(stamps))
     return {
         "context": context,
         "new_tokens": new,
         "prefill_s": prefill,
         "decode_s": stamps[-1] - stamps[0],
         "prefill_tok_s": context / prefill,
-        "decode_tok_s": (new - 1) / (stamps[-1] - stamps[0]),
+        "decode_tok_s": 1.0 / median,
+        "decode_mean_tok_s": (new - 1) / (stamps[-1] - stamps[0]),
     }
 
 
