@@ -9,6 +9,7 @@ import tempfile
 import pytest
 from test_convert import tiny_dir
 
+from gqa import kernels
 from gqa.bench.model import default_kv_heads, kv_bytes_per_token
 from gqa.bench.model import main as bench_model
 from gqa.bench.model_report import kind
@@ -52,6 +53,7 @@ def test_run_over_head_counts_writes_json_markdown_and_png(tiny, tmp_path, monke
         assert [row["context"] for row in r["rows"]] == [8, 20]
         assert all(row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 for row in r["rows"])
         assert 50 < r["peak_rss_mib"] < 8000
+        assert r["native_kernels"] is kernels.available()  # the workers load what this process loads
     md = (out / "m.md").read_text()
     assert "MHA (8 KV)" in md and "GQA (2 KV)" in md and "MQA (1 KV)" in md and "1.00x" in md
     assert md.strip() in capsys.readouterr().out

@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         f"Model benchmark ({payload['model']}, {cfg.num_heads} query heads), batch 1, {ns.new_tokens} new tokens "
         f"per context; torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
+    slow = sorted({f"{r['engine']} {r['dtype']}" for r in results if r["engine"] != "hf" and not r["native_kernels"]})
+    if slow:  # the PyTorch fallback is correct but not what the numbers are meant to show
+        header += (f"\nWARNING: gqa's native kernels were not loaded in {', '.join(slow)} (build them: "
+                   "python -m gqa.kernels); those rows measure the PyTorch fallback")  # fmt: skip
     text = header + "\n\n" + table(payload)
     print(text)
     if ns.json:

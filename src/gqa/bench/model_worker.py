@@ -150,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         kv_heads, rows = run_gqa(ns.model, dtype, ns.contexts, ns.new_tokens, compiled=ns.engine == "gqa")
     peak_mib = peak_rss_mib()
+    from gqa import kernels
+
     print(json.dumps({"engine": ns.engine, "dtype": ns.dtype, "model_kv_heads": kv_heads, "peak_rss_mib": peak_mib,
-                      "rows": rows}))  # fmt: skip
+                      "native_kernels": kernels.available(), "rows": rows}))  # fmt: skip
     return 0
 
 
