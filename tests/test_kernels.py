@@ -203,6 +203,8 @@ def test_auto_uses_fused_for_inference_decode_only():
     assert _choice(q, k, v.requires_grad_()) == "grouped"  # training keeps the differentiable path
     assert _choice(q.half(), k.half(), v.half()) == "grouped"
     assert _choice(q, k, v.detach(), return_weights=True) == "grouped"
+    q, k, v = make((1,), 9, 1, 1, 64, 16)  # SmolLM2 as MQA: 9 rows per KV head, in both dtypes
+    assert _choice(q, k, v) == "fused" and _choice(q.bfloat16(), k.bfloat16(), v.bfloat16()) == "fused"
     q, k, v = make((1,), 32, 1, 64, 64, 16)  # prefill: G * L rows far above FUSED_ROWS
     assert _choice(q, k, v) != "fused"
 

@@ -1,17 +1,12 @@
-"""Whole-model benchmark: prefill and decode tokens/s of gqa vs HF transformers on the same weights.
+"""Whole-model benchmark: KV-cache size, prefill and decode tokens/s of gqa vs HF transformers on the same weights,
+for the model as MHA, GQA and MQA.
 
-Every (engine, dtype) pair runs in its own subprocess, one after another in one command, so that each one's peak
-memory (max RSS) is its own. Engines:
-
-* ``gqa`` — ``gqa.load_model``; decode steps through static KV caches, compiled with ``torch.compile``;
-* ``gqa-eager`` — the same without compilation;
-* ``hf`` — ``transformers`` ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (default SDPA attention) holding the very
-  same tensors, driven by its own ``generate``.
-
-Per context ``C``: prefill = one forward over a ``C``-token prompt (batch 1) that returns the last position's logits
-(as generation needs); decode = ``(N - 1) / (t_N - t_1)`` for ``N`` new tokens, from the wall-clock time at which the
-first and the last new token came out of generation (our ``generate_stream``; HF's ``streamer``). Run ``gqa bench
-model --help`` for the flags.
+The source model (default: the embedded SmolLM2-135M-Instruct, 9 query / 3 KV heads) is run with each KV head count
+of ``--kv-heads`` (default: ``H_q``, its own ``H_kv`` and 1 — for SmolLM2, MHA 9, GQA 3, MQA 1). Other counts are
+made with ``gqa.convert`` into a temporary folder: more heads by exact expansion (the same model), fewer by the GQA
+paper's mean-pooling (speed does not depend on the weights: generation never stops early). Every (head count, engine,
+dtype) runs in its own subprocess (``gqa.bench.model_worker``), one after another, so each peak RSS is its own.
+Run ``gqa bench model --help`` for the flags.
 """
 
 from __future__ import annotations
@@ -20,122 +15,67 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from gqa.bench import write_json_atomic
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ENGINES = ("gqa", "gqa-eager", "hf")
-
-
-def _prompt(context: int, vocab: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, vocab, (context,), generator=g).tolist()
+from ..loaders import read_model
+from ..models.config import ModelConfig
+from . import write_json_atomic, write_text_atomic
+from .model_report import check_plotting, plot_model, table
+from .model_worker import DTYPES, ENGINES
 
 
-def _run_gqa(path: str | None, dtype: torch.dtype, contexts: list[int], new: int, compiled: bool) -> list[dict]:
-    import gqa
-    from gqa.generation import generate_stream
-
-    model = gqa.load_model(path, dtype=dtype, tokenizer=False)
-    step = None
-    if compiled:
-        compiled_forward = torch.compile(lambda tok, caches: model(tok, caches=caches))
-        step = compiled_forward
-    rows = []
-    with torch.inference_mode():
-        for context in contexts:
-            ids = _prompt(context, model.config.vocab_size)
-            if step is not None:  # compile (or re-specialise) for this cache size outside the timing
-                model.generate(ids[:8], max_new_tokens=3, eos_token_ids=[], step_fn=step)
-                caches = model.new_caches(1, context + new)
-                model(torch.tensor([ids]), caches=caches, last_only=True)
-                for _ in range(2):
-                    step(torch.tensor([[ids[-1]]]), caches)
-            start = time.perf_counter()
-            model(torch.tensor([ids]), caches=model.new_caches(1, context + new), last_only=True)
-            prefill = time.perf_counter() - start
-            stamps = []
-            for _ in generate_stream(model, [ids], max_new_tokens=new, eos_token_ids=[], step_fn=step):
-                stamps.append(time.perf_counter())
-            assert len(stamps) == new
-            rows.append(_row(context, prefill, stamps))
-    return rows
+def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: str) -> int:
+    """K and V of every layer for one token: ``2 * layers * H_kv * D * itemsize``."""
+    return 2 * num_layers * kv_heads * head_dim * DTYPES[dtype].itemsize
 
 
-def _run_hf(path: str | None, dtype: torch.dtype, contexts: list[int], new: int) -> list[dict]:
-    import transformers
-
-    from gqa.loaders import read_model
-
-    cfg, state = read_model(path)
-    hf_config = transformers.AutoConfig.for_model(**cfg.to_hf())
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype, attn_implementation="sdpa")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=not cfg.tie_word_embeddings)
-    model.tie_weights()
-    model.eval()
-    rows = []
-    with torch.inference_mode():
-        model.generate(torch.tensor([_prompt(8, cfg.vocab_size)]), max_new_tokens=3, do_sample=False)  # warm up
-        for context in contexts:
-            ids = torch.tensor([_prompt(context, cfg.vocab_size)])
-            start = time.perf_counter()
-            model(ids, use_cache=True, logits_to_keep=1)
-            prefill = time.perf_counter() - start
-            streamer = _Stamps()
-            out = model.generate(
-                ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None,
-                streamer=streamer,
-            )  # fmt: skip
-            assert out.shape[1] == context + new and len(streamer.stamps) == new + 1  # the prompt, then each token
-            rows.append(_row(context, prefill, streamer.stamps[1:]))
-    return rows
+def default_kv_heads(num_heads: int, num_kv_heads: int) -> list[int]:
+    """MHA, the model's own count and MQA, largest first, without repeats."""
+    return sorted({num_heads, num_kv_heads, 1}, reverse=True)
 
 
-class _Stamps:
-    """An HF ``streamer`` that only records when each ``put`` (the prompt, then every new token) happens."""
+def _head_counts(cfg: ModelConfig, kv_heads: list[int] | None) -> list[int]:
+    """``kv_heads`` without repeats (default ``default_kv_heads``), each one checked against ``cfg``."""
+    from ..convert import check_kv_heads
 
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.stamps.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
+    counts = default_kv_heads(cfg.num_heads, cfg.num_kv_heads) if kv_heads is None else list(dict.fromkeys(kv_heads))
+    for n in counts:
+        check_kv_heads(cfg, n, "mean")
+    return counts
 
 
-def _row(context: int, prefill: float, stamps: list[float]) -> dict:
-    """``stamps``: the time each new token came out, the first one right after the prefill."""
-    new = len(stamps)
-    return {
-        "context": context,
-        "new_tokens": new,
-        "prefill_s": prefill,
-        "decode_s": stamps[-1] - stamps[0],
-        "prefill_tok_s": context / prefill,
-        "decode_tok_s": (new - 1) / (stamps[-1] - stamps[0]),
-    }
+def _variants(src: str | None, cfg: ModelConfig, counts: list[int], folder: Path) -> dict[int, str | None]:
+    """Per head count, the model to run: ``src`` itself for its own count (``None``: the embedded model), else a
+    conversion of it written into ``folder``."""
+    from ..convert import convert
+
+    paths: dict[int, str | None] = {}
+    for n in counts:
+        if n == cfg.num_kv_heads:
+            paths[n] = src
+            continue
+        print(f"[bench model] converting to {n} KV heads ...", file=sys.stderr, flush=True)
+        paths[n] = str(convert(src, folder / f"kv{n}", kv_heads=n, method="mean", progress=False))
+    return paths
 
 
-def worker(ns: argparse.Namespace) -> int:
-    """Run one engine in this process and print one JSON line."""
-    torch.manual_seed(0)
-    dtype = DTYPES[ns.dtype]
-    if ns.engine == "hf":
-        rows = _run_hf(ns.model, dtype, ns.contexts, ns.new_tokens)
-    else:
-        rows = _run_gqa(ns.model, dtype, ns.contexts, ns.new_tokens, compiled=ns.engine == "gqa")
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"engine": ns.engine, "dtype": ns.dtype, "peak_rss_mib": peak_mib, "rows": rows}))
-    return 0
+def _run_worker(path: str | None, engine: str, dtype: str, contexts: list[int], new_tokens: int) -> dict:
+    cmd = [sys.executable, "-m", "gqa.bench.model_worker", engine, "--dtype", dtype, "--new-tokens", str(new_tokens),
+           "--contexts", *map(str, contexts)]  # fmt: skip
+    if path is not None:
+        cmd += ["--model", path]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0:
+        print(proc.stderr[-4000:], file=sys.stderr)
+        raise RuntimeError(f"benchmark worker {engine} {dtype} failed (exit {proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _machine() -> dict:
@@ -151,77 +91,86 @@ def _machine() -> dict:
     }
 
 
-def _table(results: list[dict], contexts: list[int]) -> str:
-    lines = [
-        "| dtype | context | engine | prefill tok/s | decode tok/s | decode vs hf | peak RSS MiB |",
-        "|---|---:|---|---:|---:|---:|---:|",
-    ]
-    by = {(r["engine"], r["dtype"]): r for r in results}
-    for dtype in dict.fromkeys(r["dtype"] for r in results):
-        for i, context in enumerate(contexts):
-            hf = by.get(("hf", dtype))
-            hf_decode = hf["rows"][i]["decode_tok_s"] if hf else None
-            for engine in ENGINES:
-                r = by.get((engine, dtype))
-                if r is None:
-                    continue
-                row = r["rows"][i]
-                ratio = f"{row['decode_tok_s'] / hf_decode:.2f}x" if hf_decode else "-"
-                lines.append(
-                    f"| {dtype} | {context} | {engine} | {row['prefill_tok_s']:.0f} | {row['decode_tok_s']:.1f} | "
-                    f"{ratio} | {r['peak_rss_mib']:.0f} |"
-                )
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gqa bench model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=None, metavar="N",
+                        help="KV head counts to run (default: H_q, the model's own, 1; SmolLM2: 9 3 1)")  # fmt: skip
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096])
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per context (default 32)")
     parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, 8 new tokens, fp32, no compile")
     parser.add_argument("--json", type=Path, default=None, help="write every number and the machine here")
-    parser.add_argument("--worker", choices=ENGINES, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help=argparse.SUPPRESS)
+    parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
+    parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here (needs matplotlib)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     ns = parser.parse_args(argv)
     if ns.quick:
         ns.contexts, ns.new_tokens, ns.dtypes = [64, 256], 8, ["fp32"]
-        ns.engines = [e for e in ns.engines if e != "gqa"]
+        ns.engines = [e for e in ns.engines if e != "gqa"] or ["gqa-eager"]
     if ns.new_tokens < 2:
         parser.error("--new-tokens must be >= 2")
-    if ns.worker:
-        ns.engine = ns.worker
-        return worker(ns)
+    if min(ns.contexts) < 1:
+        parser.error(f"--contexts must be positive, got {ns.contexts}")
+    if ns.kv_heads is not None and min(ns.kv_heads) < 1:
+        parser.error(f"--kv-heads must be positive, got {ns.kv_heads}")
+    if ns.plot is not None:
+        check_plotting()  # fail before the long part
 
-    results, started = [], time.perf_counter()
-    for dtype in ns.dtypes:
-        for engine in ns.engines:
-            print(f"[bench model] {engine} {dtype} contexts {ns.contexts} ...", file=sys.stderr, flush=True)
-            cmd = [sys.executable, "-m", "gqa.bench.model", "--worker", engine, "--dtype", dtype,
-                   "--new-tokens", str(ns.new_tokens), "--contexts", *map(str, ns.contexts)]  # fmt: skip
-            if ns.model:
-                cmd += ["--model", str(ns.model)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
-            if proc.returncode != 0:
-                print(proc.stderr[-4000:], file=sys.stderr)
-                raise RuntimeError(f"benchmark worker {engine} {dtype} failed (exit {proc.returncode})")
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    started = time.perf_counter()
+    cfg = read_model(ns.model)[0]  # the weights are not kept: workers load their own
+    counts = _head_counts(cfg, ns.kv_heads)
+    if max(ns.contexts) + ns.new_tokens > cfg.max_position_embeddings:
+        parser.error(f"--contexts {max(ns.contexts)} + --new-tokens {ns.new_tokens} exceeds the model's "
+                     f"max_position_embeddings {cfg.max_position_embeddings}")  # fmt: skip
+    results = []
+    with tempfile.TemporaryDirectory(prefix="gqa-bench-model-") as tmp:
+        paths = _variants(ns.model, cfg, counts, Path(tmp))
+        for n, path in paths.items():
+            for dtype in ns.dtypes:
+                for engine in ns.engines:
+                    print(f"[bench model] {n} KV heads, {engine} {dtype}, contexts {ns.contexts} ...",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    r = _run_worker(path, engine, dtype, ns.contexts, ns.new_tokens)
+                    per_token = kv_bytes_per_token(cfg.num_layers, n, cfg.head_dim, dtype)
+                    results.append({"kv_heads": n, "kv_bytes_per_token": per_token} | r)
+    payload = {
+        "benchmark": "model",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "model": ns.model or "embedded SmolLM2-135M-Instruct",
+        "config": cfg.as_dict(),
+        "args": {
+            "kv_heads": list(paths),
+            "contexts": ns.contexts,
+            "dtypes": ns.dtypes,
+            "engines": ns.engines,
+            "new_tokens": ns.new_tokens,
+        },
+        "elapsed_s": time.perf_counter() - started,
+        "results": results,
+    }
     header = (
-        f"SmolLM2-class model benchmark ({ns.model or 'embedded SmolLM2-135M-Instruct'}), batch 1, "
-        f"{ns.new_tokens} new tokens per context; torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"Model benchmark ({payload['model']}, {cfg.num_heads} query heads), batch 1, {ns.new_tokens} new tokens "
+        f"per context; torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    print(header + "\n\n" + _table(results, ns.contexts))
+    slow = sorted({f"{r['engine']} {r['dtype']}" for r in results if r["engine"] != "hf" and not r["native_kernels"]})
+    if slow:  # the PyTorch fallback is correct but not what the numbers are meant to show
+        header += (f"\nWARNING: gqa's native kernels were not loaded in {', '.join(slow)} (build them: "
+                   "python -m gqa.kernels); those rows measure the PyTorch fallback")  # fmt: skip
+    text = header + "\n\n" + table(payload)
+    print(text)
     if ns.json:
-        write_json_atomic(ns.json, {
-            "benchmark": "model",
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": _machine(),
-            "args": {"contexts": ns.contexts, "dtypes": ns.dtypes, "engines": ns.engines, "new_tokens": ns.new_tokens},
-            "elapsed_s": time.perf_counter() - started,
-            "results": results,
-        })  # fmt: skip
+        write_json_atomic(ns.json, payload)
+    if ns.markdown:
+        write_text_atomic(ns.markdown, text + "\n")
+    if ns.plot:
+        plot_model(payload, ns.plot)
     return 0
 
 

@@ -1,0 +1,87 @@
+"""``gqa bench model``: the model as MHA, GQA and MQA (made by ``gqa.convert``), gqa and HF engines each in its own
+process, JSON / markdown / PNG outputs, and clear errors for bad flags. Timings are not checked (see benchmarks/)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+
+import pytest
+from test_convert import tiny_dir
+
+from gqa import kernels
+from gqa.bench.model import default_kv_heads, kv_bytes_per_token
+from gqa.bench.model import main as bench_model
+from gqa.bench.model_report import kind
+from gqa.cli import main as cli
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Llama, 8 query heads, 2 KV heads, head_dim 4, 2 layers, 64 positions."""
+    return tiny_dir(tmp_path_factory.mktemp("bench-model") / "llama", "llama", 8, 2)
+
+
+def test_default_head_counts_and_bytes():
+    assert default_kv_heads(9, 3) == [9, 3, 1]
+    assert default_kv_heads(8, 8) == [8, 1]
+    assert default_kv_heads(4, 1) == [4, 1]
+    assert kv_bytes_per_token(30, 3, 64, "fp32") == 2 * 30 * 3 * 64 * 4
+    assert kv_bytes_per_token(30, 1, 64, "bf16") == 2 * 30 * 64 * 2
+    assert [kind(n, 9) for n in (9, 3, 1)] == ["MHA", "GQA", "MQA"]
+
+
+def test_run_over_head_counts_writes_json_markdown_and_png(tiny, tmp_path, monkeypatch, capsys):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the converted models go, and must not stay
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny), "--kv-heads", "8", "2", "1", "--contexts", "8", "20", "--new-tokens", "3",
+            "--engines", "gqa-eager", "hf", "--dtypes", "fp32", "--json", str(out / "m.json"),
+            "--markdown", str(out / "m.md"), "--plot", str(out / "m.png")]  # fmt: skip
+    assert bench_model(argv) == 0
+    assert list(scratch.iterdir()) == []
+    payload = json.loads((out / "m.json").read_text())
+    assert payload["args"]["kv_heads"] == [8, 2, 1] and payload["config"]["num_heads"] == 8
+    results = payload["results"]
+    assert [(r["kv_heads"], r["engine"]) for r in results] == [(n, e) for n in (8, 2, 1) for e in ("gqa-eager", "hf")]
+    for r in results:
+        assert r["model_kv_heads"] == r["kv_heads"]  # each worker really ran the converted model
+        assert r["kv_bytes_per_token"] == 2 * 2 * r["kv_heads"] * 4 * 4
+        assert [row["context"] for row in r["rows"]] == [8, 20]
+        assert all(row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 for row in r["rows"])
+        assert 50 < r["peak_rss_mib"] < 8000
+        assert r["native_kernels"] is kernels.available()  # the workers load what this process loads
+    md = (out / "m.md").read_text()
+    assert "MHA (8 KV)" in md and "GQA (2 KV)" in md and "MQA (1 KV)" in md and "1.00x" in md
+    assert md.strip() in capsys.readouterr().out
+    assert (out / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--kv-heads", "3"], "3"),  # does not divide 8 query heads
+        (["--kv-heads", "0"], "--kv-heads must be positive"),
+        (["--new-tokens", "1"], "--new-tokens must be >= 2"),
+        (["--contexts", "100"], "max_position_embeddings 64"),
+    ],
+)
+def test_bad_flags_give_clear_errors(tiny, flags, message, capsys):
+    try:
+        code = cli(["bench", "model", "--model", str(tiny), "--engines", "gqa-eager", *flags])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_decode_rate_is_robust_to_one_slow_token():
+    from gqa.bench.model_worker import _row
+
+    row = _row(16, prefill=0.5, stamps=[0.0, 0.1, 0.2, 1.0, 1.1])  # the third interval hit a burst of other work
+    assert row["decode_tok_s"] == pytest.approx(10.0)
+    assert row["decode_mean_tok_s"] == pytest.approx(4 / 1.1)
+    assert row["prefill_tok_s"] == pytest.approx(32.0)
