@@ -18,11 +18,12 @@ import time
 from pathlib import Path
 
 import torch
+from conversion import quality  # benchmarks/conversion.py, beside this script
 
 from gqa.bench import write_json_atomic
 from gqa.convert import _calibration_activations, convert_state, heal
 from gqa.convert.calibration import default_calibration_text, default_heal_text
-from gqa.evaluate import default_eval_text, mean_kl, perplexity
+from gqa.evaluate import default_eval_text
 from gqa.generation import generate
 from gqa.loaders import load_tokenizer, read_model
 from gqa.models import CausalLM
@@ -72,14 +73,9 @@ def main() -> int:
         heal_ids["mix"] = [t for i in range(0, len(heal_ids["doc"]), 2048)
                            for t in heal_ids["doc"][i : i + 2048] + heal_ids["gen"][i : i + 2048]]  # fmt: skip
 
-    def score(model: CausalLM) -> dict:
-        return {
-            name: {
-                "ppl": perplexity(model, ids, window=512, stride=256),
-                "kl": mean_kl(model, teacher, ids, window=512),
-            }
-            for name, ids in evals.items()
-        }
+    def score(model: CausalLM) -> dict:  # perplexity and KL in one pass per text (window 512, stride 256)
+        scores = {name: quality(model, teacher, ids) for name, ids in evals.items()}
+        return {name: {"ppl": q["perplexity"], "kl": q["kl"]} for name, q in scores.items()}
 
     rows = [{"recipe": "original", **score(teacher)}]
     for recipe in ns.recipes:

@@ -28,12 +28,12 @@ BACKENDS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
 # beats SDPA's flash kernel, which walks the cache once per query head. Measured with benchmarks/attention.py.
 DECODE_ROWS = 32
 
-# Up to this many query rows per KV head (per dtype) the native fused kernel, where built, beats the grouped matmul:
-# it reads K/V once close to the read bandwidth. fp32: faster at every measured row count up to 32 (MQA: 2-3x).
-# bf16: 2x faster at B=8 with 16 and 32 rows and 2.5x for SmolLM2 as MQA (9 rows, D=64, S=4096: 0.077 vs 0.195 ms);
-# slower only for a single sequence with 16 rows on 2 KV heads (0.33 vs 0.23 ms). Measured with `gqa bench attention`
-# and per-call timings of both backends on the project's 2-core VM.
-FUSED_ROWS = {torch.float32: 32, torch.bfloat16: 32}
+# Up to this many query rows per KV head the native fused kernel, where built (float32/bfloat16: `fused.supports`),
+# beats the grouped matmul: it reads K/V once close to the read bandwidth. fp32: faster at every measured row count
+# up to 32 (MQA: 2-3x). bf16: 2x faster at B=8 with 16 and 32 rows and 2.5x for SmolLM2 as MQA (9 rows, D=64,
+# S=4096: 0.077 vs 0.195 ms); slower only for a single sequence with 16 rows on 2 KV heads (0.33 vs 0.23 ms).
+# Measured with `gqa bench attention` and per-call timings of both backends on the project's 2-core VM.
+FUSED_ROWS = 32
 
 
 def choose_backend(
@@ -52,7 +52,7 @@ def choose_backend(
     decode-like shapes, weights or dropout; SDPA where it is natively grouped (prefill); else the grouped matmul."""
     rows = shape.G * shape.L  # query rows per KV head
     if (
-        rows <= FUSED_ROWS.get(query.dtype, 0)
+        rows <= FUSED_ROWS
         and fused.supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights) is None
     ):
         return "fused"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from ..models.config import ModelConfig
 from . import write_json_atomic, write_text_atomic
 from .model_report import check_plotting, plot_model, table
 from .model_worker import DTYPES, ENGINES
+from .report import machine_description
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: str) -> int:
@@ -76,19 +76,6 @@ def _run_worker(path: str | None, engine: str, dtype: str, contexts: list[int], 
         print(proc.stderr[-4000:], file=sys.stderr)
         raise RuntimeError(f"benchmark worker {engine} {dtype} failed (exit {proc.returncode})")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())  # fmt: skip
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -142,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "benchmark": "model",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": machine_description(torch.device("cpu")),
         "model": ns.model or "embedded SmolLM2-135M-Instruct",
         "config": cfg.as_dict(),
         "args": {

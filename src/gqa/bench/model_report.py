@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import atomic_path
-from .plots import check_plotting
+from .plots import _pyplot, _save, check_plotting
 
 __all__ = ["check_plotting", "kind", "plot_model", "table"]
 
@@ -55,8 +54,6 @@ def table(payload: dict) -> str:
 
 def plot_model(payload: dict, path: Path) -> None:
     """Write the PNG to ``path`` atomically."""
-    from .plots import _pyplot
-
     plt = _pyplot()
     results = payload["results"]
     dtypes = list(dict.fromkeys(r["dtype"] for r in results))
@@ -90,9 +87,8 @@ def plot_model(payload: dict, path: Path) -> None:
         ax.set_xlabel("context (prompt tokens)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"{payload['model']}: MHA vs GQA vs MQA, gqa vs HF transformers — {payload['machine']['cpu']}",
+    fig.suptitle(f"{payload['model']}: MHA vs GQA vs MQA, gqa vs HF transformers — {payload['machine']['cpu_model']}",
                  fontsize=11)  # fmt: skip
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+    _save(fig, path)
     plt.close(fig)

@@ -14,9 +14,7 @@ q/k/v/o projections, where the conversion changed the model; ``"all"``: every pa
 from __future__ import annotations
 
 import math
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .._atomic import atomic_path
 
 __all__ = ["TRAINABLE", "HealConfig", "HealResult", "heal", "kl_loss", "save_loss_curve"]
 
@@ -256,15 +256,6 @@ def save_loss_curve(result: HealResult, path: str | Path, title: str | None = No
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the result is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     return path
