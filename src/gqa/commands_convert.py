@@ -20,7 +20,7 @@ BUILTIN_HEAL_TEXT = "stdlib"
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    from .convert import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME, METHODS, TRAINABLE, HealConfig
+    from .convert import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME, METHODS, PRECISIONS, TRAINABLE, HealConfig
 
     src_help = "GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct); never modified"
     parser.add_argument("src", nargs="?", default=None, metavar="SRC", help=src_help)
@@ -58,6 +58,10 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"which parameters train: the q/k/v/o projections or all (default {d.train})",
     )  # fmt: skip
     heal.add_argument("--heal-seed", type=int, default=d.seed, help=f"seed of the window order (default {d.seed})")
+    heal.add_argument(
+        "--heal-precision", choices=PRECISIONS, default=d.precision,
+        help=f"bf16: the passes under bfloat16 autocast, float32 weights and optimizer (default {d.precision})",
+    )  # fmt: skip
 
 
 def _source_config(src: str | None) -> ModelConfig:
@@ -90,7 +94,9 @@ def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None
             f"--heal-steps needs --heal-text FILE (the text to heal on; '{BUILTIN_HEAL_TEXT}' for the built-in "
             "standard-library docstrings); do not heal on the text you evaluate on"
         )
-    config = HealConfig(ns.heal_steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train, None, ns.heal_seed)
+    config = HealConfig(
+        ns.heal_steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train, None, ns.heal_seed, ns.heal_precision
+    )
     if ns.heal_text == BUILTIN_HEAL_TEXT and not Path(ns.heal_text).exists():
         return config, None
     return config, Path(ns.heal_text).read_text(encoding="utf-8")

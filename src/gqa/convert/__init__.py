@@ -22,7 +22,7 @@ from ..loaders import read_model, resolve_model_path
 from ..models.config import ModelConfig
 from . import pca as _pca  # noqa: F401 - registers the "pca" method
 from .calibration import default_calibration_text, default_heal_text
-from .healing import TRAINABLE, HealConfig, HealResult, heal, save_loss_curve
+from .healing import PRECISIONS, TRAINABLE, HealConfig, HealResult, heal, save_loss_curve
 from .methods import METHODS, AttentionWeights, Method, check_kv_heads, convert_layer, register_method
 from .writer import check_destination, write_checkpoint
 
@@ -34,6 +34,7 @@ __all__ = [
     "HEAL_LOG_NAME",
     "HEAL_PLOT_NAME",
     "METHODS",
+    "PRECISIONS",
     "TRAINABLE",
     "AttentionWeights",
     "HealConfig",
