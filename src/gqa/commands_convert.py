@@ -32,6 +32,11 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibration-text", type=Path, default=None, metavar="FILE",
         help="text for calibrated methods (default: standard-library docstrings)",
     )  # fmt: skip
+    parser.add_argument(
+        "--refit", action=argparse.BooleanOptionalAction, default=None,
+        help="after each layer's merge, re-solve o_proj by least squares against the source layer's output on the "
+        "calibration text (default: on for pca, off for mean/first)",
+    )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
     heal = parser.add_argument_group(
         "healing", "distil the merged model from SRC (KL on the logits) before writing it; "
@@ -103,7 +108,7 @@ def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None
 
 
 def run_convert(ns: argparse.Namespace) -> int:
-    from .convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, convert
+    from .convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, NEEDS_CALIBRATION, convert
 
     src, dst = ns.src, ns.dst
     heal, heal_text = heal_settings(ns)  # before anything slow
@@ -114,11 +119,13 @@ def run_convert(ns: argparse.Namespace) -> int:
         raise ValueError(f"--heal-steps only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
     text = None if ns.calibration_text is None else ns.calibration_text.read_text(encoding="utf-8")
     out = convert(
-        src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, heal=heal,
-        heal_text=heal_text,
+        src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, refit=ns.refit,
+        heal=heal, heal_text=heal_text,
     )  # fmt: skip
     n, h_kv = ns.kv_heads, cfg.num_kv_heads
+    refit = ns.method in NEEDS_CALIBRATION if ns.refit is None else ns.refit
     how = "copied" if n == h_kv else "expanded exactly" if n > h_kv else f"merged with method {ns.method!r}"
+    how += ", o_proj refit" if n < h_kv and refit else ""
     before, after = (kv_cache_bytes(cfg.num_layers, h, cfg.head_dim, 1, dtype=torch.float32) for h in (h_kv, n))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"source       {src or 'embedded SmolLM2-135M-Instruct'} ({cfg.arch}, {cfg.num_layers} layers)")
