@@ -30,11 +30,13 @@ from gqa.bench import write_json_atomic
 from gqa.cache import kv_cache_bytes
 from gqa.convert import (
     DEFAULT_METHOD,
+    METHODS,
     TRAINABLE,
     HealConfig,
     _calibration_activations,
     convert_state,
     heal,
+    refit_convert_state,
     save_loss_curve,
 )
 from gqa.convert.calibration import default_calibration_text, default_heal_text
@@ -100,6 +102,7 @@ def main() -> int:
         variants.append(("9 -> 3", 3, method, *convert_state(expanded_cfg, expanded_state, 3, method, acts9)))
     for method in ("pca", "mean", "first"):
         variants.append(("3 -> 1", 1, method, *convert_state(cfg, state, 1, method, acts3)))
+    variants.append(("3 -> 1", 1, "pca + refit", *refit_convert_state(cfg, state, 1, "pca", tok.encode(calib))))
 
     rows, speed = [], {}
     prompt = ids[:512]
@@ -117,7 +120,7 @@ def main() -> int:
     heal_ids = tok.encode(default_heal_text()) if ns.heal_steps > 0 else []
     for name, heads, method, c, s in variants:
         steps = ns.heal_steps if method == DEFAULT_METHOD else others
-        if name != "3 -> 1" or steps <= 0:
+        if name != "3 -> 1" or steps <= 0 or method not in METHODS:
             continue
         config = HealConfig(steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train)
         student = CausalLM.from_state(c, s)  # a copy: s stays the unhealed weights

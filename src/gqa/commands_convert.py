@@ -20,7 +20,7 @@ BUILTIN_HEAL_TEXT = "stdlib"
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    from .convert import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME, METHODS, TRAINABLE, HealConfig
+    from .convert import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME, METHODS, PRECISIONS, TRAINABLE, HealConfig
 
     src_help = "GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct); never modified"
     parser.add_argument("src", nargs="?", default=None, metavar="SRC", help=src_help)
@@ -31,6 +31,11 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--calibration-text", type=Path, default=None, metavar="FILE",
         help="text for calibrated methods (default: standard-library docstrings)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--refit", action=argparse.BooleanOptionalAction, default=None,
+        help="after each layer's merge, re-solve o_proj by least squares against the source layer's output on the "
+        "calibration text (default: on for pca, off for mean/first)",
     )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
     heal = parser.add_argument_group(
@@ -58,6 +63,10 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"which parameters train: the q/k/v/o projections or all (default {d.train})",
     )  # fmt: skip
     heal.add_argument("--heal-seed", type=int, default=d.seed, help=f"seed of the window order (default {d.seed})")
+    heal.add_argument(
+        "--heal-precision", choices=PRECISIONS, default=d.precision,
+        help=f"bf16: the passes under bfloat16 autocast, float32 weights and optimizer (default {d.precision})",
+    )  # fmt: skip
 
 
 def _source_config(src: str | None) -> ModelConfig:
@@ -90,14 +99,16 @@ def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None
             f"--heal-steps needs --heal-text FILE (the text to heal on; '{BUILTIN_HEAL_TEXT}' for the built-in "
             "standard-library docstrings); do not heal on the text you evaluate on"
         )
-    config = HealConfig(ns.heal_steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train, None, ns.heal_seed)
+    config = HealConfig(
+        ns.heal_steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train, None, ns.heal_seed, ns.heal_precision
+    )
     if ns.heal_text == BUILTIN_HEAL_TEXT and not Path(ns.heal_text).exists():
         return config, None
     return config, Path(ns.heal_text).read_text(encoding="utf-8")
 
 
 def run_convert(ns: argparse.Namespace) -> int:
-    from .convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, convert
+    from .convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, NEEDS_CALIBRATION, convert
 
     src, dst = ns.src, ns.dst
     heal, heal_text = heal_settings(ns)  # before anything slow
@@ -108,11 +119,13 @@ def run_convert(ns: argparse.Namespace) -> int:
         raise ValueError(f"--heal-steps only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
     text = None if ns.calibration_text is None else ns.calibration_text.read_text(encoding="utf-8")
     out = convert(
-        src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, heal=heal,
-        heal_text=heal_text,
+        src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, refit=ns.refit,
+        heal=heal, heal_text=heal_text,
     )  # fmt: skip
     n, h_kv = ns.kv_heads, cfg.num_kv_heads
+    refit = ns.method in NEEDS_CALIBRATION if ns.refit is None else ns.refit
     how = "copied" if n == h_kv else "expanded exactly" if n > h_kv else f"merged with method {ns.method!r}"
+    how += ", o_proj refit" if n < h_kv and refit else ""
     before, after = (kv_cache_bytes(cfg.num_layers, h, cfg.head_dim, 1, dtype=torch.float32) for h in (h_kv, n))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"source       {src or 'embedded SmolLM2-135M-Instruct'} ({cfg.arch}, {cfg.num_layers} layers)")

@@ -22,8 +22,17 @@ from ..loaders import read_model, resolve_model_path
 from ..models.config import ModelConfig
 from . import pca as _pca  # noqa: F401 - registers the "pca" method
 from .calibration import default_calibration_text, default_heal_text
-from .healing import TRAINABLE, HealConfig, HealResult, heal, save_loss_curve
-from .methods import METHODS, AttentionWeights, Method, check_kv_heads, convert_layer, register_method
+from .healing import PRECISIONS, TRAINABLE, HealConfig, HealResult, heal, save_loss_curve
+from .methods import (
+    METHODS,
+    AttentionWeights,
+    Method,
+    check_kv_heads,
+    convert_layer,
+    layer_tensor_names,
+    register_method,
+)
+from .refit import refit_convert_state
 from .writer import check_destination, write_checkpoint
 
 if TYPE_CHECKING:
@@ -34,6 +43,7 @@ __all__ = [
     "HEAL_LOG_NAME",
     "HEAL_PLOT_NAME",
     "METHODS",
+    "PRECISIONS",
     "TRAINABLE",
     "AttentionWeights",
     "HealConfig",
@@ -42,6 +52,7 @@ __all__ = [
     "convert",
     "convert_state",
     "heal",
+    "refit_convert_state",
     "register_method",
     "save_loss_curve",
 ]
@@ -50,15 +61,6 @@ DEFAULT_METHOD = "pca"  # calibrated, training-free; far better than the paper's
 NEEDS_CALIBRATION = {"pca"}
 HEAL_PLOT_NAME = "heal_loss.png"  # written inside DST when healing: the loss curve
 HEAL_LOG_NAME = "heal_log.json"  # and the per-step losses, learning rates, settings and timing
-
-_PROJ = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
-
-
-def _layer_names(i: int) -> dict[str, str]:
-    """``AttentionWeights`` field -> HF tensor name in layer ``i``."""
-    p = f"model.layers.{i}.self_attn."
-    names = {f: f"{p}{proj}.weight" for f, proj in _PROJ.items()}
-    return names | {f"{f}_bias": f"{p}{_PROJ[f]}.bias" for f in ("q", "k", "v")}
 
 
 def convert_state(
@@ -85,7 +87,7 @@ def convert_state(
     check_kv_heads(cfg, kv_heads, method)
     out = dict(state)
     for i in range(cfg.num_layers):
-        names = _layer_names(i)
+        names = layer_tensor_names(i)
         w = AttentionWeights(**{f: state.get(n) for f, n in names.items()})
         new = convert_layer(w, cfg, kv_heads, method, None if activations is None else activations[i])
         for f, n in names.items():
@@ -153,6 +155,7 @@ def convert(
     method: str = DEFAULT_METHOD,
     force: bool = False,
     calibration_text: str | None = None,
+    refit: bool | None = None,
     heal: HealConfig | None = None,
     heal_text: str | None = None,
     progress: bool = True,
@@ -181,6 +184,11 @@ def convert(
     calibration_text : str or None
         Text run through the source model to give methods per-layer attention inputs ``(T, hidden)``; ``mean`` and
         ``first`` do not use them. ``pca`` defaults to ``default_calibration_text()`` (standard-library docstrings).
+    refit : bool or None
+        After each layer's merge, solve its ``o_proj`` again by ridge least squares so the layer's attention output
+        matches the source's on the calibration text, layer by layer on the converted model's own activations
+        (``gqa.convert.refit``). Default ``None``: on for ``pca``, off for ``mean`` and ``first`` (the GQA paper's
+        methods as published). Only used when merging; needs the calibration text (default as for ``pca``).
     heal : HealConfig or None
         Heal the merged model before writing it (only when ``kv_heads < H_kv``): ``heal.steps`` steps of
         distillation from the source model (``gqa.convert.healing.heal``; learning rate, window length, batch,
@@ -214,6 +222,8 @@ def convert(
         raise ValueError(f"unknown method {method!r}; known methods: {', '.join(sorted(METHODS))}")
     if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
         raise ValueError(f"kv_heads must be a positive int, got {kv_heads!r}")
+    if refit is not None and not isinstance(refit, bool):
+        raise TypeError(f"refit must be a bool or None, got {type(refit).__name__}")
     if heal is not None and not isinstance(heal, HealConfig):
         raise TypeError(f"heal must be a HealConfig or None, got {type(heal).__name__}")
     if heal_text is not None and heal is None:
@@ -232,17 +242,23 @@ def convert(
     tok = _source_tokenizer(resolved)
     if heal is not None and tok is None:
         raise ValueError(f"{resolved}: healing reads a text, which needs the source's tokenizer, and it has none")
-    activations = None
-    if calibration_text is None and method in NEEDS_CALIBRATION and kv_heads < cfg.num_kv_heads:
+    merging = kv_heads < cfg.num_kv_heads
+    do_refit = merging and (method in NEEDS_CALIBRATION if refit is None else refit)
+    if calibration_text is None and (method in NEEDS_CALIBRATION or do_refit) and merging:
         calibration_text = default_calibration_text()
-    if calibration_text is not None and kv_heads < cfg.num_kv_heads:
+    activations = None
+    if calibration_text is not None and merging:
         if tok is None:
             raise ValueError(
                 f"{resolved}: method {method!r} calibrates on text, which needs the source's tokenizer, and it has "
-                "none; use method 'mean' or 'first', or add the tokenizer files"
+                "none; use method 'mean' or 'first' without the refit, or add the tokenizer files"
             )
-        activations = _calibration_activations(cfg, state, tok, calibration_text)
-    new_cfg, new_state = convert_state(cfg, state, kv_heads, method, activations)
+        if do_refit:
+            new_cfg, new_state = refit_convert_state(cfg, state, kv_heads, method, tok.encode(calibration_text))
+        else:
+            activations = _calibration_activations(cfg, state, tok, calibration_text)
+    if not do_refit:
+        new_cfg, new_state = convert_state(cfg, state, kv_heads, method, activations)
     result = None
     if heal is not None:
         new_state, result = _heal_state(cfg, state, new_cfg, new_state, tok, heal, heal_text, progress)

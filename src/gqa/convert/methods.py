@@ -17,7 +17,24 @@ import torch
 
 from ..models.config import ModelConfig
 
-__all__ = ["METHODS", "AttentionWeights", "Method", "check_kv_heads", "convert_layer", "register_method"]
+__all__ = [
+    "METHODS",
+    "AttentionWeights",
+    "Method",
+    "check_kv_heads",
+    "convert_layer",
+    "layer_tensor_names",
+    "register_method",
+]
+
+_PROJ = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+
+
+def layer_tensor_names(i: int) -> dict[str, str]:
+    """``AttentionWeights`` field -> HF tensor name in layer ``i`` (``model.layers.{i}.self_attn.q_proj.weight``)."""
+    p = f"model.layers.{i}.self_attn."
+    names = {f: f"{p}{proj}.weight" for f, proj in _PROJ.items()}
+    return names | {f"{f}_bias": f"{p}{_PROJ[f]}.bias" for f in ("q", "k", "v")}
 
 
 @dataclass
@@ -51,8 +68,9 @@ class Method(Protocol):
     num_kv_heads : int
         N, the new KV head count.
     activations : (T, E) tensor or None
-        Calibration inputs of this layer's attention (the hidden states after ``input_layernorm``, from the
-        *source* model on ``calibration_text``), or ``None`` when no calibration text was given.
+        Calibration inputs of this layer's attention (the hidden states after ``input_layernorm`` on
+        ``calibration_text``): from the source model, or, with the ``o_proj`` refit (``gqa.convert.refit``), from
+        the model converted so far (earlier layers merged and refit). ``None`` when no calibration text was given.
 
     Returns
     -------
