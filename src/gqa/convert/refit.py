@@ -76,10 +76,9 @@ def _windows(ids: Sequence[int], length: int) -> list[Tensor]:
     ``SHORT_WINDOW`` (pieces shorter than 2 tokens are dropped)."""
     out, start, long = [], 0, True
     while start < len(ids):
+        block = ids[start : start + length]
         size = length if long else min(SHORT_WINDOW, length)
-        for i in range(start, min(start + length, len(ids)), size):
-            if len(ids[i : min(i + size, start + length)]) > 1:
-                out.append(torch.tensor([ids[i : min(i + size, start + length)]]))
+        out += [torch.tensor([block[i : i + size]]) for i in range(0, len(block), size) if len(block[i : i + size]) > 1]
         start, long = start + length, not long
     return out
 
@@ -97,15 +96,16 @@ def _attention(cfg: ModelConfig, n: int, w: AttentionWeights, rope) -> GroupedQu
     return attn
 
 
-def _outputs(attn: GroupedQueryAttention, X: list[Tensor], cos_sin: Callable) -> tuple[list[Tensor], Tensor]:
-    """``(outputs (1, L, E) per window, heads (T, H_q * D))``: the attention on each window and ``o_proj``'s inputs."""
+def _head_outputs(attn: GroupedQueryAttention, X: list[Tensor], cos_sin: Callable) -> list[Tensor]:
+    """Per window, ``o_proj``'s input ``(1, L, H_q * D)``: the attention's per-head outputs."""
     captured: list[Tensor] = []
-    hook = attn.o_proj.register_forward_pre_hook(lambda _m, args: captured.append(args[0].flatten(0, 1)))
+    hook = attn.o_proj.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
     try:
-        outs = [attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None) for x in X]
+        for x in X:
+            attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
     finally:
         hook.remove()
-    return outs, torch.cat(captured)
+    return captured
 
 
 @torch.no_grad()
@@ -157,15 +157,15 @@ def refit_convert_state(
         w = AttentionWeights(**{f: state.get(n) for f, n in names.items()})
         merged = convert_layer(w, cfg, kv_heads, method, torch.cat([x.flatten(0, 1) for x in X]))
         attn = _attention(cfg, kv_heads, merged, rope)
-        _, heads = _outputs(attn, X, cos_sin)
+        heads = _head_outputs(attn, X, cos_sin)
         target = torch.cat([layer.self_attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]),
                                             cache=None).flatten(0, 1) for x in X])  # fmt: skip
         if attn.o_proj.bias is not None:
             target = target - attn.o_proj.bias
-        merged = dataclasses.replace(merged, o=refit_output(heads, target, merged.o, ridge))
+        merged = dataclasses.replace(merged, o=refit_output(torch.cat([o.flatten(0, 1) for o in heads]), target,
+                                                            merged.o, ridge))  # fmt: skip
         attn.o_proj.weight.copy_(merged.o)
-        outs, _ = _outputs(attn, X, cos_sin)
-        hidden = [h + o for h, o in zip(hidden, outs, strict=True)]
+        hidden = [h + attn.o_proj(o) for h, o in zip(hidden, heads, strict=True)]  # the refit layer's attention
         hidden = [h + layer.mlp(layer.post_attention_layernorm(h)) for h in hidden]
         for f, n in names.items():
             t = getattr(merged, f)
