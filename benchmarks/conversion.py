@@ -2,8 +2,8 @@
 
 For each variant: perplexity on the default evaluation text (``gqa.evaluate.default_eval_text``: CPython's
 LICENSE.txt, first ``--tokens`` tokens, window 512, stride 256), mean KL(original || variant) on the same windows,
-the same two on held-out docstrings (the first ``--tokens`` tokens after the 400,000 characters of
-``default_heal_text()``: text of the heal text's kind that neither calibration nor healing reads),
+the same two on held-out docstrings (the first ``--tokens`` tokens of ``held_out_text()``: standard-library
+docstrings that neither calibration nor healing reads),
 KV-cache bytes per token, and decode tokens/s (eager, batch 1, 32 new tokens after a 512-token prompt, once per head
 count). Conversions run in memory with ``gqa.convert.convert_state``; calibrated methods use the default calibration
 text (standard-library docstrings), which is not the evaluation text.
@@ -41,7 +41,7 @@ from gqa.convert import (
     refit_convert_state,
     save_loss_curve,
 )
-from gqa.convert.calibration import HEAL_TEXT_CHARS, default_calibration_text, default_heal_text
+from gqa.convert.calibration import default_calibration_text, default_heal_text, held_out_text
 from gqa.evaluate import DEFAULT_WINDOW, _score, default_eval_text, perplexity
 from gqa.generation import generate_stream
 from gqa.loaders import load_tokenizer, read_model
@@ -96,7 +96,7 @@ def main() -> int:
     tok = load_tokenizer(None)
     text, description = default_eval_text()
     ids = tok.encode(text, add_special_tokens=False)[: ns.tokens]
-    held = tok.encode(default_heal_text(2 * HEAL_TEXT_CHARS)[HEAL_TEXT_CHARS:], add_special_tokens=False)[: ns.tokens]
+    held = tok.encode(held_out_text(), add_special_tokens=False)[: ns.tokens]
     original = build(cfg, state)
 
     def scores(model: CausalLM) -> dict[str, float]:

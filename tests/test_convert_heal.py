@@ -17,9 +17,9 @@ from test_convert import WORDS, digest, tensors, tiny_dir
 
 import gqa
 from gqa.cli import main as cli
-from gqa.convert import HealConfig, convert, convert_state, heal, save_loss_curve
+from gqa.convert import HealConfig, calibration, convert, convert_state, heal, save_loss_curve
 from gqa.convert import healing as healing_module
-from gqa.convert.calibration import _shingles, default_heal_text
+from gqa.convert.calibration import _shingles, default_heal_text, held_out_text
 from gqa.evaluate import default_eval_text, mean_kl
 from gqa.models import CausalLM, ModelConfig
 
@@ -142,9 +142,9 @@ class FakeClock:
 
 
 def test_a_time_budget_stops_healing_and_ends_the_schedule(monkeypatch):
-    """``minutes`` stops the loop once the budget is spent (the fake clock moves 2 s per reading: the start, then
-    one reading before each step and one for the progress bar ... here without a bar, so 2 s per step), and the
-    cosine follows the elapsed time: the last step's rate is near the floor although far fewer than ``steps`` ran."""
+    """``minutes`` stops the loop once the budget is spent (the fake clock moves 2 s per reading: one at the start,
+    one before each step), and the cosine follows the elapsed time: the last step's rate is near the floor although
+    far fewer than ``steps`` ran."""
     teacher, student = tiny_pair()
     monkeypatch.setattr(healing_module, "_clock", FakeClock(2.0))
     res = heal(student, teacher, TRAIN_IDS, steps=1000, lr=1e-3, seq_len=32, warmup=2, minutes=0.5, progress=False)
@@ -194,11 +194,16 @@ def test_loss_curve_is_a_valid_png(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file, not mkstemp's private one
 
 
-def test_default_heal_text_is_disjoint_from_the_eval_text():
+def test_default_heal_text_is_disjoint_from_the_eval_text_and_the_held_out_text():
     text = default_heal_text()
-    assert 300_000 <= len(text) <= 400_000 and text == default_heal_text()  # stable
+    assert len(text) >= 800_000 and text == default_heal_text()  # top level and packages; stable
     eval_text = default_eval_text()[0]
     assert _shingles(text).isdisjoint(_shingles(eval_text))
+    start, end = calibration.HELD_OUT
+    held = held_out_text()
+    assert len(held) == end - start and held[:200] not in text and held[-200:] not in text
+    assert _shingles(text[start:]).isdisjoint(_shingles(held))  # nothing after the span repeats 8 words of it
+    assert text[:start] == default_heal_text(start) and default_heal_text(start + 5_000) == text[: start + 5_000]
     # the exclusion really works: excluding the start of the text removes the docstrings it came from
     assert text[:300] not in default_heal_text(max_chars=20_000, exclude=text[:300])
     assert default_heal_text(max_chars=20_000, exclude="").startswith(text[:300])

@@ -52,7 +52,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     heal.add_argument(
         "--heal-text", default=None, metavar="FILE",
-        help=f"UTF-8 text to heal on, required when healing; '{BUILTIN_HEAL_TEXT}' is the built-in ~400 kB of "
+        help=f"UTF-8 text to heal on, required when healing; '{BUILTIN_HEAL_TEXT}' is the built-in ~1.2 MB of "
         "standard-library docstrings (disjoint from gqa eval's default text)",
     )  # fmt: skip
     d = HealConfig(steps=1)

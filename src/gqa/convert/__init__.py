@@ -196,8 +196,8 @@ def convert(
         ``dst`` then also holds ``heal_loss.png`` (the loss curve) and ``heal_log.json`` (per-step losses and
         learning rates, settings, timing).
     heal_text : str or None
-        The text healing reads (never the evaluation text); default ``default_heal_text()`` (~400 kB of
-        standard-library docstrings, ~108k SmolLM2 tokens, kept disjoint from CPython's ``LICENSE.txt``).
+        The text healing reads (never the evaluation text); default ``default_heal_text()`` (~1.2 MB of
+        standard-library docstrings, ~300k SmolLM2 tokens, kept disjoint from CPython's ``LICENSE.txt``).
     progress : bool
         Show a progress bar while healing.
 
