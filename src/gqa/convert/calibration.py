@@ -1,4 +1,5 @@
-"""Built-in texts for conversion, present on every Python installation: calibration text and healing text.
+"""Built-in texts for conversion, present on every Python installation: calibration text, healing text, and a
+held-out text of their kind for evaluation (``held_out_text``), which neither contains.
 
 Both are taken from the standard library's own docstrings, never from CPython's ``LICENSE.txt``, which is what
 ``gqa eval`` scores by default (``gqa.evaluate.default_eval_text``), so a conversion is neither calibrated nor healed on
