@@ -2,17 +2,19 @@
 
 For each variant: perplexity on the default evaluation text (``gqa.evaluate.default_eval_text``: CPython's
 LICENSE.txt, first ``--tokens`` tokens, window 512, stride 256), mean KL(original || variant) on the same windows,
+the same two on held-out docstrings (the first ``--tokens`` tokens of ``held_out_text()``: standard-library
+docstrings that neither calibration nor healing reads),
 KV-cache bytes per token, and decode tokens/s (eager, batch 1, 32 new tokens after a 512-token prompt, once per head
 count). Conversions run in memory with ``gqa.convert.convert_state``; calibrated methods use the default calibration
 text (standard-library docstrings), which is not the evaluation text.
 
 With ``--heal-steps N`` every 3 -> 1 variant is then healed (``gqa.convert.heal``: distilled from the original on
-``default_heal_text()``, other standard-library docstrings, also disjoint from the evaluation text) — ``pca`` for N
-steps, ``mean`` and ``first`` for ``--heal-steps-others`` steps — and measured again; ``--plots DIR`` saves each loss
-curve as ``DIR/heal_<method>.png``.
+``default_heal_text()``, other standard-library docstrings, also disjoint from the evaluation text) — the default
+(``pca`` + refit) for N steps, plain ``pca``, ``mean`` and ``first`` for ``--heal-steps-others`` steps — and measured
+again; ``--plots DIR`` saves each loss curve as ``DIR/heal_<method>.png``.
 
     .venv/bin/python benchmarks/conversion.py --json results/conversion.json
-    .venv/bin/python benchmarks/conversion.py --heal-steps 800 --heal-steps-others 100 --heal-lr 1e-4 --plots results \\
+    .venv/bin/python benchmarks/conversion.py --heal-steps 1800 --heal-steps-others 100 --plots results \\
         --json results/conversion-healed.json
 """
 
@@ -30,7 +32,7 @@ from gqa.bench import write_json_atomic
 from gqa.cache import kv_cache_bytes
 from gqa.convert import (
     DEFAULT_METHOD,
-    METHODS,
+    PRECISIONS,
     TRAINABLE,
     HealConfig,
     _calibration_activations,
@@ -39,11 +41,13 @@ from gqa.convert import (
     refit_convert_state,
     save_loss_curve,
 )
-from gqa.convert.calibration import default_calibration_text, default_heal_text
+from gqa.convert.calibration import default_calibration_text, default_heal_text, held_out_text
 from gqa.evaluate import DEFAULT_WINDOW, _score, default_eval_text, perplexity
 from gqa.generation import generate_stream
 from gqa.loaders import load_tokenizer, read_model
 from gqa.models import CausalLM, use_input_major_weights
+
+DEFAULT_VARIANT = f"{DEFAULT_METHOD} + refit"  # what `gqa convert --kv-heads 1` does
 
 
 def save(path: Path | None, description: str, ids: list[int], rows: list[dict]) -> None:
@@ -83,6 +87,7 @@ def main() -> int:
     parser.add_argument("--heal-seq-len", type=int, default=d.seq_len)
     parser.add_argument("--heal-batch", type=int, default=d.batch_size)
     parser.add_argument("--heal-train", choices=TRAINABLE, default=d.train)
+    parser.add_argument("--heal-precision", choices=PRECISIONS, default=d.precision)
     parser.add_argument("--plots", type=Path, default=None, help="folder for the loss curves (heal_<method>.png)")
     ns = parser.parse_args()
     others = ns.heal_steps if ns.heal_steps_others is None else ns.heal_steps_others
@@ -91,7 +96,12 @@ def main() -> int:
     tok = load_tokenizer(None)
     text, description = default_eval_text()
     ids = tok.encode(text, add_special_tokens=False)[: ns.tokens]
+    held = tok.encode(held_out_text(), add_special_tokens=False)[: ns.tokens]
     original = build(cfg, state)
+
+    def scores(model: CausalLM) -> dict[str, float]:
+        q, h = quality(model, original, ids), quality(model, original, held)
+        return q | {"held_perplexity": h["perplexity"], "held_kl": h["kl"]}
 
     expanded_cfg, expanded_state = convert_state(cfg, state, 9)  # exact expansion 3 -> 9 (MHA)
     calib = default_calibration_text()
@@ -102,13 +112,13 @@ def main() -> int:
         variants.append(("9 -> 3", 3, method, *convert_state(expanded_cfg, expanded_state, 3, method, acts9)))
     for method in ("pca", "mean", "first"):
         variants.append(("3 -> 1", 1, method, *convert_state(cfg, state, 1, method, acts3)))
-    variants.append(("3 -> 1", 1, "pca + refit", *refit_convert_state(cfg, state, 1, "pca", tok.encode(calib))))
+    variants.append(("3 -> 1", 1, DEFAULT_VARIANT, *refit_convert_state(cfg, state, 1, "pca", tok.encode(calib))))
 
     rows, speed = [], {}
     prompt = ids[:512]
     for name, heads, method, c, s in variants:
         model = original if name == "original" else build(c, s)
-        row = {"variant": name, "kv_heads": heads, "method": method, **quality(model, original, ids)}
+        row = {"variant": name, "kv_heads": heads, "method": method, **scores(model)}
         row["kv_bytes_per_token_fp32"] = kv_cache_bytes(c.num_layers, heads, c.head_dim, 1, dtype=torch.float32)
         if heads not in speed:
             speed[heads] = decode_tok_s(model, prompt)
@@ -118,19 +128,22 @@ def main() -> int:
         save(ns.json, description, ids, rows)
 
     heal_ids = tok.encode(default_heal_text()) if ns.heal_steps > 0 else []
-    for name, heads, method, c, s in variants:
-        steps = ns.heal_steps if method == DEFAULT_METHOD else others
-        if name != "3 -> 1" or steps <= 0 or method not in METHODS:
+    for name, heads, method, c, s in sorted(variants, key=lambda v: v[2] != DEFAULT_VARIANT):  # the default first
+        steps = ns.heal_steps if method == DEFAULT_VARIANT else others
+        if name != "3 -> 1" or steps <= 0:
             continue
-        config = HealConfig(steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train)
+        config = HealConfig(
+            steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train, precision=ns.heal_precision
+        )
         student = CausalLM.from_state(c, s)  # a copy: s stays the unhealed weights
         with torch.enable_grad():
             res = heal(student, original, heal_ids, **dataclasses.asdict(config))
         if ns.plots:
             ns.plots.mkdir(parents=True, exist_ok=True)
-            save_loss_curve(res, ns.plots / f"heal_{method}.png", f"SmolLM2 3 -> 1 KV heads ({method}), healing")
+            plot = ns.plots / f"heal_{method.replace(' + ', '_')}.png"
+            save_loss_curve(res, plot, f"SmolLM2 3 -> 1 KV heads ({method}), healing ({ns.heal_precision})")
         use_input_major_weights(student)
-        row = {"variant": "3 -> 1 healed", "kv_heads": heads, "method": method, **quality(student, original, ids)}
+        row = {"variant": "3 -> 1 healed", "kv_heads": heads, "method": method, **scores(student)}
         row["kv_bytes_per_token_fp32"] = kv_cache_bytes(c.num_layers, heads, c.head_dim, 1, dtype=torch.float32)
         row["decode_tok_s"] = speed[heads]
         row["heal"] = dataclasses.asdict(config) | {
@@ -141,18 +154,19 @@ def main() -> int:
         rows.append(row)
         print(
             f"[conversion] healed {method}: {steps} steps in {res.seconds:.0f} s ({res.seconds_per_step:.2f} s/step), "
-            f"ppl {row['perplexity']:.2f}, KL {row['kl']:.3f}",
+            f"ppl {row['perplexity']:.2f}, KL {row['kl']:.3f}; held-out docstrings ppl {row['held_perplexity']:.2f}",
             flush=True,
         )
         save(ns.json, description, ids, rows)
 
     base = rows[0]["perplexity"]
+    held_base = rows[0]["held_perplexity"]
     print(f"\nEvaluation text: {description}, first {len(ids)} tokens, window 512, stride 256.\n")
     print(
-        "| variant | KV heads | method | healing | perplexity | x original | mean KL (nats) | KV cache / token "
-        "| decode tok/s |"
+        "| variant | KV heads | method | healing | perplexity | x original | mean KL (nats) | held-out docstrings: "
+        "perplexity | x original | mean KL | KV cache / token | decode tok/s |"
     )
-    print("|---|---:|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         h = r.get("heal")
         how = (
@@ -162,8 +176,9 @@ def main() -> int:
         )
         print(
             f"| {r['variant']} | {r['kv_heads']} | {r['method']} | {how} | {r['perplexity']:.2f} | "
-            f"{r['perplexity'] / base:.2f} | {r['kl']:.3f} | {r['kv_bytes_per_token_fp32'] / 1024:.1f} KiB | "
-            f"{r['decode_tok_s']:.1f} |"
+            f"{r['perplexity'] / base:.2f} | {r['kl']:.3f} | {r['held_perplexity']:.2f} | "
+            f"{r['held_perplexity'] / held_base:.2f} | {r['held_kl']:.3f} | "
+            f"{r['kv_bytes_per_token_fp32'] / 1024:.1f} KiB | {r['decode_tok_s']:.1f} |"
         )
     save(ns.json, description, ids, rows)
     return 0

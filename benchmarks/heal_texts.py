@@ -1,10 +1,11 @@
 """Which text heals a merged model best? SmolLM2-135M-Instruct 3 -> 1 KV heads (``pca``), healed for the same number
 of steps on each heal text, then scored on three held-out texts: CPython's ``LICENSE.txt`` (the default evaluation
-text), standard-library docstrings that healing never reads (the 400,000 characters after ``default_heal_text()``),
-and text sampled from the original model with a seed that healing never uses.
+text), standard-library docstrings that healing never reads (``held_out_text()``), and text sampled from the
+original model with a seed that healing never uses.
 
-Heal texts: ``doc`` = ``default_heal_text()`` (docstrings); ``gen`` = ``--gen-rows`` x ``--gen-len`` tokens sampled
-from the original model (temperature 1, from the BOS token alone); ``mix`` = the two interleaved in 2048-token blocks.
+Heal texts: ``doc`` = ``default_heal_text(400_000)`` (docstrings; the default heal text before it grew to all of
+them); ``gen`` = ``--gen-rows`` x ``--gen-len`` tokens sampled from the original model (temperature 1, from the BOS
+token alone); ``mix`` = the two interleaved in 2048-token blocks.
 Every row: perplexity (window 512, stride 256, first 2048 tokens) and mean KL(original || model) on each text.
 
     .venv/bin/python benchmarks/heal_texts.py --steps 150 --json results/heal-texts.json     # ~25 min here
@@ -22,7 +23,7 @@ from conversion import quality  # benchmarks/conversion.py, beside this script
 
 from gqa.bench import write_json_atomic
 from gqa.convert import _calibration_activations, convert_state, heal
-from gqa.convert.calibration import default_calibration_text, default_heal_text
+from gqa.convert.calibration import default_calibration_text, default_heal_text, held_out_text
 from gqa.evaluate import default_eval_text
 from gqa.generation import generate
 from gqa.loaders import load_tokenizer, read_model
@@ -59,11 +60,10 @@ def main() -> int:
     )
     teacher = CausalLM.from_state(cfg, state).eval()
     bos = cfg.bos_token_id if cfg.bos_token_id is not None else 0
-    docs = default_heal_text(max_chars=800_000)
-    heal_ids = {"doc": tok.encode(docs[:400_000])}
+    heal_ids = {"doc": tok.encode(default_heal_text(400_000))}
     evals = {
         "license": tok.encode(default_eval_text()[0])[:TOKENS],
-        "held_doc": tok.encode(docs[400_000:])[:TOKENS],
+        "held_doc": tok.encode(held_out_text())[:TOKENS],
         "held_gen": sample(teacher, bos, 8, 256, seed=10_000)[:TOKENS],
     }
     if {"gen", "mix"} & set(ns.recipes):

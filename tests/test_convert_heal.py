@@ -4,6 +4,7 @@ flags before loading anything, and an interrupted heal leaves no destination and
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -16,9 +17,9 @@ from test_convert import WORDS, digest, tensors, tiny_dir
 
 import gqa
 from gqa.cli import main as cli
-from gqa.convert import HealConfig, convert, convert_state, heal, save_loss_curve
+from gqa.convert import HealConfig, calibration, convert, convert_state, heal, save_loss_curve
 from gqa.convert import healing as healing_module
-from gqa.convert.calibration import _shingles, default_heal_text
+from gqa.convert.calibration import _shingles, default_heal_text, held_out_text
 from gqa.evaluate import default_eval_text, mean_kl
 from gqa.models import CausalLM, ModelConfig
 
@@ -117,6 +118,8 @@ def test_only_the_chosen_parameters_train(train):
         (dict(steps=2, seq_len=100), "seq_len (100) exceeds the model's context of 64"),
         (dict(steps=2, seq_len=32, warmup=3), "warmup must be an int in [0, steps=2]"),
         (dict(steps=2, seq_len=32, precision="fp16"), "precision must be one of bf16, fp32; got 'fp16'"),
+        (dict(steps=2, seq_len=32, minutes=0), "minutes must be a positive number or None, got 0"),
+        (dict(steps=2, seq_len=32, minutes=float("inf")), "minutes must be a positive number or None, got inf"),
     ],
 )
 def test_bad_heal_arguments(kwargs, message):
@@ -125,6 +128,53 @@ def test_bad_heal_arguments(kwargs, message):
         heal(student, teacher, TRAIN_IDS, progress=False, **kwargs)
     with pytest.raises(ValueError, match="healing text is 10 tokens long"):
         heal(student, teacher, TRAIN_IDS[:10], steps=2, seq_len=32, progress=False)
+
+
+class FakeClock:
+    """``healing._clock`` stand-in: every reading is ``tick`` seconds after the previous one."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_a_time_budget_stops_healing_and_ends_the_schedule(monkeypatch):
+    """``minutes`` stops the loop once the budget is spent (the fake clock moves 2 s per reading: one at the start,
+    one before each step), and the cosine follows the elapsed time: the last step's rate is near the floor although
+    far fewer than ``steps`` ran."""
+    teacher, student = tiny_pair()
+    monkeypatch.setattr(healing_module, "_clock", FakeClock(2.0))
+    res = heal(student, teacher, TRAIN_IDS, steps=1000, lr=1e-3, seq_len=32, warmup=2, minutes=0.5, progress=False)
+    assert len(res.losses) == len(res.lrs) == 14  # readings at 4, 6, ..., 30 s start a step; at 32 s the budget is out
+    assert res.seconds == pytest.approx(32.0)
+    assert res.lrs[1] == pytest.approx(1e-3)  # warm-up
+    assert all(a > b for a, b in itertools.pairwise(res.lrs[2:]))  # decaying along the time, not along 1000 steps
+    assert res.lrs[-1] < 0.15e-3 and res.lrs[-1] >= 1e-4  # near the floor of a tenth at the end of the budget
+    assert res.config.minutes == 0.5
+
+
+def test_steps_still_bound_a_time_budget(monkeypatch):
+    teacher, student = tiny_pair()
+    monkeypatch.setattr(healing_module, "_clock", FakeClock(0.001))
+    res = heal(student, teacher, TRAIN_IDS, steps=5, lr=1e-3, seq_len=32, minutes=60.0, progress=False)
+    assert len(res.losses) == 5 and res.lrs[-1] == pytest.approx(1e-4)  # the step count ends the cosine
+
+
+def test_cli_heal_minutes(src, tmp_path, capsys, monkeypatch):
+    """``--heal-minutes`` alone: the time is the only limit (a fake clock ends it after a few steps)."""
+    monkeypatch.setattr(healing_module, "_clock", FakeClock(10.0))
+    text = tmp_path / "heal.txt"
+    text.write_text(HEAL_TEXT)
+    dst = tmp_path / "out"
+    flags = ["--heal-minutes", "1", "--heal-text", str(text), "--heal-seq-len", "16", "--heal-precision", "fp32"]
+    assert cli(["convert", str(src), str(dst), "--kv-heads", "2", "--method", "first", *flags]) == 0
+    log = json.loads((dst / "heal_log.json").read_text())
+    assert log["config"]["minutes"] == 1.0 and log["config"]["steps"] == 10**9
+    assert 2 <= len(log["losses"]) <= 6, len(log["losses"])  # 10 s per clock reading against a 60 s budget
+    assert f"healed       {len(log['losses'])} steps x 16 tokens" in capsys.readouterr().out
 
 
 def test_loss_curve_is_a_valid_png(tmp_path):
@@ -144,11 +194,16 @@ def test_loss_curve_is_a_valid_png(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # an ordinary file, not mkstemp's private one
 
 
-def test_default_heal_text_is_disjoint_from_the_eval_text():
+def test_default_heal_text_is_disjoint_from_the_eval_text_and_the_held_out_text():
     text = default_heal_text()
-    assert 300_000 <= len(text) <= 400_000 and text == default_heal_text()  # stable
+    assert len(text) >= 800_000 and text == default_heal_text()  # top level and packages; stable
     eval_text = default_eval_text()[0]
     assert _shingles(text).isdisjoint(_shingles(eval_text))
+    start, end = calibration.HELD_OUT
+    held = held_out_text()
+    assert len(held) == end - start and held[:200] not in text and held[-200:] not in text
+    assert _shingles(text[start:]).isdisjoint(_shingles(held))  # nothing after the span repeats 8 words of it
+    assert text[:start] == default_heal_text(start) and default_heal_text(start + 5_000) == text[: start + 5_000]
     # the exclusion really works: excluding the start of the text removes the docstrings it came from
     assert text[:300] not in default_heal_text(max_chars=20_000, exclude=text[:300])
     assert default_heal_text(max_chars=20_000, exclude="").startswith(text[:300])
@@ -242,9 +297,12 @@ def test_convert_healing_arguments(src, tmp_path):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--heal-steps", "5"], "--heal-steps needs --heal-text FILE"),
+        (["--heal-steps", "5"], "healing needs --heal-text FILE"),
+        (["--heal-minutes", "1"], "healing needs --heal-text FILE"),
+        (["--heal-minutes", "0", "--heal-text", "stdlib"], "--heal-minutes must be a positive number, got 0.0"),
+        (["--heal-minutes", "nan", "--heal-text", "stdlib"], "--heal-minutes must be a positive number, got nan"),
         (["--heal-steps", "-1", "--heal-text", "stdlib"], "--heal-steps must be >= 0, got -1"),
-        (["--heal-text", "stdlib"], "--heal-text is only used with --heal-steps N"),
+        (["--heal-text", "stdlib"], "--heal-text is only used with --heal-steps N (N > 0) or --heal-minutes M"),
         (["--heal-steps", "5", "--heal-text", "stdlib", "--heal-lr", "0"], "heal lr must be a positive number"),
         (["--heal-steps", "5", "--heal-text", "stdlib", "--heal-batch", "0"], "heal batch_size must be >= 1"),
         (["--heal-steps", "5", "--heal-text", "/nonexistent/heal.txt"], "No such file"),
@@ -261,7 +319,7 @@ def test_cli_heal_flag_errors(src, tmp_path, capsys, flags, message):
 def test_cli_heal_needs_a_merge(src, tmp_path, capsys):
     assert cli(["convert", str(src), str(tmp_path / "o"), "--kv-heads", "8", "--heal-steps", "3", "--heal-text",
                 "stdlib"]) == 2  # fmt: skip
-    assert "--heal-steps only applies when merging KV heads (--kv-heads < 4)" in capsys.readouterr().err
+    assert "healing only applies when merging KV heads (--kv-heads < 4)" in capsys.readouterr().err
 
 
 def test_cli_heals(src, tmp_path, capsys):
@@ -276,4 +334,4 @@ def test_cli_heals(src, tmp_path, capsys):
     assert f"loss curve   {dst.resolve() / 'heal_loss.png'}" in out
     log = json.loads((dst / "heal_log.json").read_text())
     assert log["config"] == {"steps": 6, "lr": 1e-3, "seq_len": 16, "batch_size": 1, "train": "attention",
-                             "warmup": None, "seed": 0, "precision": "fp32"}  # fmt: skip
+                             "warmup": None, "seed": 0, "precision": "fp32", "minutes": None}  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 
 
 BUILTIN_HEAL_TEXT = "stdlib"
+UNLIMITED_STEPS = 10**9  # the step limit under --heal-minutes alone
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +46,13 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     heal.add_argument("--heal-steps", type=int, default=0, metavar="N", help="optimizer steps (default 0: no healing)")
     heal.add_argument(
+        "--heal-minutes", type=float, default=None, metavar="M",
+        help="wall-time budget: heal until M minutes are spent (or N steps, if --heal-steps is also given); the "
+        "learning-rate schedule follows the time",
+    )  # fmt: skip
+    heal.add_argument(
         "--heal-text", default=None, metavar="FILE",
-        help=f"UTF-8 text to heal on, required with --heal-steps; '{BUILTIN_HEAL_TEXT}' is the built-in ~400 kB of "
+        help=f"UTF-8 text to heal on, required when healing; '{BUILTIN_HEAL_TEXT}' is the built-in ~1.2 MB of "
         "standard-library docstrings (disjoint from gqa eval's default text)",
     )  # fmt: skip
     d = HealConfig(steps=1)
@@ -90,18 +97,22 @@ def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None
 
     if ns.heal_steps < 0:
         raise ValueError(f"--heal-steps must be >= 0, got {ns.heal_steps}")
-    if ns.heal_steps == 0:
+    if ns.heal_minutes is not None and not (math.isfinite(ns.heal_minutes) and ns.heal_minutes > 0):
+        raise ValueError(f"--heal-minutes must be a positive number, got {ns.heal_minutes}")
+    if ns.heal_steps == 0 and ns.heal_minutes is None:
         if ns.heal_text is not None:
-            raise ValueError("--heal-text is only used with --heal-steps N (N > 0)")
+            raise ValueError("--heal-text is only used with --heal-steps N (N > 0) or --heal-minutes M")
         return None, None
     if ns.heal_text is None:
         raise ValueError(
-            f"--heal-steps needs --heal-text FILE (the text to heal on; '{BUILTIN_HEAL_TEXT}' for the built-in "
+            f"healing needs --heal-text FILE (the text to heal on; '{BUILTIN_HEAL_TEXT}' for the built-in "
             "standard-library docstrings); do not heal on the text you evaluate on"
         )
+    steps = ns.heal_steps or UNLIMITED_STEPS  # --heal-minutes alone: the time is the limit
     config = HealConfig(
-        ns.heal_steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train, None, ns.heal_seed, ns.heal_precision
-    )
+        steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train, None, ns.heal_seed, ns.heal_precision,
+        ns.heal_minutes,
+    )  # fmt: skip
     if ns.heal_text == BUILTIN_HEAL_TEXT and not Path(ns.heal_text).exists():
         return config, None
     return config, Path(ns.heal_text).read_text(encoding="utf-8")
@@ -116,7 +127,7 @@ def run_convert(ns: argparse.Namespace) -> int:
         raise FileNotFoundError(f"source model {src} does not exist")
     cfg = _source_config(src)
     if heal is not None and ns.kv_heads >= cfg.num_kv_heads:
-        raise ValueError(f"--heal-steps only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
+        raise ValueError(f"healing only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
     text = None if ns.calibration_text is None else ns.calibration_text.read_text(encoding="utf-8")
     out = convert(
         src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, refit=ns.refit,
@@ -145,5 +156,5 @@ def run_convert(ns: argparse.Namespace) -> int:
         )
         print(f"loss curve   {out / HEAL_PLOT_NAME}")
     elif n < h_kv:
-        print("note         merged K/V heads usually change the model's outputs; heal them with --heal-steps N")
+        print("note         merged K/V heads change the model's outputs; heal with --heal-steps N or --heal-minutes M")
     return 0

@@ -190,13 +190,14 @@ def convert(
         (``gqa.convert.refit``). Default ``None``: on for ``pca``, off for ``mean`` and ``first`` (the GQA paper's
         methods as published). Only used when merging; needs the calibration text (default as for ``pca``).
     heal : HealConfig or None
-        Heal the merged model before writing it (only when ``kv_heads < H_kv``): ``heal.steps`` steps of
-        distillation from the source model (``gqa.convert.healing.heal``; learning rate, window length, batch,
-        which parameters train, seed). ``dst`` then also holds ``heal_loss.png`` (the loss curve) and
-        ``heal_log.json`` (per-step losses and learning rates, settings, timing).
+        Heal the merged model before writing it (only when ``kv_heads < H_kv``): ``heal.steps`` steps (or fewer,
+        if ``heal.minutes`` of wall time run out first) of distillation from the source model
+        (``gqa.convert.healing.heal``; learning rate, window length, batch, which parameters train, seed, precision).
+        ``dst`` then also holds ``heal_loss.png`` (the loss curve) and ``heal_log.json`` (per-step losses and
+        learning rates, settings, timing).
     heal_text : str or None
-        The text healing reads (never the evaluation text); default ``default_heal_text()`` (~400 kB of
-        standard-library docstrings, ~108k SmolLM2 tokens, kept disjoint from CPython's ``LICENSE.txt``).
+        The text healing reads (never the evaluation text); default ``default_heal_text()`` (~1.2 MB of
+        standard-library docstrings, ~300k SmolLM2 tokens, kept disjoint from CPython's ``LICENSE.txt``).
     progress : bool
         Show a progress bar while healing.
 

@@ -1,4 +1,5 @@
-"""Built-in texts for conversion, present on every Python installation: calibration text and healing text.
+"""Built-in texts for conversion, present on every Python installation: calibration text, healing text, and a
+held-out text of their kind for evaluation (``held_out_text``), which neither contains.
 
 Both are taken from the standard library's own docstrings, never from CPython's ``LICENSE.txt``, which is what
 ``gqa eval`` scores by default (``gqa.evaluate.default_eval_text``), so a conversion is neither calibrated nor healed on
@@ -13,6 +14,7 @@ import ast
 import importlib
 import re
 import sysconfig
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 MODULES = (
@@ -21,9 +23,14 @@ MODULES = (
     "statistics", "random",
 )  # fmt: skip
 
-HEAL_TEXT_CHARS = 400_000  # ~100k SmolLM2 tokens: more than 30 minutes of healing on a 2-core CPU reads
+# all of it (~1.16M characters, ~300k SmolLM2 tokens): 30 minutes of healing read ~435k tokens here, so the text is
+# read 1.4 times; the first 400,000 characters alone were read 4 times, and healing memorised them (docs/conversion.md)
+HEAL_TEXT_CHARS: int | None = None
+HELD_OUT = (400_000, 450_000)  # characters of the docstrings kept for evaluation (``held_out_text``), never healed on
 CALIBRATION_HEAL_CHARS = 64_000  # of the heal text, after the module docstrings: ~20k more calibration tokens
 MIN_DOCSTRING_CHARS = 200  # shorter docstrings are mostly one-line summaries; prose is what the model should see
+# package folders whose docstrings are not prose about the standard library (tests, the IDE, demos, vendored code)
+SKIPPED_FOLDERS = frozenset({"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__phello__"})
 
 
 def module_docstrings() -> str:
@@ -45,13 +52,18 @@ def _shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-def default_heal_text(max_chars: int = HEAL_TEXT_CHARS, exclude: str | None = None) -> str:
-    """Docstrings of the standard library's top-level modules (``<stdlib>/*.py``, read with ``ast``, nothing
-    imported), in file order, each at least ``MIN_DOCSTRING_CHARS`` long, joined by blank lines up to ``max_chars``.
+def _stdlib_files() -> list[Path]:
+    """The standard library's top-level modules (``<stdlib>/*.py``, sorted), then its packages' modules (sorted, but
+    ``SKIPPED_FOLDERS``)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    packages = [p for p in root.glob("*/**/*.py") if SKIPPED_FOLDERS.isdisjoint(p.relative_to(root).parts[:-1])]
+    return sorted(root.glob("*.py")) + sorted(packages)
 
-    ``exclude`` (default: the default evaluation text, if this Python has it) is kept out: a docstring sharing any
-    run of 8 consecutive words with it is skipped, so healing never sees the evaluation text.
-    """
+
+def _docstrings(exclude: str | None) -> Iterator[str]:
+    """The docstrings of ``_stdlib_files()`` (read with ``ast``, nothing imported) in file order, each at least
+    ``MIN_DOCSTRING_CHARS`` long, but any sharing a run of 8 consecutive words with ``exclude`` (default: the default
+    evaluation text, if this Python has it)."""
     if exclude is None:
         from ..evaluate import default_eval_text
 
@@ -60,20 +72,58 @@ def default_heal_text(max_chars: int = HEAL_TEXT_CHARS, exclude: str | None = No
         except FileNotFoundError:
             exclude = ""
     banned = _shingles(exclude)
-    docs, total = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+    for path in _stdlib_files():
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, SyntaxError):
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
             continue
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             doc = ast.get_docstring(node)
-            if doc is None or len(doc) < MIN_DOCSTRING_CHARS or not banned.isdisjoint(_shingles(doc)):
-                continue
-            docs.append(doc)
-            total += len(doc) + 2
-            if total >= max_chars:
-                return "\n\n".join(docs)[:max_chars]
-    return "\n\n".join(docs)
+            if doc is not None and len(doc) >= MIN_DOCSTRING_CHARS and banned.isdisjoint(_shingles(doc)):
+                yield doc
+
+
+def _joined(docs: Iterable[str], max_chars: int) -> str:
+    """``"\\n\\n".join(docs)[:max_chars]``, reading ``docs`` only as far as needed."""
+    out, total = [], 0
+    for doc in docs:
+        out.append(doc)
+        total += len(doc) + 2
+        if total >= max_chars:
+            break
+    return "\n\n".join(out)[:max_chars]
+
+
+def held_out_text(exclude: str | None = None) -> str:
+    """Characters ``HELD_OUT`` of the joined docstrings (``_docstrings``): standard-library docstrings that neither
+    ``default_heal_text()`` nor ``default_calibration_text()`` contains — an evaluation text of their kind."""
+    start, end = HELD_OUT
+    return _joined(_docstrings(exclude), end)[start:]
+
+
+def default_heal_text(max_chars: int | None = HEAL_TEXT_CHARS, exclude: str | None = None) -> str:
+    """Docstrings of the standard library's modules (top level, then packages; ``_docstrings``), joined by blank
+    lines, without the ``held_out_text()`` span: its first ``HELD_OUT[0]`` characters, then the docstrings that
+    start after the span and share no run of 8 consecutive words with it; up to ``max_chars`` (``None``: all).
+
+    ``exclude`` (default: the default evaluation text, if this Python has it) is kept out: a docstring sharing any
+    run of 8 consecutive words with it is skipped, so healing never sees the evaluation text.
+    """
+    start, end = HELD_OUT
+    limit = float("inf") if max_chars is None else max_chars
+    docs = _docstrings(exclude)
+    head, offset = [], 0  # offset: where the next doc starts in the joined text
+    for doc in docs:  # up to the limit if that comes before the span, else past the span's end
+        head.append(doc)
+        offset += len(doc) + 2
+        if offset >= (limit if limit <= start else end):
+            break
+    joined = "\n\n".join(head)
+    if limit <= start:
+        return joined[: int(limit)]
+    held = _shingles(joined[start:end])
+    tail = [doc for doc in docs if held.isdisjoint(_shingles(doc))]  # the docs starting after the held-out span
+    text = joined[:start] + "\n\n" + "\n\n".join(tail)
+    return text if max_chars is None else text[:max_chars]

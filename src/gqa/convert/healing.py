@@ -8,7 +8,10 @@ distributions: the loss is the mean over tokens of ``KL(teacher || student)`` on
 One step: take ``batch_size`` windows (non-overlapping chunks of the text, shuffled every pass with ``seed``), run
 the teacher without gradients and the student with them, AdamW on the trained parameters (``train="attention"``: the
 q/k/v/o projections, where the conversion changed the model; ``"all"``: every parameter), gradient norm clipped to
-1, linear warm-up then cosine decay of the learning rate to a tenth. ``precision="bf16"`` (default) runs both models'
+1, linear warm-up then cosine decay of the learning rate to a tenth. ``minutes`` bounds the loop's wall time as
+well: healing then stops at whichever limit comes first, and the schedule follows whichever is further along
+(``max(step / steps, elapsed / budget)``), so a time-bounded run still ends its cosine at a tenth of the peak.
+``precision="bf16"`` (default) runs both models'
 forward and backward passes under bfloat16 autocast (the weights, the optimizer and the KL stay float32): on this
 project's 2-core CPU a step takes half the time of ``"fp32"`` with the same losses to three decimals.
 """
@@ -47,6 +50,7 @@ class HealConfig:
     warmup: int | None = None
     seed: int = 0
     precision: str = "bf16"
+    minutes: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "batch_size", "seed"):
@@ -65,6 +69,11 @@ class HealConfig:
             raise ValueError(f"heal train must be one of {', '.join(TRAINABLE)}; got {self.train!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"heal precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
+        if self.minutes is not None and not (
+            isinstance(self.minutes, (int, float)) and not isinstance(self.minutes, bool)
+            and math.isfinite(self.minutes) and self.minutes > 0
+        ):  # fmt: skip
+            raise ValueError(f"heal minutes must be a positive number or None, got {self.minutes!r}")
         if self.warmup is not None and not (isinstance(self.warmup, int) and 0 <= self.warmup <= self.steps):
             raise ValueError(f"heal warmup must be an int in [0, steps={self.steps}], got {self.warmup!r}")
 
@@ -75,8 +84,9 @@ class HealResult:
 
     Attributes
     ----------
-    losses : per step, the mean ``KL(teacher || student)`` in nats per token on that step's windows, measured before
-        the step's update (so ``losses[0]`` is the converted model's loss).
+    losses : per step taken (``steps``, unless ``minutes`` ran out first), the mean ``KL(teacher || student)`` in
+        nats per token on that step's windows, measured before the step's update (so ``losses[0]`` is the converted
+        model's loss).
     lrs : the learning rate of each step.
     seconds : wall time of the loop (the teacher's and the student's passes and the updates).
     cpu_seconds : CPU time of this process during the loop, all threads together (unlike ``seconds``, it does not
@@ -119,11 +129,15 @@ def trainable_parameters(model: nn.Module, train: str) -> list[nn.Parameter]:
     return params
 
 
-def _lr_at(step: int, steps: int, warmup: int, lr: float) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay from ``lr`` to ``lr / 10`` at the last step."""
+_clock = time.perf_counter  # the wall clock of the ``minutes`` budget (tests replace it)
+
+
+def _lr_at(step: int, steps: int, warmup: int, lr: float, time_fraction: float = 0.0) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay from ``lr`` to ``lr / 10`` at the last step — or, when
+    ``time_fraction`` (of a time budget, elapsed) is further along than the steps are, at the end of the budget."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    t = (step - warmup) / max(steps - warmup - 1, 1)
+    t = max((step - warmup) / max(steps - warmup - 1, 1), time_fraction)
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
@@ -148,6 +162,7 @@ def heal(
     warmup: int | None = None,
     seed: int = 0,
     precision: str = "bf16",
+    minutes: float | None = None,
     progress: bool = True,
     callback: Callable[[int, float], None] | None = None,
 ) -> HealResult:
@@ -168,6 +183,9 @@ def heal(
     seed : seeds the window order (same seed, same data and the same result on the same machine).
     precision : ``"bf16"`` runs the teacher's and the student's passes under bfloat16 autocast (weights, gradients,
         optimizer state and the KL stay float32); ``"fp32"`` runs everything in float32.
+    minutes : wall-time budget of the loop, or ``None``: no step starts after it is spent, and the learning-rate
+        schedule runs on elapsed time when that is further along than the step count (module docstring). Pass a
+        large ``steps`` to heal for exactly this long. Where it binds, the number of steps depends on the machine.
     progress : show a tqdm progress bar (on stderr) with the running loss.
     callback : called as ``callback(step, loss)`` after every step.
 
@@ -175,7 +193,8 @@ def heal(
     -------
     HealResult : per-step losses and learning rates, wall time.
     """
-    cfg = HealConfig(steps, lr, seq_len, batch_size, train, warmup, seed, precision)  # validates
+    cfg = HealConfig(steps, lr, seq_len, batch_size, train, warmup, seed, precision, minutes)  # validates
+    budget = None if minutes is None else 60.0 * minutes
     warmup = min(20, steps // 10) if warmup is None else warmup
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
     if len(ids) < seq_len:
@@ -198,19 +217,23 @@ def heal(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=steps, desc="healing", unit="step", file=sys.stderr, dynamic_ncols=True)
+        total = steps if budget is None else None  # under a time budget the step count is not known ahead
+        bar = tqdm(total=total, desc="healing", unit="step", file=sys.stderr, dynamic_ncols=True)
     teacher.eval()
     student.train()
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start, cpu_start = _clock(), time.process_time()
     try:
         for step in range(steps):
+            elapsed = _clock() - start
+            if budget is not None and elapsed >= budget:
+                break
             batch = torch.stack([next(windows) for _ in range(batch_size)]).to(device)  # (B, L)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                 with torch.no_grad():
                     target = teacher(batch)  # (B, L, vocab)
                 logits = student(batch)
             loss = kl_loss(logits, target)  # float32 softmax either way
-            step_lr = _lr_at(step, steps, warmup, lr)
+            step_lr = _lr_at(step, steps, warmup, lr, 0.0 if budget is None else elapsed / budget)
             for group in opt.param_groups:
                 group["lr"] = step_lr
             opt.zero_grad(set_to_none=True)
@@ -224,7 +247,8 @@ def heal(
             lrs.append(step_lr)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(kl=f"{value:.3f}")
+                left = {} if budget is None else {"left": f"{max(budget - _clock() + start, 0) / 60:.1f} min"}
+                bar.set_postfix(kl=f"{value:.3f}", **left)
             if callback is not None:
                 callback(step, value)
     finally:
@@ -234,7 +258,7 @@ def heal(
         for p in student.parameters():
             p.requires_grad_(was[id(p)])
             p.grad = None
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    seconds, cpu_seconds = _clock() - start, time.process_time() - cpu_start
     n = sum(p.numel() for p in params)
     return HealResult(losses, lrs, seconds, batch_size * seq_len, cfg, n, cpu_seconds)
 
