@@ -112,18 +112,11 @@ def default_heal_text(max_chars: int | None = HEAL_TEXT_CHARS, exclude: str | No
     run of 8 consecutive words with it is skipped, so healing never sees the evaluation text.
     """
     start, end = HELD_OUT
-    limit = float("inf") if max_chars is None else max_chars
     docs = _docstrings(exclude)
-    head, offset = [], 0  # offset: where the next doc starts in the joined text
-    for doc in docs:  # up to the limit if that comes before the span, else past the span's end
-        head.append(doc)
-        offset += len(doc) + 2
-        if offset >= (limit if limit <= start else end):
-            break
-    joined = "\n\n".join(head)
-    if limit <= start:
-        return joined[: int(limit)]
-    held = _shingles(joined[start:end])
+    if max_chars is not None and max_chars <= start:
+        return _joined(docs, max_chars)
+    joined = _joined(docs, end)  # reads ``docs`` up to the one that crosses the span's end
+    held = _shingles(joined[start:])
     tail = [doc for doc in docs if held.isdisjoint(_shingles(doc))]  # the docs starting after the held-out span
     text = joined[:start] + "\n\n" + "\n\n".join(tail)
     return text if max_chars is None else text[:max_chars]

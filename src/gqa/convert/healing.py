@@ -11,9 +11,9 @@ q/k/v/o projections, where the conversion changed the model; ``"all"``: every pa
 1, linear warm-up then cosine decay of the learning rate to a tenth. ``minutes`` bounds the loop's wall time as
 well: healing then stops at whichever limit comes first, and the schedule follows whichever is further along
 (``max(step / steps, elapsed / budget)``), so a time-bounded run still ends its cosine at a tenth of the peak.
-``precision="bf16"`` (default) runs both models'
-forward and backward passes under bfloat16 autocast (the weights, the optimizer and the KL stay float32): on this
-project's 2-core CPU a step takes half the time of ``"fp32"`` with the same losses to three decimals.
+``precision="bf16"`` (default) runs both models' forward and backward passes under bfloat16 autocast (the weights,
+the optimizer and the KL stay float32): on this project's 2-core CPU a step takes half the time of ``"fp32"`` with
+the same losses to three decimals.
 """
 
 from __future__ import annotations
