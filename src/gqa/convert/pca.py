@@ -115,14 +115,31 @@ def merge_keys(
     ``(K' (D, E'), Q')`` with ``Q'`` shaped like ``Q``.
     """
     merged, new_Q = _merge_keys_per_plane(X, K, Q)
-    if slow is not None and len(slow) > 0:
-        half = K[0].shape[0] // 2
-        rows = torch.cat([slow, slow + half])  # both coordinates of each slow plane
-        C = [sum((X @ q[rows].T).T @ (X @ q[rows].T) for q in qs) / X.shape[0] for qs in Q]  # E[q q^T] per old head
-        merged[rows], U = _merge_in_metric(X, [k[rows] for k in K], C)
-        for new_qs, qs, u in zip(new_Q, Q, U, strict=True):
-            for new_q, q in zip(new_qs, qs, strict=True):
-                new_q[rows] = u.T @ q[rows]
+    if slow is None or len(slow) == 0:
+        return merged, new_Q
+    half = K[0].shape[0] // 2
+    rows = torch.cat([slow, slow + half])  # both coordinates of each slow plane
+    C = [sum((X @ q[rows].T).T @ (X @ q[rows].T) for q in qs) / X.shape[0] for qs in Q]  # E[q q^T] per old head
+    pooled, U = _merge_in_metric(X, [k[rows] for k in K], C)
+    pooled_Q = [[u.T @ q[rows] for q in qs] for qs, u in zip(Q, U, strict=True)]
+    # pool only where it fits the slow scores better: never where the per-plane fit is already exact (copies), so
+    # that an exact, RoPE-commuting answer is kept
+    M_half = _sqrt_and_inv_sqrt(X.T @ X / X.shape[0])[0]  # (E', E') E[x x^T]^{1/2}
+
+    def score_error(k_new: Tensor, q_new: list[list[Tensor]]) -> Tensor:  # E[(q_i(x).k_h(y) - q'_i(x).k'(y))^2]
+        return sum(
+            (M_half @ (q[rows].T @ k[rows] - qn.T @ k_new) @ M_half).square().sum()
+            for k, qs, qns in zip(K, Q, q_new, strict=True) for q, qn in zip(qs, qns, strict=True)
+        )  # fmt: skip
+
+    per_plane = score_error(merged[rows], [[q[rows] for q in qs] for qs in new_Q])
+    scale = sum((M_half @ q[rows].T @ k[rows] @ M_half).square().sum() for k, qs in zip(K, Q, strict=True) for q in qs)
+    if per_plane - score_error(pooled, pooled_Q) <= 1e-9 * scale:
+        return merged, new_Q
+    merged[rows] = pooled
+    for new_qs, pqs in zip(new_Q, pooled_Q, strict=True):
+        for new_q, pq in zip(new_qs, pqs, strict=True):
+            new_q[rows] = pq
     return merged, new_Q
 
 
