@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gqa.convert import _calibration_activations, convert_state
+from gqa.convert import pca as pca_module
 from gqa.convert.pca import SLOW_PLANE_ANGLE, SLOW_PLANE_SPAN, merge_keys, merge_values, slow_planes
 from gqa.models import CausalLM, ModelConfig
 
@@ -123,7 +124,7 @@ def test_slow_planes_are_pooled_across_planes():
     assert error(None) > 1.0
 
 
-def test_pca_beats_mean_on_smollm2():
+def test_pca_beats_mean_on_smollm2(monkeypatch):
     from gqa.loaders import load_tokenizer, read_model
 
     cfg, state = read_model(None)
@@ -141,6 +142,9 @@ def test_pca_beats_mean_on_smollm2():
 
     pca, mean = ppl("pca"), ppl("mean")
     assert pca < mean / 5, f"pca {pca:.1f} vs mean {mean:.1f}"
+    monkeypatch.setattr(pca_module, "slow_planes", lambda cfg: torch.empty(0, dtype=torch.long))
+    per_plane = ppl("pca")  # keys fitted one plane at a time only
+    assert pca < per_plane, f"pca {pca:.1f} vs pca without pooled slow planes {per_plane:.1f}"
 
 
 def test_pca_needs_calibration():
