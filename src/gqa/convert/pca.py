@@ -28,7 +28,8 @@ slow dimensions, so the mean squared score error ``E[(q_i . (k_h - U_h k'))^2]``
 taken independent of keys): with the top-``n`` eigenvectors ``P`` of ``Z^T Z``, ``k' = sum_h P_h^T C_h^{1/2} k_h`` and
 ``k_h ≈ U_h k'``, ``U_h = C_h^{-1/2} P_h``, absorbed as ``q_i <- U_h^T q_i`` on those dimensions. ``U_h`` mixes slow
 planes, so it commutes with RoPE only approximately — up to the angle between the planes' rotations, small inside the
-span; the refit (``refit.py``) then sees the real rotations. Measured on SmolLM2 3 -> 1 with the refit
+span; the refit (``refit.py``) then sees the real rotations. A group is pooled only where this lowers the score
+error of the per-plane fit, so where that is exact (copies) the RoPE-exact answer is kept. SmolLM2 3 -> 1 with the refit
 (docs/conversion.md): ``LICENSE.txt`` perplexity 48.0 -> 26.7 at window 512, and 50.8 -> 38.1 at window 2048.
 
 Biases (Qwen2) ride along: ``X`` gets a column of ones and each weight its bias as an extra column.
@@ -101,7 +102,7 @@ def merge_keys(
     X: Tensor, K: list[Tensor], Q: list[list[Tensor]], slow: Tensor | None = None
 ) -> tuple[Tensor, list[list[Tensor]]]:
     """Merge ``m`` key heads into one with RoPE-commuting per-plane complex factors (HF half-rotation layout), the
-    ``slow`` planes pooled across planes (module docstring).
+    ``slow`` planes pooled across planes where that fits their scores better (module docstring).
 
     Parameters
     ----------
