@@ -14,7 +14,7 @@ With ``--heal-steps N`` every 3 -> 1 variant is then healed (``gqa.convert.heal`
 again; ``--plots DIR`` saves each loss curve as ``DIR/heal_<method>.png``.
 
     .venv/bin/python benchmarks/conversion.py --json results/conversion.json
-    .venv/bin/python benchmarks/conversion.py --heal-steps 1800 --heal-steps-others 100 --plots results \\
+    .venv/bin/python benchmarks/conversion.py --heal-steps 1700 --heal-steps-others 100 --plots results \\
         --json results/conversion-healed.json
 """
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from gqa.convert import _calibration_activations, convert_state
-from gqa.convert.pca import merge_keys, merge_values
+from gqa.convert import pca as pca_module
+from gqa.convert.pca import SLOW_PLANE_ANGLE, SLOW_PLANE_SPAN, merge_keys, merge_values, slow_planes
 from gqa.models import CausalLM, ModelConfig
 
 
@@ -27,13 +28,15 @@ def _activations(model: CausalLM, ids: torch.Tensor) -> list[torch.Tensor]:
     return acts
 
 
+@pytest.mark.parametrize("theta", [1e4, 1e8])  # 1e8: planes 2 and 3 of 4 are slow and pooled
 @pytest.mark.parametrize("bias", [False, True])
-def test_merging_copies_of_one_head_is_exact(bias):
+def test_merging_copies_of_one_head_is_exact(bias, theta):
     """1 KV head expanded to 3 identical heads, then merged back with pca: the same function as before."""
     torch.manual_seed(0)
     cfg1 = ModelConfig(arch="qwen2" if bias else "llama", vocab_size=64, hidden_size=48, intermediate_size=64,
                        num_layers=2, num_heads=6, num_kv_heads=1, head_dim=8, max_position_embeddings=64,
-                       attention_bias=bias, tie_word_embeddings=not bias)  # fmt: skip
+                       attention_bias=bias, tie_word_embeddings=not bias, rope_theta=theta)  # fmt: skip
+    assert slow_planes(cfg1).tolist() == ([] if theta == 1e4 else [2, 3])
     base = CausalLM(cfg1).eval()
     for p in base.parameters():  # biases start at zero; make them matter
         torch.nn.init.normal_(p, std=0.3)
@@ -88,7 +91,40 @@ def test_key_merge_commutes_with_rope():
     torch.testing.assert_close(scores(q1n, k_new), scores(q1, other), atol=1e-3, rtol=1e-3)
 
 
-def test_pca_beats_mean_on_smollm2():
+@pytest.mark.parametrize(
+    ("theta", "scaling"), [(1e5, None), (1e4, None), (1e4, {"rope_type": "linear", "factor": 8.0})]
+)
+def test_slow_planes_turn_less_than_the_angle_over_the_span(theta, scaling):
+    cfg = ModelConfig(head_dim=64, rope_theta=theta, rope_scaling=scaling)
+    factor = 1.0 if scaling is None else scaling["factor"]
+    expected = [j for j in range(32) if theta ** (-2 * j / 64) / factor * (SLOW_PLANE_SPAN - 1) < SLOW_PLANE_ANGLE]
+    assert slow_planes(cfg).tolist() == expected
+    assert expected[-1] == 31 and len(expected) < 32
+    if theta == 1e5 and scaling is None:  # SmolLM2
+        assert expected == list(range(20, 32))
+
+
+def test_slow_planes_are_pooled_across_planes():
+    """Two key heads put different content in the same slow plane (2) and nothing in the other (3): one complex
+    factor per plane cannot keep both, pooling the slow planes can (plain dot products, i.e. position 0)."""
+    torch.manual_seed(3)
+    D, E, T = 8, 12, 60
+    X = torch.randn(T, E, dtype=torch.float64)
+    a, b = torch.randn(D, E, dtype=torch.float64), torch.randn(D, E, dtype=torch.float64)
+    b[[0, 1, 4, 5]] = a[[0, 1, 4, 5]]  # fast planes 0 and 1 shared
+    a[[3, 7]], b[[3, 7]] = 0, 0  # slow plane 3 unused
+    qa, qb = torch.randn(D, E, dtype=torch.float64), torch.randn(D, E, dtype=torch.float64)
+
+    def error(slow):
+        k_new, (qa_new,), (qb_new,) = (lambda r: (r[0], *r[1]))(merge_keys(X, [a, b], [[qa], [qb]], slow))
+        return max(((X @ q_new.T) @ (X @ k_new.T).T - (X @ q.T) @ (X @ k.T).T).abs().max().item()
+                   for q, q_new, k in ((qa, qa_new, a), (qb, qb_new, b)))  # fmt: skip
+
+    assert error(torch.tensor([2, 3])) < 1e-8
+    assert error(None) > 1.0
+
+
+def test_pca_beats_mean_on_smollm2(monkeypatch):
     from gqa.loaders import load_tokenizer, read_model
 
     cfg, state = read_model(None)
@@ -106,6 +142,9 @@ def test_pca_beats_mean_on_smollm2():
 
     pca, mean = ppl("pca"), ppl("mean")
     assert pca < mean / 5, f"pca {pca:.1f} vs mean {mean:.1f}"
+    monkeypatch.setattr(pca_module, "slow_planes", lambda cfg: torch.empty(0, dtype=torch.long))
+    per_plane = ppl("pca")  # keys fitted one plane at a time only
+    assert pca < per_plane, f"pca {pca:.1f} vs pca without pooled slow planes {per_plane:.1f}"
 
 
 def test_pca_needs_calibration():

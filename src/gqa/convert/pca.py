@@ -18,6 +18,20 @@ conj(v_hj) sqrt(w_hj)``, ``u_hj = v_hj / sqrt(w_hj)``, and since ``Re(q conj(u k
 query head multiplies its plane ``j`` by ``conj(u_hj)``, absorbed into the rows of ``q_proj``. Rotations commute with
 RoPE's, so the merged model is exact wherever the fit is.
 
+Slow planes are pooled across planes. A plane that turns less than ``SLOW_PLANE_ANGLE`` radians over
+``SLOW_PLANE_SPAN`` positions (``inv_freq_j * (span - 1) < angle``; SmolLM2, theta 1e5, D 64: planes 20-31 of 32) is
+nearly position-free there, and a rank-1 fit per plane wastes it: when several old heads use the same slow plane,
+all but one lose it while other slow planes of the merged head stay unused. So the ``n`` slow dimensions of the
+merged key are fitted jointly, like the values, by a PCA of the group's slow key dimensions ``Z = [K_1 C_1^{1/2} ...
+K_m C_m^{1/2}] (T, m*n)`` in the metric of the queries that read them (``C_h = sum_{i reads h} E[q_i q_i^T]`` over the
+slow dimensions, so the mean squared score error ``E[(q_i . (k_h - U_h k'))^2]`` is what the PCA minimises, queries
+taken independent of keys): with the top-``n`` eigenvectors ``P`` of ``Z^T Z``, ``k' = sum_h P_h^T C_h^{1/2} k_h`` and
+``k_h ≈ U_h k'``, ``U_h = C_h^{-1/2} P_h``, absorbed as ``q_i <- U_h^T q_i`` on those dimensions. ``U_h`` mixes slow
+planes, so it commutes with RoPE only approximately — up to the angle between the planes' rotations, small inside the
+span; the refit (``refit.py``) then sees the real rotations. A group is pooled only where this lowers the score
+error of the per-plane fit, so where that is exact (copies) the RoPE-exact answer is kept. SmolLM2 3 -> 1 with the refit
+(docs/conversion.md): ``LICENSE.txt`` perplexity 48.0 -> 26.7 at window 512, and 50.8 -> 38.1 at window 2048.
+
 Biases (Qwen2) ride along: ``X`` gets a column of ones and each weight its bias as an extra column.
 """
 
@@ -27,7 +41,21 @@ import torch
 from torch import Tensor
 
 from ..models.config import ModelConfig
+from ..rope import RoPE
 from .methods import AttentionWeights, register_method
+
+# radians. SmolLM2 3 -> 1 with the refit, LICENSE ppl: 48.0 with no plane pooled, 31.6 with 8, 26.7 with 12 (this
+# angle), 27.9 with 16 (docs/conversion.md)
+SLOW_PLANE_ANGLE = 0.5
+SLOW_PLANE_SPAN = 512  # positions: the calibration and evaluation window
+
+
+def slow_planes(cfg: ModelConfig, angle: float = SLOW_PLANE_ANGLE, span: int = SLOW_PLANE_SPAN) -> Tensor:
+    """The RoPE planes of ``cfg`` (indices in ``[0, head_dim / 2)``) that turn less than ``angle`` radians over
+    ``span`` consecutive positions, with the model's RoPE scaling; ``(n_slow,)`` int64, ascending."""
+    rope = RoPE(cfg.head_dim, theta=cfg.rope_theta, scaling=cfg.rope_scaling, max_position=1)
+    turn = rope.inv_freq.double() * rope.position_scale * (span - 1)  # (head_dim / 2,)
+    return torch.nonzero(turn < angle).flatten()
 
 
 def _sqrt_and_inv_sqrt(S: Tensor) -> tuple[Tensor, Tensor]:
@@ -35,6 +63,22 @@ def _sqrt_and_inv_sqrt(S: Tensor) -> tuple[Tensor, Tensor]:
     evals, U = torch.linalg.eigh(S)
     evals = evals.clamp_min(evals.max() * 1e-10)
     return U @ torch.diag(evals.sqrt()) @ U.T, U @ torch.diag(evals.rsqrt()) @ U.T
+
+
+def _merge_in_metric(X: Tensor, W: list[Tensor], S: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """PCA merge of ``m`` projections ``W_h (n, E')`` into one, each weighted by its metric ``S_h (n, n)`` (PSD).
+
+    Returns ``(W' (n, E'), [U_h (n, n)])`` with ``W_h x ≈ U_h W' x``, minimising the summed ``||W_h x - U_h W' x||^2``
+    in the metrics ``S_h`` over the rows ``x`` of ``X (T, E')``: ``W' = sum_h P_h^T S_h^{1/2} W_h``, ``U_h = S_h^{-1/2}
+    P_h``, ``P (m*n, n)`` the top eigenvectors of ``Z^T Z``, ``Z = [X W_1^T S_1^{1/2} ...]``.
+    """
+    n = W[0].shape[0]
+    S_half, S_inv_half = zip(*(_sqrt_and_inv_sqrt(s) for s in S), strict=True)
+    Z = torch.cat([(X @ w.T) @ s for w, s in zip(W, S_half, strict=True)], dim=1)  # (T, m*n)
+    P = torch.linalg.eigh(Z.T @ Z).eigenvectors[:, -n:]  # (m*n, n): top-n principal directions
+    blocks = P.split(n, dim=0)  # P_h (n, n)
+    merged = sum(p.T @ s @ w for p, s, w in zip(blocks, S_half, W, strict=True))  # (n, E')
+    return merged, [si @ p for si, p in zip(S_inv_half, blocks, strict=True)]
 
 
 def merge_values(X: Tensor, V: list[Tensor], outs: list[list[Tensor]]) -> tuple[Tensor, list[list[Tensor]]]:
@@ -50,29 +94,58 @@ def merge_values(X: Tensor, V: list[Tensor], outs: list[list[Tensor]]) -> tuple[
     -------
     ``(V' (D, E'), outs')`` with ``outs'`` shaped like ``outs``.
     """
-    D = V[0].shape[0]
-    S_half, S_inv_half = zip(*(_sqrt_and_inv_sqrt(sum(o.T @ o for o in os_)) for os_ in outs), strict=True)
-    Z = torch.cat([(X @ v.T) @ s for v, s in zip(V, S_half, strict=True)], dim=1)  # (T, m*D)
-    P = torch.linalg.eigh(Z.T @ Z).eigenvectors[:, -D:]  # (m*D, D): top-D principal directions
-    blocks = P.split(D, dim=0)  # P_h (D, D)
-    merged = sum(p.T @ s @ v for p, s, v in zip(blocks, S_half, V, strict=True))  # (D, E')
-    new_outs = [[o @ si @ p for o in os_] for os_, si, p in zip(outs, S_inv_half, blocks, strict=True)]
-    return merged, new_outs
+    merged, U = _merge_in_metric(X, V, [sum(o.T @ o for o in os_) for os_ in outs])
+    return merged, [[o @ u for o in os_] for os_, u in zip(outs, U, strict=True)]
 
 
-def merge_keys(X: Tensor, K: list[Tensor], Q: list[list[Tensor]]) -> tuple[Tensor, list[list[Tensor]]]:
-    """Merge ``m`` key heads into one with RoPE-commuting per-plane complex factors (HF half-rotation layout).
+def merge_keys(
+    X: Tensor, K: list[Tensor], Q: list[list[Tensor]], slow: Tensor | None = None
+) -> tuple[Tensor, list[list[Tensor]]]:
+    """Merge ``m`` key heads into one with RoPE-commuting per-plane complex factors (HF half-rotation layout), the
+    ``slow`` planes pooled across planes where that fits their scores better (module docstring).
 
     Parameters
     ----------
     X : ``(T, E')`` calibration inputs (ones column for biases).
     K : ``m`` key weights ``(D, E')``; rows ``j`` and ``j + D/2`` form frequency plane ``j``.
     Q : per old head, the ``q_proj`` row blocks ``(D, E')`` of the query heads that read it.
+    slow : ``(n_slow,)`` plane indices in ``[0, D/2)`` to pool (``slow_planes``); ``None``: none.
 
     Returns
     -------
     ``(K' (D, E'), Q')`` with ``Q'`` shaped like ``Q``.
     """
+    merged, new_Q = _merge_keys_per_plane(X, K, Q)
+    if slow is None or len(slow) == 0:
+        return merged, new_Q
+    half = K[0].shape[0] // 2
+    rows = torch.cat([slow, slow + half])  # both coordinates of each slow plane
+    C = [sum((X @ q[rows].T).T @ (X @ q[rows].T) for q in qs) / X.shape[0] for qs in Q]  # E[q q^T] per old head
+    pooled, U = _merge_in_metric(X, [k[rows] for k in K], C)
+    pooled_Q = [[u.T @ q[rows] for q in qs] for qs, u in zip(Q, U, strict=True)]
+    # pool only where it fits the slow scores better: never where the per-plane fit is already exact (copies), so
+    # that an exact, RoPE-commuting answer is kept
+    M_half = _sqrt_and_inv_sqrt(X.T @ X / X.shape[0])[0]  # (E', E') E[x x^T]^{1/2}
+
+    def score_error(k_new: Tensor, q_new: list[list[Tensor]]) -> Tensor:  # E[(q_i(x).k_h(y) - q'_i(x).k'(y))^2]
+        return sum(
+            (M_half @ (q[rows].T @ k[rows] - qn.T @ k_new) @ M_half).square().sum()
+            for k, qs, qns in zip(K, Q, q_new, strict=True) for q, qn in zip(qs, qns, strict=True)
+        )  # fmt: skip
+
+    per_plane = score_error(merged[rows], [[q[rows] for q in qs] for qs in new_Q])
+    scale = sum((M_half @ q[rows].T @ k[rows] @ M_half).square().sum() for k, qs in zip(K, Q, strict=True) for q in qs)
+    if per_plane - score_error(pooled, pooled_Q) <= 1e-9 * scale:
+        return merged, new_Q
+    merged[rows] = pooled
+    for new_qs, pqs in zip(new_Q, pooled_Q, strict=True):
+        for new_q, pq in zip(new_qs, pqs, strict=True):
+            new_q[rows] = pq
+    return merged, new_Q
+
+
+def _merge_keys_per_plane(X: Tensor, K: list[Tensor], Q: list[list[Tensor]]) -> tuple[Tensor, list[list[Tensor]]]:
+    """``merge_keys`` without pooling: a rank-1 complex fit per plane."""
     D = K[0].shape[0]
     half = D // 2
     keys = torch.stack([torch.complex(X @ k[:half].T, X @ k[half:].T) for k in K])  # (m, T, half)
@@ -105,6 +178,7 @@ def pca_merge(w: AttentionWeights, cfg: ModelConfig, num_kv_heads: int, activati
     H_q, H_kv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     G, m = H_q // H_kv, H_kv // num_kv_heads  # query heads per old KV head; old KV heads per new one
     X = activations.double()
+    slow = slow_planes(cfg)
     X = torch.cat([X, torch.ones(X.shape[0], 1, dtype=X.dtype)], 1)  # (T, E + 1): biases as a last column
 
     def aug(weight: Tensor, bias: Tensor | None) -> Tensor:  # (rows, E) -> (rows, E + 1)
@@ -120,7 +194,7 @@ def pca_merge(w: AttentionWeights, cfg: ModelConfig, num_kv_heads: int, activati
         V = [v[h * D : (h + 1) * D] for h in old]
         Q = [[q[i * D : (i + 1) * D] for i in r] for r in readers]
         outs = [[o[:, i * D : (i + 1) * D] for i in r] for r in readers]
-        merged_k, Q2 = merge_keys(X, K, Q)
+        merged_k, Q2 = merge_keys(X, K, Q, slow)
         merged_v, O2 = merge_values(X, V, outs)
         k_new.append(merged_k)
         v_new.append(merged_v)
