@@ -125,16 +125,19 @@ def merge_keys(
     pooled_Q = [[u.T @ q[rows] for q in qs] for qs, u in zip(Q, U, strict=True)]
     # pool only where it fits the slow scores better: never where the per-plane fit is already exact (copies), so
     # that an exact, RoPE-commuting answer is kept
-    M_half = _sqrt_and_inv_sqrt(X.T @ X / X.shape[0])[0]  # (E', E') E[x x^T]^{1/2}
+    M = X.T @ X / X.shape[0]  # (E', E') E[x x^T]
+
+    def energy(A: Tensor) -> Tensor:  # E[(x^T A y)^2] = tr(A^T M A M), x and y independent tokens
+        return (M @ A * (A @ M)).sum()
 
     def score_error(k_new: Tensor, q_new: list[list[Tensor]]) -> Tensor:  # E[(q_i(x).k_h(y) - q'_i(x).k'(y))^2]
         return sum(
-            (M_half @ (q[rows].T @ k[rows] - qn.T @ k_new) @ M_half).square().sum()
+            energy(q[rows].T @ k[rows] - qn.T @ k_new)
             for k, qs, qns in zip(K, Q, q_new, strict=True) for q, qn in zip(qs, qns, strict=True)
         )  # fmt: skip
 
     per_plane = score_error(merged[rows], [[q[rows] for q in qs] for qs in new_Q])
-    scale = sum((M_half @ q[rows].T @ k[rows] @ M_half).square().sum() for k, qs in zip(K, Q, strict=True) for q in qs)
+    scale = sum(energy(q[rows].T @ k[rows]) for k, qs in zip(K, Q, strict=True) for q in qs)
     if per_plane - score_error(pooled, pooled_Q) <= 1e-9 * scale:
         return merged, new_Q
     merged[rows] = pooled
@@ -178,8 +181,8 @@ def pca_merge(w: AttentionWeights, cfg: ModelConfig, num_kv_heads: int, activati
     H_q, H_kv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     G, m = H_q // H_kv, H_kv // num_kv_heads  # query heads per old KV head; old KV heads per new one
     X = activations.double()
-    slow = slow_planes(cfg)
     X = torch.cat([X, torch.ones(X.shape[0], 1, dtype=X.dtype)], 1)  # (T, E + 1): biases as a last column
+    slow = slow_planes(cfg)  # RoPE planes whose key dims are pooled across planes
 
     def aug(weight: Tensor, bias: Tensor | None) -> Tensor:  # (rows, E) -> (rows, E + 1)
         b = torch.zeros(weight.shape[0], dtype=weight.dtype) if bias is None else bias
