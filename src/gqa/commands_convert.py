@@ -36,8 +36,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--refit", action=argparse.BooleanOptionalAction, default=None,
-        help="after each layer's merge, re-solve o_proj by least squares against the source layer's output on the "
-        "calibration text (default: on for pca, off for mean/first)",
+        help="after each layer's merge, re-solve v_proj and o_proj by least squares against the source layer's output "
+        "on the calibration text (default: on for pca, off for mean/first)",
     )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
     heal = parser.add_argument_group(
@@ -136,7 +136,7 @@ def run_convert(ns: argparse.Namespace) -> int:
     n, h_kv = ns.kv_heads, cfg.num_kv_heads
     refit = ns.method in NEEDS_CALIBRATION if ns.refit is None else ns.refit
     how = "copied" if n == h_kv else "expanded exactly" if n > h_kv else f"merged with method {ns.method!r}"
-    how += ", o_proj refit" if n < h_kv and refit else ""
+    how += ", v_proj and o_proj refit" if n < h_kv and refit else ""
     before, after = (kv_cache_bytes(cfg.num_layers, h, cfg.head_dim, 1, dtype=torch.float32) for h in (h_kv, n))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"source       {src or 'embedded SmolLM2-135M-Instruct'} ({cfg.arch}, {cfg.num_layers} layers)")

@@ -185,10 +185,11 @@ def convert(
         Text run through the source model to give methods per-layer attention inputs ``(T, hidden)``; ``mean`` and
         ``first`` do not use them. ``pca`` defaults to ``default_calibration_text()`` (standard-library docstrings).
     refit : bool or None
-        After each layer's merge, solve its ``o_proj`` again by ridge least squares so the layer's attention output
-        matches the source's on the calibration text, layer by layer on the converted model's own activations
-        (``gqa.convert.refit``). Default ``None``: on for ``pca``, off for ``mean`` and ``first`` (the GQA paper's
-        methods as published). Only used when merging; needs the calibration text (default as for ``pca``).
+        After each layer's merge, solve its ``v_proj`` and ``o_proj`` again by least squares so the layer's attention
+        output matches the source's on the calibration text, layer by layer on the converted model's own activations
+        (``gqa.convert.refit``, ``gqa.convert.value_refit``). Default ``None``: on for ``pca``, off for ``mean`` and
+        ``first`` (the GQA paper's methods as published). Only used when merging; needs the calibration text
+        (default as for ``pca``).
     heal : HealConfig or None
         Heal the merged model before writing it (only when ``kv_heads < H_kv``): ``heal.steps`` steps (or fewer,
         if ``heal.minutes`` of wall time run out first) of distillation from the source model

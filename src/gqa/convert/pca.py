@@ -29,8 +29,8 @@ taken independent of keys): with the top-``n`` eigenvectors ``P`` of ``Z^T Z``, 
 ``k_h ≈ U_h k'``, ``U_h = C_h^{-1/2} P_h``, absorbed as ``q_i <- U_h^T q_i`` on those dimensions. ``U_h`` mixes slow
 planes, so it commutes with RoPE only approximately — up to the angle between the planes' rotations, small inside the
 span; the refit (``refit.py``) then sees the real rotations. A group is pooled only where this lowers the score
-error of the per-plane fit, so where that is exact (copies) the RoPE-exact answer is kept. SmolLM2 3 -> 1 with the refit
-(docs/conversion.md): ``LICENSE.txt`` perplexity 48.0 -> 26.7 at window 512, and 50.8 -> 38.1 at window 2048.
+error of the per-plane fit, so where that is exact (copies) the RoPE-exact answer is kept. SmolLM2 3 -> 1 with the
+``o_proj`` refit (docs/conversion.md): ``LICENSE.txt`` perplexity 48.0 -> 26.7 at window 512, 50.8 -> 38.1 at 2048.
 
 Biases (Qwen2) ride along: ``X`` gets a column of ones and each weight its bias as an extra column.
 """
@@ -44,8 +44,8 @@ from ..models.config import ModelConfig
 from ..rope import RoPE
 from .methods import AttentionWeights, register_method
 
-# radians. SmolLM2 3 -> 1 with the refit, LICENSE ppl: 48.0 with no plane pooled, 31.6 with 8, 26.7 with 12 (this
-# angle), 27.9 with 16 (docs/conversion.md)
+# radians. SmolLM2 3 -> 1 with the o_proj refit, LICENSE ppl: 48.0 with no plane pooled, 31.6 with 8, 26.7 with 12
+# (this angle), 27.9 with 16 (docs/conversion.md)
 SLOW_PLANE_ANGLE = 0.5
 SLOW_PLANE_SPAN = 512  # positions: the calibration and evaluation window
 

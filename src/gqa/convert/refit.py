@@ -1,6 +1,6 @@
-"""The least-squares ``o_proj`` refit: after a layer's K/V heads are merged, solve its output projection again so the
-layer's attention output matches the source's on calibration text, one layer after another along the converted
-model's own activations.
+"""The least-squares ``o_proj`` (and ``v_proj``) refit: after a layer's K/V heads are merged, solve its output
+projection again so the layer's attention output matches the source's on calibration text, one layer after another
+along the converted model's own activations.
 
 A merge method fits keys and values each in its own metric and ignores the softmax. What the rest of the model sees
 is ``y = O W_o^T`` with ``O = [o_1 ... o_Hq] (T, H_q * D)`` the per-query-head attention outputs: linear in ``W_o``.
@@ -12,6 +12,9 @@ layer's output ``Y (T, E)`` on the same inputs:
 with ``lam = ridge * mean(diag(O^T O))`` pulling towards the merge's own ``W_o`` in directions the calibration text
 barely visits. Where the merge was exact, ``O W_o^T = Y`` and the solution is ``W_o`` itself. The whole ``o_proj``
 is solved at once (all heads together), so heads can also make up for each other's losses.
+
+The values are solved with it (``value_refit.py``): each merged value stays in the span of its group's source value
+heads, and ``v_proj`` and ``o_proj`` are refit by alternating least squares on the same target (``value_steps``).
 
 Calibration windows: half the tokens in windows of 512 (long contexts), half in windows of 32 (short prompts).
 
@@ -31,6 +34,7 @@ from torch import Tensor
 from ..attention import GroupedQueryAttention
 from ..models.config import ModelConfig
 from .methods import AttentionWeights, check_kv_heads, convert_layer, layer_tensor_names
+from .value_refit import VALUE_STEPS, ValueGrams, refit_values_and_output, solve_output
 
 __all__ = ["CALIBRATION_WINDOW", "RIDGE", "SHORT_WINDOW", "refit_convert_state", "refit_output"]
 
@@ -41,6 +45,7 @@ CALIBRATION_WINDOW = 512  # tokens per long calibration window (positions 0..511
 # refit fit long contexts and broke short prompts (SmolLM2 3 -> 1, a 27-token text: original 543, pca 3,245, refit
 # 28,229 perplexity; with half the tokens in 32-token windows 788, and LICENSE.txt 48.0 instead of 45.9).
 SHORT_WINDOW = 32
+BATCH_TOKENS = 4096  # calibration tokens per batch of windows (bounds the (B, H_q, L, L) attention weights' memory)
 
 
 def refit_output(heads: Tensor, Y: Tensor, W0: Tensor, ridge: float = RIDGE) -> Tensor:
@@ -64,23 +69,25 @@ def refit_output(heads: Tensor, Y: Tensor, W0: Tensor, ridge: float = RIDGE) -> 
         )
     if ridge < 0:
         raise ValueError(f"ridge must be >= 0, got {ridge}")
-    H, Y, W = heads.double(), Y.double(), W0.double()
-    G = H.T @ H  # (H*D, H*D)
-    lam = ridge * G.diagonal().mean()
-    solved = torch.linalg.solve(G + lam * torch.eye(G.shape[0], dtype=G.dtype), H.T @ Y + lam * W.T)  # (H*D, E)
-    return solved.T.to(W0.dtype).contiguous()
+    H = heads.double()
+    return solve_output(H.T @ H, H.T @ Y.double(), W0, ridge)
 
 
 def _windows(ids: Sequence[int], length: int) -> list[Tensor]:
-    """``ids`` cut into ``(1, L)`` windows: alternately one of ``length`` tokens and ``length`` tokens in windows of
-    ``SHORT_WINDOW`` (pieces shorter than 2 tokens are dropped)."""
-    out, start, long = [], 0, True
+    """``ids`` cut into windows, alternately one of ``length`` tokens and ``length`` tokens in windows of
+    ``SHORT_WINDOW`` (pieces shorter than 2 tokens are dropped), stacked by length into ``(B, L)`` batches of at most
+    ``BATCH_TOKENS`` tokens."""
+    by_length: dict[int, list[list[int]]] = {}
+    start, long = 0, True
     while start < len(ids):
-        block = ids[start : start + length]
+        block = list(ids[start : start + length])
         size = length if long else min(SHORT_WINDOW, length)
-        out += [torch.tensor([block[i : i + size]]) for i in range(0, len(block), size) if len(block[i : i + size]) > 1]
+        for piece in (block[i : i + size] for i in range(0, len(block), size)):
+            if len(piece) > 1:
+                by_length.setdefault(len(piece), []).append(piece)
         start, long = start + length, not long
-    return out
+    per_batch = {n: max(1, BATCH_TOKENS // n) for n in by_length}
+    return [torch.tensor(p[i : i + per_batch[n]]) for n, p in by_length.items() for i in range(0, len(p), per_batch[n])]
 
 
 def _attention(cfg: ModelConfig, n: int, w: AttentionWeights, rope) -> GroupedQueryAttention:
@@ -96,16 +103,45 @@ def _attention(cfg: ModelConfig, n: int, w: AttentionWeights, rope) -> GroupedQu
     return attn
 
 
-def _head_outputs(attn: GroupedQueryAttention, X: list[Tensor], cos_sin: Callable) -> list[Tensor]:
-    """Per window, ``o_proj``'s input ``(1, L, H_q * D)``: the attention's per-head outputs."""
-    captured: list[Tensor] = []
-    hook = attn.o_proj.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
-    try:
-        for x in X:
-            attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
-    finally:
-        hook.remove()
-    return captured
+def _with_ones(t: Tensor) -> Tensor:
+    """``(..., E) -> (..., E + 1)`` float64 with a last column of ones (biases as weights)."""
+    return torch.cat([t.double(), t.new_ones(*t.shape[:-1], 1, dtype=torch.float64)], -1)
+
+
+def _with_bias(weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``(rows, E) -> (rows, E + 1)`` float64: the bias (or zeros) as a last column."""
+    b = weight.new_zeros(weight.shape[0]) if bias is None else bias
+    return torch.cat([weight, b[:, None]], 1).double()
+
+
+def _refit_layer(
+    cfg: ModelConfig,
+    source: AttentionWeights,
+    merged: AttentionWeights,
+    attn: GroupedQueryAttention,
+    X: list[Tensor],
+    targets: list[Tensor],
+    cos_sin: Callable,
+    ridge: float,
+    value_steps: int,
+) -> AttentionWeights:
+    """``merged`` with ``v_proj`` and ``o_proj`` refit (``value_refit.py``) against the source layer's outputs
+    ``targets`` (``(B * L, E)`` per batch of windows ``X (B, L, E)``), ``attn`` holding ``merged``."""
+    H, D, N = cfg.num_heads, cfg.head_dim, attn.num_kv_heads
+    r = cfg.num_kv_heads // N * D  # source value dims per new KV head
+    groups = torch.arange(H) // (H // N)  # the new KV head each query head reads
+    W_src = _with_bias(source.v, source.v_bias).view(N, r, -1)  # group g's source value rows (r, E + 1)
+    v_new = _with_bias(merged.v, merged.v_bias).view(N, D, -1)
+    B = torch.stack([torch.linalg.lstsq(W_src[g].T, v_new[g].T, driver="gelsd").solution.T for g in range(N)])
+    grams = ValueGrams(H, r, cfg.hidden_size)
+    for x, y in zip(X, targets, strict=True):
+        _, A = attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None, need_weights=True)
+        values = (_with_ones(x) @ W_src.flatten(0, 1).T).float().unflatten(-1, (N, r)).transpose(1, 2)  # (B, N, L, r)
+        grams.add((A @ values[:, groups]).transpose(0, 1).flatten(1, 2), y)  # U (H, B * L, r)
+    B, W_o = refit_values_and_output(grams, B, merged.o, groups, value_steps, ridge)
+    v = torch.einsum("gdr,gre->gde", B, W_src).flatten(0, 1).to(merged.v.dtype)  # (N * D, E + 1)
+    v_bias = v[:, -1].contiguous() if source.v_bias is not None else None
+    return dataclasses.replace(merged, v=v[:, :-1].contiguous(), v_bias=v_bias, o=W_o)
 
 
 @torch.no_grad()
@@ -118,6 +154,7 @@ def refit_convert_state(
     *,
     ridge: float = RIDGE,
     window: int = CALIBRATION_WINDOW,
+    value_steps: int = VALUE_STEPS,
 ) -> tuple[ModelConfig, dict[str, Tensor]]:
     """Like ``convert_state`` with a merge (``kv_heads < H_kv``), sequentially calibrated and with ``o_proj`` refit.
 
@@ -130,6 +167,7 @@ def refit_convert_state(
         windows of ``SHORT_WINDOW`` tokens.
     ridge : see ``refit_output``.
     window : tokens per calibration window (at most the model's context).
+    value_steps : value solves of the joint ``v_proj``/``o_proj`` refit (``value_refit.py``); 0: ``o_proj`` alone.
 
     Returns
     -------
@@ -138,6 +176,8 @@ def refit_convert_state(
     from ..models import CausalLM
 
     check_kv_heads(cfg, kv_heads, method)
+    if isinstance(value_steps, bool) or not isinstance(value_steps, int) or value_steps < 0:
+        raise ValueError(f"value_steps must be an int >= 0, got {value_steps!r}")
     if kv_heads >= cfg.num_kv_heads:
         raise ValueError(f"the refit applies to merges only: kv_heads ({kv_heads}) >= {cfg.num_kv_heads}")
     windows = _windows(list(calibration_ids), min(window, cfg.max_position_embeddings))
@@ -157,15 +197,14 @@ def refit_convert_state(
         w = AttentionWeights(**{f: state.get(n) for f, n in names.items()})
         merged = convert_layer(w, cfg, kv_heads, method, torch.cat([x.flatten(0, 1) for x in X]))
         attn = _attention(cfg, kv_heads, merged, rope)
-        heads = _head_outputs(attn, X, cos_sin)
-        target = torch.cat([layer.self_attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]),
-                                            cache=None).flatten(0, 1) for x in X])  # fmt: skip
+        targets = [layer.self_attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
+                   .flatten(0, 1) for x in X]  # fmt: skip
         if attn.o_proj.bias is not None:
-            target = target - attn.o_proj.bias
-        merged = dataclasses.replace(merged, o=refit_output(torch.cat([o.flatten(0, 1) for o in heads]), target,
-                                                            merged.o, ridge))  # fmt: skip
-        attn.o_proj.weight.copy_(merged.o)
-        hidden = [h + attn.o_proj(o) for h, o in zip(hidden, heads, strict=True)]  # the refit layer's attention
+            targets = [t - attn.o_proj.bias for t in targets]
+        merged = _refit_layer(cfg, w, merged, attn, X, targets, cos_sin, ridge, value_steps)
+        attn = _attention(cfg, kv_heads, merged, rope)
+        hidden = [h + attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
+                  for h, x in zip(hidden, X, strict=True)]  # fmt: skip  # the refit layer's attention
         hidden = [h + layer.mlp(layer.post_attention_layernorm(h)) for h in hidden]
         for f, n in names.items():
             t = getattr(merged, f)
