@@ -156,7 +156,7 @@ def refit_convert_state(
     window: int = CALIBRATION_WINDOW,
     value_steps: int = VALUE_STEPS,
 ) -> tuple[ModelConfig, dict[str, Tensor]]:
-    """Like ``convert_state`` with a merge (``kv_heads < H_kv``), sequentially calibrated and with ``o_proj`` refit.
+    """Like ``convert_state`` with a merge (``kv_heads < H_kv``), sequentially calibrated, ``v_proj``/``o_proj`` refit.
 
     Parameters
     ----------
