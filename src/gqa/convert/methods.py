@@ -25,6 +25,8 @@ __all__ = [
     "convert_layer",
     "layer_tensor_names",
     "register_method",
+    "with_bias_column",
+    "with_ones_column",
 ]
 
 _PROJ = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
@@ -98,6 +100,17 @@ def register_method(name: str) -> Callable[[Method], Method]:
         return fn
 
     return add
+
+
+def with_ones_column(t: torch.Tensor) -> torch.Tensor:
+    """``(..., E) -> (..., E + 1)`` float64 with a last column of ones (biases as weights)."""
+    return torch.cat([t.double(), t.new_ones(*t.shape[:-1], 1, dtype=torch.float64)], -1)
+
+
+def with_bias_column(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``(rows, E) -> (rows, E + 1)`` float64: the bias (or zeros) as a last column."""
+    b = weight.new_zeros(weight.shape[0]) if bias is None else bias
+    return torch.cat([weight, b[:, None]], 1).double()
 
 
 def _heads(t: torch.Tensor | None, n: int) -> torch.Tensor | None:

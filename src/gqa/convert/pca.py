@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..models.config import ModelConfig
 from ..rope import RoPE
-from .methods import AttentionWeights, register_method
+from .methods import AttentionWeights, register_method, with_bias_column, with_ones_column
 
 # radians. SmolLM2 3 -> 1 with the o_proj refit, LICENSE ppl: 48.0 with no plane pooled, 31.6 with 8, 26.7 with 12
 # (this angle), 27.9 with 16 (docs/conversion.md)
@@ -180,15 +180,11 @@ def pca_merge(w: AttentionWeights, cfg: ModelConfig, num_kv_heads: int, activati
         raise ValueError("method 'pca' needs calibration activations: pass calibration_text (or use 'mean'/'first')")
     H_q, H_kv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     G, m = H_q // H_kv, H_kv // num_kv_heads  # query heads per old KV head; old KV heads per new one
-    X = activations.double()
-    X = torch.cat([X, torch.ones(X.shape[0], 1, dtype=X.dtype)], 1)  # (T, E + 1): biases as a last column
+    X = with_ones_column(activations)  # (T, E + 1): biases as a last column
     slow = slow_planes(cfg)  # RoPE planes whose key dims are pooled across planes
 
-    def aug(weight: Tensor, bias: Tensor | None) -> Tensor:  # (rows, E) -> (rows, E + 1)
-        b = torch.zeros(weight.shape[0], dtype=weight.dtype) if bias is None else bias
-        return torch.cat([weight, b[:, None]], 1).double()
-
-    q, k, v, o = aug(w.q, w.q_bias), aug(w.k, w.k_bias), aug(w.v, w.v_bias), w.o.double()
+    q, k, v = (with_bias_column(t, b) for t, b in ((w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias)))
+    o = w.o.double()
     q_new, o_new, k_new, v_new = q.clone(), o.clone(), [], []
     for g in range(num_kv_heads):
         old = range(g * m, (g + 1) * m)

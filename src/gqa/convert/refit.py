@@ -33,7 +33,14 @@ from torch import Tensor
 
 from ..attention import GroupedQueryAttention
 from ..models.config import ModelConfig
-from .methods import AttentionWeights, check_kv_heads, convert_layer, layer_tensor_names
+from .methods import (
+    AttentionWeights,
+    check_kv_heads,
+    convert_layer,
+    layer_tensor_names,
+    with_bias_column,
+    with_ones_column,
+)
 from .value_refit import VALUE_STEPS, ValueGrams, refit_values_and_output, solve_output
 
 __all__ = ["CALIBRATION_WINDOW", "RIDGE", "SHORT_WINDOW", "refit_convert_state", "refit_output"]
@@ -103,17 +110,6 @@ def _attention(cfg: ModelConfig, n: int, w: AttentionWeights, rope) -> GroupedQu
     return attn
 
 
-def _with_ones(t: Tensor) -> Tensor:
-    """``(..., E) -> (..., E + 1)`` float64 with a last column of ones (biases as weights)."""
-    return torch.cat([t.double(), t.new_ones(*t.shape[:-1], 1, dtype=torch.float64)], -1)
-
-
-def _with_bias(weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``(rows, E) -> (rows, E + 1)`` float64: the bias (or zeros) as a last column."""
-    b = weight.new_zeros(weight.shape[0]) if bias is None else bias
-    return torch.cat([weight, b[:, None]], 1).double()
-
-
 def _refit_layer(
     cfg: ModelConfig,
     source: AttentionWeights,
@@ -130,13 +126,15 @@ def _refit_layer(
     H, D, N = cfg.num_heads, cfg.head_dim, attn.num_kv_heads
     r = cfg.num_kv_heads // N * D  # source value dims per new KV head
     groups = torch.arange(H) // (H // N)  # the new KV head each query head reads
-    W_src = _with_bias(source.v, source.v_bias).view(N, r, -1)  # group g's source value rows (r, E + 1)
-    v_new = _with_bias(merged.v, merged.v_bias).view(N, D, -1)
+    W_src = with_bias_column(source.v, source.v_bias).view(N, r, -1)  # group g's source value rows (r, E + 1)
+    v_new = with_bias_column(merged.v, merged.v_bias).view(N, D, -1)
     B = torch.stack([torch.linalg.lstsq(W_src[g].T, v_new[g].T, driver="gelsd").solution.T for g in range(N)])
     grams = ValueGrams(H, r, cfg.hidden_size)
     for x, y in zip(X, targets, strict=True):
         _, A = attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None, need_weights=True)
-        values = (_with_ones(x) @ W_src.flatten(0, 1).T).float().unflatten(-1, (N, r)).transpose(1, 2)  # (B, N, L, r)
+        values = (
+            (with_ones_column(x) @ W_src.flatten(0, 1).T).float().unflatten(-1, (N, r)).transpose(1, 2)
+        )  # (B, N, L, r)
         grams.add((A @ values[:, groups]).transpose(0, 1).flatten(1, 2), y)  # U (H, B * L, r)
     B, W_o = refit_values_and_output(grams, B, merged.o, groups, value_steps, ridge)
     v = torch.einsum("gdr,gre->gde", B, W_src).flatten(0, 1).to(merged.v.dtype)  # (N * D, E + 1)
