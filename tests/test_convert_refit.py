@@ -74,7 +74,9 @@ def test_refit_after_an_exact_merge_changes_nothing(bias):
     ids = torch.randint(0, 64, (2, 40))
     with torch.inference_mode():
         want = CausalLM.from_state(cfg1, state)(ids)
-        torch.testing.assert_close(CausalLM.from_state(cfg_back, back)(ids), want, atol=1e-4, rtol=1e-4)
+        # float32 activations in the Grams: at ridge 3e-3 the copies' rank-deficient solve carries ~1e-4 of noise
+        # (logits up to ~2.3); a wrong merge is off by ~0.1 or more
+        torch.testing.assert_close(CausalLM.from_state(cfg_back, back)(ids), want, atol=3e-4, rtol=1e-4)
 
 
 def test_refit_lowers_each_layers_error_on_the_calibration_text():
@@ -152,7 +154,7 @@ def test_refit_beats_the_plain_merge_on_smollm2():
 
     cfg, state = read_model(None)
     tok = load_tokenizer(None)
-    text = module_docstrings()  # ~4.8k tokens: the refit's own default adds 64k characters more (slower)
+    text = module_docstrings()  # ~4.8k tokens: the refit's own default adds 170k characters more (slower)
     calib = tok.encode(text)
     held_out = (__doc__ or "") + " Grouped-query attention shares key and value heads between groups of query heads."
     ids = torch.tensor([tok.encode(held_out)])

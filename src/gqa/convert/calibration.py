@@ -27,7 +27,7 @@ MODULES = (
 # read 1.4 times; the first 400,000 characters alone were read 4 times, and healing memorised them (docs/conversion.md)
 HEAL_TEXT_CHARS: int | None = None
 HELD_OUT = (400_000, 450_000)  # characters of the docstrings kept for evaluation (``held_out_text``), never healed on
-CALIBRATION_HEAL_CHARS = 64_000  # of the heal text, after the module docstrings: ~20k more calibration tokens
+CALIBRATION_HEAL_CHARS = 170_000  # of the heal text, after the module docstrings: ~46k more calibration tokens
 MIN_DOCSTRING_CHARS = 200  # shorter docstrings are mostly one-line summaries; prose is what the model should see
 # package folders whose docstrings are not prose about the standard library (tests, the IDE, demos, vendored code)
 SKIPPED_FOLDERS = frozenset({"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__phello__"})
@@ -41,7 +41,7 @@ def module_docstrings() -> str:
 
 def default_calibration_text() -> str:
     """``module_docstrings()`` then the first ``CALIBRATION_HEAL_CHARS`` characters of ``default_heal_text()``
-    (about 25k SmolLM2 tokens in all): the ``o_proj`` refit solves ``H_q * D`` unknowns per output, so it wants
+    (about 51k SmolLM2 tokens in all): the ``o_proj`` refit solves ``H_q * D`` unknowns per output, so it wants
     several times that many tokens (with 4.8k it fits the module docstrings and loses on other text)."""
     return module_docstrings() + "\n\n" + default_heal_text(CALIBRATION_HEAL_CHARS)
 

@@ -19,7 +19,7 @@ query head multiplies its plane ``j`` by ``conj(u_hj)``, absorbed into the rows 
 RoPE's, so the merged model is exact wherever the fit is.
 
 Slow planes are pooled across planes. A plane that turns less than ``SLOW_PLANE_ANGLE`` radians over
-``SLOW_PLANE_SPAN`` positions (``inv_freq_j * (span - 1) < angle``; SmolLM2, theta 1e5, D 64: planes 20-31 of 32) is
+``SLOW_PLANE_SPAN`` positions (``inv_freq_j * (span - 1) < angle``; SmolLM2, theta 1e5, D 64: planes 18-31 of 32) is
 nearly position-free there, and a rank-1 fit per plane wastes it: when several old heads use the same slow plane,
 all but one lose it while other slow planes of the merged head stay unused. So the ``n`` slow dimensions of the
 merged key are fitted jointly, like the values, by a PCA of the group's slow key dimensions ``Z = [K_1 C_1^{1/2} ...
@@ -44,9 +44,10 @@ from ..models.config import ModelConfig
 from ..rope import RoPE
 from .methods import AttentionWeights, register_method, with_bias_column, with_ones_column
 
-# radians. SmolLM2 3 -> 1 with the o_proj refit, LICENSE ppl: 48.0 with no plane pooled, 31.6 with 8, 26.7 with 12
-# (this angle), 27.9 with 16 (docs/conversion.md)
-SLOW_PLANE_ANGLE = 0.5
+# radians. SmolLM2 3 -> 1 (docs/conversion.md), LICENSE ppl with the o_proj refit: 48.0 with no plane pooled, 31.6
+# with 8, 26.7 with 12 (0.5 rad), 27.9 with 16; with the v_proj/o_proj refit: 20.39 with 12, 19.84 with 14 (this
+# angle, 1.0 rad), 20.13 with 15 (1.5 rad, more calibration text), 21.13 with 16 (2.0 rad)
+SLOW_PLANE_ANGLE = 1.0
 SLOW_PLANE_SPAN = 512  # positions: the calibration and evaluation window
 
 
