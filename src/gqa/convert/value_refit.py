@@ -19,7 +19,8 @@ by conjugate gradients, with ``G_ij = U_i^T U_j (r, r)`` and ``R_i = U_i^T Y (r,
 Gram matrices (``ValueGrams``, summed over the calibration windows once per layer), so the iterations cost nothing
 per token. Each step lowers the objective; where the merge is exact (copies), every step returns its input.
 
-SmolLM2 3 -> 1 (docs/conversion.md): ``LICENSE.txt`` perplexity 26.7 with the ``o_proj`` refit alone, 20.4 with this.
+SmolLM2 3 -> 1 (docs/conversion.md): ``LICENSE.txt`` perplexity 26.7 with the ``o_proj`` refit alone, 20.4 with this
+(19.5 with the slow-plane angle, ridge and calibration length re-tuned for it).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from torch import Tensor
 
 __all__ = ["VALUE_STEPS", "ValueGrams", "refit_values_and_output", "solve_output"]
 
-# alternations; SmolLM2 3 -> 1, LICENSE ppl: 0 (o_proj refit alone) 26.7; 6 (CG to convergence) 20.6; 24 20.4
+# alternations; SmolLM2 3 -> 1, LICENSE ppl (before the re-tuning): 0 (o_proj refit alone) 26.7; 6 (CG to
+# convergence) 20.6; 24 20.4
 VALUE_STEPS = 24
 _CG_STEPS = 10  # conjugate-gradient iterations per value solve, at most (warm-started from the last solve)
 _CG_TOL = 1e-10  # stop when the squared residual falls below this fraction of the right-hand side's
