@@ -141,12 +141,13 @@ def main() -> int:
         if ns.plots:
             ns.plots.mkdir(parents=True, exist_ok=True)
             plot = ns.plots / f"heal_{method.replace(' + ', '_')}.png"
-            save_loss_curve(res, plot, f"SmolLM2 3 -> 1 KV heads ({method}), healing ({ns.heal_precision})")
+            save_loss_curve(res, plot, f"SmolLM2 3 -> 1 KV heads ({method}), healing ({res.precision})")
         use_input_major_weights(student)
         row = {"variant": "3 -> 1 healed", "kv_heads": heads, "method": method, **scores(student)}
         row["kv_bytes_per_token_fp32"] = kv_cache_bytes(c.num_layers, heads, c.head_dim, 1, dtype=torch.float32)
         row["decode_tok_s"] = speed[heads]
         row["heal"] = dataclasses.asdict(config) | {
+            "precision_used": res.precision,
             "seconds": res.seconds, "seconds_per_step": res.seconds_per_step, "cpu_seconds": res.cpu_seconds,
             "tokens_per_step": res.tokens_per_step,
             "trained_parameters": res.trained_parameters, "heal_text_tokens": len(heal_ids), "losses": res.losses,

@@ -17,7 +17,7 @@ from test_convert import WORDS, digest, tensors, tiny_dir
 
 import gqa
 from gqa.cli import main as cli
-from gqa.convert import HealConfig, calibration, convert, convert_state, heal, save_loss_curve
+from gqa.convert import HealConfig, calibration, convert, convert_state, heal, resolve_precision, save_loss_curve
 from gqa.convert import healing as healing_module
 from gqa.convert.calibration import _shingles, default_heal_text, held_out_text
 from gqa.evaluate import default_eval_text, mean_kl
@@ -91,6 +91,35 @@ def test_bf16_autocast_heals_like_fp32():
     assert bf16_kl == pytest.approx(fp32_kl, rel=0.2, abs=0.02), (bf16_kl, fp32_kl)
 
 
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_auto_precision_follows_the_cpu(monkeypatch, fast_bf16):
+    """``"auto"`` runs bf16 only on a CPU that multiplies bf16 natively: on an AVX2-only CPU bf16 autocast is emulated
+    and a SmolLM2 healing step took 55 s instead of 2.3 s in fp32. The flags are faked both ways; the lm_head hook
+    shows what the passes really ran in, and the result records it."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: fast_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    expected = "bf16" if fast_bf16 else "fp32"
+    assert resolve_precision("auto") == expected == resolve_precision("auto", torch.device("cpu"))
+    assert resolve_precision("bf16") == "bf16" and resolve_precision("fp32") == "fp32"  # explicit choices stand
+    teacher, student = tiny_pair()
+    seen = set()
+    student.lm_head.register_forward_hook(lambda _m, _a, out: seen.add(out.dtype))
+    res = heal(student, teacher, TRAIN_IDS, steps=2, seq_len=32, progress=False)  # precision defaults to "auto"
+    assert res.config.precision == "auto" and res.precision == expected
+    assert seen == {torch.bfloat16 if fast_bf16 else torch.float32}
+
+
+def test_auto_precision_amx_counts_and_unknown_names_fail(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert resolve_precision("auto") == "bf16"
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")  # a torch without the probe: fp32 unless AMX says so
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert resolve_precision("auto") == "fp32"
+    with pytest.raises(ValueError, match="precision must be one of auto, bf16, fp32; got 'fp16'"):
+        resolve_precision("fp16")
+
+
 @pytest.mark.parametrize("train", ["attention", "all"])
 def test_only_the_chosen_parameters_train(train):
     teacher, student = tiny_pair()
@@ -117,7 +146,7 @@ def test_only_the_chosen_parameters_train(train):
         (dict(steps=2, seq_len=1), "seq_len must be >= 2"),
         (dict(steps=2, seq_len=100), "seq_len (100) exceeds the model's context of 64"),
         (dict(steps=2, seq_len=32, warmup=3), "warmup must be an int in [0, steps=2]"),
-        (dict(steps=2, seq_len=32, precision="fp16"), "precision must be one of bf16, fp32; got 'fp16'"),
+        (dict(steps=2, seq_len=32, precision="fp16"), "precision must be one of auto, bf16, fp32; got 'fp16'"),
         (dict(steps=2, seq_len=32, minutes=0), "minutes must be a positive number or None, got 0"),
         (dict(steps=2, seq_len=32, minutes=float("inf")), "minutes must be a positive number or None, got inf"),
     ],
@@ -330,8 +359,9 @@ def test_cli_heals(src, tmp_path, capsys):
              "--heal-precision", "fp32"]  # fmt: skip
     assert cli(["convert", str(src), str(dst), "--kv-heads", "2", "--method", "first", *flags]) == 0
     out = capsys.readouterr().out
-    assert "healed       6 steps x 16 tokens (attention, lr 0.001)" in out
+    assert "healed       6 steps x 16 tokens (attention, lr 0.001, fp32)" in out
     assert f"loss curve   {dst.resolve() / 'heal_loss.png'}" in out
     log = json.loads((dst / "heal_log.json").read_text())
     assert log["config"] == {"steps": 6, "lr": 1e-3, "seq_len": 16, "batch_size": 1, "train": "attention",
                              "warmup": None, "seed": 0, "precision": "fp32", "minutes": None}  # fmt: skip
+    assert log["precision"] == "fp32"  # what the passes ran in

@@ -47,7 +47,7 @@ def load_model(
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     cfg, state = read_model(path)
     model = CausalLM.from_state(cfg, state).to(device=device, dtype=dtype)
-    if dtype == torch.float32 and model.device.type == "cpu" and not kernels.available():
+    if dtype == torch.float32 and model.device.type == "cpu" and not kernels.vectorized():
         use_input_major_weights(model)  # without the native GEMV: MKL's is faster on this layout; same values
     if tokenizer:
         model.tokenizer = load_tokenizer(path)

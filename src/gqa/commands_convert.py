@@ -72,7 +72,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     heal.add_argument("--heal-seed", type=int, default=d.seed, help=f"seed of the window order (default {d.seed})")
     heal.add_argument(
         "--heal-precision", choices=PRECISIONS, default=d.precision,
-        help=f"bf16: the passes under bfloat16 autocast, float32 weights and optimizer (default {d.precision})",
+        help="bf16: the passes under bfloat16 autocast, float32 weights and optimizer; auto (default): bf16 where "
+        "the hardware multiplies bf16 natively (AVX512-BF16/AMX CPU, recent GPU), else fp32",
     )  # fmt: skip
 
 
@@ -150,9 +151,10 @@ def run_convert(ns: argparse.Namespace) -> int:
         k = max(1, min(10, len(losses) // 10))
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
         print(
-            f"healed       {len(losses)} steps x {log['tokens_per_step']} tokens ({heal.train}, lr {heal.lr:g}) in "
-            f"{log['seconds']:.0f} s ({log['seconds_per_step']:.2f} s/step); KL(source || model) on the healing text "
-            f"{first:.3f} -> {last:.3f} nats/token (mean of first / last {k} steps)"
+            f"healed       {len(losses)} steps x {log['tokens_per_step']} tokens ({heal.train}, lr {heal.lr:g}, "
+            f"{log['precision']}) in {log['seconds']:.0f} s ({log['seconds_per_step']:.2f} s/step); "
+            f"KL(source || model) on the healing text {first:.3f} -> {last:.3f} nats/token "
+            f"(mean of first / last {k} steps)"
         )
         print(f"loss curve   {out / HEAL_PLOT_NAME}")
     elif n < h_kv:

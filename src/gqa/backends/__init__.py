@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import kernels
 from .._checks import AttnShape
 from . import fused
 from .grouped import grouped_attention_rows
@@ -33,7 +34,16 @@ DECODE_ROWS = 32
 # up to 32 (MQA: 2-3x). bf16: 2x faster at B=8 with 16 and 32 rows and 2.5x for SmolLM2 as MQA (9 rows, D=64,
 # S=4096: 0.077 vs 0.195 ms); slower only for a single sequence with 16 rows on 2 KV heads (0.33 vs 0.23 ms).
 # Measured with `gqa bench attention` and per-call timings of both backends on the project's 2-core VM.
+# That was a CPU with AVX-512, which the kernel's SIMD paths need: built for an AVX2-only CPU it is scalar, and then
+# float32 decode is 4-8x slower than `grouped` (2-core AMD EPYC Zen 3, SmolLM2 as MQA, S=4096: 2.1 vs 0.47 ms; B=8,
+# 32/8 heads, D=128: 124 vs 33 ms), while bf16 decode is still faster than `grouped` and SDPA, whose bf16 matmuls are
+# emulated there (1.9 vs 4.0 / 3.2 ms; 116 vs 238 / 204 ms). So without AVX-512 `auto` uses it for bf16 only.
 FUSED_ROWS = 32
+
+
+def fused_is_fast(dtype: torch.dtype) -> bool:
+    """Whether the fused kernel beats the grouped matmul for decode in ``dtype`` on this CPU (comment above)."""
+    return dtype == torch.bfloat16 or kernels.vectorized()
 
 
 def choose_backend(
@@ -53,6 +63,7 @@ def choose_backend(
     rows = shape.G * shape.L  # query rows per KV head
     if (
         rows <= FUSED_ROWS
+        and fused_is_fast(query.dtype)
         and fused.supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights) is None
     ):
         return "fused"

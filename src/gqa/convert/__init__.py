@@ -22,7 +22,7 @@ from ..loaders import read_model, resolve_model_path
 from ..models.config import ModelConfig
 from . import pca as _pca  # noqa: F401 - registers the "pca" method
 from .calibration import default_calibration_text, default_heal_text
-from .healing import PRECISIONS, TRAINABLE, HealConfig, HealResult, heal, save_loss_curve
+from .healing import PRECISIONS, TRAINABLE, HealConfig, HealResult, heal, resolve_precision, save_loss_curve
 from .methods import (
     METHODS,
     AttentionWeights,
@@ -54,6 +54,7 @@ __all__ = [
     "heal",
     "refit_convert_state",
     "register_method",
+    "resolve_precision",
     "save_loss_curve",
 ]
 
@@ -278,6 +279,7 @@ def convert(
                 "seconds_per_step": result.seconds_per_step,
                 "cpu_seconds": result.cpu_seconds,
                 "threads": torch.get_num_threads(),
+                "precision": result.precision,
                 "tokens_per_step": result.tokens_per_step,
                 "trained_parameters": result.trained_parameters,
                 "losses": result.losses,
