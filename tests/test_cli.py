@@ -40,6 +40,10 @@ def test_info_compares_kv_cache_with_mha_and_mqa():
     assert "| this model (GQA, 3 KV heads) | 3 | 45.0 KiB | 180.0 MiB |" in out
     assert "| MHA | 9 | 135.0 KiB | 540.0 MiB |" in out
     assert "| MQA | 1 | 15.0 KiB | 60.0 MiB |" in out
+    from gqa import kernels  # the same process state as the subprocess: this venv, this CPU
+
+    scalar = "(no AVX-512 here: scalar, so used for bf16 decode attention only)"
+    assert (scalar in out) == (kernels.available() and not kernels.vectorized()), out
 
 
 @pytest.mark.parametrize(
