@@ -105,8 +105,8 @@ def vectorized() -> bool:
     """Whether the kernels are loaded *and* have their SIMD paths: the source vectorizes with AVX-512 (built with
     ``-march=native``, so exactly on CPUs with ``avx512f``); elsewhere (AVX2-only x86, ARM) they compile to plain
     scalar loops, which are slower than PyTorch's own ops for float32 (measured on a 2-core AVX2 AMD EPYC: decode
-    attention 4-8x slower than the ``grouped`` backend, GEMV 1.3-1.5x slower than ``F.linear``; docs/kernels in the
-    README). Callers that pick a path for speed ask this; ``available`` only says the ops exist."""
+    attention 4-8x slower than the ``grouped`` backend, GEMV 1.3-1.5x slower than ``F.linear``; the README's "Native
+    kernels"). Callers that pick a path for speed ask this; ``available`` only says the ops exist."""
     return available() and _AVX512
 
 
