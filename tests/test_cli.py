@@ -42,8 +42,10 @@ def test_info_compares_kv_cache_with_mha_and_mqa():
     assert "| MQA | 1 | 15.0 KiB | 60.0 MiB |" in out
     from gqa import kernels  # the same process state as the subprocess: this venv, this CPU
 
-    scalar = "(no AVX-512 here: scalar, so used for bf16 decode attention only)"
+    scalar = "(no AVX2/AVX-512 here: scalar, so used for bf16 decode attention only)"
     assert (scalar in out) == (kernels.available() and not kernels.vectorized()), out
+    simd = {16: "(AVX-512)", 8: "(AVX2)"}.get(kernels.simd_width())
+    assert simd is None or simd in out, out
 
 
 @pytest.mark.parametrize(

@@ -31,20 +31,23 @@ def test_kernels_are_built():
 
 @pytest.fixture
 def simd(monkeypatch):
-    """Route as on a CPU with AVX-512 (``kernels.vectorized``), so the routing into the kernels is exercised and
-    checked on every CPU: without AVX-512 ``gqa.linear`` and ``auto`` leave float32 to PyTorch's faster ops."""
+    """Route as on a CPU the kernels vectorize for (``kernels.vectorized``), so the routing into the kernels is
+    exercised and checked on every CPU: without SIMD ``gqa.linear`` and ``auto`` leave float32 to PyTorch's ops."""
     monkeypatch.setattr(kernels, "vectorized", kernels.available)
 
 
 @pytest.fixture
 def no_simd(monkeypatch):
-    """Route as on a CPU without AVX-512 (AVX2-only x86, ARM), where the kernels are scalar loops."""
+    """Route as on a CPU without AVX-512 or AVX2 (ARM, old x86), where the kernels are scalar loops."""
     monkeypatch.setattr(kernels, "vectorized", lambda: False)
 
 
-def test_vectorized_means_built_with_avx512():
-    flags = kernels._cpu_flags().split()
-    assert kernels.vectorized() == (kernels.available() and "avx512f" in flags)
+def test_simd_width_is_what_the_cpu_has():
+    # built -march=native: AVX-512 where the CPU has it, else AVX2 + FMA, else plain loops
+    flags = set(kernels._cpu_flags().split())
+    expected = 16 if "avx512f" in flags else 8 if {"avx2", "fma"} <= flags else 1
+    assert kernels.simd_width() == (expected if kernels.available() else 0)
+    assert kernels.vectorized() == (kernels.simd_width() > 1)
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -227,9 +230,9 @@ def test_auto_uses_fused_for_inference_decode_only(simd):
     assert _choice(q, k, v) != "fused"
 
 
-def test_without_avx512_float32_goes_to_pytorch_and_bf16_decode_stays_fused(no_simd):
-    """On a CPU without AVX-512 the scalar kernels lose to PyTorch in float32 (decode attention 4-8x, GEMV
-    1.3-1.5x, measured on an AVX2 AMD EPYC) but the fused decode still beats the emulated bf16 matmuls."""
+def test_without_simd_float32_goes_to_pytorch_and_bf16_decode_stays_fused(no_simd):
+    """Built without SIMD the kernels lose to PyTorch in float32 (decode attention 4-8x, GEMV 1.3-1.5x, measured
+    with such a build on an AMD EPYC) but the fused decode still beats the emulated bf16 matmuls."""
     q, k, v = make((1,), 9, 1, 1, 64, 16)  # SmolLM2 as MQA
     assert _choice(q, k, v) == "grouped"
     assert _choice(q.bfloat16(), k.bfloat16(), v.bfloat16()) == "fused"

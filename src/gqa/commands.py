@@ -116,8 +116,9 @@ def run_info(ns: argparse.Namespace) -> int:
     print(f"vocab            {cfg.vocab_size}")
     print(f"RoPE theta       {cfg.rope_theta:g}")
     native = f"built: {kernels.library_path()}" if kernels.available() else "not built (python -m gqa.kernels)"
-    if kernels.available() and not kernels.vectorized():
-        native += " (no AVX-512 here: scalar, so used for bf16 decode attention only)"
+    if kernels.available():
+        simd = {16: "AVX-512", 8: "AVX2"}.get(kernels.simd_width())
+        native += f" ({simd})" if simd else " (no AVX2/AVX-512 here: scalar, so used for bf16 decode attention only)"
     print(f"native kernels   {native}")
     print()
     print(kv_cache_table(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, DTYPES[ns.dtype]))

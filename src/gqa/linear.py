@@ -32,7 +32,7 @@ def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False  # the kernel has no backward
-    return kernels.vectorized()  # without its AVX-512 paths the kernel is slower than F.linear (kernels.vectorized)
+    return kernels.vectorized()  # as scalar loops (no AVX-512/AVX2 SIMD) the kernel is slower than F.linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

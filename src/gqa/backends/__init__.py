@@ -34,10 +34,12 @@ DECODE_ROWS = 32
 # up to 32 (MQA: 2-3x). bf16: 2x faster at B=8 with 16 and 32 rows and 2.5x for SmolLM2 as MQA (9 rows, D=64,
 # S=4096: 0.077 vs 0.195 ms); slower only for a single sequence with 16 rows on 2 KV heads (0.33 vs 0.23 ms).
 # Measured with `gqa bench attention` and per-call timings of both backends on the project's 2-core VM.
-# That was a CPU with AVX-512, which the kernel's SIMD paths need: built for an AVX2-only CPU it is scalar, and then
-# float32 decode is 4-8x slower than `grouped` (2-core AMD EPYC Zen 3, SmolLM2 as MQA, S=4096: 2.1 vs 0.47 ms; B=8,
-# 32/8 heads, D=128: 124 vs 33 ms), while bf16 decode is still faster than `grouped` and SDPA, whose bf16 matmuls are
-# emulated there (1.9 vs 4.0 / 3.2 ms; 116 vs 238 / 204 ms). So without AVX-512 `auto` uses it for bf16 only.
+# That was a CPU with AVX-512. With AVX2 + FMA (2-core AMD EPYC Zen 3, per-call medians, fused vs grouped): float32
+# SmolLM2 as MQA, S=4096: 0.20 vs 0.44 ms; B=8, 32/1 heads, D=128: 6.9 vs 9.0 ms; B=8, 32/8: 27.8 vs 22.8 ms (the
+# one measured shape where grouped wins); bf16 0.20 vs 3.9 ms and 13.1 vs 249 ms (PyTorch emulates bf16 matmuls
+# there). Built without SIMD (kernels.vectorized() False: scalar loops) float32 decode was 4-8x slower than
+# `grouped` (2.1 vs 0.47 ms; 124 vs 33 ms) while bf16 still won (1.9 vs 4.0 ms; 116 vs 238 ms): so there `auto`
+# uses it for bf16 only.
 FUSED_ROWS = 32
 
 

@@ -26,6 +26,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
 LDFLAGS = ("-fopenmp",)
 
 _loaded: bool | None = None  # None: not tried yet
+_simd = 0  # gqa::simd_width() of the loaded library, read once: vectorized() runs inside torch.compile'd code too
 
 
 def _key() -> str:
@@ -72,9 +73,7 @@ def build(verbose: bool = False) -> Path:
         is_python_module=False,
         verbose=verbose,
     )
-    _register_fakes()
-    global _loaded
-    _loaded = True
+    _loaded_now()
     return library_path()
 
 
@@ -89,8 +88,7 @@ def load() -> bool:
     path = library_path()
     if path.exists():
         torch.ops.load_library(str(path))
-        _register_fakes()
-        _loaded = True
+        _loaded_now()
     elif os.environ.get("GQA_BUILD_KERNELS") == "1":
         build()
     return _loaded
@@ -101,16 +99,24 @@ def available() -> bool:
     return load()
 
 
+def simd_width() -> int:
+    """Float32 lanes of the loaded kernels' SIMD paths: 16 (AVX-512), 8 (AVX2 with FMA), 1 (plain loops: a CPU
+    with neither), 0 (not loaded). The library says so itself (``gqa::simd_width``; it is built ``-march=native``)."""
+    return _simd if available() else 0
+
+
 def vectorized() -> bool:
-    """Whether the kernels are loaded *and* have their SIMD paths: the source vectorizes with AVX-512 (built with
-    ``-march=native``, so exactly on CPUs with ``avx512f``); elsewhere (AVX2-only x86, ARM) they compile to plain
-    scalar loops, which are slower than PyTorch's own ops for float32 (measured on a 2-core AVX2 AMD EPYC: decode
-    attention 4-8x slower than the ``grouped`` backend, GEMV 1.3-1.5x slower than ``F.linear``; the README's "Native
-    kernels"). Callers that pick a path for speed ask this; ``available`` only says the ops exist."""
-    return available() and _AVX512
+    """Whether the kernels are loaded *and* have SIMD paths (AVX-512 or AVX2 + FMA; ``simd_width``). As plain scalar
+    loops (other CPUs) they are slower than PyTorch's own ops for float32, so callers that pick a path for speed ask
+    this; ``available`` only says the ops exist (the README's "Native kernels")."""
+    return simd_width() > 1
 
 
-_AVX512 = "avx512f" in _cpu_flags().split()  # read once: vectorized() runs inside torch.compile'd code too
+def _loaded_now() -> None:
+    global _loaded, _simd
+    _register_fakes()
+    _simd = int(torch.ops.gqa.simd_width())
+    _loaded = True
 
 
 def _register_fakes() -> None:

@@ -15,8 +15,11 @@
 //       bool = allowed, float = added to the scores. causal: row r = g * L + l sees keys j <= S - L + l.
 //       A row that sees no key returns zeros.
 //
-// float32 and bfloat16 (all tensors one dtype; accumulation and softmax in float32). AVX-512 where the compiler
-// targets it (-march=native), plain loops otherwise.
+//   gqa::simd_width() -> int: float32 lanes the build vectorizes with (16 AVX-512, 8 AVX2 + FMA, 1 none).
+//
+// float32 and bfloat16 (all tensors one dtype; accumulation and softmax in float32). SIMD where the compiler targets
+// it (-march=native): AVX-512 (16 lanes; vdpbf16ps for bf16 with AVX512-BF16) or AVX2 with FMA (8 lanes); plain loops
+// otherwise. gqa::simd_width() says which was built.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,6 +33,14 @@
 #include <vector>
 
 #if defined(__AVX512F__)
+#define GQA_SIMD 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GQA_SIMD 8
+#else
+#define GQA_SIMD 1
+#endif
+
+#if GQA_SIMD > 1
 #include <immintrin.h>
 #endif
 
@@ -40,30 +51,101 @@ using at::BFloat16;
 inline float to_float(float x) { return x; }
 inline float to_float(BFloat16 x) { return static_cast<float>(x); }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const BFloat16* p) {
+// The kernels below are written once against this small vector layer: a `vec` holds LANES floats.
+#if GQA_SIMD == 16
+using vec = __m512;
+constexpr int LANES = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset(float x) { return _mm512_set1_ps(x); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload(const BFloat16* p) {  // bf16 -> f32 is a 16-bit left shift
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
+inline vec vfnma(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+inline float vsum(vec x) { return _mm512_reduce_add_ps(x); }
+inline float vmaxof(vec x) { return _mm512_reduce_max_ps(x); }
+inline vec vround(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vec vpow2(vec p, vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
 
-// exp(x) for x <= 0 (softmax arguments), relative error ~2e-7; exp(-inf) = 0.
-inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  x = _mm512_max_ps(x, lo);
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  __m512 r2 = _mm512_mul_ps(r, r);
-  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+// Lane i of the result = the sum of the 16 lanes of a[i]: a transposing reduction, ~3 instructions per key instead
+// of a full horizontal sum per (row, key).
+inline vec reduce_lanes(vec* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // float adds: the pd ops only move pairs
+  }
+  // c[i], 128-bit lane j: partial sums of keys 4i..4i+3 over lane j. Sum the four 128-bit lanes.
+  __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+#elif GQA_SIMD == 8
+using vec = __m256;
+constexpr int LANES = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset(float x) { return _mm256_set1_ps(x); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vload(const BFloat16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vfnma(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline float vsum(vec x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float vmaxof(vec x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline vec vround(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vec vpow2(vec p, vec n) {  // p * 2^n through the exponent bits; n in [-126, 127] (vexp's clamp keeps it so)
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Lane i of the result = the sum of the 8 lanes of a[i] (two rounds of pairwise adds, then the 128-bit halves).
+inline vec reduce_lanes(vec* a) {
+  const __m256 c0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 c1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
+}
+#endif
+
+#if GQA_SIMD > 1
+// exp(x) for x <= 0 (softmax arguments), relative error ~2e-7; x is clamped at -87 (exp = 1.6e-38).
+inline vec vexp(vec x) {
+  x = vmax(x, vset(-87.0f));
+  const vec n = vround(vmul(x, vset(1.44269504088896341f)));
+  vec r = vfnma(n, vset(0.693359375f), x);  // x - n ln 2 in two parts
+  r = vfnma(n, vset(-2.12194440e-4f), r);
+  vec p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset(1.0f)));
+  return vpow2(p, n);
 }
 #endif
 
@@ -78,10 +160,10 @@ inline void gemv_tile(const T* W, int64_t K, const T* x, float* out, int64_t ldo
   int64_t k = 0;
   const int64_t pf = std::min<int64_t>(8 * K, 32768 / sizeof(T));
   float sums[MR][NR];
-#if defined(__AVX512F__)
-  __m512 acc[MR][NR];
+#if GQA_SIMD > 1
+  vec acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int n = 0; n < NR; ++n) acc[i][n] = _mm512_setzero_ps();
+    for (int n = 0; n < NR; ++n) acc[i][n] = vzero();
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, BFloat16>) {
     for (; k + 32 <= K; k += 32) {
@@ -95,17 +177,17 @@ inline void gemv_tile(const T* W, int64_t K, const T* x, float* out, int64_t ldo
     }
   }
 #endif
-  for (; k + 16 <= K; k += 16) {
-    __m512 xv[NR];
-    for (int n = 0; n < NR; ++n) xv[n] = load16(x + n * K + k);
+  for (; k + LANES <= K; k += LANES) {
+    vec xv[NR];
+    for (int n = 0; n < NR; ++n) xv[n] = vload(x + n * K + k);
     for (int i = 0; i < MR; ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(W + i * K + k + pf), _MM_HINT_T0);
-      __m512 w = load16(W + i * K + k);
-      for (int n = 0; n < NR; ++n) acc[i][n] = _mm512_fmadd_ps(w, xv[n], acc[i][n]);
+      const vec w = vload(W + i * K + k);
+      for (int n = 0; n < NR; ++n) acc[i][n] = vfma(w, xv[n], acc[i][n]);
     }
   }
   for (int i = 0; i < MR; ++i)
-    for (int n = 0; n < NR; ++n) sums[i][n] = _mm512_reduce_add_ps(acc[i][n]);
+    for (int n = 0; n < NR; ++n) sums[i][n] = vsum(acc[i][n]);
 #else
   for (int i = 0; i < MR; ++i)
     for (int n = 0; n < NR; ++n) sums[i][n] = 0.0f;
@@ -221,29 +303,10 @@ constexpr int64_t CHUNK = 64;  // keys per online-softmax step: the chunk's K/V 
 constexpr int64_t ROW_TILE = 4;         // query rows that share each loaded value row
 constexpr int64_t PREFETCH_CHUNKS = 2;  // K/V rows this many chunks ahead are prefetched
 
-#if defined(__AVX512F__)
-// Lane i of the result = the sum of the 16 lanes of a[i]: a transposing reduction, ~3 instructions per key instead
-// of a full horizontal sum per (row, key).
-inline __m512 reduce16(__m512* a) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // float adds: the pd ops only move pairs
-  }
-  // c[i], 128-bit lane j: partial sums of keys 4i..4i+3 over lane j. Sum the four 128-bit lanes.
-  __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-  __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
-}
-#endif
-
 inline void to_float_row(const BFloat16* x, float* y, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, load16(x + i));
+#if GQA_SIMD > 1
+  for (; i + LANES <= n; i += LANES) vstore(y + i, vload(x + i));
 #endif
   for (; i < n; ++i) y[i] = to_float(x[i]);
 }
@@ -252,16 +315,16 @@ inline void to_float_row(const float* x, float* y, int64_t n) { std::copy(x, x +
 // s[c] = q . k[c] for the n (<= CHUNK) keys of a chunk; k rows are float32 here (bf16 chunks are converted first).
 inline void chunk_scores(const float* q, const float* k, int64_t sk, int64_t n, int64_t D, float* s) {
   int64_t c = 0;
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    for (; c + 16 <= n; c += 16) {
-      __m512 acc[16];
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 qd = _mm512_loadu_ps(q + d);
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(k + (c + i) * sk + d), acc[i]);
+#if GQA_SIMD > 1
+  if (D % LANES == 0) {
+    for (; c + LANES <= n; c += LANES) {  // LANES keys at a time, one accumulator each
+      vec acc[LANES];
+      for (int i = 0; i < LANES; ++i) acc[i] = vzero();
+      for (int64_t d = 0; d < D; d += LANES) {
+        const vec qd = vload(q + d);
+        for (int i = 0; i < LANES; ++i) acc[i] = vfma(qd, vload(k + (c + i) * sk + d), acc[i]);
       }
-      _mm512_storeu_ps(s + c, reduce16(acc));
+      vstore(s + c, reduce_lanes(acc));
     }
   }
 #endif
@@ -287,47 +350,52 @@ inline void chunk_scores_bf16(const BFloat16* q, const BFloat16* k, int64_t sk, 
       for (int i = 0; i < m; ++i)
         acc[i] = _mm512_dpbf16_ps(acc[i], qd, (__m512bh)_mm512_loadu_si512(k + (c + i) * sk + d));
     }
-    const __m512 r = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+    const __m512 r = _mm512_mul_ps(reduce_lanes(acc), _mm512_set1_ps(scale));
     _mm512_mask_storeu_ps(s + c, static_cast<__mmask16>((1u << m) - 1u), r);
   }
 }
 #endif
 
+#if GQA_SIMD > 1
+// Value columns held in registers per row: RT x VALUE_VECS accumulators fit the register file (32 with AVX-512, 16
+// with AVX2) next to the loaded value vectors.
+constexpr int VALUE_VECS = GQA_SIMD == 16 ? 4 : 2;
+#endif
+
 // For RT rows: acc_r[0:Dv] = acc_r * alpha_r + sum_c p_r[c] v[c, :] over a chunk of n keys; each value row is
-// loaded (and converted) once for the RT rows, 64 columns at a time in registers.
+// loaded (and converted) once for the RT rows, VALUE_VECS * LANES columns at a time in registers.
 template <typename T, int RT>
 inline void accumulate_values(float* acc, int64_t lda, const float* alpha, const float* p, int64_t ldp, const T* v,
                               int64_t sv, int64_t n, int64_t Dv) {
   int64_t d = 0;
-#if defined(__AVX512F__)
-  for (; d + 64 <= Dv; d += 64) {
-    __m512 a[RT][4];
+#if GQA_SIMD > 1
+  constexpr int WIDE = VALUE_VECS * LANES;
+  for (; d + WIDE <= Dv; d += WIDE) {
+    vec a[RT][VALUE_VECS];
     for (int r = 0; r < RT; ++r) {
-      const __m512 al = _mm512_set1_ps(alpha[r]);
-      for (int j = 0; j < 4; ++j) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * lda + d + 16 * j), al);
+      const vec al = vset(alpha[r]);
+      for (int j = 0; j < VALUE_VECS; ++j) a[r][j] = vmul(vload(acc + r * lda + d + LANES * j), al);
     }
     for (int64_t c = 0; c < n; ++c) {
       const T* vc = v + c * sv + d;
-      const __m512 v0 = load16(vc), v1 = load16(vc + 16), v2 = load16(vc + 32), v3 = load16(vc + 48);
+      vec vv[VALUE_VECS];
+      for (int j = 0; j < VALUE_VECS; ++j) vv[j] = vload(vc + LANES * j);
       for (int r = 0; r < RT; ++r) {
-        const __m512 pc = _mm512_set1_ps(p[r * ldp + c]);
-        a[r][0] = _mm512_fmadd_ps(pc, v0, a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(pc, v1, a[r][1]);
-        a[r][2] = _mm512_fmadd_ps(pc, v2, a[r][2]);
-        a[r][3] = _mm512_fmadd_ps(pc, v3, a[r][3]);
+        const vec pc = vset(p[r * ldp + c]);
+        for (int j = 0; j < VALUE_VECS; ++j) a[r][j] = vfma(pc, vv[j], a[r][j]);
       }
     }
     for (int r = 0; r < RT; ++r)
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * lda + d + 16 * j, a[r][j]);
+      for (int j = 0; j < VALUE_VECS; ++j) vstore(acc + r * lda + d + LANES * j, a[r][j]);
   }
-  for (; d + 16 <= Dv; d += 16) {
-    __m512 a[RT];
-    for (int r = 0; r < RT; ++r) a[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * lda + d), _mm512_set1_ps(alpha[r]));
+  for (; d + LANES <= Dv; d += LANES) {
+    vec a[RT];
+    for (int r = 0; r < RT; ++r) a[r] = vmul(vload(acc + r * lda + d), vset(alpha[r]));
     for (int64_t c = 0; c < n; ++c) {
-      const __m512 vc = load16(v + c * sv + d);
-      for (int r = 0; r < RT; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * ldp + c]), vc, a[r]);
+      const vec vc = vload(v + c * sv + d);
+      for (int r = 0; r < RT; ++r) a[r] = vfma(vset(p[r * ldp + c]), vc, a[r]);
     }
-    for (int r = 0; r < RT; ++r) _mm512_storeu_ps(acc + r * lda + d, a[r]);
+    for (int r = 0; r < RT; ++r) vstore(acc + r * lda + d, a[r]);
   }
 #endif
   for (; d < Dv; ++d)
@@ -341,10 +409,10 @@ inline void accumulate_values(float* acc, int64_t lda, const float* alpha, const
 inline float max_of(const float* s, int64_t n) {
   int64_t c = 0;
   float mx = -std::numeric_limits<float>::infinity();
-#if defined(__AVX512F__)
-  __m512 vm = _mm512_set1_ps(mx);
-  for (; c + 16 <= n; c += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + c));
-  mx = _mm512_reduce_max_ps(vm);
+#if GQA_SIMD > 1
+  vec vm = vset(mx);
+  for (; c + LANES <= n; c += LANES) vm = vmax(vm, vload(s + c));
+  mx = vmaxof(vm);
 #endif
   for (; c < n; ++c) mx = std::max(mx, s[c]);
   return mx;
@@ -354,15 +422,15 @@ inline float max_of(const float* s, int64_t n) {
 inline float exp_shifted(float* s, float m, int64_t n) {
   int64_t c = 0;
   float sum = 0.0f;
-#if defined(__AVX512F__)
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 vs = _mm512_setzero_ps();
-  for (; c + 16 <= n; c += 16) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c), vm));
-    _mm512_storeu_ps(s + c, e);
-    vs = _mm512_add_ps(vs, e);
+#if GQA_SIMD > 1
+  const vec vm = vset(m);
+  vec vs = vzero();
+  for (; c + LANES <= n; c += LANES) {
+    const vec e = vexp(vsub(vload(s + c), vm));
+    vstore(s + c, e);
+    vs = vadd(vs, e);
   }
-  sum = _mm512_reduce_add_ps(vs);
+  sum = vsum(vs);
 #endif
   for (; c < n; ++c) {
     s[c] = std::exp(s[c] - m);
@@ -422,7 +490,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
 
       for (int64_t c0 = j_begin; c0 < j_end; c0 += CHUNK) {
         const int64_t n = std::min(CHUNK, j_end - c0);
-#if defined(__AVX512F__)
+#if GQA_SIMD > 1
         // Prefetch the K/V rows PREFETCH_CHUNKS chunks ahead: the hardware prefetcher alone leaves bandwidth unused.
         for (int64_t c = c0 + PREFETCH_CHUNKS * CHUNK; c < std::min(j_end, c0 + (PREFETCH_CHUNKS + 1) * CHUNK); ++c) {
           for (int64_t d = 0; d < D; d += 64 / int64_t(sizeof(T)))
@@ -557,9 +625,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+int64_t simd_width() { return GQA_SIMD; }
+
 }  // namespace
 
 TORCH_LIBRARY(gqa, m) {
+  m.def("simd_width() -> int", &simd_width);  // no tensor arguments: one kernel for every backend
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_rows_n(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
   m.def(
