@@ -25,6 +25,7 @@ import re
 import sysconfig
 from pathlib import Path
 
+import torch
 from conversion import quality  # benchmarks/conversion.py, beside this script
 
 from gqa.bench import write_json_atomic
@@ -82,6 +83,13 @@ def main() -> int:
     parser.add_argument("--heal-text", choices=("doc", "doc+lic"), default="doc")
     parser.add_argument("--licence-copies", type=int, default=2, help="copies of the licence text in doc+lic")
     parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument(
+        "--score-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also score every N steps (not counted in the budget), to see the curve flatten",
+    )
     parser.add_argument("--json", type=Path, default=None)
     ns = parser.parse_args()
     cfg, state = read_model(None)
@@ -111,7 +119,18 @@ def main() -> int:
     }
     evals = {name: tok.encode(text, add_special_tokens=False)[:TOKENS] for name, text in evals.items()}
     before = {name: quality(student, teacher, ids) for name, ids in evals.items()}
-    result = heal(student, teacher, heal_ids, steps=10**9, minutes=ns.minutes)
+    curve = []
+
+    def checkpoint(step: int, loss: float) -> None:  # heal() leaves its time out of the budget
+        if ns.score_every and (step + 1) % ns.score_every == 0:
+            student.eval()
+            with torch.no_grad():
+                scores = {name: quality(student, teacher, ids) for name, ids in evals.items()}
+            student.train()
+            curve.append({"step": step + 1, "scores": scores})
+            print(f"step {step + 1}: " + ", ".join(f"{n} {s['perplexity']:.2f}" for n, s in scores.items()), flush=True)
+
+    result = heal(student, teacher, heal_ids, steps=10**9, minutes=ns.minutes, callback=checkpoint)
     after = {name: quality(student, teacher, ids) for name, ids in evals.items()}
     original = {name: quality(teacher, teacher, ids)["perplexity"] for name, ids in evals.items()}
 
@@ -128,7 +147,7 @@ def main() -> int:
             "heal_text": ns.heal_text, "heal_tokens": len(heal_ids), "licence_tokens": licence_tokens,
             "licence_copies": ns.licence_copies, "minutes": ns.minutes, "steps": len(result.losses),
             "seconds": result.seconds, "precision": result.precision, "losses": result.losses,
-            "original": original, "converted": before, "healed": after,
+            "original": original, "converted": before, "healed": after, "curve": curve,
             "ratio": {name: after[name]["perplexity"] / original[name] for name in evals},
         })  # fmt: skip
     return 0 if all(math.isfinite(after[n]["perplexity"]) for n in evals) else 1

@@ -365,3 +365,24 @@ def test_cli_heals(src, tmp_path, capsys):
     assert log["config"] == {"steps": 6, "lr": 1e-3, "seq_len": 16, "batch_size": 1, "train": "attention",
                              "warmup": None, "seed": 0, "precision": "fp32", "minutes": None}  # fmt: skip
     assert log["precision"] == "fp32"  # what the passes ran in
+
+
+def test_the_callbacks_time_is_not_healing_time(monkeypatch):
+    """A callback that takes 100 s (say, scoring an evaluation text) neither ends a 30-second budget nor counts in
+    ``seconds``: the fake clock moves 2 s per reading, and the callback moves it 100 s more."""
+    clock = FakeClock(2.0)
+    monkeypatch.setattr(healing_module, "_clock", clock)
+    calls = []
+
+    def slow_callback(step: int, loss: float) -> None:
+        calls.append(step)
+        clock.now += 100.0
+
+    teacher, student = tiny_pair()
+    res = heal(student, teacher, TRAIN_IDS, steps=1000, lr=1e-3, seq_len=32, warmup=2, minutes=0.5,
+               progress=False, callback=slow_callback)  # fmt: skip
+    # healing time: 2 s per step before it and 2 s for the reading that opens the callback (its 100 s and the reading
+    # that closes it are left out): the steps start at 2, 6, ..., 26 s; at 30 s the budget is spent
+    assert len(res.losses) == len(calls) == 7 and calls == list(range(7))
+    assert res.seconds == pytest.approx(32.0)  # not 7 x 102 s more
+    assert res.lrs[-1] < 0.2e-3  # the schedule ran on healing time too

@@ -118,7 +118,7 @@ class HealResult:
         nats per token on that step's windows, measured before the step's update (so ``losses[0]`` is the converted
         model's loss).
     lrs : the learning rate of each step.
-    seconds : wall time of the loop (the teacher's and the student's passes and the updates).
+    seconds : wall time of the loop (the teacher's and the student's passes and the updates; not ``callback``).
     cpu_seconds : CPU time of this process during the loop, all threads together (unlike ``seconds``, it does not
         grow while the process waits for a busy machine).
     tokens_per_step : ``batch_size * seq_len``.
@@ -220,7 +220,8 @@ def heal(
         schedule runs on elapsed time when that is further along than the step count (module docstring). Pass a
         large ``steps`` to heal for exactly this long. Where it binds, the number of steps depends on the machine.
     progress : show a tqdm progress bar (on stderr) with the running loss.
-    callback : called as ``callback(step, loss)`` after every step.
+    callback : called as ``callback(step, loss)`` after every step. Its own time (e.g. scoring the student on an
+        evaluation text every few hundred steps) is not counted against ``minutes`` nor in ``HealResult.seconds``.
 
     Returns
     -------
@@ -256,9 +257,10 @@ def heal(
     teacher.eval()
     student.train()
     start, cpu_start = _clock(), time.process_time()
+    paused = 0.0  # seconds spent in ``callback``, left out of the budget
     try:
         for step in range(steps):
-            elapsed = _clock() - start
+            elapsed = _clock() - start - paused
             if budget is not None and elapsed >= budget:
                 break
             batch = torch.stack([next(windows) for _ in range(batch_size)]).to(device)  # (B, L)
@@ -281,10 +283,13 @@ def heal(
             lrs.append(step_lr)
             if bar is not None:
                 bar.update(1)
-                left = {} if budget is None else {"left": f"{max(budget - _clock() + start, 0) / 60:.1f} min"}
+                spent = _clock() - start - paused
+                left = {} if budget is None else {"left": f"{max(budget - spent, 0) / 60:.1f} min"}
                 bar.set_postfix(kl=f"{value:.3f}", **left)
             if callback is not None:
+                called = _clock()
                 callback(step, value)
+                paused += _clock() - called
     finally:
         if bar is not None:
             bar.close()
@@ -292,7 +297,7 @@ def heal(
         for p in student.parameters():
             p.requires_grad_(was[id(p)])
             p.grad = None
-    seconds, cpu_seconds = _clock() - start, time.process_time() - cpu_start
+    seconds, cpu_seconds = _clock() - start - paused, time.process_time() - cpu_start
     n = sum(p.numel() for p in params)
     return HealResult(losses, lrs, seconds, batch_size * seq_len, cfg, n, cpu_seconds, precision)
 
