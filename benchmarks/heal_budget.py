@@ -14,6 +14,7 @@ original's, and mean KL(original || model).
     .venv/bin/gqa convert out/smollm2-mqa --kv-heads 1           # once
     .venv/bin/python benchmarks/heal_budget.py --student out/smollm2-mqa --heal-text doc+lic --minutes 30 \\
         --json results/heal-budget-lic.json                     # 30 minutes of healing, ~3 more of scoring
+    # --score-every 400: also score the four texts every 400 steps (~75 s each, not counted in the 30 minutes)
 """
 
 from __future__ import annotations
