@@ -9,6 +9,7 @@ import json
 import os
 import random
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -369,7 +370,8 @@ def test_cli_heals(src, tmp_path, capsys):
 
 def test_the_callbacks_time_is_not_healing_time(monkeypatch):
     """A callback that takes 100 s (say, scoring an evaluation text) neither ends a 30-second budget nor counts in
-    ``seconds``: the fake clock moves 2 s per reading, and the callback moves it 100 s more."""
+    ``seconds``: the fake clock moves 2 s per reading, and the callback moves it 100 s more. It also burns 0.3 s of
+    real CPU time per call, which stays out of ``cpu_seconds``."""
     clock = FakeClock(2.0)
     monkeypatch.setattr(healing_module, "_clock", clock)
     calls = []
@@ -377,6 +379,9 @@ def test_the_callbacks_time_is_not_healing_time(monkeypatch):
     def slow_callback(step: int, loss: float) -> None:
         calls.append(step)
         clock.now += 100.0
+        busy = time.process_time()
+        while time.process_time() - busy < 0.3:
+            pass
 
     teacher, student = tiny_pair()
     res = heal(student, teacher, TRAIN_IDS, steps=1000, lr=1e-3, seq_len=32, warmup=2, minutes=0.5,
@@ -386,3 +391,4 @@ def test_the_callbacks_time_is_not_healing_time(monkeypatch):
     assert len(res.losses) == len(calls) == 7 and calls == list(range(7))
     assert res.seconds == pytest.approx(32.0)  # not 7 x 102 s more
     assert res.lrs[-1] < 0.2e-3  # the schedule ran on healing time too
+    assert res.cpu_seconds < 0.3 * len(calls) / 2, res.cpu_seconds  # 2.1 s were burnt in the callback

@@ -221,7 +221,8 @@ def heal(
         large ``steps`` to heal for exactly this long. Where it binds, the number of steps depends on the machine.
     progress : show a tqdm progress bar (on stderr) with the running loss.
     callback : called as ``callback(step, loss)`` after every step. Its own time (e.g. scoring the student on an
-        evaluation text every few hundred steps) is not counted against ``minutes`` nor in ``HealResult.seconds``.
+        evaluation text every few hundred steps) is not counted against ``minutes`` nor in ``HealResult.seconds``
+        and ``cpu_seconds``.
 
     Returns
     -------
@@ -257,7 +258,7 @@ def heal(
     teacher.eval()
     student.train()
     start, cpu_start = _clock(), time.process_time()
-    paused = 0.0  # seconds spent in ``callback``, left out of the budget
+    paused = paused_cpu = 0.0  # wall and CPU seconds spent in ``callback``, left out of the budget and the result
     try:
         for step in range(steps):
             elapsed = _clock() - start - paused
@@ -287,9 +288,10 @@ def heal(
                 left = {} if budget is None else {"left": f"{max(budget - spent, 0) / 60:.1f} min"}
                 bar.set_postfix(kl=f"{value:.3f}", **left)
             if callback is not None:
-                called = _clock()
+                called, called_cpu = _clock(), time.process_time()
                 callback(step, value)
                 paused += _clock() - called
+                paused_cpu += time.process_time() - called_cpu
     finally:
         if bar is not None:
             bar.close()
@@ -297,7 +299,7 @@ def heal(
         for p in student.parameters():
             p.requires_grad_(was[id(p)])
             p.grad = None
-    seconds, cpu_seconds = _clock() - start - paused, time.process_time() - cpu_start
+    seconds, cpu_seconds = _clock() - start - paused, time.process_time() - cpu_start - paused_cpu
     n = sum(p.numel() for p in params)
     return HealResult(losses, lrs, seconds, batch_size * seq_len, cfg, n, cpu_seconds, precision)
 
