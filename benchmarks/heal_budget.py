@@ -26,7 +26,6 @@ import re
 import sysconfig
 from pathlib import Path
 
-import torch
 from conversion import quality  # benchmarks/conversion.py, beside this script
 
 from gqa.bench import write_json_atomic
@@ -124,9 +123,8 @@ def main() -> int:
 
     def checkpoint(step: int, loss: float) -> None:  # heal() leaves its time out of the budget
         if ns.score_every and (step + 1) % ns.score_every == 0:
-            student.eval()
-            with torch.no_grad():
-                scores = {name: quality(student, teacher, ids) for name, ids in evals.items()}
+            student.eval()  # quality() scores under inference_mode
+            scores = {name: quality(student, teacher, ids) for name, ids in evals.items()}
             student.train()
             curve.append({"step": step + 1, "scores": scores})
             print(f"step {step + 1}: " + ", ".join(f"{n} {s['perplexity']:.2f}" for n, s in scores.items()), flush=True)
