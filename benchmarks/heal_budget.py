@@ -92,6 +92,8 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path, default=None)
     ns = parser.parse_args()
+    if ns.score_every < 0:
+        parser.error(f"--score-every must be >= 0 (0: score only before and after), got {ns.score_every}")
     cfg, state = read_model(None)
     tok = load_tokenizer(None)
     teacher = CausalLM.from_state(cfg, state).eval()
