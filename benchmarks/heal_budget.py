@@ -26,7 +26,6 @@ import re
 import sysconfig
 from pathlib import Path
 
-import torch
 from conversion import quality  # benchmarks/conversion.py, beside this script
 
 from gqa.bench import write_json_atomic
@@ -93,6 +92,8 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path, default=None)
     ns = parser.parse_args()
+    if ns.score_every < 0:
+        parser.error(f"--score-every must be >= 0 (0: score only before and after), got {ns.score_every}")
     cfg, state = read_model(None)
     tok = load_tokenizer(None)
     teacher = CausalLM.from_state(cfg, state).eval()
@@ -124,9 +125,8 @@ def main() -> int:
 
     def checkpoint(step: int, loss: float) -> None:  # heal() leaves its time out of the budget
         if ns.score_every and (step + 1) % ns.score_every == 0:
-            student.eval()
-            with torch.no_grad():
-                scores = {name: quality(student, teacher, ids) for name, ids in evals.items()}
+            student.eval()  # quality() scores under inference_mode
+            scores = {name: quality(student, teacher, ids) for name, ids in evals.items()}
             student.train()
             curve.append({"step": step + 1, "scores": scores})
             print(f"step {step + 1}: " + ", ".join(f"{n} {s['perplexity']:.2f}" for n, s in scores.items()), flush=True)

@@ -259,9 +259,13 @@ def heal(
     student.train()
     start, cpu_start = _clock(), time.process_time()
     paused = paused_cpu = 0.0  # wall and CPU seconds spent in ``callback``, left out of the budget and the result
+
+    def healing_time() -> float:  # wall seconds since the start, less the callback's
+        return _clock() - start - paused
+
     try:
         for step in range(steps):
-            elapsed = _clock() - start - paused
+            elapsed = healing_time()
             if budget is not None and elapsed >= budget:
                 break
             batch = torch.stack([next(windows) for _ in range(batch_size)]).to(device)  # (B, L)
@@ -284,8 +288,7 @@ def heal(
             lrs.append(step_lr)
             if bar is not None:
                 bar.update(1)
-                spent = _clock() - start - paused
-                left = {} if budget is None else {"left": f"{max(budget - spent, 0) / 60:.1f} min"}
+                left = {} if budget is None else {"left": f"{max(budget - healing_time(), 0) / 60:.1f} min"}
                 bar.set_postfix(kl=f"{value:.3f}", **left)
             if callback is not None:
                 called, called_cpu = _clock(), time.process_time()
@@ -299,7 +302,7 @@ def heal(
         for p in student.parameters():
             p.requires_grad_(was[id(p)])
             p.grad = None
-    seconds, cpu_seconds = _clock() - start - paused, time.process_time() - cpu_start - paused_cpu
+    seconds, cpu_seconds = healing_time(), time.process_time() - cpu_start - paused_cpu
     n = sum(p.numel() for p in params)
     return HealResult(losses, lrs, seconds, batch_size * seq_len, cfg, n, cpu_seconds, precision)
 
