@@ -77,6 +77,7 @@ def build(verbose: bool = False) -> Path:
     return library_path()
 
 
+@torch.compiler.assume_constant_result  # inside torch.compile: run once while tracing, a constant of the graph
 def load() -> bool:
     """Load the built kernels if there are any (building them first with ``GQA_BUILD_KERNELS=1``); True if loaded."""
     global _loaded
