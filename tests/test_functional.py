@@ -223,7 +223,7 @@ def test_non_contiguous_inputs():
         check_close(out, attention64(q, k, v, None, True)[0], torch.float32, backend)
 
 
-ALL_BACKENDS = BACKENDS + ["fused"]
+ALL_BACKENDS = [*BACKENDS, "fused"]
 
 
 def runnable(backend: str, dtype: torch.dtype) -> None:
