@@ -299,3 +299,23 @@ def test_empty_inputs_are_refused_by_the_fused_backends(backend):
     q, k, v = make((2,), 6, 2, 3, 0, 8)
     with pytest.raises(ValueError, match="empty inputs"):
         gqa.grouped_attention(q, k, v, is_causal=True, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "bool_2d", "float"])
+@pytest.mark.parametrize(("D", "D_v", "strided"), [(16, 16, False), (16, 16, True), (16, 8, False)])
+def test_compiled_kernel_choice_matches_torch(dtype, mask_kind, D, D_v, strided):
+    """Under torch.compile the SDPA backend asks torch's kernel choice on one-token stand-ins (the real query cannot
+    be traced); on this CPU that answer must be the real inputs' answer."""
+    from gqa.backends.sdpa import _fused_choice, _fused_choice_probe, _layout, _mask_4d
+
+    q, k, v = make((2,), 8, 2, 40, 40, 2 * D if strided else D, dtype=dtype, D_v=D_v)
+    if strided:
+        q = q[..., ::2]
+        k = k[..., :D]
+    shape = gqa._checks.check_qkv(q, k, v)
+    mask = make_mask(mask_kind, (2,), 8, 40, 40, dtype)
+    mask = None if mask is None else _mask_4d(mask, shape)
+    real = _fused_choice(q, k, v, mask, False, None, True)
+    kind = None if mask is None else (mask.dim(), mask.dtype)
+    assert _fused_choice_probe(_layout(q), _layout(k), _layout(v), kind, False, True) == real
