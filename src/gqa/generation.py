@@ -75,7 +75,7 @@ def _prompt_batch(prompts: object) -> tuple[list[list[int]], bool]:
         return (prompts.tolist(), False) if prompts.dim() == 2 else ([prompts.tolist()], True)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be token ids (list of ints, integer tensor), got {type(prompts).__name__}")
-    if len(prompts) > 0 and isinstance(prompts[0], int):
+    if len(prompts) == 0 or isinstance(prompts[0], int):  # one prompt (an empty one is refused later)
         return [list(prompts)], True
     batch = []
     for p in prompts:
