@@ -1,4 +1,5 @@
-"""The gqa command line: generate and info on the embedded SmolLM2, errors as messages, not tracebacks."""
+"""The gqa command line: generate and info on the embedded SmolLM2, errors as messages, not tracebacks; --version
+and the bench group."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import subprocess
 import sys
 
 import pytest
+
+from gqa import __version__
+from gqa.cli import main as cli
 
 ENV = os.environ | {"HF_HUB_OFFLINE": "1"}
 
@@ -60,3 +64,38 @@ def test_errors_are_messages(args, message):
     res = gqa(*args)
     assert res.returncode == 2
     assert message in res.stderr and "Traceback" not in res.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# First contact: flags, help, messages. In-process and without loading a model (each test is well under a second).
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``gqa ARGS`` in this process: ``(exit code, stdout, stderr)``; ``--help`` and argparse errors exit."""
+    try:
+        code = cli(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_version(capsys):
+    code, out, _ = run_cli(capsys, "--version")
+    assert code == 0 and out == f"gqa {__version__}\n"
+
+
+def test_bench_is_a_group_of_benchmarks(capsys):
+    code, out, _ = run_cli(capsys, "bench", "--help")
+    assert code == 0 and out.startswith("usage: gqa bench [-h] {attention,model} ...")
+    lines = " ".join(out.split())
+    assert "attention time gqa's attention backends" in lines and "model KV-cache size, prefill and decode" in lines
+    assert "what" not in out and "args" not in out and "REMAINDER" not in out
+    for name, flag in (("attention", "--kv-heads H_KV"), ("model", "--engines")):
+        code, out, _ = run_cli(capsys, "bench", name, "--help")
+        assert code == 0 and out.startswith(f"usage: gqa bench {name} [-h]") and flag in out
+        assert "attention.py" not in out
+    code, _, err = run_cli(capsys, "bench")
+    assert code == 2 and "required: benchmark" in err
+    code, _, err = run_cli(capsys, "bench", "attention", "--dtypes", "int8")
+    assert code == 2 and "gqa bench attention: error: argument --dtypes: unknown dtype 'int8'" in err

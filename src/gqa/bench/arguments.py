@@ -52,12 +52,21 @@ def _positive_float(text: str) -> float:
     return value
 
 
+DESCRIPTION = (
+    "Time gqa's attention backends, auto and the peer implementations side by side against the machine's measured "
+    "bandwidth and matmul rate; print a markdown report."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="gqa bench attention",
-        description="Time gqa's attention backends, auto and the peer implementations side by side against the "
-        "machine's measured bandwidth and matmul rate; print a markdown report.",
-    )
+    """The parser of ``gqa bench attention`` (what ``python benchmarks/attention.py`` runs)."""
+    parser = argparse.ArgumentParser(prog="gqa bench attention", description=DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``gqa bench attention`` on ``p``."""
     p.add_argument("--quick", action="store_true", help="small grid, few repeats (under 2 minutes on 2 CPU cores)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu); cuda adds SDPA per kernel and flex")
     p.add_argument(
@@ -137,7 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-json", type=Path, metavar="PATH", help="measure nothing: re-render a saved --json run")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p  # fmt: skip
 
 
 def resolve_grid(args: argparse.Namespace, device: torch.device) -> Grid:

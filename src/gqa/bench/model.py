@@ -78,8 +78,18 @@ def _run_worker(path: str | None, engine: str, dtype: str, contexts: list[int], 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gqa bench model", description=__doc__.split("\n\n")[0])
+DESCRIPTION = " ".join(__doc__.split("\n\n")[0].split())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``gqa bench model``."""
+    parser = argparse.ArgumentParser(prog="gqa bench model", description=DESCRIPTION)
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``gqa bench model`` on ``parser``."""
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
     parser.add_argument("--kv-heads", type=int, nargs="+", default=None, metavar="N",
                         help="KV head counts to run (default: H_q, the model's own, 1; SmolLM2: 9 3 1)")  # fmt: skip
@@ -91,12 +101,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=None, help="write every number and the machine here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
     parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here (needs matplotlib)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    ns = parser.parse_args(argv)
+    parser = build_parser()
+    return run(parser, parser.parse_args(argv))
+
+
+def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    """The benchmark on flags ``parser`` (``build_parser`` or ``add_arguments``'s parser) has parsed."""
     if ns.quick:
         ns.contexts, ns.new_tokens, ns.dtypes = [64, 256], 8, ["fp32"]
         ns.engines = [e for e in ns.engines if e != "gqa"] or ["gqa-eager"]
