@@ -1,8 +1,9 @@
-"""The gqa command line: generate and info on the embedded SmolLM2, errors as messages, not tracebacks; --version
-and the bench group."""
+"""The gqa command line: generate and info on the embedded SmolLM2, errors as messages, not tracebacks; the flags
+and --help texts."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from gqa import __version__
+from gqa.cli import build_parser
 from gqa.cli import main as cli
 
 ENV = os.environ | {"HF_HUB_OFFLINE": "1"}
@@ -83,6 +85,52 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 def test_version(capsys):
     code, out, _ = run_cli(capsys, "--version")
     assert code == 0 and out == f"gqa {__version__}\n"
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser by its prog (``gqa bench attention``), recursively."""
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found[sub.prog] = sub
+                found |= _subparsers(sub)
+    return found
+
+
+def test_help_shows_every_default_once():
+    parsers = _subparsers(build_parser())
+    assert {"gqa generate", "gqa info", "gqa eval", "gqa convert", "gqa bench attention", "gqa bench model"} <= set(
+        parsers
+    )
+    for prog, parser in parsers.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            text = formatter._expand_help(action) if action.help else ""
+            where = f"{prog} {'/'.join(action.option_strings) or action.dest}: {text!r}"
+            assert text.count("(default") <= 1 and "(default " not in text, where  # one, always "(default: X)"
+            has_default = action.default not in (None, False, argparse.SUPPRESS) and not isinstance(
+                action, argparse._SubParsersAction
+            )
+            if has_default:
+                assert "(default: " in text, where
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (("generate", "--help"), ["stop after N new tokens (default: 128)"]),
+        (("eval", "--help"), ["tokens per forward pass (default: 512)"]),
+        (("convert", "--help"), ["(default: pca)", "(default: 0, no healing)"]),
+        (("bench", "model", "--help"), ["(default: 128 1024 4096)", "(default: fp32 bf16)"]),
+    ],
+)
+def test_help_texts(capsys, args, shown):
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0
+    out = " ".join(out.split())  # argparse wraps to the terminal width
+    for text in shown:
+        assert text in out, text
 
 
 def test_bench_is_a_group_of_benchmarks(capsys):

@@ -12,11 +12,27 @@ from . import __version__
 Handler = Callable[[argparse.Namespace, list[str]], int]  # (parsed flags, the command line)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every option's default as ``(default: X)``: appended here unless the help text states it
+    already (defaults that need words, e.g. ``(default: embedded SmolLM2)``) or there is none to show (``None``, or
+    ``False`` for an on/off flag). Lists show as they are typed: ``(default: 128 1024 4096)``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "(default" in text or default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
 def _subcommand(
     sub: argparse._SubParsersAction, name: str, help: str, handler: Handler, description: str | None = None
 ) -> argparse.ArgumentParser:
-    """A subcommand; ``handler(ns, argv)`` runs it."""
-    parser = sub.add_parser(name, help=help, description=description or help)
+    """A subcommand whose ``--help`` shows the defaults; ``handler(ns, argv)`` runs it."""
+    parser = sub.add_parser(name, help=help, description=description or help, formatter_class=HelpFormatter)
     parser.set_defaults(handler=handler, prog=parser.prog)
     return parser
 
@@ -33,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gqa",
         description="Grouped-query attention for PyTorch.",
         epilog="'gqa COMMAND --help' shows a command's options.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gqa {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         _subcommand(sub, "generate", "generate text with a model (default: embedded SmolLM2)", _ns(run_generate))
     )
     add_model_arguments(
-        _subcommand(sub, "info", "a model's architecture and KV-cache size vs MHA and MQA", _ns(run_info))
+        _subcommand(sub, "info", "a model's architecture and KV-cache size vs MHA and MQA", _ns(run_info)),
+        dtype_help="dtype of the KV cache in the table",
     )
     add_eval_arguments(
         _subcommand(sub, "eval", "perplexity on a text, and mean KL divergence from a reference", _ns(run_eval))
@@ -53,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmarks: attention implementations, or a whole model as MHA, GQA and MQA",
         description="Benchmarks; 'gqa bench BENCHMARK --help' shows a benchmark's options.",
+        formatter_class=HelpFormatter,
     )
     benchmarks = bench.add_subparsers(dest="benchmark", required=True)
     attention = _subcommand(

@@ -14,21 +14,29 @@ from .cache import kv_cache_bytes
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, dtype_help: str = "weight dtype") -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help=dtype_help)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt (a user message, or plain text with --raw)")
     add_model_arguments(parser)
     parser.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
-    parser.add_argument("--system", default=None, help="system message for the chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--system", default=None, help="system message for the chat template (default: none)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="stop after N new tokens")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="sampling temperature; 0 is greedy decoding"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=None, metavar="K", help="with T > 0: sample from the K most likely tokens "
+        "(default: off)"
+    )  # fmt: skip
+    parser.add_argument(
+        "--top-p", type=float, default=None, metavar="P",
+        help="with T > 0: sample from the most likely tokens that make up probability P (default: off)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=None, help="with T > 0: random seed (default: unseeded)")
     parser.add_argument("--stats", action="store_true", help="print prefill/decode tokens per second to stderr")
 
 

@@ -28,7 +28,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", nargs="?", default=None, metavar="SRC", help=src_help)
     parser.add_argument("dst", metavar="DST", help="the HF checkpoint folder to write")
     parser.add_argument("--kv-heads", type=int, required=True, metavar="N", help="new number of KV heads")
-    method_help = f"how to merge KV heads when N is smaller (default: {DEFAULT_METHOD}); expanding is always exact"
+    method_help = "how to merge KV heads when N is smaller; expanding is always exact"
     parser.add_argument("--method", choices=sorted(METHODS), default=DEFAULT_METHOD, help=method_help)
     parser.add_argument(
         "--calibration-text", type=Path, default=None, metavar="FILE",
@@ -44,11 +44,11 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "healing", "distil the merged model from SRC (KL on the logits) before writing it; "
         f"DST then also holds {HEAL_PLOT_NAME} (loss curve) and {HEAL_LOG_NAME}",
     )  # fmt: skip
-    heal.add_argument("--heal-steps", type=int, default=0, metavar="N", help="optimizer steps (default 0: no healing)")
+    heal.add_argument("--heal-steps", type=int, default=0, metavar="N", help="optimizer steps (default: 0, no healing)")
     heal.add_argument(
         "--heal-minutes", type=float, default=None, metavar="M",
         help="wall-time budget: heal until M minutes are spent (or N steps, if --heal-steps is also given); the "
-        "learning-rate schedule follows the time",
+        "learning-rate schedule follows the time (default: no time limit)",
     )  # fmt: skip
     heal.add_argument(
         "--heal-text", default=None, metavar="FILE",
@@ -56,24 +56,18 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "standard-library docstrings (disjoint from gqa eval's default text)",
     )  # fmt: skip
     d = HealConfig(steps=1)
-    heal.add_argument(
-        "--heal-lr", type=float, default=d.lr, metavar="LR", help=f"peak learning rate (default {d.lr:g})"
-    )
-    heal.add_argument(
-        "--heal-seq-len", type=int, default=d.seq_len, metavar="L", help=f"tokens per window (default {d.seq_len})"
-    )
-    heal.add_argument(
-        "--heal-batch", type=int, default=d.batch_size, metavar="B", help=f"windows per step (default {d.batch_size})"
-    )
+    heal.add_argument("--heal-lr", type=float, default=d.lr, metavar="LR", help="peak learning rate")
+    heal.add_argument("--heal-seq-len", type=int, default=d.seq_len, metavar="L", help="tokens per window")
+    heal.add_argument("--heal-batch", type=int, default=d.batch_size, metavar="B", help="windows per step")
     heal.add_argument(
         "--heal-train", choices=TRAINABLE, default=d.train,
-        help=f"which parameters train: the q/k/v/o projections or all (default {d.train})",
+        help="which parameters train: the q/k/v/o projections or all",
     )  # fmt: skip
-    heal.add_argument("--heal-seed", type=int, default=d.seed, help=f"seed of the window order (default {d.seed})")
+    heal.add_argument("--heal-seed", type=int, default=d.seed, metavar="S", help="seed of the window order")
     heal.add_argument(
         "--heal-precision", choices=PRECISIONS, default=d.precision,
-        help="bf16: the passes under bfloat16 autocast, float32 weights and optimizer; auto (default): bf16 where "
-        "the hardware multiplies bf16 natively (AVX512-BF16/AMX CPU, recent GPU), else fp32",
+        help="bf16: the passes under bfloat16 autocast, float32 weights and optimizer; auto: bf16 where the "
+        "hardware multiplies bf16 natively (AVX512-BF16/AMX CPU, recent GPU), else fp32",
     )  # fmt: skip
 
 

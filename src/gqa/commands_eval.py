@@ -13,11 +13,18 @@ EVAL_DTYPES = ("bf16", "fp32")
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: embedded SmolLM2)")
-    parser.add_argument("--text", default=None, help="UTF-8 text file (default: CPython's LICENSE.txt)")
-    parser.add_argument("--reference", default=None, help="model to report mean KL(reference || model) against")
-    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per forward pass (default 512)")
-    parser.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
-    parser.add_argument("--dtype", choices=EVAL_DTYPES, default="fp32", help="weight dtype (default fp32)")
+    parser.add_argument("--text", default=None, metavar="FILE", help="UTF-8 text file (default: CPython's LICENSE.txt)")
+    parser.add_argument(
+        "--reference",
+        default=None,
+        metavar="MODEL",
+        help="model to report mean KL(reference || model) against, loaded in fp32",
+    )
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per forward pass")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, metavar="N", help="evaluate only the first N tokens (default: all)"
+    )
+    parser.add_argument("--dtype", choices=EVAL_DTYPES, default="fp32", help="weight dtype")
 
 
 def load_text(path: str | None) -> tuple[str, str]:

@@ -60,7 +60,9 @@ DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``gqa bench attention`` (what ``python benchmarks/attention.py`` runs)."""
-    parser = argparse.ArgumentParser(prog="gqa bench attention", description=DESCRIPTION)
+    from ..cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="gqa bench attention", description=DESCRIPTION, formatter_class=HelpFormatter)
     add_arguments(parser)
     return parser
 
@@ -68,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``gqa bench attention`` on ``p``."""
     p.add_argument("--quick", action="store_true", help="small grid, few repeats (under 2 minutes on 2 CPU cores)")
-    p.add_argument("--device", default="cpu", help="torch device (default: cpu); cuda adds SDPA per kernel and flex")
+    p.add_argument("--device", default="cpu", help="torch device; cuda adds SDPA per kernel and flex")
     p.add_argument(
         "--kinds",
         "--cases",
@@ -76,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=KINDS,
         default=list(KINDS),
-        help="workloads (default: decode prefill)",
+        help="workloads",
     )
     p.add_argument(
         "--dtypes",
@@ -92,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=[32, 8, 4, 1],
         metavar="H_KV",
-        help="numbers of KV heads, each dividing H_q (default: 32 8 4 1)",
+        help="numbers of KV heads, each dividing H_q",
     )
     p.add_argument(
         "--batches",
@@ -121,7 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=MASKS,
         default=list(MASKS),
-        help="how prefill gets its causal pattern (default: causal bool additive)",
+        help="how prefill gets its causal pattern",
     )
     p.add_argument("--impls", nargs="+", metavar="NAME", help="only these implementations (default: all)")
     p.add_argument("--q-heads", type=_positive_int, help="H_q (default: 32)")
@@ -134,7 +136,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="an implementation whose checked call takes longer is "
         "not timed (default: 10 on CPU, 5 with --quick, 300 on CUDA)",
     )
-    p.add_argument("--max-seconds", type=_positive_float, help="start no new case after this many seconds")
+    p.add_argument(
+        "--max-seconds", type=_positive_float, help="start no new case after this many seconds (default: no limit)"
+    )
     p.add_argument(
         "--mem-budget-gb",
         type=_positive_float,
@@ -144,7 +148,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", type=Path, metavar="PATH", help="write the markdown report here")
     p.add_argument("--plots", type=Path, metavar="DIR", help="write attention-decode.png and attention-kv-bytes.png")
     p.add_argument("--from-json", type=Path, metavar="PATH", help="measure nothing: re-render a saved --json run")
-    p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

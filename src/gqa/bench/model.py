@@ -83,7 +83,9 @@ DESCRIPTION = " ".join(__doc__.split("\n\n")[0].split())
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``gqa bench model``."""
-    parser = argparse.ArgumentParser(prog="gqa bench model", description=DESCRIPTION)
+    from ..cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="gqa bench model", description=DESCRIPTION, formatter_class=HelpFormatter)
     add_arguments(parser)
     return parser
 
@@ -93,14 +95,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
     parser.add_argument("--kv-heads", type=int, nargs="+", default=None, metavar="N",
                         help="KV head counts to run (default: H_q, the model's own, 1; SmolLM2: 9 3 1)")  # fmt: skip
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096])
-    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
-    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per context (default 32)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096], metavar="S",
+                        help="prompt lengths in tokens")  # fmt: skip
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"], help="weight dtypes")
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=list(ENGINES),
+        help="what runs the model: gqa (compiled), gqa-eager, hf (transformers)",
+    )
+    parser.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens generated per context")
     parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, 8 new tokens, fp32, no compile")
-    parser.add_argument("--json", type=Path, default=None, help="write every number and the machine here")
-    parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
-    parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here (needs matplotlib)")
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="write every number and the machine here"
+    )
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="write the table here")
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="PATH", help="write the PNG plot here (needs matplotlib)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
