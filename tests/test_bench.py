@@ -126,7 +126,7 @@ def test_tiny_run_writes_json_markdown_and_pngs(tmp_path, capsys):
 def test_cli_entry_runs_the_attention_benchmark(capsys, tmp_path):
     from gqa.cli import main as cli
 
-    flags = [*TINY, "--kinds", "decode", "--dtypes", "fp32", "--json", str(tmp_path / "run.json")]
+    flags = [*TINY, "--kinds", "decode", "--dtypes", "Float32", "--json", str(tmp_path / "run.json")]
     assert cli(["bench", "attention", *flags]) == 0
     assert "### Decode (L=1), median ms" in capsys.readouterr().out
     payload = json.loads((tmp_path / "run.json").read_text())

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gqa import __version__
 from gqa.cli import build_parser
@@ -119,9 +120,9 @@ def test_help_shows_every_default_once():
 @pytest.mark.parametrize(
     ("args", "shown"),
     [
-        (("generate", "--help"), ["stop after N new tokens (default: 128)"]),
-        (("eval", "--help"), ["tokens per forward pass (default: 512)"]),
-        (("convert", "--help"), ["(default: pca)", "(default: 0, no healing)"]),
+        (("generate", "--help"), ["stop after N new tokens (default: 128)", "--dtype {fp32,bf16,fp16}"]),
+        (("eval", "--help"), ["tokens per forward pass (default: 512)", "--dtype {fp32,bf16}"]),
+        (("convert", "--help"), ["(default: pca)", "(default: 0, no healing)", "{auto,bf16,fp32}"]),
         (("bench", "model", "--help"), ["(default: 128 1024 4096)", "(default: fp32 bf16)"]),
     ],
 )
@@ -147,3 +148,36 @@ def test_bench_is_a_group_of_benchmarks(capsys):
     assert code == 2 and "required: benchmark" in err
     code, _, err = run_cli(capsys, "bench", "attention", "--dtypes", "int8")
     assert code == 2 and "gqa bench attention: error: argument --dtypes: unknown dtype 'int8'" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "dest", "value"),
+    [
+        (("generate", "hi", "--dtype", "float16"), "dtype", "fp16"),
+        (("generate", "hi", "--dtype", "BF16"), "dtype", "bf16"),
+        (("info", "--dtype", "bfloat16"), "dtype", "bf16"),
+        (("info", "--dtype", "Float32"), "dtype", "fp32"),
+        (("eval", "--dtype", "bfloat16"), "dtype", "bf16"),
+        (("convert", "d", "--kv-heads", "1", "--heal-precision", "float32"), "heal_precision", "fp32"),
+        (("convert", "d", "--kv-heads", "1", "--heal-precision", "BFloat16"), "heal_precision", "bf16"),
+        (("convert", "d", "--kv-heads", "1", "--heal-precision", "Auto"), "heal_precision", "auto"),
+        (("bench", "model", "--dtypes", "float32", "BF16"), "dtypes", ["fp32", "bf16"]),
+        (("bench", "attention", "--dtypes", "FP16", "bfloat16"), "dtypes", [torch.float16, torch.bfloat16]),
+    ],
+)
+def test_every_command_takes_the_same_dtype_spellings(args, dest, value):
+    assert getattr(build_parser().parse_args(list(args)), dest) == value
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("generate", "hi", "--dtype", "half"), "argument --dtype: unknown dtype 'half'; choose from fp32, bf16, fp16"),
+        (("eval", "--dtype", "float16"), "argument --dtype: dtype 'float16' is not supported here; choose from fp32"),
+        (("convert", "d", "--kv-heads", "1", "--heal-precision", "fp16"), "choose from auto, bf16, fp32"),
+        (("bench", "model", "--dtypes", "fp16"), "choose from fp32, bf16"),
+    ],
+)
+def test_unknown_or_unsupported_dtypes_are_errors(capsys, args, message):
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and message in err

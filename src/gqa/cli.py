@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``gqa`` parser: a subcommand each, ``bench`` with a subcommand per benchmark."""
     from .bench import attention as bench_attention
     from .bench import model as bench_model
+    from .cli_dtypes import SPELLINGS
     from .commands import add_generate_arguments, add_model_arguments, run_generate, run_info
     from .commands_convert import add_convert_arguments, run_convert
     from .commands_eval import add_eval_arguments, run_eval
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gqa",
         description="Grouped-query attention for PyTorch.",
-        epilog="'gqa COMMAND --help' shows a command's options.",
+        epilog=f"Every --dtype takes {SPELLINGS}. 'gqa COMMAND --help' shows a command's options.",
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gqa {__version__}")

@@ -10,13 +10,12 @@ import torch
 
 from . import kernels
 from .cache import kv_cache_bytes
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from .cli_dtypes import DTYPES, add_dtype_argument
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, dtype_help: str = "weight dtype") -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help=dtype_help)
+    add_dtype_argument(parser, "--dtype", default="fp32", help=dtype_help)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import kv_cache_bytes
+from .cli_dtypes import add_dtype_argument
 from .models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -64,10 +65,10 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="which parameters train: the q/k/v/o projections or all",
     )  # fmt: skip
     heal.add_argument("--heal-seed", type=int, default=d.seed, metavar="S", help="seed of the window order")
-    heal.add_argument(
-        "--heal-precision", choices=PRECISIONS, default=d.precision,
-        help="bf16: the passes under bfloat16 autocast, float32 weights and optimizer; auto: bf16 where the "
-        "hardware multiplies bf16 natively (AVX512-BF16/AMX CPU, recent GPU), else fp32",
+    add_dtype_argument(
+        heal, "--heal-precision", choices=[p for p in PRECISIONS if p != "auto"], keywords=["auto"],
+        default=d.precision, help="bf16: the passes under bfloat16 autocast, float32 weights and optimizer; auto: "
+        "bf16 where the hardware multiplies bf16 natively (AVX512-BF16/AMX CPU, recent GPU), else fp32",
     )  # fmt: skip
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .commands import DTYPES
+from .cli_dtypes import DTYPES, add_dtype_argument
 from .evaluate import DEFAULT_WINDOW, check_windows, default_eval_text, evaluate
 
-EVAL_DTYPES = ("bf16", "fp32")
+EVAL_DTYPES = ("fp32", "bf16")
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +24,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=None, metavar="N", help="evaluate only the first N tokens (default: all)"
     )
-    parser.add_argument("--dtype", choices=EVAL_DTYPES, default="fp32", help="weight dtype")
+    add_dtype_argument(parser, "--dtype", choices=EVAL_DTYPES, default="fp32", help="weight dtype")
 
 
 def load_text(path: str | None) -> tuple[str, str]:

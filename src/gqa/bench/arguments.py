@@ -8,15 +8,14 @@ from pathlib import Path
 
 import torch
 
-from .cases import CPU_FULL, CPU_QUICK, DTYPE_ALIASES, DTYPES, GPU_FULL, GPU_QUICK, KINDS, MASKS, Grid
+from ..cli_dtypes import DTYPES, dtype_type
+from .cases import CPU_FULL, CPU_QUICK, GPU_FULL, GPU_QUICK, KINDS, MASKS, Grid
 from .implementations import Impl, implementations_for
 
 
-def _dtype(name: str) -> torch.dtype:
-    name = DTYPE_ALIASES.get(name, name)
-    if name not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)} (or fp32, bf16, fp16)")
-    return DTYPES[name]
+def _dtype(text: str) -> torch.dtype:
+    """Any spelling of ``gqa.cli_dtypes`` -> the torch dtype."""
+    return DTYPES[dtype_type()(text)]
 
 
 def _positive_int(text: str) -> int:
@@ -86,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_dtype,
         default=[torch.float32, torch.bfloat16],
         metavar="DTYPE",
-        help="float32, bfloat16, float16 (default: float32 bfloat16)",
+        help="fp32, bf16, fp16 (or float32, bfloat16, float16) (default: fp32 bf16)",
     )
     p.add_argument(
         "--kv-heads",

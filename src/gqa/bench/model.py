@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli_dtypes import add_dtype_argument
 from ..loaders import read_model
 from ..models.config import ModelConfig
 from . import write_json_atomic, write_text_atomic
@@ -97,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV head counts to run (default: H_q, the model's own, 1; SmolLM2: 9 3 1)")  # fmt: skip
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096], metavar="S",
                         help="prompt lengths in tokens")  # fmt: skip
-    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"], help="weight dtypes")
+    add_dtype_argument(parser, "--dtypes", choices=tuple(DTYPES), nargs="+", default=["fp32", "bf16"],
+                       help="weight dtypes")  # fmt: skip
     parser.add_argument(
         "--engines",
         nargs="+",
