@@ -1,17 +1,20 @@
-"""The gqa command line: generate and info on the embedded SmolLM2, errors as messages, not tracebacks; the flags
-and --help texts."""
+"""The gqa command line: generate and info on the embedded SmolLM2, errors as messages, not tracebacks; the flags,
+--help texts and the messages before a model loads."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from gqa import __version__
+from gqa import __version__, api, commands_eval, convert, generation, loaders
+from gqa.bench import model as bench_model
 from gqa.cli import build_parser
 from gqa.cli import main as cli
 
@@ -81,6 +84,10 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def stop(*args, **kwargs):
+    raise ValueError("stopped before loading")
 
 
 def test_version(capsys):
@@ -181,3 +188,59 @@ def test_every_command_takes_the_same_dtype_spellings(args, dest, value):
 def test_unknown_or_unsupported_dtypes_are_errors(capsys, args, message):
     code, _, err = run_cli(capsys, *args)
     assert code == 2 and message in err
+
+
+class FakeTokenizer:
+    eos_token_ids = (0,)
+
+    def apply_chat(self, messages: list[dict]) -> list[int]:
+        return [5, 6]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join("ab"[i % 2] for i in ids)
+
+
+def test_generate_says_what_it_loads_on_stderr_and_keeps_stdout_for_the_text(capsys, monkeypatch):
+    loaded = []
+
+    def load_model(path, dtype):
+        loaded.append((path, dtype))
+        return SimpleNamespace(tokenizer=FakeTokenizer())
+
+    monkeypatch.setattr(api, "load_model", load_model)
+    monkeypatch.setattr(generation, "generate_stream", lambda *a, **k: iter([[1], [2], [0]]))
+    code, out, err = run_cli(capsys, "generate", "hi", "--dtype", "bfloat16")
+    assert code == 0 and loaded == [(None, torch.bfloat16)]
+    assert out == "ba\n"
+    assert re.fullmatch(r"Loading embedded SmolLM2-135M-Instruct as bf16 \.\.\. \d+\.\d s\n", err), err
+
+
+@pytest.mark.parametrize(
+    ("args", "patch", "line"),
+    [
+        (("generate", "hi", "--model", "m.gguf"), (api, "load_model"), "Loading m.gguf as fp32 ..."),
+        (("info",), (loaders, "read_model"), "Loading embedded SmolLM2-135M-Instruct ..."),
+        (
+            ("eval", "--dtype", "bf16", "--reference", "r.gguf"),
+            (commands_eval, "evaluate"),
+            "Loading embedded SmolLM2-135M-Instruct as bf16 and reference r.gguf as fp32, then scoring",
+        ),
+        (
+            ("convert", "out", "--kv-heads", "1"),
+            (convert, "convert"),
+            "Loading embedded SmolLM2-135M-Instruct as fp32 and converting it to 1 KV heads ...",
+        ),
+        (
+            ("bench", "model"),
+            (bench_model, "_variants"),
+            "[bench model] embedded SmolLM2-135M-Instruct (9 query heads, 3 KV heads) as 9 3 1 KV heads",
+        ),
+    ],
+)
+def test_every_command_that_loads_a_model_says_so_first(capsys, monkeypatch, tmp_path, args, patch, line):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(*patch, stop)
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.startswith(line), err
+    assert err.splitlines()[-1].endswith(": error: stopped before loading")  # on a line of its own

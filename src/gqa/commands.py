@@ -5,12 +5,51 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import kernels
 from .cache import kv_cache_bytes
 from .cli_dtypes import DTYPES, add_dtype_argument
+
+if TYPE_CHECKING:
+    from .models.config import ModelConfig
+
+EMBEDDED_MODEL = "embedded SmolLM2-135M-Instruct"
+
+
+def model_label(path: str | None) -> str:
+    """How messages name a model: the path as given, or the embedded SmolLM2."""
+    return EMBEDDED_MODEL if path is None else path
+
+
+def model_config(path: str | None) -> ModelConfig:
+    """A model's config, read from ``config.json`` or GGUF metadata without loading any weights."""
+    from .loaders import resolve_model_path
+    from .loaders.gguf_file import gguf_config, open_gguf
+    from .loaders.hf_dir import hf_config
+
+    resolved = resolve_model_path(path)
+    return hf_config(resolved) if resolved.is_dir() else gguf_config(open_gguf(resolved), resolved)
+
+
+@contextmanager
+def loading(what: str, *, timed: bool = True) -> Iterator[None]:
+    """``Loading {what} ...`` on stderr (stdout stays the command's output) before the slow part this wraps; when
+    ``timed``, the line ends with the seconds it took (or just ends, if it fails)."""
+    print(f"Loading {what} ...", end="" if timed else "\n", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        if timed:
+            print(file=sys.stderr, flush=True)
+        raise
+    if timed:
+        print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, dtype_help: str = "weight dtype") -> None:
@@ -46,7 +85,8 @@ def run_generate(ns: argparse.Namespace) -> int:
     check_sampling(ns.temperature, ns.top_k, ns.top_p)  # before the model is loaded
     if ns.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {ns.max_new_tokens}")
-    model = load_model(ns.model, dtype=DTYPES[ns.dtype])
+    with loading(f"{model_label(ns.model)} as {ns.dtype}"):
+        model = load_model(ns.model, dtype=DTYPES[ns.dtype])
     tok = model.tokenizer
     if ns.raw:
         prompt_ids = tok.encode(ns.prompt)
@@ -110,7 +150,8 @@ def kv_cache_table(num_layers: int, num_heads: int, num_kv_heads: int, head_dim:
 def run_info(ns: argparse.Namespace) -> int:
     from .loaders import read_model
 
-    cfg, state = read_model(ns.model)
+    with loading(model_label(ns.model)):
+        cfg, state = read_model(ns.model)
     params = sum(t.numel() for k, t in state.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
     print(f"architecture     {cfg.arch}")
     print(f"parameters       {params / 1e6:.1f} M")

@@ -12,7 +12,7 @@ import torch
 
 from .cache import kv_cache_bytes
 from .cli_dtypes import add_dtype_argument
-from .models.config import ModelConfig
+from .commands import loading, model_config, model_label
 
 if TYPE_CHECKING:
     from .convert import HealConfig
@@ -72,16 +72,6 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _source_config(src: str | None) -> ModelConfig:
-    """The source's config, read from ``config.json`` or GGUF metadata without loading any weights."""
-    from .loaders import resolve_model_path
-    from .loaders.gguf_file import gguf_config, open_gguf
-    from .loaders.hf_dir import hf_config
-
-    path = resolve_model_path(src)
-    return hf_config(path) if path.is_dir() else gguf_config(open_gguf(path), path)
-
-
 def _kib(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
@@ -121,21 +111,22 @@ def run_convert(ns: argparse.Namespace) -> int:
     heal, heal_text = heal_settings(ns)  # before anything slow
     if src is not None and not Path(src).expanduser().exists():
         raise FileNotFoundError(f"source model {src} does not exist")
-    cfg = _source_config(src)
+    cfg = model_config(src)
     if heal is not None and ns.kv_heads >= cfg.num_kv_heads:
         raise ValueError(f"healing only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
     text = None if ns.calibration_text is None else ns.calibration_text.read_text(encoding="utf-8")
-    out = convert(
-        src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, refit=ns.refit,
-        heal=heal, heal_text=heal_text,
-    )  # fmt: skip
+    with loading(f"{model_label(src)} as fp32 and converting it to {ns.kv_heads} KV heads", timed=heal is None):
+        out = convert(
+            src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, refit=ns.refit,
+            heal=heal, heal_text=heal_text,
+        )  # fmt: skip
     n, h_kv = ns.kv_heads, cfg.num_kv_heads
     refit = ns.method in NEEDS_CALIBRATION if ns.refit is None else ns.refit
     how = "copied" if n == h_kv else "expanded exactly" if n > h_kv else f"merged with method {ns.method!r}"
     how += ", v_proj and o_proj refit" if n < h_kv and refit else ""
     before, after = (kv_cache_bytes(cfg.num_layers, h, cfg.head_dim, 1, dtype=torch.float32) for h in (h_kv, n))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    print(f"source       {src or 'embedded SmolLM2-135M-Instruct'} ({cfg.arch}, {cfg.num_layers} layers)")
+    print(f"source       {model_label(src)} ({cfg.arch}, {cfg.num_layers} layers)")
     print(f"heads        {cfg.num_heads} query heads; KV heads {h_kv} -> {n} ({how})")
     print(f"group size   {cfg.num_heads // h_kv} -> {cfg.num_heads // n} query heads per KV head")
     print(f"KV cache     {_kib(before)} -> {_kib(after)} per token in fp32 ({after / before:.2f}x)")

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from .cli_dtypes import DTYPES, add_dtype_argument
+from .commands import loading, model_label
 from .evaluate import DEFAULT_WINDOW, check_windows, default_eval_text, evaluate
 
 EVAL_DTYPES = ("fp32", "bf16")
@@ -45,14 +46,17 @@ def model_name(path: str | None) -> str:
 def run_eval(ns: argparse.Namespace) -> int:
     stride = check_windows(ns.window, None)  # evaluate() checks the rest before loading anything
     text, description = load_text(ns.text)
-    res = evaluate(
-        ns.model,
-        text,
-        reference_path=ns.reference,
-        window=ns.window,
-        max_tokens=ns.max_tokens,
-        dtype=DTYPES[ns.dtype],
-    )
+    what = f"{model_label(ns.model)} as {ns.dtype}"
+    what += f" and reference {ns.reference} as fp32" if ns.reference is not None else ""
+    with loading(f"{what}, then scoring {description}"):
+        res = evaluate(
+            ns.model,
+            text,
+            reference_path=ns.reference,
+            window=ns.window,
+            max_tokens=ns.max_tokens,
+            dtype=DTYPES[ns.dtype],
+        )
     print(f"model        {model_name(ns.model)}, {ns.dtype}")
     print(f"text         {description}")
     print(f"tokens       {res.tokens}  (window {ns.window}, stride {stride})")

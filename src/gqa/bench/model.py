@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..cli_dtypes import add_dtype_argument
-from ..loaders import read_model
+from ..commands import model_config, model_label
 from ..models.config import ModelConfig
 from . import write_json_atomic, write_text_atomic
 from .model_report import check_plotting, plot_model, table
@@ -138,8 +138,11 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         check_plotting()  # fail before the long part
 
     started = time.perf_counter()
-    cfg = read_model(ns.model)[0]  # the weights are not kept: workers load their own
+    cfg = model_config(ns.model)  # no weights here: the conversions and the workers load their own
     counts = _head_counts(cfg, ns.kv_heads)
+    heads = f"{cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads"
+    print(f"[bench model] {model_label(ns.model)} ({heads}) as {' '.join(map(str, counts))} KV heads; each run "
+          "loads the model in its own process", file=sys.stderr, flush=True)  # fmt: skip
     if max(ns.contexts) + ns.new_tokens > cfg.max_position_embeddings:
         parser.error(f"--contexts {max(ns.contexts)} + --new-tokens {ns.new_tokens} exceeds the model's "
                      f"max_position_embeddings {cfg.max_position_embeddings}")  # fmt: skip
