@@ -190,6 +190,26 @@ def test_unknown_or_unsupported_dtypes_are_errors(capsys, args, message):
     assert code == 2 and message in err
 
 
+@pytest.mark.parametrize(
+    ("flags", "warning"),
+    [
+        (["--top-k", "5"], "--top-k has no effect at --temperature 0 (greedy decoding)"),
+        (["--seed", "1", "--top-p", "0.9"], "--top-p and --seed have no effect at --temperature 0"),
+        (["--temperature", "0", "--top-k", "5", "--top-p", "0.9", "--seed", "1"], "--top-k and --top-p and --seed"),
+        (["--temperature", "0.7", "--top-k", "5", "--seed", "1"], None),
+        ([], None),
+    ],
+)
+def test_sampling_flags_under_greedy_decoding_warn(capsys, monkeypatch, flags, warning):
+    monkeypatch.setattr(api, "load_model", stop)
+    code, out, err = run_cli(capsys, "generate", "hi", *flags)
+    assert code == 2 and "stopped before loading" in err and out == ""
+    assert ("warning" in err) == (warning is not None), err
+    if warning is not None:
+        assert f"gqa generate: warning: {warning}" in err
+        assert err.index("warning") < err.index("Loading")
+
+
 class FakeTokenizer:
     eos_token_ids = (0,)
 

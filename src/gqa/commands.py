@@ -78,6 +78,18 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stats", action="store_true", help="print prefill/decode tokens per second to stderr")
 
 
+def warn_ignored_sampling(ns: argparse.Namespace) -> None:
+    """Greedy decoding (``--temperature 0``) ignores ``--top-k``, ``--top-p`` and ``--seed``: say so on stderr."""
+    ignored = [flag for flag, value in (("--top-k", ns.top_k), ("--top-p", ns.top_p), ("--seed", ns.seed)) if
+               value is not None]  # fmt: skip
+    if ns.temperature == 0 and ignored:
+        print(
+            f"gqa generate: warning: {' and '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect at "
+            "--temperature 0 (greedy decoding); give a temperature > 0 to sample",
+            file=sys.stderr,
+        )
+
+
 def run_generate(ns: argparse.Namespace) -> int:
     from .api import load_model
     from .generation import check_sampling, generate_stream
@@ -85,6 +97,7 @@ def run_generate(ns: argparse.Namespace) -> int:
     check_sampling(ns.temperature, ns.top_k, ns.top_p)  # before the model is loaded
     if ns.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {ns.max_new_tokens}")
+    warn_ignored_sampling(ns)
     with loading(f"{model_label(ns.model)} as {ns.dtype}"):
         model = load_model(ns.model, dtype=DTYPES[ns.dtype])
     tok = model.tokenizer
