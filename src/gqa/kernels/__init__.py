@@ -109,7 +109,7 @@ def simd_width() -> int:
 def vectorized() -> bool:
     """Whether the kernels are loaded *and* have SIMD paths (AVX-512 or AVX2 + FMA; ``simd_width``). As plain scalar
     loops (other CPUs) they are slower than PyTorch's own ops for float32, so callers that pick a path for speed ask
-    this; ``available`` only says the ops exist (the README's "Native kernels")."""
+    this; ``available`` only says the ops exist (docs/performance.md, "Native CPU kernels")."""
     return simd_width() > 1
 
 
