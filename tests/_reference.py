@@ -40,6 +40,6 @@ def attention64(q, k, v, mask=None, is_causal=False, scale=None):
     if is_causal:
         allowed = allowed & bottom_right_allowed(L, S)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    finite = torch.isfinite(scores).any(-1, keepdim=True)
-    weights = torch.where(finite, torch.softmax(scores.masked_fill(~finite, 0.0), -1), torch.zeros(()).double())
+    visible = (scores != float("-inf")).any(-1, keepdim=True)  # a row with any key not masked out (NaN counts)
+    weights = torch.where(visible, torch.softmax(scores.masked_fill(~visible, 0.0), -1), torch.zeros(()).double())
     return weights @ v, weights

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 
 import pytest
 import torch
@@ -122,11 +123,14 @@ def test_tiny_run_writes_json_markdown_and_pngs(tmp_path, capsys):
     assert again.read_text() == markdown
 
 
-def test_cli_entry_runs_the_attention_benchmark(capsys):
+def test_cli_entry_runs_the_attention_benchmark(capsys, tmp_path):
     from gqa.cli import main as cli
 
-    assert cli(["bench", "attention", *TINY, "--kinds", "decode", "--dtypes", "fp32"]) == 0
+    flags = [*TINY, "--kinds", "decode", "--dtypes", "Float32", "--json", str(tmp_path / "run.json")]
+    assert cli(["bench", "attention", *flags]) == 0
     assert "### Decode (L=1), median ms" in capsys.readouterr().out
+    payload = json.loads((tmp_path / "run.json").read_text())
+    assert payload["command"] == "gqa bench attention " + shlex.join(flags) and payload["dtypes"] == ["float32"]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -97,7 +97,9 @@ def test_nbytes_and_kv_cache_bytes():
     cache = gqa.StaticKVCache(4, 3, 64, 128, dtype=torch.bfloat16)
     assert cache.nbytes == 2 * 4 * 3 * 64 * 128 * 2
     # SmolLM2-135M: 30 layers, 3 KV heads of 64, fp16 -> 23,040 bytes per token; MHA (9 heads) is 3x that
-    assert gqa.kv_cache_bytes(30, 3, 64, 1) == 23_040
+    assert gqa.kv_cache_bytes(30, 3, 64, 1) == 46_080  # float32 by default, as the caches themselves
+    assert gqa.kv_cache_bytes(30, 3, 64, 1, dtype=torch.float16) == 23_040
+    assert gqa.kv_cache_bytes(1, H_kv, D, 8, batch=2) == gqa.StaticKVCache(2, H_kv, D, 8).nbytes
     assert gqa.kv_cache_bytes(30, 9, 64, 4096, batch=2, dtype=torch.float32) == 2 * 30 * 9 * 64 * 4096 * 2 * 4
     mha = module().__class__(E, H_q)  # the same layer as MHA: a cache H_q / H_kv times larger
     assert mha.num_kv_heads == H_q and gqa.kv_cache_bytes(1, H_q, D, 10) == 3 * gqa.kv_cache_bytes(1, H_kv, D, 10)
@@ -149,3 +151,22 @@ def test_static_cache_under_torch_compile_no_recompiles():
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
     torch.testing.assert_close(out[:, 4:], eager[:, 4:], atol=1e-5, rtol=1e-5)
     assert lengths  # rows of different lengths decode in one compiled graph
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_compiled_decode_past_the_rope_table_and_the_cache_capacity(kind):
+    """Compiled decode steps beyond the RoPE table (8 positions) and, for a dynamic cache, beyond its capacity (2):
+    the same outputs as one eager causal forward over the whole sequence."""
+    torch._dynamo.reset()
+    attn = module(3)
+    attn.rope = gqa.RoPE(D, theta=500.0, max_position=8)
+    x = torch.randn(2, 40, E)
+    with torch.no_grad():
+        full = attn(x, is_causal=True)
+        attn.rope = gqa.RoPE(D, theta=500.0, max_position=8)  # a fresh, small table for the compiled run
+        cache = make_cache(kind, 2, max_len=40)
+        step = torch.compile(lambda t, c: attn(t, is_causal=True, cache=c), backend="eager")
+        outs = [attn(x[:, :3], is_causal=True, cache=cache)]
+        outs += [step(x[:, t : t + 1], cache) for t in range(3, 40)]
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+    assert cache.seq_len == 40 and cache.capacity >= 40

@@ -1,12 +1,22 @@
-"""The gqa command line: generate and info on the embedded SmolLM2, errors as messages, not tracebacks."""
+"""The gqa command line: generate and info on the embedded SmolLM2, errors as messages, not tracebacks; the flags,
+--help texts and the messages before a model loads."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
+
+from gqa import __version__, api, commands_eval, convert, generation, loaders
+from gqa.bench import model as bench_model
+from gqa.cli import build_parser
+from gqa.cli import main as cli
 
 ENV = os.environ | {"HF_HUB_OFFLINE": "1"}
 
@@ -60,3 +70,197 @@ def test_errors_are_messages(args, message):
     res = gqa(*args)
     assert res.returncode == 2
     assert message in res.stderr and "Traceback" not in res.stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# First contact: flags, help, messages. In-process and without loading a model (each test is well under a second).
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``gqa ARGS`` in this process: ``(exit code, stdout, stderr)``; ``--help`` and argparse errors exit."""
+    try:
+        code = cli(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def stop(*args, **kwargs):
+    raise ValueError("stopped before loading")
+
+
+def test_version(capsys):
+    code, out, _ = run_cli(capsys, "--version")
+    assert code == 0 and out == f"gqa {__version__}\n"
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser by its prog (``gqa bench attention``), recursively."""
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found[sub.prog] = sub
+                found |= _subparsers(sub)
+    return found
+
+
+def test_help_shows_every_default_once():
+    parsers = _subparsers(build_parser())
+    assert {"gqa generate", "gqa info", "gqa eval", "gqa convert", "gqa bench attention", "gqa bench model"} <= set(
+        parsers
+    )
+    for prog, parser in parsers.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            text = formatter._expand_help(action) if action.help else ""
+            where = f"{prog} {'/'.join(action.option_strings) or action.dest}: {text!r}"
+            assert text.count("(default") <= 1 and "(default " not in text, where  # one, always "(default: X)"
+            has_default = action.default not in (None, False, argparse.SUPPRESS) and not isinstance(
+                action, argparse._SubParsersAction
+            )
+            if has_default:
+                assert "(default: " in text, where
+
+
+@pytest.mark.parametrize(
+    ("args", "shown"),
+    [
+        (("generate", "--help"), ["stop after N new tokens (default: 128)", "--dtype {fp32,bf16,fp16}"]),
+        (("eval", "--help"), ["tokens per forward pass (default: 512)", "--dtype {fp32,bf16}"]),
+        (("convert", "--help"), ["(default: pca)", "(default: 0, no healing)", "{auto,bf16,fp32}"]),
+        (("bench", "model", "--help"), ["(default: 128 1024 4096)", "(default: fp32 bf16)"]),
+    ],
+)
+def test_help_texts(capsys, args, shown):
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0
+    out = " ".join(out.split())  # argparse wraps to the terminal width
+    for text in shown:
+        assert text in out, text
+
+
+def test_bench_is_a_group_of_benchmarks(capsys):
+    code, out, _ = run_cli(capsys, "bench", "--help")
+    assert code == 0 and out.startswith("usage: gqa bench [-h] {attention,model} ...")
+    lines = " ".join(out.split())
+    assert "attention time gqa's attention backends" in lines and "model KV-cache size, prefill and decode" in lines
+    assert "what" not in out and "args" not in out and "REMAINDER" not in out
+    for name, flag in (("attention", "--kv-heads H_KV"), ("model", "--engines")):
+        code, out, _ = run_cli(capsys, "bench", name, "--help")
+        assert code == 0 and out.startswith(f"usage: gqa bench {name} [-h]") and flag in out
+        assert "attention.py" not in out
+    code, _, err = run_cli(capsys, "bench")
+    assert code == 2 and "required: benchmark" in err
+    code, _, err = run_cli(capsys, "bench", "attention", "--dtypes", "int8")
+    assert code == 2 and "gqa bench attention: error: argument --dtypes: unknown dtype 'int8'" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "dest", "value"),
+    [
+        (("generate", "hi", "--dtype", "float16"), "dtype", "fp16"),
+        (("generate", "hi", "--dtype", "BF16"), "dtype", "bf16"),
+        (("info", "--dtype", "bfloat16"), "dtype", "bf16"),
+        (("info", "--dtype", "Float32"), "dtype", "fp32"),
+        (("eval", "--dtype", "bfloat16"), "dtype", "bf16"),
+        (("convert", "d", "--kv-heads", "1", "--heal-precision", "float32"), "heal_precision", "fp32"),
+        (("convert", "d", "--kv-heads", "1", "--heal-precision", "BFloat16"), "heal_precision", "bf16"),
+        (("convert", "d", "--kv-heads", "1", "--heal-precision", "Auto"), "heal_precision", "auto"),
+        (("bench", "model", "--dtypes", "float32", "BF16"), "dtypes", ["fp32", "bf16"]),
+        (("bench", "attention", "--dtypes", "FP16", "bfloat16"), "dtypes", [torch.float16, torch.bfloat16]),
+    ],
+)
+def test_every_command_takes_the_same_dtype_spellings(args, dest, value):
+    assert getattr(build_parser().parse_args(list(args)), dest) == value
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("generate", "hi", "--dtype", "half"), "argument --dtype: unknown dtype 'half'; choose from fp32, bf16, fp16"),
+        (("eval", "--dtype", "float16"), "argument --dtype: dtype 'float16' is not supported here; choose from fp32"),
+        (("convert", "d", "--kv-heads", "1", "--heal-precision", "fp16"), "choose from auto, bf16, fp32"),
+        (("bench", "model", "--dtypes", "fp16"), "choose from fp32, bf16"),
+    ],
+)
+def test_unknown_or_unsupported_dtypes_are_errors(capsys, args, message):
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and message in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "warning"),
+    [
+        (["--top-k", "5"], "--top-k has no effect at --temperature 0 (greedy decoding)"),
+        (["--seed", "1", "--top-p", "0.9"], "--top-p and --seed have no effect at --temperature 0"),
+        (["--temperature", "0", "--top-k", "5", "--top-p", "0.9", "--seed", "1"], "--top-k and --top-p and --seed"),
+        (["--temperature", "0.7", "--top-k", "5", "--seed", "1"], None),
+        ([], None),
+    ],
+)
+def test_sampling_flags_under_greedy_decoding_warn(capsys, monkeypatch, flags, warning):
+    monkeypatch.setattr(api, "load_model", stop)
+    code, out, err = run_cli(capsys, "generate", "hi", *flags)
+    assert code == 2 and "stopped before loading" in err and out == ""
+    assert ("warning" in err) == (warning is not None), err
+    if warning is not None:
+        assert f"gqa generate: warning: {warning}" in err
+        assert err.index("warning") < err.index("Loading")
+
+
+class FakeTokenizer:
+    eos_token_ids = (0,)
+
+    def apply_chat(self, messages: list[dict]) -> list[int]:
+        return [5, 6]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join("ab"[i % 2] for i in ids)
+
+
+def test_generate_says_what_it_loads_on_stderr_and_keeps_stdout_for_the_text(capsys, monkeypatch):
+    loaded = []
+
+    def load_model(path, dtype):
+        loaded.append((path, dtype))
+        return SimpleNamespace(tokenizer=FakeTokenizer())
+
+    monkeypatch.setattr(api, "load_model", load_model)
+    monkeypatch.setattr(generation, "generate_stream", lambda *a, **k: iter([[1], [2], [0]]))
+    code, out, err = run_cli(capsys, "generate", "hi", "--dtype", "bfloat16")
+    assert code == 0 and loaded == [(None, torch.bfloat16)]
+    assert out == "ba\n"
+    assert re.fullmatch(r"Loading embedded SmolLM2-135M-Instruct as bf16 \.\.\. \d+\.\d s\n", err), err
+
+
+@pytest.mark.parametrize(
+    ("args", "patch", "line"),
+    [
+        (("generate", "hi", "--model", "m.gguf"), (api, "load_model"), "Loading m.gguf as fp32 ..."),
+        (("info",), (loaders, "read_model"), "Loading embedded SmolLM2-135M-Instruct ..."),
+        (
+            ("eval", "--dtype", "bf16", "--reference", "r.gguf"),
+            (commands_eval, "evaluate"),
+            "Loading embedded SmolLM2-135M-Instruct as bf16 and reference r.gguf as fp32, then scoring",
+        ),
+        (
+            ("convert", "out", "--kv-heads", "1"),
+            (convert, "convert"),
+            "Loading embedded SmolLM2-135M-Instruct as fp32 and converting it to 1 KV heads ...",
+        ),
+        (
+            ("bench", "model"),
+            (bench_model, "_variants"),
+            "[bench model] embedded SmolLM2-135M-Instruct (9 query heads, 3 KV heads) as 9 3 1 KV heads",
+        ),
+    ],
+)
+def test_every_command_that_loads_a_model_says_so_first(capsys, monkeypatch, tmp_path, args, patch, line):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(*patch, stop)
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.startswith(line), err
+    assert err.splitlines()[-1].endswith(": error: stopped before loading")  # on a line of its own

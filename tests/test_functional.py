@@ -221,3 +221,101 @@ def test_non_contiguous_inputs():
     for backend in BACKENDS:
         out = gqa.grouped_attention(q_t, big_k[:, :, :10], big_v[:, :, :10], is_causal=True, backend=backend)
         check_close(out, attention64(q, k, v, None, True)[0], torch.float32, backend)
+
+
+ALL_BACKENDS = [*BACKENDS, "fused"]
+
+
+def runnable(backend: str, dtype: torch.dtype) -> None:
+    if backend == "fused" and not gqa.kernels.available():
+        pytest.skip("native kernels not built")
+    if backend == "fused" and dtype not in (torch.float32, torch.bfloat16):
+        pytest.skip("the fused kernel is float32/bfloat16 only")
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped", "sdpa", "auto", "fused"])
+def test_last_dim_strided_query_on_every_backend(backend):
+    """A query whose features are strided (every other element of a wider tensor): ``auto`` runs it (on CPU it may
+    pick the fused kernel, which reads contiguous rows) and every backend agrees with the reference."""
+    runnable(backend, torch.float32)
+    q_wide, k, v = make((2,), 8, 2, 1, 40, 32)
+    q = q_wide[..., ::2]  # (2, 8, 1, 16), stride 2 in the last dim
+    k, v = k[..., :16], v[..., :16].contiguous()
+    with torch.inference_mode():
+        check_close(run(backend, q, k, v), attention64(q, k, v)[0], torch.float32, backend)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("where", ["query", "key", "value"])
+@pytest.mark.parametrize("S", [5, 700])  # below one SIMD vector of keys; several chunks and context splits
+def test_nan_in_gives_nan_out_on_every_backend(backend, dtype, where, S):
+    """A NaN in Q, K or V comes out as NaN exactly where the float64 reference has it, on every backend."""
+    runnable(backend, dtype)
+    q, k, v = make((2,), 8, 2, 1, S, 64, dtype=dtype)
+    target = {"query": q, "key": k, "value": v}[where]
+    target[1, 0, S // 2 if where != "query" else 0, 3] = float("nan")
+    ref, _ = attention64(q, k, v)
+    with torch.inference_mode():
+        out = run(backend, q, k, v)
+    assert ref.isnan().any()
+    assert torch.equal(out.isnan(), ref.isnan()), f"{backend}: NaN pattern differs from the reference"
+    finite = ~ref.isnan()
+    check_close(out[finite].view(-1, 1), ref[finite].view(-1, 1), dtype, backend)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("L", [1, 4, 40])  # decode (the grouped GEMV branch), a few rows, prefill-like
+def test_peaked_scores_in_half_precision(backend, dtype, L):
+    """Large scores (|q.k| / sqrt(D) up to ~100, a near one-hot softmax): every backend computes scores and softmax
+    in float32, so the error stays at the output's own rounding. Half-precision scores were 0.07 off in bf16."""
+    runnable(backend, dtype)
+    q, k, v = make((2,), 8, 2, L, 64, 64, dtype=torch.float32, seed=4)
+    q, k, v = (q * 4).to(dtype), (k * 4).to(dtype), v.to(dtype)
+    ref, _ = attention64(q, k, v, None, True)  # the exact attention of the rounded inputs
+    with torch.inference_mode():
+        out = run(backend, q, k, v, is_causal=True)
+    # one rounding of outputs |o| <= ~3 to the dtype (bf16: 2^-8 relative, fp16: 2^-11), plus float32 softmax
+    tol = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol, f"{backend} {dtype}: max error {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "grouped"])
+@pytest.mark.parametrize(("L", "S"), [(3, 0), (0, 5), (0, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_query_or_key_sequences(backend, L, S, causal):
+    """No keys: every query sees nothing, so zeros (the fully-masked-row rule); no queries: an empty output."""
+    q, k, v = make((2,), 6, 2, L, S, 8)
+    mask = torch.ones(L, S, dtype=torch.bool)
+    for m in (None, mask):
+        out = gqa.grouped_attention(q, k, v, m, is_causal=causal, backend=backend)
+        assert out.shape == (2, 6, L, 8) and torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("backend", ["fused", "sdpa"])
+def test_empty_inputs_are_refused_by_the_fused_backends(backend):
+    q, k, v = make((2,), 6, 2, 3, 0, 8)
+    with pytest.raises(ValueError, match="empty inputs"):
+        gqa.grouped_attention(q, k, v, is_causal=True, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "bool_2d", "float"])
+@pytest.mark.parametrize(("D", "D_v", "strided"), [(16, 16, False), (16, 16, True), (16, 8, False)])
+def test_compiled_kernel_choice_matches_torch(dtype, mask_kind, D, D_v, strided):
+    """Under torch.compile the SDPA backend asks torch's kernel choice on one-token stand-ins (the real query cannot
+    be traced); on this CPU that answer must be the real inputs' answer."""
+    from gqa.backends.sdpa import _fused_choice, _fused_choice_probe, _layout, _mask_4d
+
+    q, k, v = make((2,), 8, 2, 40, 40, 2 * D if strided else D, dtype=dtype, D_v=D_v)
+    if strided:
+        q = q[..., ::2]
+        k = k[..., :D]
+    shape = gqa._checks.check_qkv(q, k, v)
+    mask = make_mask(mask_kind, (2,), 8, 40, 40, dtype)
+    mask = None if mask is None else _mask_4d(mask, shape)
+    real = _fused_choice(q, k, v, mask, False, None, True)
+    kind = None if mask is None else (mask.dim(), mask.dtype)
+    assert _fused_choice_probe(_layout(q), _layout(k), _layout(v), kind, False, True) == real

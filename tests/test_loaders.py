@@ -551,3 +551,70 @@ def test_tokenizer_from_hf_folder(hf_dir):
     hf.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
     hf.save_pretrained(hf_dir)
     assert load_tokenizer(hf_dir).apply_chat("hello world") == [1, 3, 4, 2]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# config.json keys left out: transformers' defaults
+
+
+REQUIRED = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("extra", [{}, {"num_key_value_heads": 2}, {"num_key_value_heads": None, "head_dim": None}])
+def test_config_defaults_are_transformers_defaults(arch, extra):
+    """A config.json with only the sizes: every other field as transformers' own config class fills it in."""
+    from gqa.models.config import ModelConfig
+
+    raw = {"model_type": arch, **REQUIRED, **extra}
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
+    hf = cls(**{k: v for k, v in raw.items() if k != "model_type"})
+    if hf.num_attention_heads % hf.num_key_value_heads:  # Qwen2's default of 32 KV heads does not fit 4 heads
+        with pytest.raises(ValueError, match=r"num_heads \(4\) must be divisible by num_kv_heads \(32\)"):
+            ModelConfig.from_hf(raw)
+        return
+    ours = ModelConfig.from_hf(raw)
+    eos = hf.eos_token_id
+    assert ours.tie_word_embeddings == hf.tie_word_embeddings
+    assert ours.num_kv_heads == hf.num_key_value_heads
+    assert ours.max_position_embeddings == hf.max_position_embeddings
+    assert ours.rms_norm_eps == hf.rms_norm_eps
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+        hf.bos_token_id,
+        [] if eos is None else [eos] if isinstance(eos, int) else eos,
+        hf.pad_token_id,
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_untied_checkpoint_without_the_tie_key_keeps_its_lm_head(tmp_path, arch):
+    """config.json without ``tie_word_embeddings`` is untied (transformers' default): ``lm_head.weight`` is loaded,
+    not replaced by the embeddings, and the logits are transformers' own."""
+    import gqa
+
+    ref = tiny_hf(arch, tied=False)
+    ref.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("tie_word_embeddings", None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    assert not model.config.tie_word_embeddings
+    assert torch.equal(model.lm_head.weight, ref.lm_head.weight)
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    ids = torch.randint(0, 32, (2, 7))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [("hidden_act", "gelu", "hidden_act"), ("mlp_bias", True, "mlp_bias"), ("use_sliding_window", True, "sliding")],
+)
+def test_config_options_this_model_lacks_are_refused(key, value, match):
+    from gqa.models.config import ModelConfig
+
+    arch = "qwen2" if key == "use_sliding_window" else "llama"
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({"model_type": arch, **REQUIRED, key: value})

@@ -169,3 +169,84 @@ def test_input_major_weights_keep_values_names_and_ties():
     torch.testing.assert_close(model(ids), logits, atol=1e-5, rtol=1e-5)
     model.load_state_dict(before)  # loading still works into the new layout
     torch.testing.assert_close(model(ids), logits, atol=1e-5, rtol=1e-5)
+
+
+def tiny_model(tied: bool = True, **kw):
+    from gqa.models import CausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
+    cfg = ModelConfig(**sizes, head_dim=8, max_position_embeddings=64, tie_word_embeddings=tied, **kw)
+    return CausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("input_major", [False, True])
+def test_state_dict_saves_with_safetensors_save_file(tmp_path, tied, input_major):
+    """``save_file(model.state_dict())`` works for the models ``gqa.load_model`` makes (tied embeddings, and the
+    input-major float32 layout it uses where the native GEMV is not built) and loads back to the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    from gqa.models import CausalLM, use_input_major_weights
+
+    model = tiny_model(tied)
+    if input_major:
+        use_input_major_weights(model)
+    ids = torch.randint(0, 50, (2, 7))
+    save_file(model.state_dict(), tmp_path / "model.safetensors")
+    state = load_file(tmp_path / "model.safetensors")
+    assert ("lm_head.weight" in state) == (not tied)  # a tied head is the embeddings: stored once, as HF stores it
+    back = CausalLM(model.config).eval()
+    back.load_state_dict(state)
+    assert (back.lm_head.weight is back.model.embed_tokens.weight) == tied
+    torch.testing.assert_close(back(ids), model(ids), rtol=0, atol=0)
+
+
+def test_generate_takes_tensor_prompts():
+    model = tiny_model()
+    ids = [3, 14, 15, 9, 2, 6]
+    want = model.generate(ids, max_new_tokens=5, eos_token_ids=[])
+    assert model.generate(torch.tensor(ids), max_new_tokens=5, eos_token_ids=[]) == want  # one prompt, one list
+    batch = model.generate(torch.tensor([ids, ids]), max_new_tokens=5, eos_token_ids=[])  # (B, L): one list per row
+    assert batch == [want, want]
+    assert model.generate([torch.tensor(ids), ids[:3]], max_new_tokens=5, eos_token_ids=[])[0] == want
+    with pytest.raises(TypeError, match="integer token ids"):
+        model.generate(torch.tensor([1.0, 2.0]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="1-D"):
+        model.generate(torch.ones(1, 2, 3, dtype=torch.long), max_new_tokens=2)
+
+
+FULLGRAPH_SCRIPT = """
+import torch
+from torch._dynamo.testing import CompileCounter
+from gqa.models import CausalLM, ModelConfig
+
+torch.manual_seed(0)
+cfg = ModelConfig(vocab_size=50, hidden_size=36, intermediate_size=48, num_layers=2, num_heads=9, num_kv_heads=3,
+                  head_dim=4, max_position_embeddings=128)
+model = CausalLM(cfg).eval().to({dtype})
+counter = CompileCounter()
+step = torch.compile(lambda ids, caches: model(ids, caches=caches), backend=counter, fullgraph=True)
+ids = torch.randint(0, 50, (2, 40))
+with torch.inference_mode():
+    eager_caches, caches = model.new_caches(2, 48), model.new_caches(2, 48)
+    eager = [model(ids, caches=eager_caches)] + [model(ids[:, i : i + 1], caches=eager_caches) for i in range(3)]
+    compiled = [step(ids, caches)] + [step(ids[:, i : i + 1], caches) for i in range(3)]
+for a, b in zip(eager, compiled):
+    torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+print("frames", counter.frame_count)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+def test_compiled_prefill_and_decode_trace_as_one_graph(dtype):
+    """A fresh process (the native kernels not loaded yet, as on a user's first call) compiles the model's prefill
+    (SDPA-sized: 9 query heads x 40 tokens) and decode steps with ``fullgraph=True``: no graph break anywhere."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", FULLGRAPH_SCRIPT.format(dtype=dtype)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "frames 2" in proc.stdout  # one graph for the prefill shape, one for the decode shape

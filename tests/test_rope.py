@@ -503,3 +503,44 @@ def test_non_finite_theta_raises(theta):
 def test_bad_scaling_factor_raises_value_error(scaling):
     with pytest.raises(ValueError, match=r"factor"):
         gqa.RoPE(8, scaling=scaling)
+
+
+# ------------------------------------------------------------------------------------------- module dtype and device
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("cast", ["to", "method", "model"])
+def test_tables_stay_float32_when_the_module_is_cast(dtype, interleaved, cast):
+    """``.to(bf16)`` must not round the frequencies: at position 9000 a bf16 ``inv_freq`` is off by ~1 on unit-scale
+    inputs. Positions run past the initial table (16) and past the default one (8192), so the table regrows from
+    the frequencies after the cast."""
+    torch.manual_seed(10)
+    theta, D = 100000.0, 64
+    rope = gqa.RoPE(D, theta=theta, interleaved=interleaved, max_position=16)
+    if cast == "to":
+        rope = rope.to(dtype)
+    elif cast == "method":
+        rope = {torch.bfloat16: rope.bfloat16, torch.float16: rope.half, torch.float64: rope.double}.get(
+            dtype, rope.float
+        )()
+    else:  # inside a module tree, as gqa.load_model(dtype=...) casts the whole model
+        rope = torch.nn.Sequential(gqa.GroupedQueryAttention(2 * D, 2, 1, rope=rope)).to(dtype)[0].rope
+    assert {rope.inv_freq.dtype, rope.cos_cached.dtype, rope.sin_cached.dtype} == {torch.float32}
+    pos = torch.tensor([0, 15, 16, 8191, 8192, 9000, 20000])
+    q, k = torch.randn(1, 2, 7, D).to(dtype), torch.randn(1, 1, 7, D).to(dtype)
+    q_out, k_out = rope(q, k, pos)
+    assert q_out.dtype == dtype and rope.cos_cached.dtype == torch.float32 and rope.cos_cached.shape[0] > 20000
+    for x, out in ((q, q_out), (k, k_out)):
+        ref = complex_rope_ref(x, pos, theta, interleaved=interleaved)  # exact rotation of the rounded input
+        # rounding to the output dtype on values |x| <= ~4, plus float32 frequencies (~p * 6e-8 rad at position p)
+        tol = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}.get(dtype, 1e-5)
+        err = (out.double() - ref).abs() - 4 * 4e-7 * pos[:, None].double()
+        assert err.max().item() <= tol, f"{dtype}: max error {err.max().item():.3g} over the rounding budget"
+
+
+def test_device_moves_keep_float32_tables():
+    rope = gqa.RoPE(8, theta=10000.0).to("meta")
+    assert rope.inv_freq.device.type == "meta" and rope.inv_freq.dtype == torch.float32
+    rope = gqa.RoPE(8, theta=10000.0).to(device="cpu", dtype=torch.bfloat16)
+    assert rope.inv_freq.device.type == "cpu" and rope.cos_cached.dtype == torch.float32

@@ -26,9 +26,11 @@ def kv_cache_bytes(
     head_dim: int,
     seq_len: int,
     batch: int = 1,
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype = torch.float32,
 ) -> int:
-    """Bytes of a KV cache: ``2 (K and V) * layers * H_kv * D * seq_len * batch * itemsize``."""
+    """Bytes of a KV cache: ``2 (K and V) * layers * H_kv * D * seq_len * batch * itemsize``.
+
+    ``dtype`` defaults to float32, the default of the caches themselves and of ``gqa.load_model``."""
     for name, n in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                     ("seq_len", seq_len), ("batch", batch)):  # fmt: skip
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -112,6 +114,12 @@ class _KVCache(nn.Module):
     def _reserve(self, needed: int) -> None:
         raise NotImplementedError
 
+    def _reserve_while_compiling(self, L: int) -> None:
+        """Make room for ``L`` more tokens inside a ``torch.compile``'d call (where ``cursor`` has no Python value).
+
+        A static cache never reallocates: the compiled ``index_copy_`` checks its bounds and raises past ``max_len``.
+        """
+
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key (B, H_kv, L, D)`` and ``value (B, H_kv, L, D_v)``; return the keys and values to attend to,
         ``(B, H_kv, S, D)`` and ``(B, H_kv, S, D_v)`` (views, not copies).
@@ -132,7 +140,9 @@ class _KVCache(nn.Module):
         if value.shape[2] != L:
             raise ValueError(f"key {shape_str(key)} and value {shape_str(value)} must have the same length")
         compiling = torch.compiler.is_compiling()
-        if not compiling:
+        if compiling:
+            self._reserve_while_compiling(L)
+        else:
             self._reserve(self.seq_len + L)  # raises before anything is written when a static cache is full
         slots = self.cursor + torch.arange(L, device=self.cursor.device)  # (L,)
         self.key.index_copy_(2, slots, key)
@@ -193,7 +203,11 @@ class StaticKVCache(_KVCache):
 
 
 class DynamicKVCache(_KVCache):
-    """A KV cache that grows as tokens arrive (capacity doubles, then K/V are copied once into the bigger buffer)."""
+    """A KV cache that grows as tokens arrive (capacity doubles, then K/V are copied once into the bigger buffer).
+
+    Under ``torch.compile`` it grows too, outside the graph (a graph break per call, so not with ``fullgraph=True``),
+    and each new capacity is a new buffer shape, so a recompilation; ``StaticKVCache`` is the one for compiled decoding.
+    """
 
     def __init__(
         self,
@@ -211,6 +225,10 @@ class DynamicKVCache(_KVCache):
         super().__init__(
             batch_size, num_kv_heads, head_dim, initial_len, value_dim=value_dim, dtype=dtype, device=device
         )
+
+    @torch.compiler.disable
+    def _reserve_while_compiling(self, L: int) -> None:
+        self._reserve(self.seq_len + L)
 
     def _reserve(self, needed: int) -> None:
         if needed <= self.capacity:

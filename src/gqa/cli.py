@@ -5,46 +5,111 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+
+from . import __version__
+
+Handler = Callable[[argparse.Namespace, list[str]], int]  # (parsed flags, the command line)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every option's default as ``(default: X)``: appended here unless the help text states it
+    already (defaults that need words, e.g. ``(default: embedded SmolLM2)``) or there is none to show (``None``, or
+    ``False`` for an on/off flag). Lists show as they are typed: ``(default: 128 1024 4096)``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "(default" in text or default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
+def _subcommand(
+    sub: argparse._SubParsersAction, name: str, help: str, handler: Handler, description: str | None = None
+) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` shows the defaults; ``handler(ns, argv)`` runs it."""
+    parser = sub.add_parser(name, help=help, description=description or help, formatter_class=HelpFormatter)
+    parser.set_defaults(handler=handler, prog=parser.prog)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gqa`` parser: a subcommand each, ``bench`` with a subcommand per benchmark."""
+    from .bench import attention as bench_attention
+    from .bench import model as bench_model
+    from .cli_dtypes import SPELLINGS
+    from .commands import add_generate_arguments, add_model_arguments, run_generate, run_info
+    from .commands_convert import add_convert_arguments, run_convert
+    from .commands_eval import add_eval_arguments, run_eval
+
+    parser = argparse.ArgumentParser(
+        prog="gqa",
+        description="Grouped-query attention for PyTorch.",
+        epilog=f"Every --dtype takes {SPELLINGS}. 'gqa COMMAND --help' shows a command's options.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"gqa {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_arguments(
+        _subcommand(sub, "generate", "generate text with a model (default: embedded SmolLM2)", _ns(run_generate))
+    )
+    add_model_arguments(
+        _subcommand(sub, "info", "a model's architecture and KV-cache size vs MHA and MQA", _ns(run_info)),
+        dtype_help="dtype of the KV cache in the table",
+    )
+    add_eval_arguments(
+        _subcommand(sub, "eval", "perplexity on a text, and mean KL divergence from a reference", _ns(run_eval))
+    )
+    _subcommand(sub, "demo", "MHA vs GQA vs MQA: cache size, cached decoding checked against a full forward", _demo)
+    add_convert_arguments(
+        _subcommand(sub, "convert", "change a model's number of KV heads; writes an HF folder", _ns(run_convert))
+    )
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: attention implementations, or a whole model as MHA, GQA and MQA",
+        description="Benchmarks; 'gqa bench BENCHMARK --help' shows a benchmark's options.",
+        formatter_class=HelpFormatter,
+    )
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True)
+    attention = _subcommand(
+        benchmarks,
+        "attention",
+        "time gqa's attention backends and peer implementations against the machine's bandwidth and matmul rate",
+        lambda ns, argv: bench_attention.run(attention, ns, argv[argv.index("attention") + 1 :]),
+        bench_attention.DESCRIPTION,
+    )
+    bench_attention.add_arguments(attention)
+    model = _subcommand(
+        benchmarks,
+        "model",
+        "KV-cache size, prefill and decode tokens/s of gqa vs HF transformers, the model as MHA, GQA and MQA",
+        lambda ns, argv: bench_model.run(model, ns),
+        bench_model.DESCRIPTION,
+    )
+    bench_model.add_arguments(model)
+    return parser
+
+
+def _ns(run: Callable[[argparse.Namespace], int]) -> Handler:
+    return lambda ns, argv: run(ns)
+
+
+def _demo(ns: argparse.Namespace, argv: list[str]) -> int:
+    from .demo import main as demo
+
+    return demo()
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is ever downloaded
     argv = sys.argv[1:] if argv is None else argv
-    from .commands import add_generate_arguments, add_model_arguments, run_generate, run_info
-    from .commands_convert import add_convert_arguments, run_convert
-    from .commands_eval import add_eval_arguments, run_eval
-
-    parser = argparse.ArgumentParser(prog="gqa", description="Grouped-query attention for PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_generate_arguments(sub.add_parser("generate", help="generate text with a model (default: embedded SmolLM2)"))
-    add_model_arguments(sub.add_parser("info", help="a model's architecture and KV-cache size vs MHA and MQA"))
-    add_eval_arguments(sub.add_parser("eval", help="perplexity on a text, and mean KL divergence from a reference"))
-    sub.add_parser("demo", help="MHA vs GQA vs MQA: cache size, cached decoding checked against a full forward")
-    add_convert_arguments(sub.add_parser("convert", help="change a model's number of KV heads; writes an HF folder"))
-    bench = sub.add_parser("bench", help="benchmarks (e.g. 'gqa bench attention --help')")
-    bench.add_argument("what", choices=["attention", "model"])
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")
-    ns = parser.parse_args(argv)
+    ns = build_parser().parse_args(argv)
     try:
-        if ns.command == "generate":
-            return run_generate(ns)
-        if ns.command == "info":
-            return run_info(ns)
-        if ns.command == "convert":
-            return run_convert(ns)
-        if ns.command == "eval":
-            return run_eval(ns)
-        if ns.command == "demo":
-            from .demo import main as demo
-
-            return demo()
-        if ns.what == "model":
-            from .bench.model import main as bench_model
-
-            return bench_model(ns.args)
-        from .bench.attention import main as bench_attention
-
-        return bench_attention(ns.args)
+        return ns.handler(ns, argv)
     except (ValueError, OSError) as e:
-        print(f"gqa {ns.command}: error: {e}", file=sys.stderr)
+        print(f"{ns.prog}: error: {e}", file=sys.stderr)
         return 2

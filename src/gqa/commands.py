@@ -5,31 +5,89 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import kernels
 from .cache import kv_cache_bytes
+from .cli_dtypes import DTYPES, add_dtype_argument
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+if TYPE_CHECKING:
+    from .models.config import ModelConfig
+
+EMBEDDED_MODEL = "embedded SmolLM2-135M-Instruct"
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def model_label(path: str | None) -> str:
+    """How messages name a model: the path as given, or the embedded SmolLM2."""
+    return EMBEDDED_MODEL if path is None else path
+
+
+def model_config(path: str | None) -> ModelConfig:
+    """A model's config, read from ``config.json`` or GGUF metadata without loading any weights."""
+    from .loaders import resolve_model_path
+    from .loaders.gguf_file import gguf_config, open_gguf
+    from .loaders.hf_dir import hf_config
+
+    resolved = resolve_model_path(path)
+    return hf_config(resolved) if resolved.is_dir() else gguf_config(open_gguf(resolved), resolved)
+
+
+@contextmanager
+def loading(what: str, *, timed: bool = True) -> Iterator[None]:
+    """``Loading {what} ...`` on stderr (stdout stays the command's output) before the slow part this wraps; when
+    ``timed``, the line ends with the seconds it took (or just ends, if it fails)."""
+    print(f"Loading {what} ...", end="" if timed else "\n", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        if timed:
+            print(file=sys.stderr, flush=True)
+        raise
+    if timed:
+        print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, dtype_help: str = "weight dtype") -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
+    add_dtype_argument(parser, "--dtype", default="fp32", help=dtype_help)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt (a user message, or plain text with --raw)")
     add_model_arguments(parser)
     parser.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
-    parser.add_argument("--system", default=None, help="system message for the chat template")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--system", default=None, help="system message for the chat template (default: none)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="stop after N new tokens")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="sampling temperature; 0 is greedy decoding"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=None, metavar="K", help="with T > 0: sample from the K most likely tokens "
+        "(default: off)"
+    )  # fmt: skip
+    parser.add_argument(
+        "--top-p", type=float, default=None, metavar="P",
+        help="with T > 0: sample from the most likely tokens that make up probability P (default: off)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=None, help="with T > 0: random seed (default: unseeded)")
     parser.add_argument("--stats", action="store_true", help="print prefill/decode tokens per second to stderr")
+
+
+def warn_ignored_sampling(ns: argparse.Namespace) -> None:
+    """Greedy decoding (``--temperature 0``) ignores ``--top-k``, ``--top-p`` and ``--seed``: say so on stderr."""
+    ignored = [flag for flag, value in (("--top-k", ns.top_k), ("--top-p", ns.top_p), ("--seed", ns.seed)) if
+               value is not None]  # fmt: skip
+    if ns.temperature == 0 and ignored:
+        print(
+            f"gqa generate: warning: {' and '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect at "
+            "--temperature 0 (greedy decoding); give a temperature > 0 to sample",
+            file=sys.stderr,
+        )
 
 
 def run_generate(ns: argparse.Namespace) -> int:
@@ -39,7 +97,9 @@ def run_generate(ns: argparse.Namespace) -> int:
     check_sampling(ns.temperature, ns.top_k, ns.top_p)  # before the model is loaded
     if ns.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {ns.max_new_tokens}")
-    model = load_model(ns.model, dtype=DTYPES[ns.dtype])
+    warn_ignored_sampling(ns)
+    with loading(f"{model_label(ns.model)} as {ns.dtype}"):
+        model = load_model(ns.model, dtype=DTYPES[ns.dtype])
     tok = model.tokenizer
     if ns.raw:
         prompt_ids = tok.encode(ns.prompt)
@@ -103,7 +163,8 @@ def kv_cache_table(num_layers: int, num_heads: int, num_kv_heads: int, head_dim:
 def run_info(ns: argparse.Namespace) -> int:
     from .loaders import read_model
 
-    cfg, state = read_model(ns.model)
+    with loading(model_label(ns.model)):
+        cfg, state = read_model(ns.model)
     params = sum(t.numel() for k, t in state.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
     print(f"architecture     {cfg.arch}")
     print(f"parameters       {params / 1e6:.1f} M")

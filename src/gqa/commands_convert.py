@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import kv_cache_bytes
-from .models.config import ModelConfig
+from .cli_dtypes import add_dtype_argument
+from .commands import loading, model_config, model_label
 
 if TYPE_CHECKING:
     from .convert import HealConfig
@@ -28,7 +29,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", nargs="?", default=None, metavar="SRC", help=src_help)
     parser.add_argument("dst", metavar="DST", help="the HF checkpoint folder to write")
     parser.add_argument("--kv-heads", type=int, required=True, metavar="N", help="new number of KV heads")
-    method_help = f"how to merge KV heads when N is smaller (default: {DEFAULT_METHOD}); expanding is always exact"
+    method_help = "how to merge KV heads when N is smaller; expanding is always exact"
     parser.add_argument("--method", choices=sorted(METHODS), default=DEFAULT_METHOD, help=method_help)
     parser.add_argument(
         "--calibration-text", type=Path, default=None, metavar="FILE",
@@ -44,11 +45,11 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "healing", "distil the merged model from SRC (KL on the logits) before writing it; "
         f"DST then also holds {HEAL_PLOT_NAME} (loss curve) and {HEAL_LOG_NAME}",
     )  # fmt: skip
-    heal.add_argument("--heal-steps", type=int, default=0, metavar="N", help="optimizer steps (default 0: no healing)")
+    heal.add_argument("--heal-steps", type=int, default=0, metavar="N", help="optimizer steps (default: 0, no healing)")
     heal.add_argument(
         "--heal-minutes", type=float, default=None, metavar="M",
         help="wall-time budget: heal until M minutes are spent (or N steps, if --heal-steps is also given); the "
-        "learning-rate schedule follows the time",
+        "learning-rate schedule follows the time (default: no time limit)",
     )  # fmt: skip
     heal.add_argument(
         "--heal-text", default=None, metavar="FILE",
@@ -56,35 +57,19 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "standard-library docstrings (disjoint from gqa eval's default text)",
     )  # fmt: skip
     d = HealConfig(steps=1)
-    heal.add_argument(
-        "--heal-lr", type=float, default=d.lr, metavar="LR", help=f"peak learning rate (default {d.lr:g})"
-    )
-    heal.add_argument(
-        "--heal-seq-len", type=int, default=d.seq_len, metavar="L", help=f"tokens per window (default {d.seq_len})"
-    )
-    heal.add_argument(
-        "--heal-batch", type=int, default=d.batch_size, metavar="B", help=f"windows per step (default {d.batch_size})"
-    )
+    heal.add_argument("--heal-lr", type=float, default=d.lr, metavar="LR", help="peak learning rate")
+    heal.add_argument("--heal-seq-len", type=int, default=d.seq_len, metavar="L", help="tokens per window")
+    heal.add_argument("--heal-batch", type=int, default=d.batch_size, metavar="B", help="windows per step")
     heal.add_argument(
         "--heal-train", choices=TRAINABLE, default=d.train,
-        help=f"which parameters train: the q/k/v/o projections or all (default {d.train})",
+        help="which parameters train: the q/k/v/o projections or all",
     )  # fmt: skip
-    heal.add_argument("--heal-seed", type=int, default=d.seed, help=f"seed of the window order (default {d.seed})")
-    heal.add_argument(
-        "--heal-precision", choices=PRECISIONS, default=d.precision,
-        help="bf16: the passes under bfloat16 autocast, float32 weights and optimizer; auto (default): bf16 where "
-        "the hardware multiplies bf16 natively (AVX512-BF16/AMX CPU, recent GPU), else fp32",
+    heal.add_argument("--heal-seed", type=int, default=d.seed, metavar="S", help="seed of the window order")
+    add_dtype_argument(
+        heal, "--heal-precision", choices=[p for p in PRECISIONS if p != "auto"], keywords=["auto"],
+        default=d.precision, help="bf16: the passes under bfloat16 autocast, float32 weights and optimizer; auto: "
+        "bf16 where the hardware multiplies bf16 natively (AVX512-BF16/AMX CPU, recent GPU), else fp32",
     )  # fmt: skip
-
-
-def _source_config(src: str | None) -> ModelConfig:
-    """The source's config, read from ``config.json`` or GGUF metadata without loading any weights."""
-    from .loaders import resolve_model_path
-    from .loaders.gguf_file import gguf_config, open_gguf
-    from .loaders.hf_dir import hf_config
-
-    path = resolve_model_path(src)
-    return hf_config(path) if path.is_dir() else gguf_config(open_gguf(path), path)
 
 
 def _kib(n: int) -> str:
@@ -126,21 +111,22 @@ def run_convert(ns: argparse.Namespace) -> int:
     heal, heal_text = heal_settings(ns)  # before anything slow
     if src is not None and not Path(src).expanduser().exists():
         raise FileNotFoundError(f"source model {src} does not exist")
-    cfg = _source_config(src)
+    cfg = model_config(src)
     if heal is not None and ns.kv_heads >= cfg.num_kv_heads:
         raise ValueError(f"healing only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
     text = None if ns.calibration_text is None else ns.calibration_text.read_text(encoding="utf-8")
-    out = convert(
-        src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, refit=ns.refit,
-        heal=heal, heal_text=heal_text,
-    )  # fmt: skip
+    with loading(f"{model_label(src)} as fp32 and converting it to {ns.kv_heads} KV heads", timed=heal is None):
+        out = convert(
+            src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, refit=ns.refit,
+            heal=heal, heal_text=heal_text,
+        )  # fmt: skip
     n, h_kv = ns.kv_heads, cfg.num_kv_heads
     refit = ns.method in NEEDS_CALIBRATION if ns.refit is None else ns.refit
     how = "copied" if n == h_kv else "expanded exactly" if n > h_kv else f"merged with method {ns.method!r}"
     how += ", v_proj and o_proj refit" if n < h_kv and refit else ""
     before, after = (kv_cache_bytes(cfg.num_layers, h, cfg.head_dim, 1, dtype=torch.float32) for h in (h_kv, n))
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    print(f"source       {src or 'embedded SmolLM2-135M-Instruct'} ({cfg.arch}, {cfg.num_layers} layers)")
+    print(f"source       {model_label(src)} ({cfg.arch}, {cfg.num_layers} layers)")
     print(f"heads        {cfg.num_heads} query heads; KV heads {h_kv} -> {n} ({how})")
     print(f"group size   {cfg.num_heads // h_kv} -> {cfg.num_heads // n} query heads per KV head")
     print(f"KV cache     {_kib(before)} -> {_kib(after)} per token in fp32 ({after / before:.2f}x)")

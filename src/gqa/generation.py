@@ -62,6 +62,30 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.devic
     return ids, pads
 
 
+def _prompt_batch(prompts: object) -> tuple[list[list[int]], bool]:
+    """Token-id prompts as a list of lists, and whether a single prompt was given.
+
+    One prompt: a list of ints or a 1-D integer tensor. Several: a list of those, or a 2-D ``(B, L)`` tensor.
+    """
+    if isinstance(prompts, torch.Tensor):
+        if prompts.is_floating_point() or prompts.is_complex() or prompts.dtype == torch.bool:
+            raise TypeError(f"prompts must hold integer token ids, got a tensor of {prompts.dtype}")
+        if prompts.dim() not in (1, 2):
+            raise ValueError(f"a prompts tensor must be 1-D (one prompt) or 2-D (B, L), got {tuple(prompts.shape)}")
+        return (prompts.tolist(), False) if prompts.dim() == 2 else ([prompts.tolist()], True)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be token ids (list of ints, integer tensor), got {type(prompts).__name__}")
+    if len(prompts) == 0 or isinstance(prompts[0], int):  # one prompt (an empty one is refused later)
+        return [list(prompts)], True
+    batch = []
+    for p in prompts:
+        rows, single = _prompt_batch(p)
+        if not single:
+            raise ValueError("each prompt of a batch must be one sequence of token ids (a list or a 1-D tensor)")
+        batch += rows
+    return batch, False
+
+
 @torch.inference_mode()
 def generate_stream(
     model: CausalLM,
@@ -78,7 +102,8 @@ def generate_stream(
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row ``(B,)`` per step; a row that has finished yields ``pad_token_id``.
 
-    ``prompts`` are token-id lists of any lengths (left-padded into one batch, each row with its own positions).
+    ``prompts`` are token-id lists (or 1-D tensors) of any lengths, left-padded into one batch, each row with its
+    own positions; a single list of ints is one prompt.
     ``step_fn(tokens (B, 1), caches) -> logits (B, 1, vocab)`` replaces the plain decode step (e.g. a compiled one).
     """
     cfg = model.config
@@ -86,7 +111,7 @@ def generate_stream(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     eos = list(cfg.eos_token_id if eos_token_ids is None else eos_token_ids)
     pad_id = pad_token_id if pad_token_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
-    ids, pads = _left_pad(prompts, pad_id, model.device)
+    ids, pads = _left_pad(_prompt_batch(prompts)[0], pad_id, model.device)
     B, P = ids.shape
     if P + max_new_tokens > cfg.max_position_embeddings:
         raise ValueError(
@@ -115,7 +140,7 @@ def generate_stream(
 
 def generate(
     model: CausalLM,
-    prompts: Sequence[Sequence[int]] | Sequence[int],
+    prompts: Sequence[Sequence[int]] | Sequence[int] | torch.Tensor,
     *,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
@@ -128,10 +153,10 @@ def generate(
 ) -> list[list[int]] | list[int]:
     """Generate continuations of token-id prompts; returns the new tokens of each row, EOS included, padding not.
 
-    A single prompt (a list of ints) gives a single list back. ``on_token(tokens (B,))`` is called at every step.
+    A single prompt (a list of ints or a 1-D integer tensor) gives a single list back; a batch (a list of those, or
+    a ``(B, L)`` tensor) gives a list per row. ``on_token(tokens (B,))`` is called at every step.
     """
-    single = len(prompts) > 0 and isinstance(prompts[0], int)
-    batch = [list(prompts)] if single else [list(p) for p in prompts]
+    batch, single = _prompt_batch(prompts)
     eos = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
     out: list[list[int]] = [[] for _ in batch]
     done = [False] * len(batch)

@@ -73,7 +73,7 @@ def softmax_rows(scores: torch.Tensor, may_have_empty_rows: bool) -> torch.Tenso
     The fix-up costs two extra passes, so it runs only when a mask could empty a row. Gradients stay finite: an empty
     row's scores are replaced by zeros before the softmax and its weights are zeroed after it.
     """
-    if not may_have_empty_rows:
+    if not may_have_empty_rows or scores.shape[-1] == 0:  # no keys at all: empty weights, zero output
         return torch.softmax(scores, dim=-1)
     empty = scores.amax(dim=-1, keepdim=True) == float("-inf")
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)

@@ -11,7 +11,7 @@ Pair ``i`` at position ``p`` is rotated by the angle ``p * inv_freq[i]``, ``inv_
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -53,8 +53,15 @@ class RoPE(nn.Module):
         HF ``rope_scaling``: ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
         "original_max_position_embeddings"}`` or ``{"rope_type": "linear", "factor"}``.
     max_position : int
-        Initial length of the cos/sin table; it grows on demand (outside ``torch.compile``).
+        Initial length of the cos/sin table; it grows on demand. Under ``torch.compile`` cos/sin are computed from
+        the frequencies instead (the same float64 arithmetic as the table), so any position works there too.
+
+    The frequencies and the cos/sin tables stay float32 whatever ``.to(dtype)`` / ``.half()`` does to the module (as
+    in HF transformers): in bfloat16 the low frequencies would be off by up to 0.4%, a rotation error that grows
+    with the position. The rotation itself runs in float32 and is cast back to the input dtype.
     """
+
+    _FLOAT32_BUFFERS = ("inv_freq", "cos_cached", "sin_cached")
 
     def __init__(
         self,
@@ -108,19 +115,32 @@ class RoPE(nn.Module):
         self.register_buffer("sin_cached", torch.empty(0, device=device), persistent=False)
         self._grow(max_position)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> RoPE:
+        """``.to()``, ``.cuda()``, ``.half()``...: move the float32 buffers, never cast them (class docstring)."""
+        kept = {name: self._buffers[name] for name in self._FLOAT32_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = self._buffers[name]
+            if new.dtype != torch.float32:
+                self._buffers[name] = old.to(device=new.device)
+        return self
+
     def extra_repr(self) -> str:
         return (
             f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta:g}, "
             f"interleaved={self.interleaved}, scaling={self.scaling}"
         )
 
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """float64 angles ``(*P, rotary_dim)`` of integer ``positions (*P)``: pairs ``(2i, 2i + 1)`` interleaved, or
+        ``(i, i + rotary_dim / 2)`` in the half layout."""
+        angles = (positions.double() * self.position_scale)[..., None] * self.inv_freq.double()  # (*P, rotary_dim / 2)
+        return angles.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([angles, angles], dim=-1)
+
     def _grow(self, length: int) -> None:
         """(Re)build the cos/sin tables for positions ``[0, length)`` (rounded up to a power of two)."""
         length = 1 << max(length - 1, 1).bit_length()
-        pos = torch.arange(length, dtype=torch.float64, device=self.inv_freq.device) * self.position_scale
-        angles = pos[:, None] * self.inv_freq.double()[None, :]  # (P, rotary_dim / 2)
-        # (P, rotary_dim): pairs (2i, 2i + 1) interleaved, or (i, i + rotary_dim / 2) in the half layout
-        angles = angles.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat([angles, angles], dim=-1)
+        angles = self._angles(torch.arange(length, device=self.inv_freq.device))  # (P, rotary_dim)
         self.cos_cached = angles.cos().float()
         self.sin_cached = angles.sin().float()
 
@@ -135,7 +155,10 @@ class RoPE(nn.Module):
             got = position_ids.dtype if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__
             raise TypeError(f"position_ids must be an integer tensor, got {got}")
         position_ids = position_ids.long()
-        if not torch.compiler.is_compiling() and position_ids.numel():
+        if torch.compiler.is_compiling():  # no table growth inside a graph: compute the few values needed
+            angles = self._angles(position_ids)  # (*P, rotary_dim)
+            return angles.cos().float(), angles.sin().float()
+        if position_ids.numel():
             top = int(position_ids.max())
             if int(position_ids.min()) < 0:
                 raise ValueError(f"position_ids must be >= 0, got min {int(position_ids.min())}")

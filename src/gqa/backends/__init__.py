@@ -63,6 +63,8 @@ def choose_backend(
     """The ``auto`` policy: the native fused kernel for decode on CPU (where built); the grouped matmul for other
     decode-like shapes, weights or dropout; SDPA where it is natively grouped (prefill); else the grouped matmul."""
     rows = shape.G * shape.L  # query rows per KV head
+    if query.numel() == 0 or key.numel() == 0:
+        return "grouped"  # empty in or out: plain tensor ops give the empty or all-zero result
     if (
         rows <= FUSED_ROWS
         and fused_is_fast(query.dtype)

@@ -40,6 +40,8 @@ def supports(
         return f"dtype {query.dtype} (float32 and bfloat16 only)"
     if return_weights or dropout_p > 0.0:
         return "attention weights / dropout"
+    if query.numel() == 0 or key.numel() == 0:
+        return "empty inputs (no query or no key)"
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return "inputs that need gradients (no backward)"
     if key.stride(-1) != 1 or value.stride(-1) != 1:
@@ -68,6 +70,8 @@ def fused_attention(
         raise ValueError(f"backend 'fused' cannot run this call: {reason}")
     H_kv, G, L, S, D = shape.H_kv, shape.G, shape.L, shape.S, shape.D
     q = query.reshape(-1, H_kv, G * L, D)  # (N, H_kv, G*L, D): rows g*L + l; a view unless query is strided
+    if q.stride(-1) != 1:  # the kernel reads rows of D contiguous values; q is G*L rows per head, a copy is cheap
+        q = q.contiguous()
     k, v = _flat_view(key, 3), _flat_view(value, 3)  # (N, H_kv, S, D), (N, H_kv, S, D_v)
     mask = None
     if attn_mask is not None:

@@ -9,17 +9,19 @@ mask when ``L != S`` (torch's ``is_causal`` is top-left), and refuses to run whe
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from .._checks import AttnShape
+from .._checks import AttnShape, shape_str
 from ..masks import causal_mask, merge_masks
 
 
 def _to_4d(t: torch.Tensor) -> torch.Tensor:
     """``(*B, H, L, D)`` -> ``(N, H, L, D)`` with ``N = prod(B)`` (a view for the usual layouts)."""
-    return t.reshape(-1, *t.shape[-3:])
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
 
 
 def _mask_4d(mask: torch.Tensor, shape: AttnShape) -> torch.Tensor:
@@ -31,7 +33,7 @@ def _mask_4d(mask: torch.Tensor, shape: AttnShape) -> torch.Tensor:
         return mask[None]  # torch's fused kernels want a 4-D mask here
     if all(s == 1 for s in mask.shape[:-3]):
         return mask.reshape(1, *mask.shape[-3:])
-    return mask.expand(*shape.batch, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
+    return mask.expand(*shape.batch, *mask.shape[-3:]).reshape(math.prod(shape.batch), *mask.shape[-3:])
 
 
 def _inputs(query, key, value, shape: AttnShape, attn_mask, is_causal):
@@ -45,14 +47,49 @@ def _inputs(query, key, value, shape: AttnShape, attn_mask, is_causal):
     return q, k, v, mask, native_causal
 
 
+def _fused_choice(q, k, v, mask, native_causal: bool, scale: float | None, grouped: bool) -> bool:
+    """Whether torch's own dispatcher picks a fused (natively grouped) kernel for these inputs."""
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, native_causal, scale=scale, enable_gqa=grouped)
+    except Exception:  # an older torch that cannot answer: assume the copying path
+        return False
+    return SDPBackend(choice) not in (SDPBackend.MATH, SDPBackend.ERROR)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What of a tensor the kernel choice depends on: heads, last dim, its contiguity, dtype, device."""
+    return t.shape[1], t.shape[-1], t.stride(-1) == 1, t.dtype, str(t.device)
+
+
+def _stand_in(heads: int, dim: int, contiguous: bool, dtype: torch.dtype, device: str) -> torch.Tensor:
+    t = torch.zeros(1, heads, 1, dim * (1 if contiguous else 2), dtype=dtype, device=device)  # (1, H, 1, D)
+    return t if contiguous else t[..., ::2]
+
+
+_PROBED: dict[tuple, bool] = {}
+
+
+@torch.compiler.assume_constant_result
+def _fused_choice_probe(q: tuple, k: tuple, v: tuple, mask: tuple | None, native_causal: bool, grouped: bool) -> bool:
+    """``_fused_choice`` for a compiled call, where torch's dispatcher query cannot be traced: asked once per kind of
+    call on one-token stand-ins with the same heads, head dims, strides, dtypes, device and mask kind. The answer is
+    a constant of the graph (the CPU kernels' rules depend on nothing else; on CUDA sequence lengths can matter)."""
+    key = (q, k, v, mask, native_causal, grouped)
+    if key not in _PROBED:
+        m = None if mask is None else torch.ones((1,) * mask[0], dtype=mask[1], device=q[4])
+        _PROBED[key] = _fused_choice(_stand_in(*q), _stand_in(*k), _stand_in(*v), m, native_causal, None, grouped)
+    return _PROBED[key]
+
+
 def _native(q, k, v, mask, dropout_p: float, native_causal: bool, scale: float, grouped: bool) -> bool:
     if dropout_p > 0.0:
         return False  # every CPU path with dropout is the copying math path
-    try:
-        choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, native_causal, scale=scale, enable_gqa=grouped)
-    except Exception:  # an older torch, or a tracer that cannot run the query: assume the copying path
-        return False
-    return SDPBackend(choice) not in (SDPBackend.MATH, SDPBackend.ERROR)
+    if q.numel() == 0 or k.numel() == 0:
+        return False  # torch's fused kernels refuse empty inputs
+    if torch.compiler.is_compiling():
+        mask_kind = None if mask is None else (mask.dim(), mask.dtype)
+        return _fused_choice_probe(_layout(q), _layout(k), _layout(v), mask_kind, native_causal, grouped)
+    return _fused_choice(q, k, v, mask, native_causal, scale, grouped)
 
 
 def sdpa_is_native(
@@ -87,6 +124,10 @@ def sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     if return_weights:
         raise ValueError("backend='sdpa' cannot return attention weights; use backend='grouped' or 'auto'")
+    if query.numel() == 0 or key.numel() == 0:
+        raise ValueError(
+            f"backend='sdpa' cannot run empty inputs (query {shape_str(query)}, key {shape_str(key)}); use 'auto'"
+        )
     q, k, v, mask, native_causal = _inputs(query, key, value, shape, attn_mask, is_causal)
     if not _native(q, k, v, mask, dropout_p, native_causal, scale, shape.H_q != shape.H_kv):
         raise ValueError(
@@ -97,4 +138,8 @@ def sdpa_attention(
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=native_causal, scale=scale, enable_gqa=True
     )  # (N, H_q, L, D_v)
+    if q.device.type == "cpu":
+        # torch's CPU flash kernel (2.13) returns finite values for a query row holding a NaN when S < 16; the
+        # other backends give NaN, as the definition does. One cheap pass over q puts the NaN back.
+        out = out.masked_fill(q.isnan().any(-1, keepdim=True), float("nan"))  # mask (N, H_q, L, 1)
     return out.reshape(*shape.batch, shape.H_q, shape.L, shape.D_v), None

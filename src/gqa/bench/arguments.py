@@ -8,15 +8,14 @@ from pathlib import Path
 
 import torch
 
-from .cases import CPU_FULL, CPU_QUICK, DTYPE_ALIASES, DTYPES, GPU_FULL, GPU_QUICK, KINDS, MASKS, Grid
+from ..cli_dtypes import DTYPES, dtype_type
+from .cases import CPU_FULL, CPU_QUICK, GPU_FULL, GPU_QUICK, KINDS, MASKS, Grid
 from .implementations import Impl, implementations_for
 
 
-def _dtype(name: str) -> torch.dtype:
-    name = DTYPE_ALIASES.get(name, name)
-    if name not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}; choose from {sorted(DTYPES)} (or fp32, bf16, fp16)")
-    return DTYPES[name]
+def _dtype(text: str) -> torch.dtype:
+    """Any spelling of ``gqa.cli_dtypes`` -> the torch dtype."""
+    return DTYPES[dtype_type()(text)]
 
 
 def _positive_int(text: str) -> int:
@@ -52,14 +51,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
+DESCRIPTION = (
+    "Time gqa's attention backends, auto and the peer implementations side by side against the machine's measured "
+    "bandwidth and matmul rate; print a markdown report."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="gqa bench attention",
-        description="Time gqa's attention backends, auto and the peer implementations side by side against the "
-        "machine's measured bandwidth and matmul rate; print a markdown report.",
-    )
+    """The parser of ``gqa bench attention`` (what ``python benchmarks/attention.py`` runs)."""
+    from ..cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="gqa bench attention", description=DESCRIPTION, formatter_class=HelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``gqa bench attention`` on ``p``."""
     p.add_argument("--quick", action="store_true", help="small grid, few repeats (under 2 minutes on 2 CPU cores)")
-    p.add_argument("--device", default="cpu", help="torch device (default: cpu); cuda adds SDPA per kernel and flex")
+    p.add_argument("--device", default="cpu", help="torch device; cuda adds SDPA per kernel and flex")
     p.add_argument(
         "--kinds",
         "--cases",
@@ -67,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         choices=KINDS,
         default=list(KINDS),
-        help="workloads (default: decode prefill)",
+        help="workloads",
     )
     p.add_argument(
         "--dtypes",
@@ -75,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_dtype,
         default=[torch.float32, torch.bfloat16],
         metavar="DTYPE",
-        help="float32, bfloat16, float16 (default: float32 bfloat16)",
+        help="fp32, bf16, fp16 (or float32, bfloat16, float16) (default: fp32 bf16)",
     )
     p.add_argument(
         "--kv-heads",
@@ -83,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=[32, 8, 4, 1],
         metavar="H_KV",
-        help="numbers of KV heads, each dividing H_q (default: 32 8 4 1)",
+        help="numbers of KV heads, each dividing H_q",
     )
     p.add_argument(
         "--batches",
@@ -112,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         choices=MASKS,
         default=list(MASKS),
-        help="how prefill gets its causal pattern (default: causal bool additive)",
+        help="how prefill gets its causal pattern",
     )
     p.add_argument("--impls", nargs="+", metavar="NAME", help="only these implementations (default: all)")
     p.add_argument("--q-heads", type=_positive_int, help="H_q (default: 32)")
@@ -125,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="an implementation whose checked call takes longer is "
         "not timed (default: 10 on CPU, 5 with --quick, 300 on CUDA)",
     )
-    p.add_argument("--max-seconds", type=_positive_float, help="start no new case after this many seconds")
+    p.add_argument(
+        "--max-seconds", type=_positive_float, help="start no new case after this many seconds (default: no limit)"
+    )
     p.add_argument(
         "--mem-budget-gb",
         type=_positive_float,
@@ -135,9 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", type=Path, metavar="PATH", help="write the markdown report here")
     p.add_argument("--plots", type=Path, metavar="DIR", help="write attention-decode.png and attention-kv-bytes.png")
     p.add_argument("--from-json", type=Path, metavar="PATH", help="measure nothing: re-render a saved --json run")
-    p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p  # fmt: skip
 
 
 def resolve_grid(args: argparse.Namespace, device: torch.device) -> Grid:

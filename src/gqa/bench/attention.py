@@ -31,7 +31,7 @@ import torch
 
 from ..backends import BACKENDS
 from . import write_json_atomic, write_text_atomic
-from .arguments import build_parser, check_output_paths, resolve_grid, select_impls
+from .arguments import DESCRIPTION, add_arguments, build_parser, check_output_paths, resolve_grid, select_impls
 from .cases import build_cases, dtype_name
 from .limits import Limits, measure_limits
 from .report import COUNTING, annotate, fmt_ms, format_markdown, machine_description
@@ -50,12 +50,15 @@ from .timing import TOLERANCE
 
 __all__ = [
     "CPU_SETTINGS",
+    "DESCRIPTION",
     "GPU_SETTINGS",
     "Settings",
+    "add_arguments",
     "build_parser",
     "main",
     "prepare_calls",
     "resolve_grid",
+    "run",
     "run_case",
 ]
 
@@ -81,7 +84,12 @@ def main(argv: Sequence[str | os.PathLike[str]] | None = None) -> int:
     """
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else [os.fspath(a) for a in argv]
-    args = parser.parse_args(argv)
+    return run(parser, parser.parse_args(argv), argv)
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``main`` on the flags ``argv`` that ``parser`` (``build_parser``, or one ``add_arguments`` filled) parsed into
+    ``args``; bad flags are ``parser.error``."""
     check_output_paths(parser, args)
     if args.from_json:
         try:

@@ -212,7 +212,7 @@ def peer_impls() -> list[Impl]:
              _torch_sdpa, lambda case, inp: _math_bytes(case, inp, grouped=True)),
         Impl("hf-repeat_kv", "peer", "HF transformers: repeat_kv (expand+reshape copy) + SDPA", _hf_repeat_kv,
              copy_extra),
-        Impl("repeat_interleave", "peer", "seed style: repeat_interleave K/V, matmul, float32 softmax, matmul",
+        Impl("repeat_interleave", "peer", "copies K/V per head: repeat_interleave K/V, matmul, float32 softmax, matmul",
              _repeat_interleave, seed_extra),
         Impl("gqa-pytorch", "peer", "grouped-query-attention-pytorch scaled_dot_product_gqa (einops)",
              _gqa_pytorch_call, package_extra),

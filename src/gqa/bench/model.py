@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ..loaders import read_model
+from ..cli_dtypes import add_dtype_argument
+from ..commands import model_config, model_label
 from ..models.config import ModelConfig
 from . import write_json_atomic, write_text_atomic
 from .model_report import check_plotting, plot_model, table
@@ -78,25 +79,52 @@ def _run_worker(path: str | None, engine: str, dtype: str, contexts: list[int], 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gqa bench model", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
-    parser.add_argument("--kv-heads", type=int, nargs="+", default=None, metavar="N",
-                        help="KV head counts to run (default: H_q, the model's own, 1; SmolLM2: 9 3 1)")  # fmt: skip
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096])
-    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
-    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per context (default 32)")
-    parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, 8 new tokens, fp32, no compile")
-    parser.add_argument("--json", type=Path, default=None, help="write every number and the machine here")
-    parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
-    parser.add_argument("--plot", type=Path, default=None, help="write the PNG plot here (needs matplotlib)")
+DESCRIPTION = " ".join(__doc__.split("\n\n")[0].split())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``gqa bench model``."""
+    from ..cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="gqa bench model", description=DESCRIPTION, formatter_class=HelpFormatter)
+    add_arguments(parser)
     return parser
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``gqa bench model`` on ``parser``."""
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=None, metavar="N",
+                        help="KV head counts to run (default: H_q, the model's own, 1; SmolLM2: 9 3 1)")  # fmt: skip
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096], metavar="S",
+                        help="prompt lengths in tokens")  # fmt: skip
+    add_dtype_argument(parser, "--dtypes", choices=tuple(DTYPES), nargs="+", default=["fp32", "bf16"],
+                       help="weight dtypes")  # fmt: skip
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=list(ENGINES),
+        help="what runs the model: gqa (compiled), gqa-eager, hf (transformers)",
+    )
+    parser.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens generated per context")
+    parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, 8 new tokens, fp32, no compile")
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="write every number and the machine here"
+    )
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="write the table here")
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="PATH", help="write the PNG plot here (needs matplotlib)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    ns = parser.parse_args(argv)
+    parser = build_parser()
+    return run(parser, parser.parse_args(argv))
+
+
+def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    """The benchmark on flags ``parser`` (``build_parser`` or ``add_arguments``'s parser) has parsed."""
     if ns.quick:
         ns.contexts, ns.new_tokens, ns.dtypes = [64, 256], 8, ["fp32"]
         ns.engines = [e for e in ns.engines if e != "gqa"] or ["gqa-eager"]
@@ -110,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         check_plotting()  # fail before the long part
 
     started = time.perf_counter()
-    cfg = read_model(ns.model)[0]  # the weights are not kept: workers load their own
+    cfg = model_config(ns.model)  # no weights here: the conversions and the workers load their own
     counts = _head_counts(cfg, ns.kv_heads)
+    heads = f"{cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads"
+    print(f"[bench model] {model_label(ns.model)} ({heads}) as {' '.join(map(str, counts))} KV heads; each run "
+          "loads the model in its own process", file=sys.stderr, flush=True)  # fmt: skip
     if max(ns.contexts) + ns.new_tokens > cfg.max_position_embeddings:
         parser.error(f"--contexts {max(ns.contexts)} + --new-tokens {ns.new_tokens} exceeds the model's "
                      f"max_position_embeddings {cfg.max_position_embeddings}")  # fmt: skip

@@ -77,6 +77,7 @@ def build(verbose: bool = False) -> Path:
     return library_path()
 
 
+@torch.compiler.assume_constant_result  # inside torch.compile: run once while tracing, a constant of the graph
 def load() -> bool:
     """Load the built kernels if there are any (building them first with ``GQA_BUILD_KERNELS=1``); True if loaded."""
     global _loaded
@@ -108,7 +109,7 @@ def simd_width() -> int:
 def vectorized() -> bool:
     """Whether the kernels are loaded *and* have SIMD paths (AVX-512 or AVX2 + FMA; ``simd_width``). As plain scalar
     loops (other CPUs) they are slower than PyTorch's own ops for float32, so callers that pick a path for speed ask
-    this; ``available`` only says the ops exist (the README's "Native kernels")."""
+    this; ``available`` only says the ops exist (docs/performance.md, "Native CPU kernels")."""
     return simd_width() > 1
 
 

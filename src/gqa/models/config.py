@@ -9,6 +9,45 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 
+# transformers' defaults (LlamaConfig, Qwen2Config) for the keys ``from_hf`` reads and a config.json may leave out.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "num_key_value_heads": None,  # None: as many as the query heads
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": None,
+    },
+    "qwen2": {
+        "num_key_value_heads": 32,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "attention_bias": True,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    },
+}
+
+
+def _check_supported(cfg: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for config options that would make the HF model a different network than this one."""
+    if cfg.get("hidden_act") != "silu":
+        raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r} in config.json; supported: 'silu'")
+    if cfg.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias=true in config.json (biases on the MLP projections)")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("unsupported use_sliding_window=true in config.json (sliding-window attention)")
+
+
 @dataclass
 class ModelConfig:
     """Sizes and options of a decoder-only Llama-family model.
@@ -44,12 +83,20 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """From the dict of an HF ``config.json`` (``model_type`` llama or qwen2)."""
+        """From the dict of an HF ``config.json`` (``model_type`` llama or qwen2).
+
+        A key that is absent takes transformers' default for that architecture (``HF_DEFAULTS``; e.g.
+        ``tie_word_embeddings`` False, ``max_position_embeddings`` 2048 for Llama and 32768 for Qwen2); the sizes
+        of the network have no default. Options this model does not implement (a non-SiLU MLP, MLP biases, Qwen2's
+        sliding window) raise ``ValueError`` rather than load as a different network.
+        """
         arch = cfg.get("model_type")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported model_type {arch!r} in config.json; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        cfg = HF_DEFAULTS[arch] | cfg
+        _check_supported(cfg)
         try:
             hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             rope = cfg.get("rope_parameters") or {}
@@ -61,17 +108,18 @@ class ModelConfig:
                 intermediate_size=int(cfg["intermediate_size"]),
                 num_layers=int(cfg["num_hidden_layers"]),
                 num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                num_kv_heads=int(cfg["num_key_value_heads"] or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rms_norm_eps=float(cfg["rms_norm_eps"]),
                 rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
                 rope_scaling=dict(scaling) if scaling else None,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "qwen2")),
-                attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_id=cfg.get("eos_token_id") or [],
-                pad_token_id=cfg.get("pad_token_id"),
+                max_position_embeddings=int(cfg["max_position_embeddings"]),
+                tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+                # Qwen2's q/k/v projections always have biases (its attention has no such option)
+                attention_bias=arch == "qwen2" or bool(cfg["attention_bias"]),
+                bos_token_id=cfg["bos_token_id"],
+                eos_token_id=cfg["eos_token_id"] if cfg["eos_token_id"] is not None else [],
+                pad_token_id=cfg["pad_token_id"],
             )
         except KeyError as e:
             raise ValueError(f"config.json lacks the required key {e.args[0]!r}") from None

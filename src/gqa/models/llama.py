@@ -100,6 +100,12 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.tokenizer = None
+        self.register_state_dict_post_hook(_savable_state)
+        self.register_load_state_dict_pre_hook(_tied_head_from_embeddings)
+
+    # state_dict() is what safetensors.torch.save_file(model.state_dict(), path) can write as it is: no tensor twice
+    # (a tied lm_head.weight is left out, as HF checkpoints leave it out) and every tensor contiguous (weights stored
+    # input-major by use_input_major_weights come out as contiguous copies). load_state_dict takes it back.
 
     @classmethod
     def from_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], *, assign: bool = False) -> CausalLM:
@@ -122,8 +128,9 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
-    def generate(self, prompts: list, **kwargs: object) -> list:
-        """Generate continuations of token-id prompts; see ``gqa.generation.generate`` for the arguments."""
+    def generate(self, prompts: list | torch.Tensor, **kwargs: object) -> list:
+        """Generate continuations of token-id prompts (a list of ints or a 1-D tensor, or a batch of them); see
+        ``gqa.generation.generate`` for the arguments."""
         from ..generation import generate
 
         return generate(self, prompts, **kwargs)
@@ -185,6 +192,22 @@ class CausalLM(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))  # (B, L, vocab)
+
+
+def _savable_state(module: CausalLM, state: dict, prefix: str, local_metadata: dict) -> None:
+    """``state_dict`` post-hook: drop the tied ``lm_head.weight`` and make strided weight views contiguous."""
+    if module.config.tie_word_embeddings:
+        state.pop(prefix + "lm_head.weight", None)
+    for name, tensor in state.items():
+        if name.startswith(prefix) and not isinstance(tensor, nn.Parameter) and not tensor.is_contiguous():
+            state[name] = tensor.contiguous()
+
+
+def _tied_head_from_embeddings(module: CausalLM, state: dict, prefix: str, *args: object) -> None:
+    """``load_state_dict`` pre-hook: with tied embeddings, ``lm_head.weight`` is the embedding matrix."""
+    embeddings = state.get(prefix + "model.embed_tokens.weight")
+    if module.config.tie_word_embeddings and embeddings is not None:
+        state.setdefault(prefix + "lm_head.weight", embeddings)
 
 
 def set_left_padding(caches: list[StaticKVCache], pad: torch.Tensor | list[int]) -> None:

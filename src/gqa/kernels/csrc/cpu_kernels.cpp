@@ -66,11 +66,13 @@ inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }  // a > b ? a : b: NaN in either gives b
+inline vec vmax_nan(vec m, vec x) {  // max(m, x) that keeps a NaN of either (so NaN scores give NaN, as in torch)
+  return _mm512_mask_mov_ps(_mm512_max_ps(x, m), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
 inline vec vfnma(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
 inline float vsum(vec x) { return _mm512_reduce_add_ps(x); }
-inline float vmaxof(vec x) { return _mm512_reduce_max_ps(x); }
 inline vec vround(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vec vpow2(vec p, vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
 
@@ -104,18 +106,16 @@ inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }  // a > b ? a : b: NaN in either gives b
+inline vec vmax_nan(vec m, vec x) {  // max(m, x) that keeps a NaN of either (so NaN scores give NaN, as in torch)
+  return _mm256_blendv_ps(_mm256_max_ps(x, m), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vfnma(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
 inline float vsum(vec x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-inline float vmaxof(vec x) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 inline vec vround(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vec vpow2(vec p, vec n) {  // p * 2^n through the exponent bits; n in [-126, 127] (vexp's clamp keeps it so)
@@ -132,9 +132,9 @@ inline vec reduce_lanes(vec* a) {
 #endif
 
 #if GQA_SIMD > 1
-// exp(x) for x <= 0 (softmax arguments), relative error ~2e-7; x is clamped at -87 (exp = 1.6e-38).
+// exp(x) for x <= 0 (softmax arguments), relative error ~2e-7; x is clamped at -87 (exp = 1.6e-38). NaN stays NaN.
 inline vec vexp(vec x) {
-  x = vmax(x, vset(-87.0f));
+  x = vmax(vset(-87.0f), x);  // the operand order lets a NaN through
   const vec n = vround(vmul(x, vset(1.44269504088896341f)));
   vec r = vfnma(n, vset(0.693359375f), x);  // x - n ln 2 in two parts
   r = vfnma(n, vset(-2.12194440e-4f), r);
@@ -406,15 +406,23 @@ inline void accumulate_values(float* acc, int64_t lda, const float* alpha, const
     }
 }
 
+// max(a, b), NaN if either is NaN (std::max and the max instructions drop a NaN in one of the two places).
+inline float max_nan(float a, float b) { return (b > a || std::isnan(b)) ? b : a; }
+
+// The largest of s[0:n], NaN if any of them is NaN (-inf for n == 0).
 inline float max_of(const float* s, int64_t n) {
   int64_t c = 0;
   float mx = -std::numeric_limits<float>::infinity();
 #if GQA_SIMD > 1
-  vec vm = vset(mx);
-  for (; c + LANES <= n; c += LANES) vm = vmax(vm, vload(s + c));
-  mx = vmaxof(vm);
+  if (n >= LANES) {
+    vec vm = vset(mx);
+    for (; c + LANES <= n; c += LANES) vm = vmax_nan(vm, vload(s + c));
+    float lanes[LANES];
+    vstore(lanes, vm);
+    for (int i = 0; i < LANES; ++i) mx = max_nan(mx, lanes[i]);
+  }
 #endif
-  for (; c < n; ++c) mx = std::max(mx, s[c]);
+  for (; c < n; ++c) mx = max_nan(mx, s[c]);
   return mx;
 }
 
@@ -541,7 +549,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
             alpha[r] = 1.0f;
             continue;
           }
-          const float m_new = std::max(m[r], mx);
+          const float m_new = max_nan(m[r], mx);  // NaN stays: the row's output is NaN, as in torch
           alpha[r] = (m[r] == NEG_INF) ? 0.0f : std::exp(m[r] - m_new);
           const float psum = exp_shifted(s, m_new, visible);
           std::fill(s + visible, s + n, 0.0f);
@@ -567,7 +575,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t head = i / R, r = i % R;
       float M = NEG_INF;
-      for (int64_t s = 0; s < splits; ++s) M = std::max(M, part_m[(head * splits + s) * R + r]);
+      for (int64_t s = 0; s < splits; ++s) M = max_nan(M, part_m[(head * splits + s) * R + r]);
       std::fill(row.begin(), row.end(), 0.0f);
       float denom = 0.0f;
       if (M != NEG_INF) {
@@ -580,7 +588,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
           for (int64_t d = 0; d < Dv; ++d) row[d] += w * a[d];
         }
       }
-      const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+      const float inv = std::isnan(denom) ? denom : denom > 0.0f ? 1.0f / denom : 0.0f;
       T* o = op + i * Dv;
       for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<T>(row[d] * inv);
     }
