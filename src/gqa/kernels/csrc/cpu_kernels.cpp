@@ -70,6 +70,8 @@ inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }  // a > b ? a : b:
 inline vec vmax_nan(vec m, vec x) {  // max(m, x) that keeps a NaN of either (so NaN scores give NaN, as in torch)
   return _mm512_mask_mov_ps(_mm512_max_ps(x, m), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
 }
+inline float vmaxof(vec x) { return _mm512_reduce_max_ps(x); }
+inline bool vany_nan(vec x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0; }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
 inline vec vfnma(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
 inline float vsum(vec x) { return _mm512_reduce_add_ps(x); }
@@ -110,6 +112,12 @@ inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }  // a > b ? a : b:
 inline vec vmax_nan(vec m, vec x) {  // max(m, x) that keeps a NaN of either (so NaN scores give NaN, as in torch)
   return _mm256_blendv_ps(_mm256_max_ps(x, m), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
+inline float vmaxof(vec x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline bool vany_nan(vec x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0; }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vfnma(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
 inline float vsum(vec x) {
@@ -417,9 +425,7 @@ inline float max_of(const float* s, int64_t n) {
   if (n >= LANES) {
     vec vm = vset(mx);
     for (; c + LANES <= n; c += LANES) vm = vmax_nan(vm, vload(s + c));
-    float lanes[LANES];
-    vstore(lanes, vm);
-    for (int i = 0; i < LANES; ++i) mx = max_nan(mx, lanes[i]);
+    mx = vany_nan(vm) ? std::numeric_limits<float>::quiet_NaN() : vmaxof(vm);
   }
 #endif
   for (; c < n; ++c) mx = max_nan(mx, s[c]);
