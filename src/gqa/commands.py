@@ -7,7 +7,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,25 +14,12 @@ from . import kernels
 from .cache import kv_cache_bytes
 from .cli_dtypes import DTYPES, add_dtype_argument
 
-if TYPE_CHECKING:
-    from .models.config import ModelConfig
-
 EMBEDDED_MODEL = "embedded SmolLM2-135M-Instruct"
 
 
 def model_label(path: str | None) -> str:
     """How messages name a model: the path as given, or the embedded SmolLM2."""
     return EMBEDDED_MODEL if path is None else path
-
-
-def model_config(path: str | None) -> ModelConfig:
-    """A model's config, read from ``config.json`` or GGUF metadata without loading any weights."""
-    from .loaders import resolve_model_path
-    from .loaders.gguf_file import gguf_config, open_gguf
-    from .loaders.hf_dir import hf_config
-
-    resolved = resolve_model_path(path)
-    return hf_config(resolved) if resolved.is_dir() else gguf_config(open_gguf(resolved), resolved)
 
 
 @contextmanager

@@ -12,7 +12,7 @@ import torch
 
 from .cache import kv_cache_bytes
 from .cli_dtypes import add_dtype_argument
-from .commands import loading, model_config, model_label
+from .commands import loading, model_label
 
 if TYPE_CHECKING:
     from .convert import HealConfig
@@ -106,12 +106,13 @@ def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None
 
 def run_convert(ns: argparse.Namespace) -> int:
     from .convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, NEEDS_CALIBRATION, convert
+    from .loaders import read_config
 
     src, dst = ns.src, ns.dst
     heal, heal_text = heal_settings(ns)  # before anything slow
     if src is not None and not Path(src).expanduser().exists():
         raise FileNotFoundError(f"source model {src} does not exist")
-    cfg = model_config(src)
+    cfg = read_config(src)
     if heal is not None and ns.kv_heads >= cfg.num_kv_heads:
         raise ValueError(f"healing only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
     text = None if ns.calibration_text is None else ns.calibration_text.read_text(encoding="utf-8")

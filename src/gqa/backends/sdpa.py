@@ -84,8 +84,6 @@ def _fused_choice_probe(q: tuple, k: tuple, v: tuple, mask: tuple | None, native
 def _native(q, k, v, mask, dropout_p: float, native_causal: bool, scale: float, grouped: bool) -> bool:
     if dropout_p > 0.0:
         return False  # every CPU path with dropout is the copying math path
-    if q.numel() == 0 or k.numel() == 0:
-        return False  # torch's fused kernels refuse empty inputs
     if torch.compiler.is_compiling():
         mask_kind = None if mask is None else (mask.dim(), mask.dtype)
         return _fused_choice_probe(_layout(q), _layout(k), _layout(v), mask_kind, native_causal, grouped)
@@ -138,8 +136,8 @@ def sdpa_attention(
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=native_causal, scale=scale, enable_gqa=True
     )  # (N, H_q, L, D_v)
-    if q.device.type == "cpu":
-        # torch's CPU flash kernel (2.13) returns finite values for a query row holding a NaN when S < 16; the
-        # other backends give NaN, as the definition does. One cheap pass over q puts the NaN back.
+    if q.device.type == "cpu" and shape.S < 16:
+        # torch's CPU flash kernel (2.13) returns finite values for a query row holding a NaN when S < 16 (fewer
+        # keys than one vector of its max); the other backends give NaN, as the definition does. Put it back.
         out = out.masked_fill(q.isnan().any(-1, keepdim=True), float("nan"))  # mask (N, H_q, L, 1)
     return out.reshape(*shape.batch, shape.H_q, shape.L, shape.D_v), None

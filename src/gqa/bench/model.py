@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ..cli_dtypes import add_dtype_argument
-from ..commands import model_config, model_label
+from ..commands import model_label
+from ..loaders import read_config
 from ..models.config import ModelConfig
 from . import write_json_atomic, write_text_atomic
 from .model_report import check_plotting, plot_model, table
@@ -138,7 +139,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         check_plotting()  # fail before the long part
 
     started = time.perf_counter()
-    cfg = model_config(ns.model)  # no weights here: the conversions and the workers load their own
+    cfg = read_config(ns.model)  # no weights here: the conversions and the workers load their own
     counts = _head_counts(cfg, ns.kv_heads)
     heads = f"{cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads"
     print(f"[bench model] {model_label(ns.model)} ({heads}) as {' '.join(map(str, counts))} KV heads; each run "

