@@ -327,8 +327,8 @@ def test_convert_healing_arguments(src, tmp_path):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--heal-steps", "5"], "healing needs --heal-text FILE"),
-        (["--heal-minutes", "1"], "healing needs --heal-text FILE"),
+        (["--heal-steps", "5", "--conversations"], "needs a source whose tokenizer has a chat template"),
+        (["--heal-minutes", "-1"], "--heal-minutes must be a positive number, got -1.0"),
         (["--heal-minutes", "0", "--heal-text", "stdlib"], "--heal-minutes must be a positive number, got 0.0"),
         (["--heal-minutes", "nan", "--heal-text", "stdlib"], "--heal-minutes must be a positive number, got nan"),
         (["--heal-steps", "-1", "--heal-text", "stdlib"], "--heal-steps must be >= 0, got -1"),

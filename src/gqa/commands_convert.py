@@ -40,6 +40,11 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="after each layer's merge, re-solve v_proj and o_proj by least squares against the source layer's output "
         "on the calibration text (default: on for pca, off for mean/first)",
     )  # fmt: skip
+    parser.add_argument(
+        "--conversations", action=argparse.BooleanOptionalAction, default=None,
+        help="calibrate and heal (where no text is given) on conversations the source writes itself, mixed with "
+        "docstrings; generated once per model and cached (default: on when the source has a chat template)",
+    )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
     heal = parser.add_argument_group(
         "healing", "distil the merged model from SRC (KL on the logits) before writing it; "
@@ -53,8 +58,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     heal.add_argument(
         "--heal-text", default=None, metavar="FILE",
-        help=f"UTF-8 text to heal on, required when healing; '{BUILTIN_HEAL_TEXT}' is the built-in ~1.2 MB of "
-        "standard-library docstrings (disjoint from gqa eval's default text)",
+        help="UTF-8 text to heal on (default: the source's self-generated conversations mixed with docstrings, or "
+        f"for a model without a chat template the docstrings alone); '{BUILTIN_HEAL_TEXT}' is the built-in ~1.2 MB "
+        "of standard-library docstrings (disjoint from gqa eval's default text)",
     )  # fmt: skip
     d = HealConfig(steps=1)
     heal.add_argument("--heal-lr", type=float, default=d.lr, metavar="LR", help="peak learning rate")
@@ -89,18 +95,17 @@ def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None
         if ns.heal_text is not None:
             raise ValueError("--heal-text is only used with --heal-steps N (N > 0) or --heal-minutes M")
         return None, None
-    if ns.heal_text is None:
-        raise ValueError(
-            f"healing needs --heal-text FILE (the text to heal on; '{BUILTIN_HEAL_TEXT}' for the built-in "
-            "standard-library docstrings); do not heal on the text you evaluate on"
-        )
     steps = ns.heal_steps or UNLIMITED_STEPS  # --heal-minutes alone: the time is the limit
     config = HealConfig(
         steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train, None, ns.heal_seed, ns.heal_precision,
         ns.heal_minutes,
     )  # fmt: skip
-    if ns.heal_text == BUILTIN_HEAL_TEXT and not Path(ns.heal_text).exists():
+    if ns.heal_text is None:
         return config, None
+    if ns.heal_text == BUILTIN_HEAL_TEXT and not Path(ns.heal_text).exists():
+        from .convert import default_heal_text
+
+        return config, default_heal_text()
     return config, Path(ns.heal_text).read_text(encoding="utf-8")
 
 
@@ -116,10 +121,11 @@ def run_convert(ns: argparse.Namespace) -> int:
     if heal is not None and ns.kv_heads >= cfg.num_kv_heads:
         raise ValueError(f"healing only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
     text = None if ns.calibration_text is None else ns.calibration_text.read_text(encoding="utf-8")
-    with loading(f"{model_label(src)} as fp32 and converting it to {ns.kv_heads} KV heads", timed=heal is None):
+    merging = ns.kv_heads < cfg.num_kv_heads  # then progress bars follow the line
+    with loading(f"{model_label(src)} as fp32 and converting it to {ns.kv_heads} KV heads", timed=not merging):
         out = convert(
             src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, refit=ns.refit,
-            heal=heal, heal_text=heal_text,
+            heal=heal, heal_text=heal_text, conversations=ns.conversations,
         )  # fmt: skip
     n, h_kv = ns.kv_heads, cfg.num_kv_heads
     refit = ns.method in NEEDS_CALIBRATION if ns.refit is None else ns.refit

@@ -8,6 +8,7 @@ from pathlib import Path
 from .cli_dtypes import DTYPES, add_dtype_argument
 from .commands import loading, model_label
 from .evaluate import DEFAULT_WINDOW, check_windows, default_eval_text, evaluate
+from .suite import HELD_OUT_CONVERSATIONS
 
 EVAL_DTYPES = ("fp32", "bf16")
 
@@ -26,6 +27,18 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens", type=int, default=None, metavar="N", help="evaluate only the first N tokens (default: all)"
     )
     add_dtype_argument(parser, "--dtype", choices=EVAL_DTYPES, default="fp32", help="weight dtype")
+    suite = parser.add_argument_group(
+        "suite", "judge a converted chat model against its original (--reference, default the embedded SmolLM2) on "
+        "answers and prose: KL on held-out self-generated answers, agreement of greedy answers, the question set, "
+        "and perplexity on three genres (both models in fp32; --text, --window, --max-tokens and --dtype do not apply)",
+    )  # fmt: skip
+    suite.add_argument("--suite", action="store_true", help="run the four measures instead of one perplexity")
+    suite.add_argument(
+        "--conversations", type=int, default=HELD_OUT_CONVERSATIONS, metavar="N",
+        help="held-out conversations to score",
+    )  # fmt: skip
+    suite.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
+    suite.add_argument("--show-answers", action="store_true", help="print both models' replies to every question")
 
 
 def load_text(path: str | None) -> tuple[str, str]:
@@ -44,6 +57,10 @@ def model_name(path: str | None) -> str:
 
 
 def run_eval(ns: argparse.Namespace) -> int:
+    if ns.suite:
+        return run_suite_command(ns)
+    if ns.json is not None or ns.show_answers:
+        raise ValueError("--json and --show-answers go with --suite")
     stride = check_windows(ns.window, None)  # evaluate() checks the rest before loading anything
     text, description = load_text(ns.text)
     what = f"{model_label(ns.model)} as {ns.dtype}"
@@ -63,4 +80,35 @@ def run_eval(ns: argparse.Namespace) -> int:
     print(f"perplexity   {res.perplexity:.4f}")
     if res.kl is not None:
         print(f"mean KL      {res.kl:.6g} nats/token  (KL(reference || model), reference {ns.reference} in fp32)")
+    return 0
+
+
+def run_suite_command(ns: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ._atomic import write_json_atomic
+    from .suite import run_suite
+
+    if ns.model is None:
+        raise ValueError("--suite judges a converted model: give its folder (gqa eval DST --suite)")
+    reference = ns.reference if ns.reference is not None else model_name(None)
+    with loading(f"{ns.model} and reference {reference} as fp32", timed=False):
+        res = run_suite(ns.model, ns.reference, conversations=ns.conversations)
+    print(f"model        {ns.model}, fp32")
+    print(f"reference    {reference}, fp32")
+    print(f"answer KL    {res.answer_kl:.4f} nats/token  (KL(reference || model) on the answer tokens of "
+          f"{res.conversations} held-out self-generated conversations)")  # fmt: skip
+    print(f"agreement    greedy answers to those turns: common prefix {res.prefix_tokens:.1f} tokens, "
+          f"identical {res.identical:.0%}, token F1 {res.token_f1:.3f}")  # fmt: skip
+    print(f"questions    reference {res.correct_original}/{res.questions} right, model {res.correct_model}/"
+          f"{res.questions}; keeps {res.kept:.0%} of the reference's right answers")  # fmt: skip
+    for genre, (ref, mod) in res.perplexity.items():
+        print(f"perplexity   {genre:<21} reference {ref:8.2f}  model {mod:8.2f}  ({mod / ref:.2f}x)")
+    print(f"time         {res.seconds:.0f} s")
+    if ns.show_answers:
+        for question, ref_reply, reply in res.answers:
+            print(f"\nQ: {question}\n  reference: {ref_reply.strip()}\n  model:     {reply.strip()}")
+    if ns.json is not None:
+        write_json_atomic(ns.json, dataclasses.asdict(res) | {"model": ns.model, "reference": reference})
+        print(f"wrote        {ns.json}")
     return 0

@@ -22,6 +22,8 @@ from ..loaders import read_model, resolve_model_path
 from ..models.config import ModelConfig
 from . import pca as _pca  # noqa: F401 - registers the "pca" method
 from .calibration import default_calibration_text, default_heal_text
+from .conversations import ConversationSet, has_chat_template, model_content_hash, self_generated_conversations
+from .data import HEAL_PROSE_SHARE, HealData, calibration_ids, heal_data
 from .healing import PRECISIONS, TRAINABLE, HealConfig, HealResult, heal, resolve_precision, save_loss_curve
 from .methods import (
     METHODS,
@@ -99,13 +101,13 @@ def convert_state(
 
 
 def _calibration_activations(
-    cfg: ModelConfig, state: dict[str, torch.Tensor], tok: Tokenizer, text: str
+    cfg: ModelConfig, state: dict[str, torch.Tensor], tok: Tokenizer, text: str | list[int]
 ) -> list[torch.Tensor]:
     """Per layer ``(T, hidden)``: the input of each attention (after ``input_layernorm``) in the source model, on
-    ``text`` cut into windows of at most ``min(max_position_embeddings, 2048)`` tokens."""
+    ``text`` (or token ids) cut into windows of at most ``min(max_position_embeddings, 2048)`` tokens."""
     from ..models import CausalLM
 
-    ids = tok.encode(text)
+    ids = tok.encode(text) if isinstance(text, str) else text
     if not ids:
         raise ValueError("calibration_text encodes to no tokens")
     model = CausalLM.from_state(cfg, state, assign=True)  # shares the tensors: no second copy of the weights
@@ -159,6 +161,7 @@ def convert(
     refit: bool | None = None,
     heal: HealConfig | None = None,
     heal_text: str | None = None,
+    conversations: bool | None = None,
     progress: bool = True,
 ) -> Path:
     """Convert a model to ``kv_heads`` KV heads and write it as an HF checkpoint folder.
@@ -184,7 +187,9 @@ def convert(
         Replace an existing ``dst``. The old folder is deleted only after the new one is in place.
     calibration_text : str or None
         Text run through the source model to give methods per-layer attention inputs ``(T, hidden)``; ``mean`` and
-        ``first`` do not use them. ``pca`` defaults to ``default_calibration_text()`` (standard-library docstrings).
+        ``first`` do not use them. ``pca`` defaults to the source's self-generated conversations mixed with
+        standard-library docstrings (``gqa.convert.data.calibration_ids``) for a chat model, else to
+        ``default_calibration_text()`` (docstrings alone).
     refit : bool or None
         After each layer's merge, solve its ``v_proj`` and ``o_proj`` again by least squares so the layer's attention
         output matches the source's on the calibration text, layer by layer on the converted model's own activations
@@ -198,10 +203,16 @@ def convert(
         ``dst`` then also holds ``heal_loss.png`` (the loss curve) and ``heal_log.json`` (per-step losses and
         learning rates, settings, timing).
     heal_text : str or None
-        The text healing reads (never the evaluation text); default ``default_heal_text()`` (~1.2 MB of
-        standard-library docstrings, ~300k SmolLM2 tokens, kept disjoint from CPython's ``LICENSE.txt``).
+        The text healing reads (never the evaluation text); default for a chat model its self-generated
+        conversations, answer tokens weighted, mixed with docstrings (``gqa.convert.data.heal_data``), else
+        ``default_heal_text()`` (~1.2 MB of standard-library docstrings, kept disjoint from CPython's ``LICENSE.txt``).
+    conversations : bool or None
+        Whether the calibration and healing that are not given a text read self-generated conversations
+        (``gqa.convert.conversations``: the source writes them, the first time in minutes, then they are read from
+        a cache keyed by its content hash). ``None`` (default): when the source's tokenizer has a chat template.
+        ``False``: prose only, as before. ``True``: required (``ValueError`` without a chat template).
     progress : bool
-        Show a progress bar while healing.
+        Show progress bars (generating conversations, merging and refitting the layers, healing).
 
     Returns
     -------
@@ -247,24 +258,35 @@ def convert(
         raise ValueError(f"{resolved}: healing reads a text, which needs the source's tokenizer, and it has none")
     merging = kv_heads < cfg.num_kv_heads
     do_refit = merging and (method in NEEDS_CALIBRATION if refit is None else refit)
-    if calibration_text is None and (method in NEEDS_CALIBRATION or do_refit) and merging:
-        calibration_text = default_calibration_text()
+    calibrating = merging and (calibration_text is not None or method in NEEDS_CALIBRATION or do_refit)
+    if calibrating and tok is None:
+        raise ValueError(
+            f"{resolved}: method {method!r} calibrates on text, which needs the source's tokenizer, and it has "
+            "none; use method 'mean' or 'first' without the refit, or add the tokenizer files"
+        )
+    chats = None
+    if _use_conversations(conversations, tok, (calibrating and calibration_text is None) or
+                          (heal is not None and heal_text is None)):  # fmt: skip
+        chats = _source_conversations(cfg, state, resolved, tok, progress)
     activations = None
-    if calibration_text is not None and merging:
-        if tok is None:
-            raise ValueError(
-                f"{resolved}: method {method!r} calibrates on text, which needs the source's tokenizer, and it has "
-                "none; use method 'mean' or 'first' without the refit, or add the tokenizer files"
-            )
-        if do_refit:
-            new_cfg, new_state = refit_convert_state(cfg, state, kv_heads, method, tok.encode(calibration_text))
+    if calibrating:
+        if calibration_text is not None or chats is None:
+            ids = tok.encode(default_calibration_text() if calibration_text is None else calibration_text)
         else:
-            activations = _calibration_activations(cfg, state, tok, calibration_text)
+            ids = calibration_ids(tok, chats.train)
+        if do_refit:
+            new_cfg, new_state = refit_convert_state(cfg, state, kv_heads, method, ids, progress=progress)
+        else:
+            activations = _calibration_activations(cfg, state, tok, ids)
     if not do_refit:
         new_cfg, new_state = convert_state(cfg, state, kv_heads, method, activations)
     result = None
     if heal is not None:
-        new_state, result = _heal_state(cfg, state, new_cfg, new_state, tok, heal, heal_text, progress)
+        if heal_text is None and chats is not None:
+            data = heal_data(tok, chats.train, heal.seq_len)
+        else:
+            data = HealData(tok.encode(default_heal_text() if heal_text is None else heal_text), None, None)
+        new_state, result = _heal_state(cfg, state, new_cfg, new_state, data, heal, progress)
 
     def extra(folder: Path) -> None:
         if tok is not None:
@@ -272,9 +294,13 @@ def convert(
         if result is not None:
             save_loss_curve(result, folder / HEAL_PLOT_NAME, f"healing {cfg.num_kv_heads} -> {kv_heads} KV heads "
                             f"({method}), train={heal.train}, lr={heal.lr:g}")  # fmt: skip
+            text = "default_heal_text()" if heal_text is None else f"{len(heal_text)} characters given"
             log = {
                 "config": dataclasses.asdict(result.config),
-                "text": "default_heal_text()" if heal_text is None else f"{len(heal_text)} characters given",
+                "text": text
+                if heal_text is not None or chats is None
+                else "self-generated conversations + "
+                f"default_heal_text() ({len(chats.train)} conversations, {HEAL_PROSE_SHARE:.0%} of windows prose)",
                 "seconds": result.seconds,
                 "seconds_per_step": result.seconds_per_step,
                 "cpu_seconds": result.cpu_seconds,
@@ -292,23 +318,43 @@ def convert(
     )
 
 
+def _use_conversations(conversations: bool | None, tok: Tokenizer | None, wanted: bool) -> bool:
+    """Whether calibration or healing (``wanted``: one of them has no text given) reads conversations."""
+    if conversations is not None and not isinstance(conversations, bool):
+        raise TypeError(f"conversations must be a bool or None, got {type(conversations).__name__}")
+    if conversations and not has_chat_template(tok):
+        raise ValueError("conversations=True needs a source whose tokenizer has a chat template; this one has none")
+    return wanted and conversations is not False and has_chat_template(tok)
+
+
+def _source_conversations(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], resolved: Path, tok: Tokenizer, progress: bool
+) -> ConversationSet:
+    """The source model's self-generated conversations (from the cache when it has them)."""
+    from ..models import CausalLM
+
+    model = CausalLM.from_state(cfg, state, assign=True)  # shares the source tensors: only read
+    return self_generated_conversations(model, tok, model_content_hash(resolved), progress=progress)
+
+
 def _heal_state(
     cfg: ModelConfig,
     state: dict[str, torch.Tensor],
     new_cfg: ModelConfig,
     new_state: dict[str, torch.Tensor],
-    tok: Tokenizer,
+    data: HealData,
     config: HealConfig,
-    text: str | None,
     progress: bool,
 ) -> tuple[dict[str, torch.Tensor], HealResult]:
-    """Heal the converted model (``new_cfg``, ``new_state``) from the source (``cfg``, ``state``) on ``text``:
+    """Heal the converted model (``new_cfg``, ``new_state``) from the source (``cfg``, ``state``) on ``data``:
     the healed tensors by HF name (the same names as ``new_state``) and the ``HealResult``."""
     from ..models import CausalLM
 
-    ids = tok.encode(default_heal_text() if text is None else text)
     teacher = CausalLM.from_state(cfg, state, assign=True)  # shares the source tensors: only read
     student = CausalLM.from_state(new_cfg, new_state)  # its own copy: trained in place
-    result = heal(student, teacher, ids, progress=progress, **dataclasses.asdict(config))
+    result = heal(
+        student, teacher, data.ids, weights=data.weights, starts=data.starts, progress=progress,
+        **dataclasses.asdict(config),
+    )  # fmt: skip
     healed = student.state_dict()
     return {name: healed[name].detach() for name in new_state}, result

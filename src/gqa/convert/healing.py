@@ -140,11 +140,18 @@ class HealResult:
         return self.seconds / max(len(self.losses), 1)
 
 
-def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of ``KL(teacher || student)`` in nats: logits ``(B, L, vocab)`` each, float32 softmax."""
+def kl_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean over positions of ``KL(teacher || student)`` in nats: logits ``(B, L, vocab)`` each, float32 softmax;
+    with ``weights (B, L)``, the weighted mean ``sum w_t KL_t / sum w_t``."""
     s = student_logits.float().flatten(0, -2).log_softmax(-1)  # (B*L, vocab)
     t = teacher_logits.float().flatten(0, -2).log_softmax(-1)
-    return F.kl_div(s, t, log_target=True, reduction="batchmean")  # sum_v p (log p - log q), mean over positions
+    if weights is None:
+        return F.kl_div(s, t, log_target=True, reduction="batchmean")  # sum_v p (log p - log q), mean over positions
+    per_position = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)  # (B*L,)
+    w = weights.flatten().to(per_position)
+    return (per_position * w).sum() / w.sum().clamp_min(1e-12)
 
 
 def trainable_parameters(model: nn.Module, train: str) -> list[nn.Parameter]:
@@ -173,12 +180,20 @@ def _lr_at(step: int, steps: int, warmup: int, lr: float, time_fraction: float =
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
 
-def _windows(ids: torch.Tensor, seq_len: int, gen: torch.Generator):
-    """Endless ``(seq_len,)`` chunks of ``ids``: the non-overlapping chunks in a new random order every pass."""
-    n = (len(ids) - seq_len) // seq_len + 1
+def _window_starts(n: int, seq_len: int, starts: Sequence[int] | None) -> list[int]:
+    """Where windows begin: every ``seq_len`` tokens, or at ``starts`` (moved back so a window fits in ``n``)."""
+    if starts is None:
+        return list(range(0, n - seq_len + 1, seq_len))
+    if any(not 0 <= s < n for s in starts):
+        raise ValueError(f"window starts must lie in [0, {n}) (the token count)")
+    return sorted({min(int(s), n - seq_len) for s in starts})
+
+
+def _windows(starts: list[int], seq_len: int, gen: torch.Generator):
+    """Endless window offsets: ``starts`` in a new random order every pass."""
     while True:
-        for j in torch.randperm(n, generator=gen).tolist():
-            yield ids[j * seq_len : (j + 1) * seq_len]
+        for j in torch.randperm(len(starts), generator=gen).tolist():
+            yield starts[j]
 
 
 def heal(
@@ -197,6 +212,8 @@ def heal(
     minutes: float | None = None,
     progress: bool = True,
     callback: Callable[[int, float], None] | None = None,
+    weights: Sequence[float] | torch.Tensor | None = None,
+    starts: Sequence[int] | None = None,
 ) -> HealResult:
     """Distil ``student`` from ``teacher`` in place: ``steps`` AdamW steps on ``KL(teacher || student)`` of the logits.
 
@@ -220,6 +237,10 @@ def heal(
         schedule runs on elapsed time when that is further along than the step count (module docstring). Pass a
         large ``steps`` to heal for exactly this long. Where it binds, the number of steps depends on the machine.
     progress : show a tqdm progress bar (on stderr) with the running loss.
+    weights : ``(N,)`` loss weight of the prediction made at each position of ``token_ids`` (e.g. more on the answer
+        tokens of a conversation, 0 where a window would predict across a document boundary); default all 1.
+    starts : offsets in ``token_ids`` where windows may begin (e.g. each conversation's first token; a start too close
+        to the end is moved back to fit); default every ``seq_len`` tokens (non-overlapping chunks).
     callback : called as ``callback(step, loss)`` after every step. Its own time (e.g. scoring the student on an
         evaluation text every few hundred steps) is not counted against ``minutes`` nor in ``HealResult.seconds``
         and ``cpu_seconds``.
@@ -234,6 +255,14 @@ def heal(
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
     if len(ids) < seq_len:
         raise ValueError(f"the healing text is {len(ids)} tokens long; seq_len ({seq_len}) needs at least as many")
+    if weights is not None:
+        weights = torch.as_tensor(weights, dtype=torch.float32).flatten().cpu()
+        if weights.shape != ids.shape or not bool(torch.isfinite(weights).all() and (weights >= 0).all()):
+            raise ValueError(
+                f"weights must be {tuple(ids.shape)} finite non-negative numbers (one per token), "
+                f"got shape {tuple(weights.shape)}"
+            )
+    offsets = _window_starts(len(ids), seq_len, starts)
     for m in (student, teacher):
         context = getattr(getattr(m, "config", None), "max_position_embeddings", None)
         if context is not None and seq_len > context:
@@ -247,7 +276,7 @@ def heal(
         p.requires_grad_(id(p) in train_ids)
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
-    windows = _windows(ids, seq_len, gen)
+    windows = _windows(offsets, seq_len, gen)
     losses, lrs = [], []
     bar = None
     if progress:
@@ -268,12 +297,14 @@ def heal(
             elapsed = healing_time()
             if budget is not None and elapsed >= budget:
                 break
-            batch = torch.stack([next(windows) for _ in range(batch_size)]).to(device)  # (B, L)
+            begins = [next(windows) for _ in range(batch_size)]
+            batch = torch.stack([ids[b : b + seq_len] for b in begins]).to(device)  # (B, L)
+            w = None if weights is None else torch.stack([weights[b : b + seq_len] for b in begins]).to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                 with torch.no_grad():
                     target = teacher(batch)  # (B, L, vocab)
                 logits = student(batch)
-            loss = kl_loss(logits, target)  # float32 softmax either way
+            loss = kl_loss(logits, target, w)  # float32 softmax either way
             step_lr = _lr_at(step, steps, warmup, lr, 0.0 if budget is None else elapsed / budget)
             for group in opt.param_groups:
                 group["lr"] = step_lr

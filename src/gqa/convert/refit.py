@@ -26,10 +26,12 @@ from the inputs it will really see (as GPTQ does for quantisation). The merge me
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from ..attention import GroupedQueryAttention
 from ..models.config import ModelConfig
@@ -155,6 +157,7 @@ def refit_convert_state(
     ridge: float = RIDGE,
     window: int = CALIBRATION_WINDOW,
     value_steps: int = VALUE_STEPS,
+    progress: bool = False,
 ) -> tuple[ModelConfig, dict[str, Tensor]]:
     """Like ``convert_state`` with a merge (``kv_heads < H_kv``), sequentially calibrated, ``v_proj``/``o_proj`` refit.
 
@@ -168,6 +171,7 @@ def refit_convert_state(
     ridge : see ``refit_output``.
     window : tokens per calibration window (at most the model's context).
     value_steps : value solves of the joint ``v_proj``/``o_proj`` refit (``value_refit.py``); 0: ``o_proj`` alone.
+    progress : a tqdm bar over the layers on stderr.
 
     Returns
     -------
@@ -191,7 +195,8 @@ def refit_convert_state(
 
     out = dict(state)
     hidden = [source.model.embed_tokens(ids) for ids in windows]  # (1, L, E) each: the converted model's stream
-    for i, layer in enumerate(source.model.layers):
+    layers = tqdm(source.model.layers, desc="merge + refit", unit="layer", disable=not progress, file=sys.stderr)
+    for i, layer in enumerate(layers):
         names = layer_tensor_names(i)
         X = [layer.input_layernorm(h) for h in hidden]
         w = AttentionWeights(**{f: state.get(n) for f, n in names.items()})

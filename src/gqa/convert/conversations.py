@@ -1,0 +1,352 @@
+"""Self-generated conversations: data a chat model writes for its own conversion, without any download.
+
+An instruct model can invent a user's request when it is given only its chat template's opening of a user turn, and
+it answers that request through the template as it would answer a person. ``self_generated_conversations`` makes
+``count`` such conversations with the source model:
+
+1. **User turns**, sampled (``temperature``, ``top_p``) from the rendered opening of a user turn — the template's
+   default system prompt included, as every chat with the model begins — after an ``OPENERS`` word that steers a share
+   of the rows towards questions, explanations and writing tasks (the empty opener leaves the model free). Turns that
+   do not end within ``QUESTION_TOKENS`` tokens, or have fewer than ``MIN_QUESTION_WORDS`` words, are dropped; the
+   rest are deduplicated by their normalised text.
+2. **Answers**, greedy (as ``gqa generate`` answers by default), to each user turn rendered with the chat template,
+   up to ``ANSWER_TOKENS`` tokens.
+
+Generation is batched (rows of similar length together) and seeded: the same model, settings and seed give the same
+conversations. A fixed share of them, chosen by a hash of the user turn (``is_held_out``), is **held out**:
+calibration and healing read only ``ConversationSet.train``; ``gqa eval --suite`` scores ``held_out``.
+The set is cached as JSON under ``cache_dir()`` in a file named by the source model's content hash and the settings
+(``cache_key``), so the next conversion of the same model reads it instead of generating again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._atomic import write_json_atomic
+
+if TYPE_CHECKING:
+    from ..models import CausalLM
+    from ..tokenizer import Tokenizer
+
+__all__ = [
+    "OPENERS",
+    "Conversation",
+    "ConversationSet",
+    "GenerationSettings",
+    "cache_dir",
+    "cache_key",
+    "chat_stream",
+    "has_chat_template",
+    "is_held_out",
+    "model_content_hash",
+    "self_generated_conversations",
+]
+
+# The first words of a steered user turn, cycled over the rows; "" leaves the turn to the model. Task kinds, not
+# topics: the model picks what to ask about (no word here names a subject of the project's question set).
+OPENERS = ("", "What", "How", "Why", "Can you explain", "Write", "Give me", "Who", "Which", "Tell me", "", "Is")
+QUESTION_TOKENS = 48  # a user turn that has not ended by then is dropped
+MIN_QUESTION_WORDS = 3
+ANSWER_TOKENS = 128  # answers are cut here, as gqa generate cuts them by default
+HELD_OUT_PER_MILLE = 100  # 10% of the conversations, by a hash of the user turn
+CACHE_FORMAT = 1  # bump when the file's layout or the generation changes
+_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How a set is generated; all of it goes into the cache key.
+
+    Attributes
+    ----------
+    count : user turns sampled (fewer conversations remain after dropping unfinished turns and duplicates).
+    seed : seeds the sampling of the user turns.
+    temperature, top_p : sampling of the user turns (answers are greedy).
+    batch_size : rows generated together (does not change the result beyond float rounding).
+    """
+
+    count: int = 1400
+    seed: int = 0
+    temperature: float = 0.9
+    top_p: float = 0.95
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("count", "seed", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"conversation {name} must be an int, got {value!r}")
+        if self.count < 1 or self.batch_size < 1:
+            raise ValueError(f"conversation count and batch_size must be >= 1, got {self.count}, {self.batch_size}")
+        if not (self.temperature > 0 and 0 < self.top_p <= 1):
+            raise ValueError(f"need temperature > 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One exchange: a user turn the model invented and its own answer.
+
+    Attributes
+    ----------
+    question, answer : the two turns' texts (the answer without the end-of-turn token).
+    prompt_ids : the chat rendered up to the assistant's turn (system prompt, user turn, assistant opening).
+    answer_ids : the answer's tokens as generated, the end-of-turn token included when it came.
+    """
+
+    question: str
+    answer: str
+    prompt_ids: list[int]
+    answer_ids: list[int]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.answer_ids
+
+
+@dataclass(frozen=True)
+class ConversationSet:
+    """Self-generated conversations, split: ``train`` for calibration and healing, ``held_out`` for evaluation only."""
+
+    train: list[Conversation]
+    held_out: list[Conversation]
+    settings: GenerationSettings
+    model_hash: str
+    seconds: float = 0.0  # generation time (0 when read from the cache)
+    path: Path | None = None  # the cache file
+
+    def __len__(self) -> int:
+        return len(self.train) + len(self.held_out)
+
+
+def has_chat_template(tok: Tokenizer | None) -> bool:
+    return tok is not None and bool(getattr(tok.hf, "chat_template", None))
+
+
+def cache_dir() -> Path:
+    """Where sets are cached: ``$GQA_CACHE_DIR``, else ``$XDG_CACHE_HOME/gqa``, else ``~/.cache/gqa``; then
+    ``conversations/``."""
+    root = os.environ.get("GQA_CACHE_DIR")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gqa"
+    return Path(root).expanduser() / "conversations"
+
+
+def model_content_hash(resolved: Path) -> str:
+    """SHA-256 over a model's bytes: a GGUF file, or an HF folder's weight, config and tokenizer files (names and
+    contents, in name order). Two copies of a model hash alike wherever they lie; any changed byte changes it."""
+    if resolved.is_file():
+        files = [resolved]
+    else:
+        wanted = (".safetensors", ".gguf", ".bin", ".json", ".txt", ".model", ".jinja")
+        files = sorted(f for f in resolved.iterdir() if f.is_file() and f.name.endswith(wanted))
+        files = [f for f in files if not f.name.startswith("heal_")]  # a healed folder's log is not the model
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" if resolved.is_dir() else b"")
+        with f.open("rb") as fh:
+            while chunk := fh.read(_BYTES):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cache_key(model_hash: str, settings: GenerationSettings) -> str:
+    """The cache file's stem: the model hash and a hash of the settings and the generation recipe."""
+    recipe = {
+        "format": CACHE_FORMAT, "settings": dataclasses.asdict(settings), "openers": OPENERS,
+        "question_tokens": QUESTION_TOKENS, "answer_tokens": ANSWER_TOKENS, "held_out": HELD_OUT_PER_MILLE,
+    }  # fmt: skip
+    return f"{model_hash[:32]}-{hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]}"
+
+
+def is_held_out(question: str) -> bool:
+    """Whether a user turn belongs to the held-out split: a hash of its normalised text, so the split does not depend
+    on the order or the number of conversations."""
+    h = int.from_bytes(hashlib.sha256(_normalised(question).encode()).digest()[:4], "big")
+    return h % 1000 < HELD_OUT_PER_MILLE
+
+
+def _normalised(text: str) -> str:
+    return re.sub(r"\W+", " ", text.lower()).strip()
+
+
+def _user_opening(tok: Tokenizer) -> str:
+    """The chat template's rendering of a conversation up to the first character of the user's text."""
+    marker = "\u2063gqa\u2063"  # a string no template writes itself
+    rendered = tok.hf.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    if marker not in rendered:
+        raise ValueError("the chat template does not render the user's text verbatim")
+    return rendered[: rendered.index(marker)]
+
+
+def _end_of_turn_ids(tok: Tokenizer, model: CausalLM) -> set[int]:
+    ids = set(model.config.eos_token_id) | set(tok.eos_token_ids)
+    for name in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+        token = tok.hf.convert_tokens_to_ids(name)
+        if isinstance(token, int) and token != tok.hf.unk_token_id:
+            ids.add(token)
+    return ids
+
+
+def _generate_batched(
+    model: CausalLM,
+    prompts: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    end_ids: set[int],
+    batch_size: int,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    seed: int | None = None,
+    bar: Any = None,
+) -> list[list[int]]:
+    """Continuations of ``prompts`` (greedy, or sampled with one seed per batch), in the prompts' order; rows of
+    similar length are batched together."""
+    from ..generation import generate
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    for b, start in enumerate(range(0, len(order), batch_size)):
+        rows = order[start : start + batch_size]
+        room = model.config.max_position_embeddings - max(len(prompts[i]) for i in rows)  # left in the context
+        if room < 1:
+            raise ValueError(f"a prompt of {len(prompts[rows[-1]])} tokens leaves no room in the model's context")
+        got = generate(
+            model, [prompts[i] for i in rows], max_new_tokens=min(max_new_tokens, room), temperature=temperature,
+            top_p=top_p,
+            seed=None if seed is None else seed * 1_000_003 + b, eos_token_ids=sorted(end_ids),
+        )  # fmt: skip
+        for i, ids in zip(rows, got, strict=True):
+            out[i] = ids
+        if bar is not None:
+            bar.update(len(rows))
+    return out
+
+
+def _generate(
+    model: CausalLM, tok: Tokenizer, settings: GenerationSettings, progress: bool
+) -> tuple[list[Conversation], dict[str, int]]:
+    from tqdm.auto import tqdm
+
+    end_ids = _end_of_turn_ids(tok, model)
+    opening = _user_opening(tok)
+    openers = [OPENERS[i % len(OPENERS)] for i in range(settings.count)]
+    prompts = [tok.encode(opening + o, add_special_tokens=False) for o in openers]
+    stats = {"sampled": settings.count}
+    kw = {"file": sys.stderr, "dynamic_ncols": True, "disable": not progress}
+    with tqdm(total=len(prompts), desc="user turns", unit="turn", **kw) as bar:
+        turns = _generate_batched(
+            model, prompts, max_new_tokens=QUESTION_TOKENS, end_ids=end_ids, batch_size=settings.batch_size,
+            temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed, bar=bar,
+        )  # fmt: skip
+    questions, seen = [], set()
+    for opener, ids in zip(openers, turns, strict=True):
+        if not ids or ids[-1] not in end_ids:
+            continue  # did not end: cut off mid-sentence
+        text = (opener + tok.decode(ids[:-1], skip_special_tokens=True)).strip()
+        key = _normalised(text)
+        if len(text.split()) < MIN_QUESTION_WORDS or key in seen:
+            continue
+        seen.add(key)
+        questions.append(text)
+    stats["kept"] = len(questions)
+    chats = [tok.apply_chat(q) for q in questions]
+    with tqdm(total=len(chats), desc="answers", unit="answer", **kw) as bar:
+        answers = _generate_batched(
+            model, chats, max_new_tokens=ANSWER_TOKENS, end_ids=end_ids, batch_size=settings.batch_size, bar=bar
+        )
+    convs = [
+        Conversation(q, tok.decode([t for t in a if t not in end_ids]).strip(), p, a)
+        for q, p, a in zip(questions, chats, answers, strict=True)
+    ]
+    return convs, stats
+
+
+def self_generated_conversations(
+    model: CausalLM,
+    tok: Tokenizer,
+    model_hash: str,
+    settings: GenerationSettings | None = None,
+    *,
+    cache: bool = True,
+    progress: bool = True,
+) -> ConversationSet:
+    """The conversations ``model`` writes for itself (module docstring), from the cache when it has them.
+
+    Parameters
+    ----------
+    model : the source model, in float32 (its greedy answers are the reference the converted model is judged by).
+    tok : its tokenizer; must have a chat template.
+    model_hash : ``model_content_hash`` of the model's files: the cache key.
+    settings : ``GenerationSettings()`` by default.
+    cache : read and write the cache (``cache_dir()``).
+    progress : tqdm bars on stderr while generating.
+
+    Raises
+    ------
+    ValueError : the tokenizer has no chat template.
+    """
+    import time
+
+    if not has_chat_template(tok):
+        raise ValueError("self-generated conversations need a chat template; this tokenizer has none")
+    settings = settings or GenerationSettings()
+    path = cache_dir() / f"{cache_key(model_hash, settings)}.json"
+    if cache and path.is_file():
+        try:
+            return _read(path, settings, model_hash)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: generate again and replace it
+    start = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):
+        convs, stats = _generate(model, tok, settings, progress)
+    seconds = time.perf_counter() - start
+    train = [c for c in convs if not is_held_out(c.question)]
+    held = [c for c in convs if is_held_out(c.question)]
+    result = ConversationSet(train, held, settings, model_hash, seconds, path if cache else None)
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {
+            "format": CACHE_FORMAT, "model_hash": model_hash, "settings": dataclasses.asdict(settings),
+            "seconds": seconds, "stats": stats, "conversations": [dataclasses.asdict(c) for c in convs],
+        })  # fmt: skip
+    return result
+
+
+def _read(path: Path, settings: GenerationSettings, model_hash: str) -> ConversationSet:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data["format"] != CACHE_FORMAT or data["model_hash"] != model_hash:
+        raise ValueError(f"{path}: another format or model")
+    convs = [Conversation(**c) for c in data["conversations"]]
+    train = [c for c in convs if not is_held_out(c.question)]
+    held = [c for c in convs if is_held_out(c.question)]
+    return ConversationSet(train, held, settings, model_hash, 0.0, path)
+
+
+def chat_stream(convs: Sequence[Conversation], answer_weight: float = 1.0) -> tuple[list[int], list[float], list[int]]:
+    """Conversations laid end to end for calibration and healing: ``(ids (N,), weights (N,), starts)``.
+
+    ``weights[t]`` weighs the prediction made at position ``t`` (of token ``t + 1``): ``answer_weight`` where that
+    token belongs to an answer, else 1, and 0 at each conversation's last position (it would predict the next
+    conversation's first token). ``starts`` are the offsets where conversations begin.
+    """
+    ids: list[int] = []
+    weights: list[float] = []
+    starts: list[int] = []
+    for c in convs:
+        starts.append(len(ids))
+        ids += c.ids
+        n_prompt, n = len(c.prompt_ids), len(c.ids)
+        weights += [answer_weight if t + 1 >= n_prompt else 1.0 for t in range(n - 1)] + [0.0]
+    return ids, weights, starts

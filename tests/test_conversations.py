@@ -1,0 +1,223 @@
+"""Self-generated conversations (``gqa.convert.conversations``, ``gqa.convert.data``) on a tiny random chat model:
+generation is deterministic with a seed, the cache is keyed by the model's content, the held-out split never reaches
+calibration or healing, and the stream's loss weights fall on the answer tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_convert import tiny_dir
+
+import gqa
+from gqa.convert import HealConfig, convert
+from gqa.convert import conversations as conv
+from gqa.convert.conversations import GenerationSettings, chat_stream, is_held_out, model_content_hash
+from gqa.convert.data import calibration_ids, heal_data
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant {% endif %}"
+)
+SMALL = GenerationSettings(count=48, batch_size=16, seed=3)
+
+
+def chat_dir(folder: Path) -> Path:
+    """``tiny_dir``'s random Llama (8 query, 2 KV heads) with a chat template and room for 1024 positions."""
+    tiny_dir(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 1024}))
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config | {"chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    return chat_dir(tmp_path_factory.mktemp("chat") / "src")
+
+
+@pytest.fixture(autouse=True)
+def cache_root(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("GQA_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def generated(folder: Path, settings: GenerationSettings = SMALL, cache: bool = True) -> conv.ConversationSet:
+    model = gqa.load_model(folder)
+    return conv.self_generated_conversations(
+        model, model.tokenizer, model_content_hash(folder), settings, cache=cache, progress=False
+    )
+
+
+def test_generation_is_deterministic_with_a_seed(chat_model):
+    a, b = generated(chat_model, cache=False), generated(chat_model, cache=False)
+    other = generated(chat_model, GenerationSettings(count=48, batch_size=16, seed=4), cache=False)
+    assert len(a) > 10 and a.train == b.train and a.held_out == b.held_out
+    assert [c.question for c in other.train] != [c.question for c in a.train]
+    questions = [c.question for c in a.train + a.held_out]
+    assert len(set(questions)) == len(questions)  # deduplicated
+    assert all(len(q.split()) >= conv.MIN_QUESTION_WORDS for q in questions)
+    model = gqa.load_model(chat_model)
+    for c in a.train[:5]:  # the prompt is the chat template's rendering of the user turn
+        assert c.prompt_ids == model.tokenizer.apply_chat(c.question)
+        assert 0 < len(c.answer_ids) <= conv.ANSWER_TOKENS
+
+
+def test_the_held_out_split_is_a_stable_tenth():
+    questions = [f"question number {i} about something" for i in range(4000)]
+    share = sum(map(is_held_out, questions)) / len(questions)
+    assert 0.08 < share < 0.12
+    assert is_held_out("What is  the Capital?") == is_held_out("what is the capital")  # normalised text
+    assert [is_held_out(q) for q in questions[:50]] == [is_held_out(q) for q in reversed(questions[:50])][::-1]
+
+
+def test_cache_is_keyed_by_the_model_content(chat_model, tmp_path, monkeypatch):
+    first = generated(chat_model)
+    assert first.path is not None and first.path.is_file() and first.seconds > 0
+    copy = shutil.copytree(chat_model, tmp_path / "copy")  # same bytes elsewhere: same key, read from the cache
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generated again although the cache has this model")
+
+    monkeypatch.setattr(conv, "_generate", no_generation)
+    again = generated(copy)
+    assert again.train == first.train and again.held_out == first.held_out and again.seconds == 0.0
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    assert model_content_hash(copy) != model_content_hash(chat_model)
+    with pytest.raises(AssertionError, match="generated again"):
+        generated(copy)
+    assert generated(chat_model, GenerationSettings(count=48, batch_size=16, seed=3)).train == first.train
+    with pytest.raises(AssertionError, match="generated again"):  # other settings: another key
+        generated(chat_model, GenerationSettings(count=47, batch_size=16, seed=3))
+
+
+def test_a_corrupt_cache_file_is_generated_again(chat_model):
+    first = generated(chat_model)
+    first.path.write_text("{not json")
+    again = generated(chat_model)
+    assert again.train == first.train and json.loads(first.path.read_text())["format"] == conv.CACHE_FORMAT
+
+
+def test_no_chat_template_is_an_error(tmp_path):
+    folder = tiny_dir(tmp_path / "plain")
+    model = gqa.load_model(folder)
+    with pytest.raises(ValueError, match="need a chat template"):
+        conv.self_generated_conversations(model, model.tokenizer, "0" * 64, SMALL, progress=False)
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="count and batch_size must be >= 1"):
+        GenerationSettings(count=0)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        GenerationSettings(seed=1.5)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        GenerationSettings(temperature=0)
+
+
+def test_the_stream_weights_the_answer_tokens():
+    a = conv.Conversation("q", "a", [5, 6, 7], [8, 9])
+    b = conv.Conversation("r", "b", [5, 6], [10])
+    ids, weights, starts = chat_stream([a, b], answer_weight=3.0)
+    assert ids == [5, 6, 7, 8, 9, 5, 6, 10] and starts == [0, 5]
+    # position t predicts ids[t + 1]: 7 -> 8 and 8 -> 9 are answer predictions; 9 -> 5 crosses conversations
+    assert weights == [1.0, 1.0, 3.0, 3.0, 0.0, 1.0, 3.0, 0.0]
+
+
+def test_held_out_conversations_never_reach_calibration_or_healing(chat_model, tmp_path, monkeypatch):
+    chats = generated(chat_model)
+    assert chats.held_out and chats.train  # else this test could not fail
+    import gqa.convert as convert_module
+
+    seen: dict[str, list[int]] = {}
+    real_refit, real_heal = convert_module.refit_convert_state, convert_module.heal
+
+    def refit(cfg, state, kv_heads, method, ids, **kw):
+        seen["calibration"] = list(ids)
+        return real_refit(cfg, state, kv_heads, method, ids, **kw)
+
+    def heal(student, teacher, ids, **kw):
+        seen["healing"] = list(ids)
+        return real_heal(student, teacher, ids, **kw)
+
+    monkeypatch.setattr(convert_module, "refit_convert_state", refit)
+    monkeypatch.setattr(convert_module, "heal", heal)
+    monkeypatch.setattr(convert_module, "_source_conversations", lambda *a: chats)  # the set made above
+    config = HealConfig(steps=2, seq_len=32, precision="fp32")
+    convert(chat_model, tmp_path / "out", kv_heads=1, heal=config, progress=False)
+    as_text = {k: " ".join(map(str, v)) for k, v in seen.items()}
+    for name, text in as_text.items():
+        assert " ".join(map(str, chats.train[0].ids)) in text, name  # the training conversations are read
+        for c in chats.held_out:
+            assert " ".join(map(str, c.ids)) not in text, (name, c.question)
+    log = json.loads((tmp_path / "out" / "heal_log.json").read_text())
+    assert "self-generated conversations" in log["text"]
+
+
+def test_without_a_chat_template_or_with_conversations_off_calibration_reads_prose(tmp_path, monkeypatch):
+    import gqa.convert as convert_module
+
+    called = []
+    monkeypatch.setattr(convert_module, "_source_conversations", lambda *a: called.append(a))
+    convert(tiny_dir(tmp_path / "plain"), tmp_path / "a", kv_heads=1, progress=False)
+    convert(chat_dir(tmp_path / "chat"), tmp_path / "b", kv_heads=1, conversations=False, progress=False)
+    convert(tmp_path / "chat", tmp_path / "c", kv_heads=1, calibration_text="the cat sat " * 40, progress=False)
+    assert called == []
+    with pytest.raises(ValueError, match="needs a source whose tokenizer has a chat template"):
+        convert(tmp_path / "plain", tmp_path / "d", kv_heads=1, conversations=True)
+
+
+def test_the_mixes_hold_conversations_and_prose(chat_model):
+    chats = generated(chat_model)
+    tok = gqa.load_model(chat_model).tokenizer
+    ids = calibration_ids(tok, chats.train, conversation_tokens=100, prose_tokens=50)
+    assert ids[: len(chats.train[0].ids)] == chats.train[0].ids and 100 + 50 <= len(ids) < 100 + 50 + 200
+    data = heal_data(tok, chats.train, seq_len=16, prose_share=0.25)
+    n = len(chats.train)
+    prose_starts = [s for s in data.starts if s >= len(chat_stream(chats.train)[0])]
+    assert len(data.starts) == n + len(prose_starts) and abs(len(prose_starts) - n / 3) <= 1
+    assert len(data.ids) == len(data.weights) and set(data.weights) == {0.0, 1.0, 2.0}
+    with pytest.raises(ValueError, match="prose_share"):
+        heal_data(tok, chats.train, 16, prose_share=1.0)
+
+
+def test_heal_reads_windows_at_the_starts_with_the_weights(monkeypatch):
+    from test_convert_heal import tiny_pair
+
+    from gqa.convert import heal
+    from gqa.convert import healing as healing_module
+
+    teacher, student = tiny_pair()
+    ids = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0))
+    batches = []
+    real = healing_module.kl_loss
+    monkeypatch.setattr(healing_module, "kl_loss", lambda s, t, w=None: batches.append(w) or real(s, t, w))
+    weights = torch.zeros(200)
+    weights[50:60] = 1.0
+    heal(student, teacher, ids, steps=6, seq_len=16, starts=[50, 190], weights=weights, progress=False,
+         precision="fp32")  # fmt: skip
+    for w in batches:  # each window starts at 50 or at 184 (190 moved back to fit)
+        assert torch.equal(w[0], weights[50:66]) or torch.equal(w[0], weights[184:200])
+    with pytest.raises(ValueError, match="weights must be"):
+        heal(student, teacher, ids, steps=1, seq_len=16, weights=torch.ones(10), progress=False)
+    with pytest.raises(ValueError, match="window starts must lie"):
+        heal(student, teacher, ids, steps=1, seq_len=16, starts=[500], progress=False)
+
+
+def test_weighted_kl_loss_is_the_weighted_mean():
+    from gqa.convert.healing import kl_loss
+
+    s, t = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    per = (t.log_softmax(-1).exp() * (t.log_softmax(-1) - s.log_softmax(-1))).sum(-1)  # (2, 5)
+    w = torch.rand(2, 5)
+    torch.testing.assert_close(kl_loss(s, t, w), (per * w).sum() / w.sum())
+    torch.testing.assert_close(kl_loss(s, t), per.mean())
