@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm.auto import tqdm
 
 from ..loaders import read_model, resolve_model_path
 from ..models.config import ModelConfig
@@ -101,7 +103,7 @@ def convert_state(
 
 
 def _calibration_activations(
-    cfg: ModelConfig, state: dict[str, torch.Tensor], tok: Tokenizer, text: str | list[int]
+    cfg: ModelConfig, state: dict[str, torch.Tensor], tok: Tokenizer, text: str | list[int], progress: bool = False
 ) -> list[torch.Tensor]:
     """Per layer ``(T, hidden)``: the input of each attention (after ``input_layernorm``) in the source model, on
     ``text`` (or token ids) cut into windows of at most ``min(max_position_embeddings, 2048)`` tokens."""
@@ -117,9 +119,10 @@ def _calibration_activations(
         for i, layer in enumerate(model.model.layers)
     ]
     window = min(cfg.max_position_embeddings, 2048)
+    starts = tqdm(range(0, len(ids), window), desc="calibration", unit="window", disable=not progress, file=sys.stderr)
     try:
         with torch.inference_mode():
-            for start in range(0, len(ids), window):
+            for start in starts:
                 model(torch.tensor([ids[start : start + window]]))
     finally:
         for h in hooks:
@@ -277,7 +280,7 @@ def convert(
         if do_refit:
             new_cfg, new_state = refit_convert_state(cfg, state, kv_heads, method, ids, progress=progress)
         else:
-            activations = _calibration_activations(cfg, state, tok, ids)
+            activations = _calibration_activations(cfg, state, tok, ids, progress)
     if not do_refit:
         new_cfg, new_state = convert_state(cfg, state, kv_heads, method, activations)
     result = None
