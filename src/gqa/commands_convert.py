@@ -120,6 +120,12 @@ def run_convert(ns: argparse.Namespace) -> int:
     cfg = read_config(src)
     if heal is not None and ns.kv_heads >= cfg.num_kv_heads:
         raise ValueError(f"healing only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
+    if ns.conversations:  # refuse before the slow part
+        from .convert.conversations import has_chat_template
+        from .loaders import load_tokenizer
+
+        if not has_chat_template(load_tokenizer(src)):
+            raise ValueError("--conversations needs a source whose tokenizer has a chat template; this one has none")
     text = None if ns.calibration_text is None else ns.calibration_text.read_text(encoding="utf-8")
     merging = ns.kv_heads < cfg.num_kv_heads  # then progress bars follow the line
     with loading(f"{model_label(src)} as fp32 and converting it to {ns.kv_heads} KV heads", timed=not merging):
