@@ -99,14 +99,14 @@ def chat_answers(
 ) -> list[list[int]]:
     """Greedy answers (token ids, end-of-turn token included when it came) to user turns: strings are rendered with
     the chat template; token lists are used as they are (e.g. ``Conversation.prompt_ids``)."""
-    from .convert.conversations import _end_of_turn_ids, _generate_batched
+    from .convert.conversations import end_of_turn_ids, generate_batched
 
     chats = [tok.apply_chat(p) if isinstance(p, str) else list(p) for p in prompts]
     from tqdm.auto import tqdm
 
     with tqdm(total=len(chats), desc=desc, unit="answer", disable=not progress, dynamic_ncols=True) as bar:
-        return _generate_batched(
-            model, chats, max_new_tokens=max_new_tokens, end_ids=_end_of_turn_ids(tok, model),
+        return generate_batched(
+            model, chats, max_new_tokens=max_new_tokens, end_ids=end_of_turn_ids(tok, model),
             batch_size=batch_size, bar=bar,
         )  # fmt: skip
 

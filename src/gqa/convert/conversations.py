@@ -48,6 +48,8 @@ __all__ = [
     "cache_dir",
     "cache_key",
     "chat_stream",
+    "end_of_turn_ids",
+    "generate_batched",
     "has_chat_template",
     "is_held_out",
     "model_content_hash",
@@ -190,7 +192,7 @@ def _user_opening(tok: Tokenizer) -> str:
     return rendered[: rendered.index(marker)]
 
 
-def _end_of_turn_ids(tok: Tokenizer, model: CausalLM) -> set[int]:
+def end_of_turn_ids(tok: Tokenizer, model: CausalLM) -> set[int]:
     ids = set(model.config.eos_token_id) | set(tok.eos_token_ids)
     for name in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
         token = tok.hf.convert_tokens_to_ids(name)
@@ -199,7 +201,7 @@ def _end_of_turn_ids(tok: Tokenizer, model: CausalLM) -> set[int]:
     return ids
 
 
-def _generate_batched(
+def generate_batched(
     model: CausalLM,
     prompts: Sequence[list[int]],
     *,
@@ -239,14 +241,14 @@ def _generate(
 ) -> tuple[list[Conversation], dict[str, int]]:
     from tqdm.auto import tqdm
 
-    end_ids = _end_of_turn_ids(tok, model)
+    end_ids = end_of_turn_ids(tok, model)
     opening = _user_opening(tok)
     openers = [OPENERS[i % len(OPENERS)] for i in range(settings.count)]
     prompts = [tok.encode(opening + o, add_special_tokens=False) for o in openers]
     stats = {"sampled": settings.count}
     kw = {"file": sys.stderr, "dynamic_ncols": True, "disable": not progress}
     with tqdm(total=len(prompts), desc="user turns", unit="turn", **kw) as bar:
-        turns = _generate_batched(
+        turns = generate_batched(
             model, prompts, max_new_tokens=QUESTION_TOKENS, end_ids=end_ids, batch_size=settings.batch_size,
             temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed, bar=bar,
         )  # fmt: skip
@@ -263,7 +265,7 @@ def _generate(
     stats["kept"] = len(questions)
     chats = [tok.apply_chat(q) for q in questions]
     with tqdm(total=len(chats), desc="answers", unit="answer", **kw) as bar:
-        answers = _generate_batched(
+        answers = generate_batched(
             model, chats, max_new_tokens=ANSWER_TOKENS, end_ids=end_ids, batch_size=settings.batch_size, bar=bar
         )
     convs = [
@@ -312,9 +314,7 @@ def self_generated_conversations(
     with torch.random.fork_rng(devices=[]):
         convs, stats = _generate(model, tok, settings, progress)
     seconds = time.perf_counter() - start
-    train = [c for c in convs if not is_held_out(c.question)]
-    held = [c for c in convs if is_held_out(c.question)]
-    result = ConversationSet(train, held, settings, model_hash, seconds, path if cache else None)
+    result = ConversationSet(*_split(convs), settings, model_hash, seconds, path if cache else None)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, {
@@ -328,10 +328,13 @@ def _read(path: Path, settings: GenerationSettings, model_hash: str) -> Conversa
     data = json.loads(path.read_text(encoding="utf-8"))
     if data["format"] != CACHE_FORMAT or data["model_hash"] != model_hash:
         raise ValueError(f"{path}: another format or model")
-    convs = [Conversation(**c) for c in data["conversations"]]
-    train = [c for c in convs if not is_held_out(c.question)]
-    held = [c for c in convs if is_held_out(c.question)]
-    return ConversationSet(train, held, settings, model_hash, 0.0, path)
+    return ConversationSet(*_split([Conversation(**c) for c in data["conversations"]]), settings, model_hash, 0.0, path)
+
+
+def _split(convs: list[Conversation]) -> tuple[list[Conversation], list[Conversation]]:
+    """``(train, held_out)`` by ``is_held_out``."""
+    held = [is_held_out(c.question) for c in convs]
+    return [c for c, h in zip(convs, held, strict=True) if not h], [c for c, h in zip(convs, held, strict=True) if h]
 
 
 def chat_stream(convs: Sequence[Conversation], answer_weight: float = 1.0) -> tuple[list[int], list[float], list[int]]:
