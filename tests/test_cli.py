@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gqa import __version__, api, commands_eval, convert, generation, loaders
+from gqa import __version__, api, convert, generation, loaders
+from gqa.cli import eval as eval_command
 from gqa.bench import model as bench_model
 from gqa.cli import build_parser
 from gqa.cli import main as cli
@@ -223,7 +224,7 @@ class FakeTokenizer:
 def test_generate_says_what_it_loads_on_stderr_and_keeps_stdout_for_the_text(capsys, monkeypatch):
     loaded = []
 
-    def load_model(path, dtype):
+    def load_model(path, dtype, tensor_parallel=False):
         loaded.append((path, dtype))
         return SimpleNamespace(tokenizer=FakeTokenizer())
 
@@ -242,7 +243,7 @@ def test_generate_says_what_it_loads_on_stderr_and_keeps_stdout_for_the_text(cap
         (("info",), (loaders, "read_model"), "Loading embedded SmolLM2-135M-Instruct ..."),
         (
             ("eval", "--dtype", "bf16", "--reference", "r.gguf"),
-            (commands_eval, "evaluate"),
+            (eval_command, "evaluate"),
             "Loading embedded SmolLM2-135M-Instruct as bf16 and reference r.gguf as fp32, then scoring",
         ),
         (

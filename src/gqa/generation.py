@@ -118,6 +118,10 @@ def generate_stream(
             f"prompt of {P} tokens + max_new_tokens {max_new_tokens} exceeds the model's context of "
             f"{cfg.max_position_embeddings} tokens; shorten the prompt or lower max_new_tokens"
         )
+    if seed is None and temperature > 0 and getattr(model, "shard", None) is not None:
+        from .distributed import shared_seed
+
+        seed = shared_seed()  # tensor-parallel ranks must draw the same samples
     generator = None
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)

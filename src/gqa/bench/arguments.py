@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from ..cli_dtypes import DTYPES, dtype_type
+from ..cli.dtypes import DTYPES, dtype_type
 from .cases import CPU_FULL, CPU_QUICK, GPU_FULL, GPU_QUICK, KINDS, MASKS, Grid
 from .implementations import Impl, implementations_for
 
 
 def _dtype(text: str) -> torch.dtype:
-    """Any spelling of ``gqa.cli_dtypes`` -> the torch dtype."""
+    """Any spelling of ``gqa.cli.dtypes`` -> the torch dtype."""
     return DTYPES[dtype_type()(text)]
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from ..cli_dtypes import add_dtype_argument
-from ..commands import model_label
+from ..cli.common import model_label
+from ..cli.dtypes import add_dtype_argument
 from ..loaders import read_config
 from ..models.config import ModelConfig
 from . import write_json_atomic, write_text_atomic

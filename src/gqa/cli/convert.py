@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cache import kv_cache_bytes
-from .cli_dtypes import add_dtype_argument
-from .commands import loading, model_label
+from ..cache import kv_cache_bytes
+from .common import loading, model_label
+from .dtypes import add_dtype_argument
 
 if TYPE_CHECKING:
-    from .convert import HealConfig
+    from ..convert import HealConfig
 
 
 BUILTIN_HEAL_TEXT = "stdlib"
@@ -23,7 +23,7 @@ UNLIMITED_STEPS = 10**9  # the step limit under --heal-minutes alone
 
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
-    from .convert import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME, METHODS, PRECISIONS, TRAINABLE, HealConfig
+    from ..convert import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME, METHODS, PRECISIONS, TRAINABLE, HealConfig
 
     src_help = "GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct); never modified"
     parser.add_argument("src", nargs="?", default=None, metavar="SRC", help=src_help)
@@ -85,7 +85,7 @@ def _kib(n: int) -> str:
 def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None]:
     """``(HealConfig or None, heal text or None)`` from the flags; ``ValueError`` for inconsistent ones. The text
     is ``None`` for the built-in one."""
-    from .convert import HealConfig
+    from ..convert import HealConfig
 
     if ns.heal_steps < 0:
         raise ValueError(f"--heal-steps must be >= 0, got {ns.heal_steps}")
@@ -103,15 +103,15 @@ def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None
     if ns.heal_text is None:
         return config, None
     if ns.heal_text == BUILTIN_HEAL_TEXT and not Path(ns.heal_text).exists():
-        from .convert import default_heal_text
+        from ..convert import default_heal_text
 
         return config, default_heal_text()
     return config, Path(ns.heal_text).read_text(encoding="utf-8")
 
 
 def run_convert(ns: argparse.Namespace) -> int:
-    from .convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, NEEDS_CALIBRATION, convert
-    from .loaders import read_config
+    from ..convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, NEEDS_CALIBRATION, convert
+    from ..loaders import read_config
 
     src, dst = ns.src, ns.dst
     heal, heal_text = heal_settings(ns)  # before anything slow
@@ -121,8 +121,8 @@ def run_convert(ns: argparse.Namespace) -> int:
     if heal is not None and ns.kv_heads >= cfg.num_kv_heads:
         raise ValueError(f"healing only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
     if ns.conversations:  # refuse before the slow part
-        from .convert.conversations import has_chat_template
-        from .loaders import load_tokenizer
+        from ..convert.conversations import has_chat_template
+        from ..loaders import load_tokenizer
 
         if not has_chat_template(load_tokenizer(src)):
             raise ValueError("--conversations needs a source whose tokenizer has a chat template; this one has none")

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from . import GroupedQueryAttention, RoPE, StaticKVCache, kv_cache_bytes
+from .. import GroupedQueryAttention, RoPE, StaticKVCache, kv_cache_bytes
 
 
 def _decode(attn: GroupedQueryAttention, x: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -1,13 +1,16 @@
-"""The ``gqa`` command line: ``generate``, ``info``, ``eval``, ``convert``, ``bench``, ``demo``."""
+"""The ``gqa`` command line: the parser and dispatch here, a file per command (``generate``, ``info``, ``eval``,
+``convert``, ``demo``); ``bench``'s benchmarks live in ``gqa.bench``."""
 
 from __future__ import annotations
+
+__all__ = ["build_parser", "main"]
 
 import argparse
 import os
 import sys
 from collections.abc import Callable
 
-from . import __version__
+from .. import __version__
 
 Handler = Callable[[argparse.Namespace, list[str]], int]  # (parsed flags, the command line)
 
@@ -39,12 +42,14 @@ def _subcommand(
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``gqa`` parser: a subcommand each, ``bench`` with a subcommand per benchmark."""
-    from .bench import attention as bench_attention
-    from .bench import model as bench_model
-    from .cli_dtypes import SPELLINGS
-    from .commands import add_generate_arguments, add_model_arguments, run_generate, run_info
-    from .commands_convert import add_convert_arguments, run_convert
-    from .commands_eval import add_eval_arguments, run_eval
+    from ..bench import attention as bench_attention
+    from ..bench import model as bench_model
+    from .common import add_model_arguments
+    from .convert import add_convert_arguments, run_convert
+    from .dtypes import SPELLINGS
+    from .eval import add_eval_arguments, run_eval
+    from .generate import add_generate_arguments, run_generate
+    from .info import run_info
 
     parser = argparse.ArgumentParser(
         prog="gqa",
@@ -57,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(
         _subcommand(sub, "generate", "generate text with a model (default: embedded SmolLM2)", _ns(run_generate))
     )
-    add_model_arguments(
-        _subcommand(sub, "info", "a model's architecture and KV-cache size vs MHA and MQA", _ns(run_info)),
-        dtype_help="dtype of the KV cache in the table",
-    )
+    info = _subcommand(sub, "info", "a model's architecture and KV-cache size vs MHA and MQA", _ns(run_info))
+    add_model_arguments(info, dtype_help="dtype of the KV cache (and weights, with --tp) in the tables")
+    info.add_argument("--tp", type=int, default=None, metavar="N", help="also show each of N tensor-parallel ranks' "
+                      "heads, weight bytes and KV-cache bytes per token (default: off)")  # fmt: skip
     add_eval_arguments(
         _subcommand(sub, "eval", "perplexity on a text, and mean KL divergence from a reference", _ns(run_eval))
     )

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .cli_dtypes import DTYPES, add_dtype_argument
-from .commands import loading, model_label
-from .evaluate import DEFAULT_WINDOW, check_windows, default_eval_text, evaluate
-from .suite import HELD_OUT_CONVERSATIONS
+from ..evaluate import DEFAULT_WINDOW, check_windows, default_eval_text, evaluate
+from ..suite import HELD_OUT_CONVERSATIONS
+from .common import loading, model_label
+from .dtypes import DTYPES, add_dtype_argument
 
 EVAL_DTYPES = ("fp32", "bf16")
 
@@ -51,7 +51,7 @@ def load_text(path: str | None) -> tuple[str, str]:
 def model_name(path: str | None) -> str:
     if path is not None:
         return path
-    from .loaders import default_model_path
+    from ..loaders import default_model_path
 
     return f"{default_model_path().name} (default)"
 
@@ -86,8 +86,8 @@ def run_eval(ns: argparse.Namespace) -> int:
 def run_suite_command(ns: argparse.Namespace) -> int:
     import dataclasses
 
-    from ._atomic import write_json_atomic
-    from .suite import run_suite
+    from .._atomic import write_json_atomic
+    from ..suite import run_suite
 
     if ns.model is None:
         raise ValueError("--suite judges a converted model: give its folder (gqa eval DST --suite)")

@@ -1,0 +1,43 @@
+"""What the CLI's commands share: how a model is named in messages, the loading line, the model flags."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .dtypes import add_dtype_argument
+
+EMBEDDED_MODEL = "embedded SmolLM2-135M-Instruct"
+
+
+def model_label(path: str | None) -> str:
+    """How messages name a model: the path as given, or the embedded SmolLM2."""
+    return EMBEDDED_MODEL if path is None else path
+
+
+@contextmanager
+def loading(what: str, *, timed: bool = True, quiet: bool = False) -> Iterator[None]:
+    """``Loading {what} ...`` on stderr (stdout stays the command's output) before the slow part this wraps; when
+    ``timed``, the line ends with the seconds it took (or just ends, if it fails). ``quiet``: no line at all (the
+    ranks other than the lead one of a tensor-parallel run)."""
+    if quiet:
+        yield
+        return
+    print(f"Loading {what} ...", end="" if timed else "\n", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        if timed:
+            print(file=sys.stderr, flush=True)
+        raise
+    if timed:
+        print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, dtype_help: str = "weight dtype") -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
+    add_dtype_argument(parser, "--dtype", default="fp32", help=dtype_help)

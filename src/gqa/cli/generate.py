@@ -1,0 +1,110 @@
+"""``gqa generate``: text from a model, streamed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .common import add_model_arguments, loading, model_label
+from .dtypes import DTYPES
+from .parallel import add_tp_argument, is_lead, run_on_ranks
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt (a user message, or plain text with --raw)")
+    add_model_arguments(parser)
+    parser.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
+    parser.add_argument("--system", default=None, help="system message for the chat template (default: none)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="stop after N new tokens")
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="sampling temperature; 0 is greedy decoding"
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=None, metavar="K", help="with T > 0: sample from the K most likely tokens "
+        "(default: off)"
+    )  # fmt: skip
+    parser.add_argument(
+        "--top-p", type=float, default=None, metavar="P",
+        help="with T > 0: sample from the most likely tokens that make up probability P (default: off)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=None, help="with T > 0: random seed (default: unseeded)")
+    parser.add_argument("--stats", action="store_true", help="print prefill/decode tokens per second to stderr")
+    add_tp_argument(parser)
+
+
+def warn_ignored_sampling(ns: argparse.Namespace) -> None:
+    """Greedy decoding (``--temperature 0``) ignores ``--top-k``, ``--top-p`` and ``--seed``: say so on stderr."""
+    ignored = [flag for flag, value in (("--top-k", ns.top_k), ("--top-p", ns.top_p), ("--seed", ns.seed)) if
+               value is not None]  # fmt: skip
+    if ns.temperature == 0 and ignored:
+        print(
+            f"gqa generate: warning: {' and '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect at "
+            "--temperature 0 (greedy decoding); give a temperature > 0 to sample",
+            file=sys.stderr,
+        )
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    from ..generation import check_sampling
+
+    check_sampling(ns.temperature, ns.top_k, ns.top_p)  # before the model is loaded
+    if ns.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {ns.max_new_tokens}")
+    warn_ignored_sampling(ns)
+    return run_on_ranks(ns, generate_text)
+
+
+def generate_text(ns: argparse.Namespace) -> int:
+    """Load the model (this rank's shard under tensor parallelism) and stream its answer; only the lead rank
+    prints."""
+    from ..api import load_model
+    from ..generation import generate_stream
+
+    lead = is_lead()
+    with loading(f"{model_label(ns.model)} as {ns.dtype}", quiet=not lead):
+        model = load_model(ns.model, dtype=DTYPES[ns.dtype], tensor_parallel=getattr(ns, "sharded", False))
+    tok = model.tokenizer
+    if ns.raw:
+        prompt_ids = tok.encode(ns.prompt)
+    else:
+        messages = ([{"role": "system", "content": ns.system}] if ns.system else []) + [
+            {"role": "user", "content": ns.prompt}
+        ]
+        prompt_ids = tok.apply_chat(messages)
+    generated: list[int] = []
+    printed = ""
+    start = time.perf_counter()
+    first = None
+    for token in generate_stream(
+        model,
+        [prompt_ids],
+        max_new_tokens=ns.max_new_tokens,
+        temperature=ns.temperature,
+        top_k=ns.top_k,
+        top_p=ns.top_p,
+        seed=ns.seed,
+        eos_token_ids=tok.eos_token_ids,
+    ):
+        first = first or time.perf_counter()
+        t = int(token[0])
+        if t in tok.eos_token_ids:
+            break
+        generated.append(t)
+        text = tok.decode(generated)
+        if lead and not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(printed) :])
+            sys.stdout.flush()
+            printed = text
+    if lead:
+        sys.stdout.write(tok.decode(generated)[len(printed) :] + "\n")
+        sys.stdout.flush()
+    end = time.perf_counter()
+    if ns.stats and lead and first is not None:
+        decode_s = end - first
+        print(
+            f"[prompt {len(prompt_ids)} tokens, prefill {len(prompt_ids) / (first - start):.0f} tok/s; "
+            f"{len(generated)} new tokens, decode {max(len(generated) - 1, 0) / max(decode_s, 1e-9):.1f} tok/s]",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,90 @@
+"""``gqa info``: a model's architecture and its KV-cache size as MHA, as it is, and as MQA."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .. import kernels
+from ..cache import kv_cache_bytes
+from ..models.config import ModelConfig
+from .common import loading, model_label
+from .dtypes import DTYPES
+
+
+def kv_cache_table(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:
+    """Markdown table: KV-cache bytes per token and for 4096 tokens as MHA, this model's head count, and MQA."""
+    rows = [("MHA", num_heads), (f"this model (GQA, {num_kv_heads} KV heads)", num_kv_heads), ("MQA", 1)]
+    seen, lines = set(), []
+    name = str(dtype).removeprefix("torch.")
+    lines.append(f"| variant | KV heads | KV cache per token ({name}) | for 4096 tokens |")
+    lines.append("|---|---:|---:|---:|")
+    for label, heads in rows:
+        if heads in seen:
+            continue
+        seen.add(heads)
+        per_token = kv_cache_bytes(num_layers, heads, head_dim, 1, dtype=dtype)
+        lines.append(f"| {label} | {heads} | {per_token / 1024:.1f} KiB | {per_token * 4096 / 2**20:.1f} MiB |")
+    return "\n".join(lines)
+
+
+def run_info(ns: argparse.Namespace) -> int:
+    from ..loaders import read_model
+
+    with loading(model_label(ns.model)):
+        cfg, state = read_model(ns.model)
+    if ns.tp is not None:
+        from ..models.tensor_parallel import check_tp
+
+        check_tp(cfg.num_heads, cfg.num_kv_heads, ns.tp)
+    params = sum(t.numel() for k, t in state.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
+    print(f"architecture     {cfg.arch}")
+    print(f"parameters       {params / 1e6:.1f} M")
+    print(f"layers           {cfg.num_layers}")
+    print(f"hidden size      {cfg.hidden_size}")
+    print(f"query heads      {cfg.num_heads}")
+    print(f"KV heads         {cfg.num_kv_heads}  (group size {cfg.num_heads // cfg.num_kv_heads})")
+    print(f"head dim         {cfg.head_dim}")
+    print(f"context          {cfg.max_position_embeddings}")
+    print(f"vocab            {cfg.vocab_size}")
+    print(f"RoPE theta       {cfg.rope_theta:g}")
+    native = f"built: {kernels.library_path()}" if kernels.available() else "not built (python -m gqa.kernels)"
+    if kernels.available():
+        simd = {16: "AVX-512", 8: "AVX2"}.get(kernels.simd_width())
+        native += f" ({simd})" if simd else " (no AVX2/AVX-512 here: scalar, so used for bf16 decode attention only)"
+    print(f"native kernels   {native}")
+    print()
+    print(kv_cache_table(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, DTYPES[ns.dtype]))
+    if ns.tp is not None:
+        print()
+        print(tp_table(cfg, state, ns.tp, DTYPES[ns.dtype]))
+    return 0
+
+
+def tp_table(cfg: ModelConfig, state: dict[str, torch.Tensor], tp: int, dtype: torch.dtype) -> str:
+    """Markdown table: per rank of ``tp``, its query and KV heads, weight bytes and KV-cache bytes per token."""
+    from ..models.tensor_parallel import rank_shard, rank_weight_bytes
+
+    name = str(dtype).removeprefix("torch.")
+    lines = [
+        f"tensor parallel over {tp} ranks ({name}):",
+        "| rank | query heads | KV heads | MLP rows | weights | KV cache per token |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+    for rank in range(tp):
+        shard = rank_shard(cfg, tp, rank)
+        q, kv = shard.q_heads, shard.kv_heads
+        kv_text = f"{len(kv)} ({_span(kv)})"
+        if shard.kv_replicas > 1:
+            kv_text += f", on {shard.kv_replicas} ranks"
+        per_token = kv_cache_bytes(cfg.num_layers, len(kv), cfg.head_dim, 1, dtype=dtype)
+        lines.append(
+            f"| {rank} | {len(q)} ({_span(q)}) | {kv_text} | {len(shard.mlp_rows)} | "
+            f"{rank_weight_bytes(cfg, state, shard, dtype) / 2**20:.1f} MiB | {per_token / 1024:.1f} KiB |"
+        )
+    return "\n".join(lines)
+
+
+def _span(heads: range) -> str:
+    return f"{heads.start}-{heads.stop - 1}" if len(heads) > 1 else str(heads.start)

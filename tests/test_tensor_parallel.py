@@ -1,0 +1,273 @@
+"""Tensor parallelism: head layouts, and sharded models on several gloo processes against HF transformers and the
+single-process model; SmolLM2 through ``gqa generate --tp 3`` and two torchrun "nodes"; failures that end a launch.
+
+The multi-process tests start real processes (``gqa.distributed.launch_local``, torchrun); they are kept few and
+small (one launch per world size runs every case for it) and every process group has a 60 s timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from gqa.models import ModelConfig
+from gqa.models.tensor_parallel import check_tp, head_layout, rank_shard, rank_weight_bytes, shard_state, working_tp
+
+transformers = pytest.importorskip("transformers")
+
+import tp_workers  # noqa: E402 - after the skip: the workers import nothing optional, but only these tests use them
+
+TIMEOUT = "60"
+
+
+@pytest.fixture(autouse=True)
+def _short_timeout(monkeypatch):
+    monkeypatch.setenv("GQA_DIST_TIMEOUT", TIMEOUT)
+
+
+# --- layouts (no processes) ---
+
+
+@pytest.mark.parametrize(
+    "H_q, H_kv, tp, expected",
+    [
+        (4, 4, 2, [(range(0, 2), range(0, 2), 1), (range(2, 4), range(2, 4), 1)]),
+        (9, 3, 2, [(range(0, 6), range(0, 2), 1), (range(6, 9), range(2, 3), 1)]),  # uneven: 6 q + 2 kv, 3 q + 1 kv
+        (9, 3, 3, [(range(3 * r, 3 * r + 3), range(r, r + 1), 1) for r in range(3)]),
+        (4, 1, 2, [(range(0, 2), range(0, 1), 2), (range(2, 4), range(0, 1), 2)]),  # MQA: the KV head on both ranks
+        (8, 2, 4, [(range(2 * r, 2 * r + 2), range(r // 2, r // 2 + 1), 2) for r in range(4)]),  # replicated
+        (
+            18,
+            6,
+            4,
+            [
+                (range(0, 6), range(0, 2), 1),
+                (range(6, 12), range(2, 4), 1),
+                (range(12, 15), range(4, 5), 1),
+                (range(15, 18), range(5, 6), 1),
+            ],
+        ),
+    ],
+)
+def test_head_layout(H_q, H_kv, tp, expected):
+    layout = head_layout(H_q, H_kv, tp)
+    assert layout == expected
+    G = H_q // H_kv
+    assert sorted(h for q, _, _ in layout for h in q) == list(range(H_q))  # every query head on exactly one rank
+    for q, kv, _ in layout:
+        assert all(h // G in kv for h in q)  # a rank holds the KV head each of its query heads reads
+
+
+@pytest.mark.parametrize(
+    "H_q, H_kv, tp, works",
+    [
+        (8, 2, 3, "1, 2, 4, 8"),
+        (9, 3, 4, "1, 2, 3, 9"),
+        (4, 1, 3, "1, 2, 4"),
+        (6, 2, 8, "1, 2, 6"),
+        (4, 4, 5, "1, 2, 3, 4"),
+    ],
+)
+def test_bad_layouts_name_heads_tp_and_what_works(H_q, H_kv, tp, works):
+    with pytest.raises(ValueError) as e:
+        check_tp(H_q, H_kv, tp)
+    assert f"H_q={H_q}" in str(e.value) and f"H_kv={H_kv}" in str(e.value) and f"tp={tp}" in str(e.value)
+    assert str(e.value).endswith(f"tp values that work: {works}")
+    assert working_tp(H_q, H_kv) == [int(t) for t in works.split(", ")]
+
+
+def test_layout_argument_errors():
+    with pytest.raises(TypeError, match="tp must be an int"):
+        check_tp(4, 2, True)
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        check_tp(4, 2, 0)
+    with pytest.raises(ValueError, match="rank must be in"):
+        rank_shard(ModelConfig(num_heads=4, num_kv_heads=2, intermediate_size=8), 2, 2)
+
+
+def test_shard_state_slices_and_bytes():
+    """Each rank's slices, put back together in rank order, are the whole tensors (replicated KV heads once)."""
+    cfg, state, _ = _hf_case("llama", 9, 3)
+    D = cfg.head_dim
+    shards = [shard_state(cfg, state, rank_shard(cfg, 2, r)) for r in range(2)]
+    assert [(c.num_heads, c.num_kv_heads, c.intermediate_size) for c, _ in shards] == [(6, 2, 20), (3, 1, 20)]
+    name = "model.layers.1.self_attn."
+    torch.testing.assert_close(torch.cat([s[name + "q_proj.weight"] for _, s in shards]), state[name + "q_proj.weight"])
+    torch.testing.assert_close(
+        torch.cat([s[name + "o_proj.weight"] for _, s in shards], 1), state[name + "o_proj.weight"]
+    )
+    assert shards[1][1][name + "k_proj.weight"].shape == (D, cfg.hidden_size)
+    mlp = "model.layers.0.mlp.down_proj.weight"
+    torch.testing.assert_close(torch.cat([s[mlp] for _, s in shards], 1), state[mlp])
+    assert shards[0][1]["model.embed_tokens.weight"] is state["model.embed_tokens.weight"]  # replicated, not copied
+    total = sum(t.numel() for t in state.values()) * 2
+    per_rank = [rank_weight_bytes(cfg, state, rank_shard(cfg, 2, r), torch.bfloat16) for r in range(2)]
+    replicated = sum(t.numel() for n, t in state.items() if "layers" not in n or "norm" in n) * 2
+    assert sum(per_rank) == total + replicated  # the sharded parts add up; the replicated ones count on each rank
+
+
+# --- sharded models on gloo processes ---
+
+
+def _hf_case(arch: str, H_q: int, H_kv: int, tied: bool = False, seed: int = 0):
+    """A random HF model: its config as gqa reads it, its state dict (HF names), and the model."""
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=61, hidden_size=8 * H_q, intermediate_size=40, num_hidden_layers=2, num_attention_heads=H_q,
+              num_key_value_heads=H_kv, head_dim=8, max_position_embeddings=64, tie_word_embeddings=tied,
+              initializer_range=0.15)  # fmt: skip
+    config = transformers.LlamaConfig(**kw) if arch == "llama" else transformers.Qwen2Config(**kw)
+    model_cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
+    hf = model_cls(config).eval()
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    return ModelConfig.from_hf(config.to_dict()), state, hf
+
+
+def _cases(specs):
+    cases, refs = [], []
+    ids = torch.randint(0, 61, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
+    for arch, H_q, H_kv, tied in specs:
+        cfg, state, hf = _hf_case(arch, H_q, H_kv, tied)
+        with torch.no_grad():
+            hf_logits = hf(ids).logits
+        cases.append({"cfg": cfg, "state": state, "ids": ids, "mask": mask, "prompts": [[5, 6, 7, 8], [9, 10]]})
+        refs.append(hf_logits)
+    return cases, refs
+
+
+def _single_process(case):
+    from gqa.models import CausalLM
+
+    model = CausalLM.from_state(case["cfg"], case["state"])
+    with torch.no_grad():
+        padded = model(case["ids"], attention_mask=case["mask"])
+    return model, padded, model.generate(case["prompts"], max_new_tokens=8)
+
+
+@pytest.mark.parametrize(
+    "tp, specs",
+    [
+        (2, [("llama", 4, 4, False), ("llama", 4, 1, True), ("qwen2", 9, 3, False)]),  # even, MQA, uneven + biases
+        (3, [("llama", 9, 3, True), ("qwen2", 4, 4, False)]),  # one group each; 2+1+1 KV heads
+        (4, [("llama", 8, 2, False)]),  # KV heads replicated on 2 ranks each
+    ],
+)
+def test_sharded_model_matches_hf_and_one_process(tp, specs):
+    from gqa.distributed import launch_local
+
+    cases, hf_logits = _cases(specs)
+    results = launch_local(tp, tp_workers.run_cases, cases, tp == 2)  # tp=2 decodes through a compiled step
+    for i, case in enumerate(cases):
+        cfg = case["cfg"]
+        _, padded, tokens = _single_process(case)
+        for rank in range(tp):
+            got = results[rank][i]
+            torch.testing.assert_close(got["logits"], hf_logits[i], atol=1e-4, rtol=1e-4)
+            real = case["mask"].bool()
+            torch.testing.assert_close(got["padded"][real], padded[real], atol=1e-4, rtol=1e-4)
+            assert got["tokens"] == tokens  # greedy, batched, left-padded: identical to one process
+            assert got["sampled"] == results[0][i]["sampled"]  # unseeded sampling: every rank drew the same
+            shard = rank_shard(cfg, tp, rank)
+            assert got["heads"] == (len(shard.q_heads), len(shard.kv_heads))
+            assert got["cache"] == [(2, len(shard.kv_heads), 16, cfg.head_dim)] * cfg.num_layers  # only its heads
+            assert got["cache_bytes"] == 2 * 2 * len(shard.kv_heads) * 16 * cfg.head_dim * 4 * cfg.num_layers
+            assert got["allreduces_per_token"] == 2 * cfg.num_layers
+
+
+def test_failing_rank_ends_the_launch_with_its_message():
+    from gqa.distributed import DistributedError, launch_local
+
+    start = time.perf_counter()
+    with pytest.raises(DistributedError, match=r"rank 1 of 2 failed: ValueError: no such thing"):
+        launch_local(2, tp_workers.fail_on_rank_one, "no such thing")
+    assert time.perf_counter() - start < float(TIMEOUT)  # the launcher stops the waiting rank: no timeout needed
+
+
+def test_bad_layout_refused_before_any_process(monkeypatch, tmp_path, capsys):
+    """H_q=8, H_kv=2 at tp=3: ``gqa generate --tp 3`` refuses from config.json alone (there are no weights to
+    read): nothing is launched, no process group made."""
+    import json
+
+    import torch.distributed as dist
+
+    from gqa.cli import main as cli
+    from gqa.cli import parallel
+
+    cfg = ModelConfig(num_heads=8, num_kv_heads=2, hidden_size=32, head_dim=8, intermediate_size=40, num_layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    monkeypatch.setattr(parallel, "launch_local", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(parallel, "init_process_group", lambda *a, **k: pytest.fail("process group"))
+    assert cli(["generate", "hi", "--model", str(tmp_path), "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "H_q=8 query heads and H_kv=2 KV heads over tp=3 ranks" in err and "tp values that work: 1, 2, 4, 8" in err
+    assert not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: the same check, before init_process_group
+    assert cli(["generate", "hi", "--model", str(tmp_path), "--tp", "3"]) == 2
+    assert "--tp 3 differs from torchrun's world size 2" in capsys.readouterr().err
+
+
+# --- SmolLM2, from the command line ---
+
+
+@pytest.fixture(scope="module")
+def smollm2_answer():
+    """The single-process greedy answer (32 tokens) of the embedded SmolLM2 to a question."""
+    import gqa
+
+    model = gqa.load_model()
+    tok = model.tokenizer
+    ids = tok.apply_chat([{"role": "user", "content": PROMPT}])
+    new = model.generate(ids, max_new_tokens=32)
+    return tok.decode([t for t in new if t not in tok.eos_token_ids])
+
+
+PROMPT = "Name three planets of the solar system."
+
+
+def _env():
+    return os.environ | {"GQA_DIST_TIMEOUT": TIMEOUT, "OMP_NUM_THREADS": "1"}
+
+
+def test_smollm2_generate_tp3_from_the_cli(smollm2_answer):
+    """``gqa generate --tp 3``: three local ranks, one SmolLM2 KV head each: the same 32 greedy tokens."""
+    run = subprocess.run(
+        [sys.executable, "-m", "gqa", "generate", PROMPT, "--tp", "3", "--max-new-tokens", "32"],
+        capture_output=True, text=True, env=_env(), timeout=240,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == smollm2_answer.strip()
+    assert run.stderr.count("Loading") == 1  # rank 0 alone talks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_on_localhost(smollm2_answer):
+    """``torchrun --nnodes 2 --node-rank 0/1`` (one process each, static rendezvous at 127.0.0.1): the 2-rank
+    SmolLM2 (one rank with 2 KV heads, one with 1) answers as one process does."""
+    port = str(_free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+    args = ["-m", "gqa", "generate", PROMPT, "--max-new-tokens", "12"]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *common, "--node-rank", str(rank), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        for rank in (0, 1)
+    ]
+    outs = [node.communicate(timeout=240) for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [e[-2000:] for _, e in outs]
+    assert smollm2_answer.startswith(outs[0][0].strip()) and len(outs[0][0].strip()) > 10
+    assert outs[1][0] == ""  # rank 1 prints nothing
