@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from gqa import __version__, api, convert, generation, loaders
-from gqa.cli import eval as eval_command
 from gqa.bench import model as bench_model
 from gqa.cli import build_parser
+from gqa.cli import eval as eval_command
 from gqa.cli import main as cli
 
 ENV = os.environ | {"HF_HUB_OFFLINE": "1"}

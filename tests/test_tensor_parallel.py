@@ -271,3 +271,22 @@ def test_two_torchrun_nodes_on_localhost(smollm2_answer):
     assert [n.returncode for n in nodes] == [0, 0], [e[-2000:] for _, e in outs]
     assert smollm2_answer.startswith(outs[0][0].strip()) and len(outs[0][0].strip()) > 10
     assert outs[1][0] == ""  # rank 1 prints nothing
+
+
+def test_hf_tp_plan_auto_runs_gqa_attention(tmp_path):
+    """transformers' own ``tp_plan="auto"`` (DistributedConfig) on 2 gloo ranks with ``attn_implementation="gqa"``:
+    each rank's attention sees its 4 query heads and 1 KV head, and the logits are the single-process model's."""
+    from gqa.distributed import launch_local
+
+    _, _, hf = _hf_case("llama", 8, 2)
+    hf.save_pretrained(tmp_path)
+    ids = torch.randint(3, 61, (2, 9), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask).logits
+    results = launch_local(2, tp_workers.hf_tp_plan_logits, str(tmp_path), ids, mask)
+    for rank in (0, 1):
+        assert results[rank]["heads"] == [(4, 1)]
+        real = mask.bool()
+        torch.testing.assert_close(results[rank]["logits"][real], expected[real], atol=1e-5, rtol=1e-5)

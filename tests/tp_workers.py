@@ -52,3 +52,28 @@ def fail_on_rank_one(message: str) -> None:
     if dist.get_rank() == 1:
         raise ValueError(message)
     dist.all_reduce(torch.zeros(1))
+
+
+def hf_tp_plan_logits(path: str, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """HF transformers' own tensor parallelism (``tp_plan="auto"``) running ``attn_implementation="gqa"``: this
+    rank's logits and the (query, KV) head counts gqa's attention saw."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import gqa.hf
+
+    name = gqa.hf.register()
+    seen = set()
+    real = gqa.hf.grouped_attention
+
+    def counting(q, k, v, **kw):
+        seen.add((q.shape[-3], k.shape[-3]))
+        return real(q, k, v, **kw)
+
+    gqa.hf.grouped_attention = counting
+    model = AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(tp_plan="auto"), attn_implementation=name, dtype=torch.float32
+    )
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    return {"logits": logits, "heads": sorted(seen)}

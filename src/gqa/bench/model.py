@@ -97,8 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
     parser.add_argument("--kv-heads", type=int, nargs="+", default=None, metavar="N",
                         help="KV head counts to run (default: H_q, the model's own, 1; SmolLM2: 9 3 1)")  # fmt: skip
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096], metavar="S",
-                        help="prompt lengths in tokens")  # fmt: skip
+    parser.add_argument("--contexts", type=int, nargs="+", default=None, metavar="S",
+                        help="prompt lengths in tokens (default: 128 1024 4096; with --tp: 512)")  # fmt: skip
     add_dtype_argument(parser, "--dtypes", choices=tuple(DTYPES), nargs="+", default=["fp32", "bf16"],
                        help="weight dtypes")  # fmt: skip
     parser.add_argument(
@@ -110,6 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens generated per context")
     parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, 8 new tokens, fp32, no compile")
+    parser.add_argument(
+        "--tp", type=int, nargs="+", default=None, metavar="N",
+        help="instead: the model (as it is) decoded by N tensor-parallel local processes for each N, eager, with "
+        "per-rank weight and KV-cache bytes and the all-reduces' share of decode time (e.g. --tp 1 2 3)",
+    )  # fmt: skip
     parser.add_argument(
         "--json", type=Path, default=None, metavar="PATH", help="write every number and the machine here"
     )
@@ -126,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     """The benchmark on flags ``parser`` (``build_parser`` or ``add_arguments``'s parser) has parsed."""
+    if ns.contexts is None:
+        ns.contexts = [512] if ns.tp else [128, 1024, 4096]
     if ns.quick:
         ns.contexts, ns.new_tokens, ns.dtypes = [64, 256], 8, ["fp32"]
         ns.engines = [e for e in ns.engines if e != "gqa"] or ["gqa-eager"]
@@ -138,6 +145,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if ns.plot is not None:
         check_plotting()  # fail before the long part
 
+    if ns.tp is not None:
+        return _run_tp(parser, ns)
     started = time.perf_counter()
     cfg = read_config(ns.model)  # no weights here: the conversions and the workers load their own
     counts = _head_counts(cfg, ns.kv_heads)
@@ -190,6 +199,39 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         write_text_atomic(ns.markdown, text + "\n")
     if ns.plot:
         plot_model(payload, ns.plot)
+    return 0
+
+
+def _run_tp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from .tensor_parallel import run_tp, tp_table
+
+    if min(ns.tp) < 1:
+        parser.error(f"--tp must be positive, got {ns.tp}")
+    if ns.plot is not None or ns.kv_heads is not None or ns.engines != list(ENGINES):
+        parser.error("--tp runs the model as it is, eager: --plot, --kv-heads and --engines do not apply")
+    started = time.perf_counter()
+    tps = list(dict.fromkeys(ns.tp))
+    results = run_tp(ns, tps)
+    payload = {
+        "benchmark": "model-tp",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_description(torch.device("cpu")),
+        "model": ns.model or "embedded SmolLM2-135M-Instruct",
+        "args": {"tp": tps, "contexts": ns.contexts, "dtypes": ns.dtypes, "new_tokens": ns.new_tokens},
+        "elapsed_s": time.perf_counter() - started,
+        "results": results,
+    }
+    cores = os.cpu_count()
+    header = (
+        f"Tensor-parallel decode ({payload['model']}), batch 1, eager, {ns.new_tokens} new tokens per context; "
+        f"{cores} cores, cores / tp threads per rank; gloo all-reduces; torch {torch.__version__}"
+    )
+    text = header + "\n\n" + tp_table(results)
+    print(text)
+    if ns.json:
+        write_json_atomic(ns.json, payload)
+    if ns.markdown:
+        write_text_atomic(ns.markdown, text + "\n")
     return 0
 
 

@@ -20,6 +20,7 @@ holding only the rank's KV heads, compiled decode steps and batched generation w
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -192,17 +193,27 @@ class ReducingLinear(Linear):
     """A row-parallel ``Linear``: this rank's partial product, summed over the ranks of ``group`` by one all-reduce.
 
     The all-reduce is torch's functional collective, so a ``torch.compile``'d decode step traces it into its graph.
-    ``calls`` counts the all-reduces (for tests and ``gqa bench model --tp``).
+    Eagerly, ``calls`` counts the all-reduces and, with ``timed`` set, ``seconds`` adds up their wall time (waiting
+    for each to finish: for benchmarks).
     """
 
     group: dist.ProcessGroup | None = None
     calls: int = 0
+    timed: bool = False
+    seconds: float = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = super().forward(x)
-        if not torch.compiler.is_compiling():
-            type(self).calls += 1
-        return funcol.all_reduce(partial, "sum", self.group or dist.group.WORLD)
+        group = self.group or dist.group.WORLD
+        if torch.compiler.is_compiling():
+            return funcol.all_reduce(partial, "sum", group)
+        ReducingLinear.calls += 1
+        if not ReducingLinear.timed:
+            return funcol.all_reduce(partial, "sum", group)
+        start = time.perf_counter()
+        out = funcol.wait_tensor(funcol.all_reduce(partial, "sum", group))
+        ReducingLinear.seconds += time.perf_counter() - start
+        return out
 
 
 def shard_model(cfg: ModelConfig, state: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None) -> CausalLM:

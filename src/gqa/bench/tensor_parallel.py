@@ -1,0 +1,106 @@
+"""``gqa bench model --tp 1 2 3``: the model decoded by 1, 2, 3 ... tensor-parallel ranks, side by side in one run.
+
+Per ``tp`` (each a fresh launch of ``tp`` local gloo processes, ``cores / tp`` threads each; ``tp`` 1 is the plain
+model in one process): prefill and decode tokens/s at batch 1 (eager, greedy, ``--new-tokens`` per context), each
+rank's weight bytes and KV-cache bytes per token, and the share of decode time rank 0 spends in its all-reduces (two
+per layer per token; the wait for slower ranks included, so an unbalanced split shows there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+__all__ = ["run_tp", "tp_rank", "tp_table"]
+
+
+def tp_rank(path: str | None, dtype_name: str, contexts: list[int], new_tokens: int) -> dict:
+    """One rank's measurements (run on every rank of a launch, or alone for tp 1)."""
+    import torch.distributed as dist
+
+    from ..api import load_model
+    from ..cache import kv_cache_bytes
+    from ..models.tensor_parallel import ReducingLinear
+    from .model_worker import DTYPES, prompt
+
+    sharded = dist.is_initialized() and dist.get_world_size() > 1  # tp 1: the plain model
+    dtype = DTYPES[dtype_name]
+    model = load_model(path, dtype=dtype, tokenizer=False, tensor_parallel=sharded)
+    cfg = model.config
+    ReducingLinear.timed = True
+    rows = []
+    with torch.inference_mode():
+        for context in contexts:
+            ids = torch.tensor([prompt(context, cfg.vocab_size)])
+            model(ids[:, :8], caches=model.new_caches(1, 16))  # warm-up
+            caches = model.new_caches(1, context + new_tokens)
+            start = time.perf_counter()
+            logits = model(ids, caches=caches, last_only=True)
+            prefill = time.perf_counter() - start
+            ReducingLinear.seconds = 0.0
+            steps = []
+            for _ in range(new_tokens):
+                start = time.perf_counter()
+                logits = model(logits[:, -1].argmax(-1, keepdim=True), caches=caches)
+                steps.append(time.perf_counter() - start)
+            rows.append({
+                "context": context, "prefill_tok_s": context / prefill, "decode_tok_s": 1 / statistics.median(steps),
+                "allreduce_share": ReducingLinear.seconds / sum(steps),
+            })  # fmt: skip
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    return {
+        "rank": dist.get_rank() if sharded else 0,
+        "heads": [cfg.num_heads, cfg.num_kv_heads],
+        "weight_bytes": weights,
+        "kv_bytes_per_token": kv_cache_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, dtype=dtype),
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
+
+
+def run_tp(ns: argparse.Namespace, tps: list[int]) -> list[dict]:
+    """Every ``tp`` of ``tps`` for each dtype of ``ns.dtypes``, one launch each: a result per (tp, dtype)."""
+    from ..distributed import launch_local
+    from ..loaders import read_config
+    from ..models.tensor_parallel import check_tp
+
+    cfg = read_config(ns.model)
+    for tp in tps:
+        check_tp(cfg.num_heads, cfg.num_kv_heads, tp)  # all of them, before the first launch
+    results = []
+    for dtype in ns.dtypes:
+        for tp in tps:
+            print(f"[bench model] tp={tp}, {dtype}, contexts {ns.contexts} ...", file=sys.stderr, flush=True)
+            args = (ns.model, dtype, ns.contexts, ns.new_tokens)
+            ranks = launch_local(tp, tp_rank, *args)  # tp 1 too: a fresh process, as the others
+            results.append({"tp": tp, "dtype": dtype, "ranks": [ranks[r] for r in sorted(ranks)]})
+    return results
+
+
+def tp_table(results: list[dict]) -> str:
+    """Markdown: a row per (dtype, tp, context) with rank 0's speeds, all-reduce share and every rank's bytes."""
+    lines = [
+        "| dtype | tp | context | prefill tok/s | decode tok/s | vs tp 1 | all-reduce share of decode | "
+        "heads per rank (q/kv) | weights per rank | KV cache per token per rank |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    base = {(r["dtype"], row["context"]): row["decode_tok_s"] for r in results if r["tp"] == 1
+            for row in r["ranks"][0]["rows"]}  # fmt: skip
+    for r in results:
+        ranks = r["ranks"]
+        heads = " ".join(f"{q}/{kv}" for q, kv in (x["heads"] for x in ranks))
+        weights = " ".join(f"{x['weight_bytes'] / 2**20:.0f}" for x in ranks) + " MiB"
+        kv = " ".join(f"{x['kv_bytes_per_token'] / 1024:.1f}" for x in ranks) + " KiB"
+        for row in ranks[0]["rows"]:
+            one = base.get((r["dtype"], row["context"]))
+            ratio = f"{row['decode_tok_s'] / one:.2f}x" if one else "-"
+            share = f"{row['allreduce_share']:.0%}" if r["tp"] > 1 else "-"
+            lines.append(
+                f"| {r['dtype']} | {r['tp']} | {row['context']} | {row['prefill_tok_s']:.0f} | "
+                f"{row['decode_tok_s']:.1f} | {ratio} | {share} | {heads} | {weights} | {kv} |"
+            )
+    return "\n".join(lines)
