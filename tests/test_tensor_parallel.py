@@ -290,3 +290,51 @@ def test_hf_tp_plan_auto_runs_gqa_attention(tmp_path):
         assert results[rank]["heads"] == [(4, 1)]
         real = mask.bool()
         torch.testing.assert_close(results[rank]["logits"][real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+# --- gqa info --tp and gqa bench model --tp ---
+
+
+def test_info_tp_table(tmp_path, capsys):
+    """8 query / 2 KV heads at tp=4: every rank shows 2 query heads and 1 KV head held on 2 ranks, and the bytes."""
+    from test_convert import tiny_dir
+
+    from gqa.cli import main as cli
+
+    folder = tiny_dir(tmp_path / "m")  # 8 query, 2 KV heads of 4 dims, hidden 24, MLP 40, 2 layers, tied
+    assert cli(["info", "--model", str(folder), "--tp", "4"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 |") or "| 0 |" in line]
+    # rank 0: q_proj 8x24, k/v 4x24, o 24x8, MLP 3 x 10x24, 2 norms of 24, per layer; embeddings 32x24 and final norm
+    per_layer = 8 * 24 + 2 * 4 * 24 + 24 * 8 + 3 * 10 * 24 + 2 * 24
+    weights = 2 * per_layer + 32 * 24 + 24
+    kv_per_token = 2 * 2 * 1 * 4 * 4  # K and V, 2 layers, 1 KV head, 4 dims, fp32
+    assert (
+        rows[0]
+        == f"| 0 | 2 (0-1) | 1 (0), on 2 ranks | 10 | {weights * 4 / 2**20:.1f} MiB | {kv_per_token / 1024:.1f} KiB |"
+    )
+    assert rows[-1].startswith("| 3 | 2 (6-7) | 1 (1), on 2 ranks | 10 |")
+    assert cli(["info", "--model", str(folder), "--tp", "3"]) == 2
+    assert "tp values that work: 1, 2, 4, 8" in capsys.readouterr().err
+
+
+def test_bench_model_tp(tmp_path):
+    """``gqa bench model --tp 1 2``: a result per tp with every rank's heads and bytes, and all-reduce shares."""
+    import json
+
+    from test_convert import tiny_dir
+
+    from gqa.cli import main as cli
+
+    folder = tiny_dir(tmp_path / "m")
+    out = tmp_path / "tp.json"
+    argv = ["bench", "model", "--model", str(folder), "--tp", "1", "2", "--dtypes", "fp32", "--contexts", "8",
+            "--new-tokens", "3", "--json", str(out), "--markdown", str(tmp_path / "tp.md")]  # fmt: skip
+    assert cli(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["tp"], len(r["ranks"])) for r in results] == [(1, 1), (2, 2)]
+    one, two = results[0]["ranks"][0], results[1]["ranks"]
+    assert one["heads"] == [8, 2] and [r["heads"] for r in two] == [[4, 1], [4, 1]]
+    assert [r["kv_bytes_per_token"] for r in two] == [one["kv_bytes_per_token"] // 2] * 2
+    assert all(r["weight_bytes"] < one["weight_bytes"] for r in two)
+    assert 0 < two[0]["rows"][0]["allreduce_share"] < 1 and two[0]["rows"][0]["decode_tok_s"] > 0
+    assert "| fp32 | 2 | 8 |" in (tmp_path / "tp.md").read_text()

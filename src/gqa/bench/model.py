@@ -191,12 +191,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if slow:  # the PyTorch fallback is correct but not what the numbers are meant to show
         header += (f"\nWARNING: gqa's native kernels were not loaded in {', '.join(slow)} (build them: "
                    "python -m gqa.kernels); those rows measure the PyTorch fallback")  # fmt: skip
-    text = header + "\n\n" + table(payload)
-    print(text)
-    if ns.json:
-        write_json_atomic(ns.json, payload)
-    if ns.markdown:
-        write_text_atomic(ns.markdown, text + "\n")
+    _report(ns, payload, header + "\n\n" + table(payload))
     if ns.plot:
         plot_model(payload, ns.plot)
     return 0
@@ -226,13 +221,17 @@ def _run_tp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         f"Tensor-parallel decode ({payload['model']}), batch 1, eager, {ns.new_tokens} new tokens per context; "
         f"{cores} cores, cores / tp threads per rank; gloo all-reduces; torch {torch.__version__}"
     )
-    text = header + "\n\n" + tp_table(results)
+    _report(ns, payload, header + "\n\n" + tp_table(results))
+    return 0
+
+
+def _report(ns: argparse.Namespace, payload: dict, text: str) -> None:
+    """Print the table; write the JSON and markdown files asked for."""
     print(text)
     if ns.json:
         write_json_atomic(ns.json, payload)
     if ns.markdown:
         write_text_atomic(ns.markdown, text + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -81,10 +81,16 @@ def tp_table(cfg: ModelConfig, state: dict[str, torch.Tensor], tp: int, dtype: t
         per_token = kv_cache_bytes(cfg.num_layers, len(kv), cfg.head_dim, 1, dtype=dtype)
         lines.append(
             f"| {rank} | {len(q)} ({_span(q)}) | {kv_text} | {len(shard.mlp_rows)} | "
-            f"{rank_weight_bytes(cfg, state, shard, dtype) / 2**20:.1f} MiB | {per_token / 1024:.1f} KiB |"
+            f"{_size(rank_weight_bytes(cfg, state, shard, dtype))} | {_size(per_token)} |"
         )
     return "\n".join(lines)
 
 
 def _span(heads: range) -> str:
     return f"{heads.start}-{heads.stop - 1}" if len(heads) > 1 else str(heads.start)
+
+
+def _size(n: int) -> str:
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} B"
