@@ -136,10 +136,10 @@ def head_layout(num_heads: int, num_kv_heads: int, tp: int) -> list[tuple[range,
 
 def rank_shard(cfg: ModelConfig, tp: int, rank: int) -> RankShard:
     """What rank ``rank`` of ``tp`` holds of a model with ``cfg``."""
-    _check_int("rank", rank, low=0)
-    q, kv, replicas = head_layout(cfg.num_heads, cfg.num_kv_heads, tp)[rank] if rank < tp else (None, None, 0)
-    if q is None:
+    layout = head_layout(cfg.num_heads, cfg.num_kv_heads, tp)
+    if _check_int("rank", rank, low=0) >= tp:
         raise ValueError(f"rank must be in [0, {tp}), got {rank}")
+    q, kv, replicas = layout[rank]
     if tp > cfg.intermediate_size:
         raise ValueError(f"tp={tp} exceeds the MLP's {cfg.intermediate_size} intermediate features")
     return RankShard(rank, tp, q, kv, replicas, _split(cfg.intermediate_size, tp, rank))
