@@ -131,7 +131,7 @@ def test_help_shows_every_default_once():
         (("generate", "--help"), ["stop after N new tokens (default: 128)", "--dtype {fp32,bf16,fp16}"]),
         (("eval", "--help"), ["tokens per forward pass (default: 512)", "--dtype {fp32,bf16}"]),
         (("convert", "--help"), ["(default: pca)", "(default: 0, no healing)", "{auto,bf16,fp32}"]),
-        (("bench", "model", "--help"), ["(default: 128 1024 4096)", "(default: fp32 bf16)"]),
+        (("bench", "model", "--help"), ["(default: 128 1024 4096; with --tp: 512)", "(default: fp32 bf16)"]),
     ],
 )
 def test_help_texts(capsys, args, shown):
