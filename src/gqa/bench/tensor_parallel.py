@@ -51,7 +51,7 @@ def tp_rank(path: str | None, dtype_name: str, contexts: list[int], new_tokens: 
                 "context": context, "prefill_tok_s": context / prefill, "decode_tok_s": 1 / statistics.median(steps),
                 "allreduce_share": ReducingLinear.seconds / sum(steps),
             })  # fmt: skip
-    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head counted once
     return {
         "rank": dist.get_rank() if sharded else 0,
         "heads": [cfg.num_heads, cfg.num_kv_heads],

@@ -219,7 +219,7 @@ class ReducingLinear(Linear):
 def shard_model(cfg: ModelConfig, state: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None) -> CausalLM:
     """This process's part of the model in ``group`` (default: the whole world), ready to run in step with the other
     ranks: a ``CausalLM`` with the local config, ``o_proj``/``down_proj`` all-reducing, and ``model.shard`` (a
-    ``RankShard``) and ``model.full_config`` describing the whole."""
+    ``RankShard``) saying what part of the whole it holds."""
     from .llama import CausalLM
 
     if not dist.is_initialized():
@@ -235,5 +235,4 @@ def shard_model(cfg: ModelConfig, state: dict[str, torch.Tensor], group: dist.Pr
             reducing.weight, reducing.group = linear.weight, group  # the same parameter, under the same name
             setattr(parent, name, reducing)
     model.shard = shard
-    model.full_config = cfg
     return model
