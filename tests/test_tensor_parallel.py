@@ -335,3 +335,27 @@ def test_bench_model_tp(tmp_path):
     assert all(r["weight_bytes"] < one["weight_bytes"] for r in two)
     assert 0 < two[0]["rows"][0]["allreduce_share"] < 1 and two[0]["rows"][0]["decode_tok_s"] > 0
     assert "| fp32 | 2 | 8 |" in (tmp_path / "tp.md").read_text()
+
+
+def test_bad_tp_flags_and_timeout_are_clear_errors(monkeypatch, capsys):
+    """``--tp 0``, a non-positive ``GQA_DIST_TIMEOUT`` and ``--tp`` with options it does not take: errors naming
+    them, before any process is started."""
+    from gqa.cli import main as cli
+    from gqa.cli import parallel
+    from gqa.distributed import timeout_seconds
+
+    monkeypatch.setattr(parallel, "launch_local", lambda *a, **k: pytest.fail("launched"))
+    assert cli(["generate", "hi", "--tp", "0"]) == 2
+    assert "--tp must be >= 1, got 0" in capsys.readouterr().err
+    for bad in ("0", "-5", "soon"):
+        monkeypatch.setenv("GQA_DIST_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"GQA_DIST_TIMEOUT must be a positive number of seconds, got '{bad}'"):
+            timeout_seconds()
+    monkeypatch.setenv("GQA_DIST_TIMEOUT", "12.5")
+    assert timeout_seconds() == 12.5
+    with pytest.raises(SystemExit):
+        cli(["bench", "model", "--tp", "1", "2", "--kv-heads", "1"])
+    assert "--plot, --kv-heads and --engines do not apply" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli(["bench", "model", "--tp", "0"])
+    assert "--tp must be positive, got [0]" in capsys.readouterr().err
