@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .quantized import QuantizedLinear, quantized_linears
 
 # Up to this many rows of x the native GEMV streams the weight once for all of them; more rows is a GEMM, MKL's job.
 KERNEL_MAX_ROWS = 8
@@ -46,8 +47,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def linears(x: torch.Tensor, layers: Sequence[nn.Linear]) -> list[torch.Tensor]:
     """``[layer(x) for layer in layers]`` — in one kernel call (one pass of the threads over all the weights) where
-    the native kernel applies to every layer, e.g. q/k/v or gate/up projections of one decoded token."""
-    if not all(uses_kernel(x, layer.weight, layer.bias) for layer in layers):
+    the native kernel applies to every layer, e.g. q/k/v or gate/up projections of one decoded token; quantized
+    layers (``gqa.quantized.QuantizedLinear``) through the quantized kernel."""
+    if all(isinstance(layer, QuantizedLinear) for layer in layers):
+        return quantized_linears(x, list(layers))
+    if not all(isinstance(layer, nn.Linear) and uses_kernel(x, layer.weight, layer.bias) for layer in layers):
         return [layer(x) for layer in layers]
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (N, in)
     outs = torch.ops.gqa.linear_rows_n(rows, [m.weight for m in layers], [m.bias for m in layers])  # [(N, out_i)]

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._atomic import atomic_path
+from ..hardware import fast_bf16
 
 __all__ = [
     "PRECISIONS",
@@ -48,12 +49,6 @@ PRECISIONS = ("auto", "bf16", "fp32")  # bf16: the passes under bfloat16 autocas
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def _cpu_has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX tiles); PyTorch emulates it elsewhere."""
-    cpu = torch.cpu
-    return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-
-
 def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str:
     """The precision healing runs in on ``device``: ``"bf16"`` or ``"fp32"`` as given, and for ``"auto"``, ``"bf16"``
     where the hardware multiplies bfloat16 natively (a CUDA GPU that supports it; a CPU with AVX512-BF16 or AMX),
@@ -62,10 +57,7 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
         raise ValueError(f"heal precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
     if precision != "auto":
         return precision
-    device = torch.device(device)
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    return "bf16" if device.type == "cpu" and _cpu_has_fast_bf16() else "fp32"
+    return "bf16" if fast_bf16(device) else "fp32"
 
 
 @dataclass(frozen=True)

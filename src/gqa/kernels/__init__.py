@@ -1,4 +1,4 @@
-"""Native CPU kernels (``csrc/cpu_kernels.cpp``), compiled once on the machine that runs them.
+"""Native CPU kernels (``csrc/*.cpp``), compiled once on the machine that runs them.
 
 The library is pure Python and works without them; where they are built, ``gqa.ops`` and the ``fused`` attention
 backend use them. They are built with the machine's C++ compiler (``-O3 -march=native``, OpenMP threads through
@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 NAME = "gqa_cpu_kernels"
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "quantized.cpp")  # attention, float GEMV, decode ops; quantized GEMV
+HEADERS = (CSRC / "simd.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
 LDFLAGS = ("-fopenmp",)
 
@@ -31,7 +33,8 @@ _simd = 0  # gqa::simd_width() of the loaded library, read once: vectorized() ru
 
 def _key() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode()):
+    sources = [path.read_bytes() for path in SOURCES + HEADERS]
+    for part in (*sources, " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode()):
         digest.update(part)
     digest.update((platform.machine() + platform.processor() + _cpu_flags()).encode())
     return digest.hexdigest()[:16]
@@ -66,7 +69,7 @@ def build(verbose: bool = False) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     load(
         name=NAME,
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in SOURCES],
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),
         build_directory=str(directory),
@@ -144,3 +147,13 @@ def _register_fakes() -> None:
         causal: bool,
     ) -> torch.Tensor:
         return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+
+    @torch.library.register_fake("gqa::qlinear_rows_n")
+    def _qlinear_rows_n(
+        x: torch.Tensor, blocks: list[torch.Tensor], formats: list[int], biases: list[torch.Tensor | None]
+    ) -> list[torch.Tensor]:
+        return [x.new_empty(x.shape[0], b.shape[0]) for b in blocks]
+
+    @torch.library.register_fake("gqa::dequantize_rows")
+    def _dequantize_rows(blocks: torch.Tensor, format: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+        return blocks.new_empty(blocks.shape[0], K, dtype=dtype)

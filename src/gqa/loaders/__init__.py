@@ -58,7 +58,9 @@ def resolve_model_path(path: str | Path | None) -> Path:
     raise ValueError(f"{path}: neither an HF checkpoint folder (no config.json) nor a folder with a .gguf file")
 
 
-def read_model(path: str | Path | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_model(
+    path: str | Path | None = None, *, keep_quantized: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a model's config and weights.
 
     Parameters
@@ -70,7 +72,8 @@ def read_model(path: str | Path | None = None) -> tuple[ModelConfig, dict[str, t
     Returns
     -------
     (ModelConfig, dict[str, Tensor]) : float32 tensors by HF name (``model.layers.{i}.self_attn.q_proj.weight``:
-    ``(H_q * D, hidden)``, ...); ``lm_head.weight`` only when not tied to the embedding.
+    ``(H_q * D, hidden)``, ...); ``lm_head.weight`` only when not tied to the embedding. ``keep_quantized``: a
+    GGUF's Q8_0/Q4_0/Q4_1 weights come as ``gqa.quantized.QuantizedTensor`` (``read_gguf``).
 
     Raises
     ------
@@ -78,7 +81,7 @@ def read_model(path: str | Path | None = None) -> tuple[ModelConfig, dict[str, t
         With the offending file and what is wrong with it.
     """
     resolved = resolve_model_path(path)
-    return read_hf_dir(resolved) if resolved.is_dir() else read_gguf(resolved)
+    return read_hf_dir(resolved) if resolved.is_dir() else read_gguf(resolved, keep_quantized=keep_quantized)
 
 
 def read_config(path: str | Path | None = None) -> ModelConfig:

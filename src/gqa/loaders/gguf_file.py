@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from ..models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from ..quantized import FORMATS, QuantizedTensor
 from .expected import check_tensors
 
 _Q = GGMLQuantizationType
@@ -168,13 +169,15 @@ def _to_torch(t: ReaderTensor, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_gguf(path: str | Path, *, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
     """Read a llama/qwen2 GGUF file.
 
     Returns
     -------
     (ModelConfig, dict) : the config, and HF-named float32 tensors in torch layout (``lm_head.weight`` only when the
-    file has ``output.weight``); llama q/k rows are put back in HF order.
+    file has ``output.weight``); llama q/k rows are put back in HF order. With ``keep_quantized``, 2-D weights stored
+    as Q8_0, Q4_0 or Q4_1 come as ``gqa.quantized.QuantizedTensor`` (their blocks as they are, rows reordered like
+    the float ones) instead of float tensors.
 
     Raises
     ------
@@ -202,12 +205,17 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     shapes = {name: tuple(int(n) for n in reversed(t.shape.tolist())) for name, t in by_name.items()}
     check_tensors(cfg, shapes, str(path))
 
-    tensors = {}
+    tensors: dict[str, Any] = {}
     for name, t in by_name.items():
-        w = _to_torch(t, shapes[name])
+        if keep_quantized and t.tensor_type.name.lower() in FORMATS and len(shapes[name]) == 2:
+            w = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(shapes[name][0], -1)  # (M, blocks bytes)
+        else:
+            w = _to_torch(t, shapes[name])
         if cfg.arch == "llama" and ".q_proj." in name:
             w = unpermute_qk(w, cfg.num_heads)
         elif cfg.arch == "llama" and ".k_proj." in name:
             w = unpermute_qk(w, cfg.num_kv_heads)
+        if w.dtype == torch.uint8:
+            w = QuantizedTensor(w.contiguous(), FORMATS[t.tensor_type.name.lower()], shapes[name])
         tensors[name] = w
     return cfg, tensors

@@ -15,6 +15,7 @@ from ..cache import StaticKVCache
 from ..linear import Linear, linears
 from ..masks import padding_mask
 from ..rope import RoPE
+from . import decode_step
 from .config import ModelConfig
 
 
@@ -122,11 +123,12 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The float dtype of activations, norms and caches (the weights' too unless they are quantized)."""
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device
 
     def generate(self, prompts: list | torch.Tensor, **kwargs: object) -> list:
         """Generate continuations of token-id prompts (a list of ints or a 1-D tensor, or a batch of them); see
@@ -171,6 +173,8 @@ class CausalLM(nn.Module):
             low, high = int(input_ids.min()), int(input_ids.max())
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(f"input_ids must be in [0, {self.config.vocab_size}), got values in [{low}, {high}]")
+        if attention_mask is None and position_ids is None and decode_step.applies(self, input_ids, caches):
+            return decode_step.decode_step(self, input_ids, caches)  # the native one-token step (decode_step.py)
         mask = None
         if attention_mask is not None:
             if caches is not None:

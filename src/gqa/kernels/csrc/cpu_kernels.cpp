@@ -21,141 +21,11 @@
 // it (-march=native): AVX-512 (16 lanes; vdpbf16ps for bf16 with AVX512-BF16) or AVX2 with FMA (8 lanes); plain loops
 // otherwise. gqa::simd_width() says which was built.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <limits>
-#include <type_traits>
-#include <vector>
-
-#if defined(__AVX512F__)
-#define GQA_SIMD 16
-#elif defined(__AVX2__) && defined(__FMA__)
-#define GQA_SIMD 8
-#else
-#define GQA_SIMD 1
-#endif
-
-#if GQA_SIMD > 1
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-using at::BFloat16;
-
-inline float to_float(float x) { return x; }
-inline float to_float(BFloat16 x) { return static_cast<float>(x); }
-
-// The kernels below are written once against this small vector layer: a `vec` holds LANES floats.
-#if GQA_SIMD == 16
-using vec = __m512;
-constexpr int LANES = 16;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vset(float x) { return _mm512_set1_ps(x); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vec vload(const BFloat16* p) {  // bf16 -> f32 is a 16-bit left shift
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }  // a > b ? a : b: NaN in either gives b
-inline vec vmax_nan(vec m, vec x) {  // max(m, x) that keeps a NaN of either (so NaN scores give NaN, as in torch)
-  return _mm512_mask_mov_ps(_mm512_max_ps(x, m), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
-}
-inline float vmaxof(vec x) { return _mm512_reduce_max_ps(x); }
-inline bool vany_nan(vec x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0; }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
-inline vec vfnma(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
-inline float vsum(vec x) { return _mm512_reduce_add_ps(x); }
-inline vec vround(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline vec vpow2(vec p, vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
-
-// Lane i of the result = the sum of the 16 lanes of a[i]: a transposing reduction, ~3 instructions per key instead
-// of a full horizontal sum per (row, key).
-inline vec reduce_lanes(vec* a) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));  // float adds: the pd ops only move pairs
-  }
-  // c[i], 128-bit lane j: partial sums of keys 4i..4i+3 over lane j. Sum the four 128-bit lanes.
-  __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-  __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
-}
-#elif GQA_SIMD == 8
-using vec = __m256;
-constexpr int LANES = 8;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vset(float x) { return _mm256_set1_ps(x); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vec vload(const BFloat16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }  // a > b ? a : b: NaN in either gives b
-inline vec vmax_nan(vec m, vec x) {  // max(m, x) that keeps a NaN of either (so NaN scores give NaN, as in torch)
-  return _mm256_blendv_ps(_mm256_max_ps(x, m), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-}
-inline float vmaxof(vec x) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-inline bool vany_nan(vec x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0; }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vfnma(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
-inline float vsum(vec x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-inline vec vround(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline vec vpow2(vec p, vec n) {  // p * 2^n through the exponent bits; n in [-126, 127] (vexp's clamp keeps it so)
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-// Lane i of the result = the sum of the 8 lanes of a[i] (two rounds of pairwise adds, then the 128-bit halves).
-inline vec reduce_lanes(vec* a) {
-  const __m256 c0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 c1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
-}
-#endif
-
-#if GQA_SIMD > 1
-// exp(x) for x <= 0 (softmax arguments), relative error ~2e-7; x is clamped at -87 (exp = 1.6e-38). NaN stays NaN.
-inline vec vexp(vec x) {
-  x = vmax(vset(-87.0f), x);  // the operand order lets a NaN through
-  const vec n = vround(vmul(x, vset(1.44269504088896341f)));
-  vec r = vfnma(n, vset(0.693359375f), x);  // x - n ln 2 in two parts
-  r = vfnma(n, vset(-2.12194440e-4f), r);
-  vec p = vset(1.9875691500e-4f);
-  p = vfma(p, r, vset(1.3981999507e-3f));
-  p = vfma(p, r, vset(8.3334519073e-3f));
-  p = vfma(p, r, vset(4.1665795894e-2f));
-  p = vfma(p, r, vset(1.6666665459e-1f));
-  p = vfma(p, r, vset(5.0000001201e-1f));
-  p = vfma(p, vmul(r, r), vadd(r, vset(1.0f)));
-  return vpow2(p, n);
-}
-#endif
+using namespace gqa_simd;
 
 // ---------------------------------------------------------------------------------------------------------------
 // linear_rows
@@ -461,7 +331,7 @@ struct MaskView {
 
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const MaskView& mask,
-                           float scale, int64_t L, bool causal, at::Tensor& out) {
+                           float scale, int64_t L, bool causal, at::Tensor& out, const int64_t* start = nullptr) {
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = k.size(2), Dv = v.size(3);
   const int64_t G = R / L;
   const int64_t threads = at::get_num_threads();
@@ -501,8 +371,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       std::fill(m, m + R, NEG_INF);
       std::fill(l, l + R, 0.0f);
       std::fill(acc, acc + R * Dv, 0.0f);
+      const int64_t first = start ? std::max(j_begin, start[b]) : j_begin;  // left padding: slots before start[b]
 
-      for (int64_t c0 = j_begin; c0 < j_end; c0 += CHUNK) {
+      for (int64_t c0 = first; c0 < j_end; c0 += CHUNK) {
         const int64_t n = std::min(CHUNK, j_end - c0);
 #if GQA_SIMD > 1
         // Prefetch the K/V rows PREFETCH_CHUNKS chunks ahead: the hardware prefetcher alone leaves bandwidth unused.
@@ -639,6 +510,145 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The rest of one decoded token's layer, each op one call instead of the handful of ATen ops (and their dispatch)
+// it replaces; rounding to x's dtype happens where the eager PyTorch code rounds, so results match it.
+
+// y = w * T(x / rms(x)), the rms in float32 (HF's RMSNorm). x (N, E), w (E,), both of one dtype.
+template <typename T>
+void rms_norm_impl(const T* x, const T* w, T* y, int64_t N, int64_t E, float eps) {
+  for (int64_t n = 0; n < N; ++n) {
+    const T* xn = x + n * E;
+    float ss = 0.0f;
+    for (int64_t e = 0; e < E; ++e) ss += to_float(xn[e]) * to_float(xn[e]);
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(E) + eps);
+    for (int64_t e = 0; e < E; ++e)
+      y[n * E + e] = static_cast<T>(to_float(w[e]) * to_float(static_cast<T>(to_float(xn[e]) * r)));
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 1 && weight.is_contiguous() &&
+                  weight.size(0) == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "gqa::rms_norm: x must be contiguous (N, E) and weight (E,) of its dtype, got ", x.sizes(), " and ",
+              weight.sizes());
+  at::Tensor y = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_impl<float>(x.const_data_ptr<float>(), weight.const_data_ptr<float>(), y.mutable_data_ptr<float>(),
+                         x.size(0), x.size(1), static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gqa::rms_norm: float32 or bfloat16 only, got ", x.scalar_type());
+    rms_norm_impl<BFloat16>(x.const_data_ptr<BFloat16>(), weight.const_data_ptr<BFloat16>(),
+                            y.mutable_data_ptr<BFloat16>(), x.size(0), x.size(1), static_cast<float>(eps));
+  }
+  return y;
+}
+
+// y = T(silu(gate)) * up (SwiGLU), gate and up (N, F) of one dtype.
+template <typename T>
+void silu_mul_impl(const T* g, const T* u, T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = to_float(g[i]);
+    y[i] = static_cast<T>(to_float(static_cast<T>(x / (1.0f + std::exp(-x)))) * to_float(u[i]));
+  }
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.is_contiguous() && up.is_contiguous() &&
+                  gate.scalar_type() == up.scalar_type(),
+              "gqa::silu_mul: gate and up must be contiguous, of one shape and dtype, got ", gate.sizes(), " and ",
+              up.sizes());
+  at::Tensor y = at::empty_like(gate);
+  if (gate.scalar_type() == at::kFloat) {
+    silu_mul_impl<float>(gate.const_data_ptr<float>(), up.const_data_ptr<float>(), y.mutable_data_ptr<float>(),
+                         gate.numel());
+  } else {
+    TORCH_CHECK(gate.scalar_type() == at::kBFloat16, "gqa::silu_mul: float32 or bfloat16 only");
+    silu_mul_impl<BFloat16>(gate.const_data_ptr<BFloat16>(), up.const_data_ptr<BFloat16>(),
+                            y.mutable_data_ptr<BFloat16>(), gate.numel());
+  }
+  return y;
+}
+
+// Rotate one head vector (HF half-rotation RoPE over all D features) in float32: out = x cos + rotate_half(x) sin.
+template <typename T>
+inline void rope_row(const T* x, const float* cos, const float* sin, T* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -to_float(x[d + half]) : to_float(x[d - half]);
+    out[d] = static_cast<T>(to_float(x[d]) * cos[d] + rot * sin[d]);
+  }
+}
+
+template <typename T>
+void decode_attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& start,
+                        int64_t pos, float scale, at::Tensor& qr, at::Tensor& out) {
+  const int64_t B = key_cache.size(0), H = key_cache.size(1), D = key_cache.size(3), Dv = value_cache.size(3);
+  const int64_t Hq = q.size(1) / D;
+  const float* cp = cos.const_data_ptr<float>();
+  const float* sp = sin.const_data_ptr<float>();
+  T* kc = key_cache.mutable_data_ptr<T>();
+  T* vc = value_cache.mutable_data_ptr<T>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < Hq; ++h)
+      rope_row(q.const_data_ptr<T>() + b * Hq * D + h * D, cp + b * D, sp + b * D,
+               qr.mutable_data_ptr<T>() + (b * Hq + h) * D, D);
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t slot = b * key_cache.stride(0) + h * key_cache.stride(1) + pos * key_cache.stride(2);
+      rope_row(k.const_data_ptr<T>() + (b * H + h) * D, cp + b * D, sp + b * D, kc + slot, D);
+      const T* vs = v.const_data_ptr<T>() + (b * H + h) * Dv;
+      std::copy(vs, vs + Dv, vc + b * value_cache.stride(0) + h * value_cache.stride(1) + pos * value_cache.stride(2));
+    }
+  }
+  const at::Tensor keys = key_cache.narrow(2, 0, pos + 1), values = value_cache.narrow(2, 0, pos + 1);
+  const at::Tensor qv = qr.view({B, H, Hq / H, D});
+  decode_attention_impl<T>(qv, keys, values, MaskView{}, scale, 1, false, out, start.const_data_ptr<int64_t>());
+}
+
+// One decoded token's attention: RoPE on q and k, k and v written into slot `cursor` of the caches, the G query
+// heads of each KV head attending to slots [start[b], cursor] of row b; cursor += 1.
+// q (B, H_q * D), k (B, H_kv * D), v (B, H_kv * Dv), cos/sin (B, D) float32, caches (B, H_kv, C, D|Dv),
+// start (B,) int64, cursor () int64 -> (B, H_q * Dv).
+at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& start,
+                         at::Tensor cursor, double scale) {
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "gqa::decode_attend: caches must be (B, H_kv, C, D) with contiguous rows");
+  const int64_t B = key_cache.size(0), H = key_cache.size(1), C = key_cache.size(2), D = key_cache.size(3);
+  const int64_t Dv = value_cache.size(3);
+  TORCH_CHECK(D % 2 == 0, "gqa::decode_attend: head_dim must be even for RoPE, got ", D);
+  TORCH_CHECK(q.dim() == 2 && q.size(0) == B && q.size(1) % (D * H) == 0 && q.is_contiguous(),
+              "gqa::decode_attend: q must be contiguous (B, H_q * D) with H_kv | H_q, got ", q.sizes());
+  TORCH_CHECK(k.dim() == 2 && k.sizes() == at::IntArrayRef({B, H * D}) && k.is_contiguous() && v.dim() == 2 &&
+                  v.sizes() == at::IntArrayRef({B, H * Dv}) && v.is_contiguous(),
+              "gqa::decode_attend: k must be (B, H_kv * D) and v (B, H_kv * Dv), contiguous; got ", k.sizes(), ", ",
+              v.sizes());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  q.scalar_type() == key_cache.scalar_type() && q.scalar_type() == value_cache.scalar_type(),
+              "gqa::decode_attend: q, k, v and the caches must share a dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.sizes() == at::IntArrayRef({B, D}) && sin.sizes() == cos.sizes(),
+              "gqa::decode_attend: cos and sin must be contiguous float32 (B, D), got ", cos.sizes());
+  TORCH_CHECK(start.scalar_type() == at::kLong && start.is_contiguous() && start.sizes() == at::IntArrayRef({B}) &&
+                  cursor.scalar_type() == at::kLong && cursor.dim() == 0,
+              "gqa::decode_attend: start must be int64 (B,) and cursor an int64 scalar");
+  const int64_t pos = cursor.item<int64_t>();
+  TORCH_CHECK(pos >= 0 && pos < C, "gqa::decode_attend: the cache is full (", C, " slots)");
+  at::Tensor qr = at::empty_like(q);
+  at::Tensor out = at::empty({B, H, q.size(1) / (D * H), Dv}, q.options());
+  if (q.scalar_type() == at::kFloat) {
+    decode_attend_impl<float>(q, k, v, cos, sin, key_cache, value_cache, start, pos, static_cast<float>(scale), qr,
+                              out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "gqa::decode_attend: float32 or bfloat16 only");
+    decode_attend_impl<BFloat16>(q, k, v, cos, sin, key_cache, value_cache, start, pos, static_cast<float>(scale), qr,
+                                 out);
+  }
+  cursor.add_(1);
+  return out.view({B, -1});
+}
+
 int64_t simd_width() { return GQA_SIMD; }
 
 }  // namespace
@@ -650,10 +660,18 @@ TORCH_LIBRARY(gqa, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int query_len, bool causal) "
       "-> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def(
+      "decode_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor start, Tensor(c!) cursor, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gqa, CPU, m) {
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_rows_n", &linear_rows_n);
   m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("decode_attend", &decode_attend);
 }

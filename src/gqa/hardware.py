@@ -1,0 +1,22 @@
+"""What the machine multiplies fast: the ``"auto"`` dtype of ``gqa.load_model`` and the CLI, and healing's precision."""
+
+from __future__ import annotations
+
+import torch
+
+
+def fast_bf16(device: torch.device | str = "cpu") -> bool:
+    """Whether ``device`` multiplies bfloat16 natively: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or AMX
+    tiles (PyTorch emulates bf16 elsewhere, slower than float32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    cpu = torch.cpu
+    return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def auto_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """bfloat16 where ``device`` multiplies it natively (``fast_bf16``), else float32."""
+    return torch.bfloat16 if fast_bf16(device) else torch.float32

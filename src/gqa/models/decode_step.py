@@ -1,0 +1,66 @@
+"""The decode step users get by default on CPU: one new token per row through every layer with the native kernels.
+
+A decoded token is a few thousand multiply-adds per weight row and little else, so in eager PyTorch the ~100 small
+ATen ops per layer (norms, RoPE, the cache write, masks, reshapes, residual adds) cost as much as streaming the
+weights. Here a layer is seven calls: ``gqa::rms_norm``, one GEMV over q/k/v, ``gqa::decode_attend`` (RoPE, the cache
+write and grouped attention over each row's slots ``[start, cursor]``), the ``o_proj`` GEMV, ``gqa::rms_norm``, one
+GEMV over gate/up, ``gqa::silu_mul`` and the ``down_proj`` GEMV — float or block-quantized weights alike. Values round
+to the model's dtype where the eager code rounds, so it gives the eager path's results (tested against HF
+transformers); ``CausalLM.forward`` takes this path whenever it applies (``applies``) and the eager one otherwise.
+No compilation, so the first token is as fast as the rest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import kernels
+from ..cache import StaticKVCache
+from ..linear import linears
+
+MAX_ROWS = 8  # batch rows per step: up to this many the GEMVs stream each weight once for all of them
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def applies(model: torch.nn.Module, input_ids: torch.Tensor, caches: list | None) -> bool:
+    """Whether ``decode_step`` runs this call: one token per row (B <= 8) into static caches on CPU, float32 or
+    bfloat16, native kernels built, no autograd, eval mode, full half-rotation RoPE, not under ``torch.compile``,
+    and room left in the caches (a full cache goes the eager way, which says so)."""
+    if caches is None or input_ids.shape[1] != 1 or input_ids.shape[0] > MAX_ROWS or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() or model.training or model.dtype not in DTYPES or model.device.type != "cpu":
+        return False
+    rope = model.model.rope
+    if rope.interleaved or rope.rotary_dim != rope.head_dim or not kernels.vectorized():
+        return False
+    first = caches[0]
+    return (
+        isinstance(first, StaticKVCache)
+        and first.key.dtype == model.dtype
+        and first.key.shape[0] == input_ids.shape[0]
+        and first.seq_len < first.capacity
+    )
+
+
+def decode_step(model: torch.nn.Module, input_ids: torch.Tensor, caches: list[StaticKVCache]) -> torch.Tensor:
+    """Logits ``(B, 1, vocab)`` of ``input_ids (B, 1)``, appending each layer's K/V to its cache (``applies`` must
+    hold)."""
+    B = input_ids.shape[0]
+    backbone = model.model
+    cos, sin = backbone.rope.cos_sin(caches[0].positions(1))  # (B, 1, D) float32 each
+    cos, sin = cos.view(B, -1).contiguous(), sin.view(B, -1).contiguous()
+    x = backbone.embed_tokens(input_ids).view(B, -1)  # (B, E)
+    for layer, cache in zip(backbone.layers, caches, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        h = torch.ops.gqa.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        q, k, v = linears(h, (attn.q_proj, attn.k_proj, attn.v_proj))  # (B, H_q*D), (B, H_kv*D), (B, H_kv*D)
+        scale = 1.0 / math.sqrt(attn.head_dim)
+        a = torch.ops.gqa.decode_attend(q, k, v, cos, sin, cache.key, cache.value, cache.start, cache.cursor, scale)
+        x = x + attn.o_proj(a)
+        h = torch.ops.gqa.rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        gate, up = linears(h, (mlp.gate_proj, mlp.up_proj))  # (B, F) each
+        x = x + mlp.down_proj(torch.ops.gqa.silu_mul(gate, up))
+    x = torch.ops.gqa.rms_norm(x, backbone.norm.weight, backbone.norm.eps)
+    return model.lm_head(x).view(B, 1, -1)

@@ -1,0 +1,161 @@
+"""The native one-token decode step (``gqa.models.decode_step``), the path ``model.generate`` takes on CPU, against
+HF transformers models built from small random configs: logits at every decoded position, left-padded batches,
+float32 and bfloat16, quantized weights; and the cases it must leave to the eager path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import gqa
+from gqa import kernels
+from gqa.models import decode_step
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not kernels.vectorized(), reason="native SIMD kernels not built on this machine")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the calls that went through ``decode_step.decode_step`` (so a test knows the fast path ran)."""
+    calls = []
+    real = decode_step.decode_step
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_step, "decode_step", spy)
+    return calls
+
+
+def hf_model(tmp_path, arch: str, heads: int, kv_heads: int, head_dim: int):
+    cls, cfg_cls = {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+    }[arch]
+    torch.manual_seed(0)
+    hidden = 72 if heads % 3 == 0 else 64  # HF wants heads | hidden (head_dim is its own)
+    config = cfg_cls(
+        vocab_size=128, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=128, rope_theta=5000.0,
+        tie_word_embeddings=arch == "llama", eos_token_id=3, bos_token_id=1,
+    )  # fmt: skip
+    ref = cls(config).eval()
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    return ref
+
+
+def decode_logits(model, prompts: list[list[int]], steps: list[list[int]]) -> list[torch.Tensor]:
+    """Prefill left-padded ``prompts``, then feed ``steps[i]`` (one token per row) and collect each step's logits."""
+    from gqa.generation import _left_pad
+
+    ids, pads = _left_pad(prompts, 0, torch.device("cpu"))
+    caches = model.new_caches(len(prompts), ids.shape[1] + len(steps))
+    gqa.models.set_left_padding(caches, pads)
+    out = []
+    with torch.inference_mode():
+        model(ids, caches=caches, last_only=True)
+        for step in steps:
+            out.append(model(torch.tensor(step)[:, None], caches=caches)[:, 0])  # (B, vocab)
+    return out
+
+
+def hf_logits(ref, prompts: list[list[int]], steps: list[list[int]]) -> list[torch.Tensor]:
+    """HF's logits for the same tokens: each row's real tokens alone, whole sequence, no cache."""
+    out = []
+    with torch.inference_mode():
+        for i in range(len(steps)):
+            rows = [
+                ref(torch.tensor([p + [s[r] for s in steps[: i + 1]]])).logits[0, -1] for r, p in enumerate(prompts)
+            ]
+            out.append(torch.stack(rows))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("arch", "heads", "kv_heads", "head_dim"),
+    [("llama", 6, 2, 10), ("qwen2", 18, 6, 4), ("llama", 4, 4, 16), ("qwen2", 4, 1, 32)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoded_logits_match_hf_with_left_padding(tmp_path, counted, arch, heads, kv_heads, head_dim, dtype):
+    ref = hf_model(tmp_path, arch, heads, kv_heads, head_dim)
+    model = gqa.load_model(tmp_path, dtype=dtype, tokenizer=False)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 128, (n,), generator=g).tolist() for n in (3, 7, 1)]
+    steps = [torch.randint(4, 128, (3,), generator=g).tolist() for _ in range(5)]
+    ours = decode_logits(model, prompts, steps)
+    assert len(counted) == 5 and all(shape == (3, 1) for shape in counted)  # every step took the native path
+    theirs = hf_logits(ref, prompts, steps)
+    tol = 2e-4 if dtype == torch.float32 else 6e-2  # bf16: activations rounded to 8 bits per layer
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a.float(), b, atol=tol, rtol=tol)
+
+
+def test_native_step_equals_the_eager_step(tmp_path, monkeypatch):
+    """Both paths round where the other does: float32 results agree to float32 precision, bf16 up to the order of
+    float32 sums."""
+    hf_model(tmp_path, "qwen2", 6, 2, 16)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        model = gqa.load_model(tmp_path, dtype=dtype, tokenizer=False)
+        prompts, steps = [[5, 6, 7, 8], [9, 10]], [[11, 12], [13, 14], [15, 16]]
+        fast = decode_logits(model, prompts, steps)
+        with monkeypatch.context() as m:
+            m.setattr(decode_step, "applies", lambda *a: False)
+            eager = decode_logits(model, prompts, steps)
+        for a, b in zip(fast, eager, strict=True):
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+def test_quantized_model_decodes_natively_and_tracks_its_dequantized_self(tmp_path, counted):
+    from gqa.quantized import QuantizedLinear, quantize_model
+
+    hf_model(tmp_path, "llama", 4, 2, 16)
+    model = gqa.load_model(tmp_path, dtype=torch.float32, tokenizer=False)
+    quantize_model(model, "q8_0")
+    assert isinstance(model.model.layers[1].mlp.down_proj, QuantizedLinear)
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.blocks is model.model.embed_tokens.blocks
+    reference = gqa.load_model(tmp_path, dtype=torch.float64, tokenizer=False)
+    reference.load_state_dict(dequantized_state(model), strict=False)
+    prompts, steps = [[5, 6, 7], [8]], [[9, 10], [11, 12]]
+    ours = decode_logits(model, prompts, steps)
+    assert len(counted) == 2
+    theirs = decode_logits(reference, prompts, steps)
+    for a, b in zip(ours, theirs, strict=True):  # the only difference left: inputs quantized to int8 per block
+        assert (a.double() - b).abs().max() < 0.02 * b.abs().max()
+
+
+def dequantized_state(model) -> dict[str, torch.Tensor]:
+    from gqa.quantized import QuantizedEmbedding, QuantizedLinear, dequantize
+
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            K = module.in_features if isinstance(module, QuantizedLinear) else module.embedding_dim
+            state[f"{name}.weight"] = dequantize(module.blocks, module.format, K).double()
+    return state
+
+
+def test_cases_left_to_the_eager_path(tmp_path, counted):
+    hf_model(tmp_path, "llama", 4, 2, 16)
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    with torch.inference_mode():
+        caches = model.new_caches(9, 4)
+        model(torch.ones(9, 1, dtype=torch.long), caches=caches)  # 9 rows: more than the GEMV handles at once
+        caches = model.new_caches(1, 4)
+        model(torch.ones(1, 2, dtype=torch.long), caches=caches)  # two tokens: a prefill
+    caches = model.new_caches(1, 4)
+    model(torch.ones(1, 1, dtype=torch.long), caches=caches)  # autograd on
+    assert counted == []
+    with torch.inference_mode():
+        caches = model.new_caches(1, 2)
+        model(torch.ones(1, 1, dtype=torch.long), caches=caches)
+        model(torch.ones(1, 1, dtype=torch.long), caches=caches)
+        assert len(counted) == 2
+        # a full cache: the eager path's message, nothing written
+        with pytest.raises(ValueError, match=r"overflow: 1 new tokens after 2 cached exceed max_len 2"):
+            model(torch.ones(1, 1, dtype=torch.long), caches=caches)
+    assert len(counted) == 2 and caches[0].seq_len == 2

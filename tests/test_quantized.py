@@ -1,0 +1,158 @@
+"""Block-quantized weights (``gqa.quantized``): the kernels against ``gguf.quants`` (llama.cpp's reference
+quantizer/dequantizer) and float64 references, the modules, and the SmolLM2 Q4_1 GGUF kept quantized."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import gqa
+from gqa import kernels
+from gqa.quantized import (
+    FORMATS,
+    QuantizedLinear,
+    QuantizedTensor,
+    dequantize,
+    get_format,
+    quantize,
+    quantize_model,
+)
+
+gguf = pytest.importorskip("gguf")
+native = pytest.mark.skipif(not kernels.vectorized(), reason="native SIMD kernels not built on this machine")
+
+
+def reference_blocks(M: int, K: int, fmt: str, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    """Blocks made by gguf's quantizer, and gguf's own float64 dequantization of them ``(M, K)``."""
+    w = np.random.default_rng(seed).standard_normal((M, K)).astype(np.float32)
+    kind = gguf.GGMLQuantizationType[fmt.upper()]
+    blocks = gguf.quants.quantize(w, kind)
+    return torch.from_numpy(blocks.reshape(M, -1).copy()), gguf.quants.dequantize(blocks, kind).astype(np.float64)
+
+
+def quantized_inputs(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies: each 32-value block of ``x`` as int8 times ``max|block| / 127``, in float64."""
+    blocks = x.double().unflatten(-1, (-1, 32))
+    d = (blocks.abs().amax(-1, keepdim=True).float() / 127).double()  # the kernel's float32 scale
+    q = torch.where(d > 0, (blocks.float() * torch.where(d > 0, 1 / d.float(), 0)).round().double(), 0)
+    return (q * d).flatten(-2)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_is_ggufs_exactly(fmt, dtype):
+    blocks, ref = reference_blocks(37, 96, fmt)
+    out = dequantize(blocks, get_format(fmt), 96, dtype)
+    assert out.dtype == dtype and out.shape == (37, 96)
+    assert torch.equal(out, torch.from_numpy(ref).to(dtype))
+
+
+@native
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 5, 8])
+def test_quantized_gemv_against_float64(fmt, rows):
+    M, K = 37, 160  # odd row count, 5 blocks per row
+    blocks, ref = reference_blocks(M, K, fmt, seed=rows)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0.0  # an all-zero block (scale 0)
+    bias = torch.randn(M)
+    y = QuantizedLinear(QuantizedTensor(blocks, get_format(fmt), (M, K)), bias)(x)
+    w = torch.from_numpy(ref)
+    exact = quantized_inputs(x) @ w.T + bias.double()  # the kernel's arithmetic in float64
+    torch.testing.assert_close(y.double(), exact, atol=1e-4, rtol=1e-5)
+    plain = x.double() @ w.T + bias.double()  # and the plain product: within int8 rounding of the inputs
+    assert (y.double() - plain).abs().max() < 0.02 * plain.abs().max()
+
+
+@native
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_quantized_gemv_in_bfloat16_and_several_matrices_at_once(fmt):
+    from gqa.quantized import quantized_linears
+
+    blocks = {M: reference_blocks(M, 64, fmt, seed=M)[0] for M in (24, 8, 40)}
+    layers = [QuantizedLinear(QuantizedTensor(b, get_format(fmt), (M, 64))) for M, b in blocks.items()]
+    x = torch.randn(2, 3, 64).bfloat16()  # leading batch dims
+    outs = quantized_linears(x, layers)
+    for layer, out in zip(layers, outs, strict=True):
+        assert out.dtype == torch.bfloat16 and out.shape == (2, 3, layer.out_features)
+        exact = quantized_inputs(x.float()) @ dequantize(layer.blocks, layer.format, 64).double().T
+        torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_prefill_goes_through_the_dequantized_weight(fmt):
+    blocks, ref = reference_blocks(16, 64, fmt)
+    layer = QuantizedLinear(QuantizedTensor(blocks, get_format(fmt), (16, 64)))
+    x = torch.randn(3, 12, 64)  # 36 rows: a GEMM, no activation rounding
+    torch.testing.assert_close(layer(x).double(), x.double() @ torch.from_numpy(ref).T, atol=1e-4, rtol=1e-5)
+
+
+def test_quantize_matches_ggufs_quantizer_and_bad_inputs_are_named():
+    w = torch.randn(8, 64)
+    for fmt in FORMATS:
+        q = quantize(w, fmt)
+        assert q.blocks.shape == (8, 2 * FORMATS[fmt].block_bytes)
+        expected = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[fmt.upper()]).reshape(8, -1)
+        assert np.array_equal(q.blocks.numpy(), expected)
+    with pytest.raises(ValueError, match="unknown quantization format 'q5_k'; choose from q8_0, q4_0, q4_1"):
+        get_format("q5_k")
+    with pytest.raises(ValueError, match=r"K divisible by 32, got \(8, 48\)"):
+        quantize(torch.randn(8, 48), "q8_0")
+    with pytest.raises(ValueError, match=r"q4_0 blocks of a \(8, 64\) weight must be uint8 \(8, 36\), got torch.uint8"):
+        QuantizedTensor(torch.zeros(8, 34, dtype=torch.uint8), FORMATS["q4_0"], (8, 64))
+    layer = QuantizedLinear(quantize(w, "q8_0"))
+    with pytest.raises(ValueError, match=r"input of shape \(2, 32\) does not end in in_features=64"):
+        layer(torch.randn(2, 32))
+
+
+@pytest.fixture(scope="module")
+def smol_auto():
+    return gqa.load_model(dtype="auto")
+
+
+@native
+def test_smollm2_q4_1_stays_quantized_and_answers(smol_auto):
+    model = smol_auto
+    reader = gguf.GGUFReader(gqa.loaders.default_model_path())
+    file_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    layer = model.model.layers[0]
+    assert layer.mlp.gate_proj.format.name == "q4_1" and model.lm_head.format.name == "q8_0"
+    assert layer.mlp.gate_proj.blocks.nbytes == file_bytes["blk.0.ffn_gate.weight"]  # the file's bytes, no more
+    assert model.lm_head.blocks is model.model.embed_tokens.blocks  # tied: one copy
+    tok = model.tokenizer
+    answer = model.generate(tok.apply_chat("What is the capital of France?"), max_new_tokens=12)
+    assert "Paris" in tok.decode(answer)
+
+
+@native
+def test_smollm2_quantized_tracks_the_dequantized_float32_model(smol_auto):
+    """Same weights (the file's), the only difference: int8 inputs to each product (and bf16 activations where the
+    CPU has native bf16). Greedy tokens from prose prompts mostly agree."""
+    reference = gqa.load_model(dtype=torch.float32, tokenizer=False)
+    tok = smol_auto.tokenizer
+    agree = total = 0
+    for prompt in ("The capital of France is", "def fibonacci(n):", "Water boils at"):
+        ids = tok.encode(prompt)
+        a = smol_auto.generate(ids, max_new_tokens=8, eos_token_ids=[])
+        b = reference.generate(ids, max_new_tokens=8, eos_token_ids=[])
+        agree += next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 8)
+        total += 8
+    assert agree >= total // 2, f"{agree} of {total} leading tokens agree"
+
+
+@native
+def test_quantize_model_on_a_float_model():
+    from gqa.models import CausalLM, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)  # fmt: skip
+    model = CausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.inference_mode():
+        before = model(ids)
+        quantize_model(model, "q4_0")
+        after = model(ids)
+    assert model.model.layers[0].self_attn.q_proj.format.name == "q4_0" and model.lm_head.format.name == "q8_0"
+    assert (after - before).abs().max() < 0.15 * before.abs().max()
