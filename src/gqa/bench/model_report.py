@@ -10,9 +10,10 @@ from pathlib import Path
 
 from .plots import _pyplot, _save, check_plotting
 
-__all__ = ["check_plotting", "kind", "plot_model", "table"]
+__all__ = ["agreement", "check_plotting", "kind", "plot_model", "plot_throughput", "table", "throughput_table"]
 
-_STYLE = {"gqa": "-", "gqa-eager": ":", "hf": "--"}
+_STYLE = {"gqa": "-", "gqa-compile": ":", "hf": "--", "llama.cpp": "-."}
+ENGINE_ORDER = ("gqa", "gqa-compile", "hf", "llama.cpp")
 
 
 def kind(kv_heads: int, num_heads: int) -> str:
@@ -25,9 +26,10 @@ def _label(kv_heads: int, payload: dict) -> str:
 
 
 def table(payload: dict) -> str:
-    """Markdown: a row per (dtype, KV heads, context, engine); decode compared with HF at the same head count."""
+    """Markdown: a row per (dtype, KV heads, context, engine); decode compared with HF at the same head count and
+    dtype, or for block formats (no HF row) with llama.cpp; then the greedy-token agreement, if measured."""
     lines = [
-        "| dtype | KV heads | context | KV cache MiB | engine | prefill tok/s | decode tok/s | decode vs hf "
+        "| dtype | KV heads | context | KV cache MiB | engine | prefill tok/s | decode tok/s | decode vs baseline "
         "| peak RSS MiB |",
         "|---|---|---:|---:|---|---:|---:|---:|---:|",
     ]
@@ -36,20 +38,110 @@ def table(payload: dict) -> str:
     for dtype in dict.fromkeys(r["dtype"] for r in results):
         for n in dict.fromkeys(r["kv_heads"] for r in results):
             for i, context in enumerate(payload["args"]["contexts"]):
-                hf = by.get((n, "hf", dtype))
-                hf_decode = hf["rows"][i]["decode_tok_s"] if hf else None
-                for engine in ("gqa", "gqa-eager", "hf"):
+                base_name = next((e for e in ("hf", "llama.cpp") if (n, e, dtype) in by), None)
+                base = by[(n, base_name, dtype)]["rows"][i]["decode_tok_s"] if base_name else None
+                for engine in ENGINE_ORDER:
                     r = by.get((n, engine, dtype))
                     if r is None:
                         continue
                     row = r["rows"][i]
-                    ratio = f"{row['decode_tok_s'] / hf_decode:.2f}x" if hf_decode else "-"
+                    ratio = f"{row['decode_tok_s'] / base:.2f}x vs {base_name}" if base else "-"
                     cache = r["kv_bytes_per_token"] * context / 2**20
                     lines.append(
                         f"| {dtype} | {_label(n, payload)} | {context} | {cache:.1f} | {engine} | "
                         f"{row['prefill_tok_s']:.0f} | {row['decode_tok_s']:.1f} | {ratio} | {r['peak_rss_mib']:.0f} |"
                     )
+    text = "\n".join(lines)
+    agree = agreement(results)
+    return text + ("\n\n" + agree if agree else "")
+
+
+def agreement(results: list[dict]) -> str:
+    """How often gqa's greedy tokens equal llama.cpp's on the same file (rows that recorded ``greedy``)."""
+    theirs = next((r for r in results if r["engine"] == "llama.cpp" and r.get("greedy")), None)
+    if theirs is None:
+        return ""
+    lines = []
+    for r in results:
+        if r["engine"] == "llama.cpp" or not r.get("greedy") or r["dtype"] != theirs["dtype"]:
+            continue
+        pairs = list(zip(r["greedy"], theirs["greedy"], strict=True))
+        same = sum(a == b for a, b in pairs)
+        prefix = [_common_prefix(a, b) for a, b in pairs]
+        lines.append(
+            f"Greedy tokens, {r['engine']} {r['dtype']} vs llama.cpp on the same file: {same} of {len(pairs)} chat "
+            f"prompts identical (up to 32 tokens); matching prefix {sum(prefix) / len(prefix):.1f} tokens on average."
+        )
     return "\n".join(lines)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def throughput_table(payload: dict) -> str:
+    """Markdown: decode tokens/s per (dtype, KV heads, context, batch), the KV cache it holds, and the batch that
+    fits the budget marked."""
+    budget = payload["args"].get("kv_budget_gib")
+    lines = [
+        "| dtype | KV heads | context | batch | KV cache MiB | step ms | decode tok/s | vs batch 1 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in payload["results"]:
+        single = next((row["decode_tok_s"] for row in r["rows"] if row["batch"] == 1), None)
+        for row in r["rows"]:
+            mark = f" (largest in {budget:g} GiB)" if row.get("fits_budget") else ""
+            ratio = f"{row['decode_tok_s'] / single:.2f}x" if single else "-"
+            lines.append(
+                f"| {r['dtype']} | {_label(r['kv_heads'], payload)} | {row['context']} | {row['batch']}{mark} | "
+                f"{row['kv_cache_bytes'] / 2**20:.0f} | {row['step_s'] * 1e3:.1f} | {row['decode_tok_s']:.1f} | "
+                f"{ratio} |"
+            )
+    if budget:
+        best = {}
+        for r in payload["results"]:
+            for row in r["rows"]:
+                if row.get("fits_budget"):
+                    best[(r["dtype"], row["context"], r["kv_heads"])] = row["decode_tok_s"]
+        for (dtype, context, n), tok_s in best.items():
+            mha = best.get((dtype, context, payload["config"]["num_heads"]))
+            if mha and n != payload["config"]["num_heads"]:
+                lines += ["", f"{dtype}, context {context}, KV cache within {budget:g} GiB: {_label(n, payload)} "
+                          f"{tok_s:.0f} tok/s = {tok_s / mha:.1f}x MHA's {mha:.0f}"]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_throughput(payload: dict, path: Path) -> None:
+    """Decode tokens/s against batch size, a panel per context, a colour per KV head count; budget batches starred."""
+    plt = _pyplot()
+    results = payload["results"]
+    contexts = payload["args"]["contexts"]
+    counts = list(dict.fromkeys(r["kv_heads"] for r in results))
+    colour = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(counts)}
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5.0 * len(contexts), 4.2), squeeze=False)
+    for ax, context in zip(axes[0], contexts, strict=True):
+        for r in results:
+            rows = [row for row in r["rows"] if row["context"] == context]
+            if not rows:
+                continue
+            style = "o-" if r["dtype"] == results[0]["dtype"] else "s--"
+            ax.plot([row["batch"] for row in rows], [row["decode_tok_s"] for row in rows], style, ms=3,
+                    color=colour[r["kv_heads"]], label=f"{_label(r['kv_heads'], payload)} {r['dtype']}")  # fmt: skip
+            for row in rows:
+                if row.get("fits_budget"):
+                    ax.plot(row["batch"], row["decode_tok_s"], "*", ms=12, color=colour[r["kv_heads"]])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (sequences decoded together)")
+        ax.set_ylabel("tokens/s")
+        budget = payload["args"].get("kv_budget_gib")
+        note = f"; *: largest batch in {budget:g} GiB of KV cache" if budget else ""
+        ax.set_title(f"decode throughput, context {context}{note}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{payload['model']}: MHA vs GQA vs MQA at batch — {payload['machine']['cpu_model']}", fontsize=11)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
 
 
 def plot_model(payload: dict, path: Path) -> None:
@@ -87,7 +179,7 @@ def plot_model(payload: dict, path: Path) -> None:
         ax.set_xlabel("context (prompt tokens)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"{payload['model']}: MHA vs GQA vs MQA, gqa vs HF transformers — {payload['machine']['cpu_model']}",
+    fig.suptitle(f"{payload['model']}: MHA vs GQA vs MQA; gqa, HF, llama.cpp — {payload['machine']['cpu_model']}",
                  fontsize=11)  # fmt: skip
     fig.tight_layout()
     _save(fig, path)

@@ -4,15 +4,20 @@ engine, dtype), so that each one's peak memory (max RSS) is its own.
 
 Engines:
 
-* ``gqa`` — ``gqa.load_model``; decode steps through static KV caches, compiled with ``torch.compile``;
-* ``gqa-eager`` — the same without compilation;
+* ``gqa`` — ``gqa.load_model`` and generation as a user gets it by default (on CPU the native decode step);
+* ``gqa-compile`` — the same with ``compile=True`` (``torch.compile``; compiled outside the timing);
 * ``hf`` — ``transformers`` ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (default SDPA attention) holding the very
-  same tensors, driven by its own ``generate``.
+  same tensors, driven by its own ``generate``;
+* ``llama.cpp`` — ``llama-cpp-python`` on the GGUF file itself (its own quantization; an optional extra).
+
+Dtypes: ``fp32``, ``bf16``, or a block format (``q8_0``, ``q4_0``, ``q4_1``): the GGUF's own blocks when the file is
+in that format, else the float weights quantized to it; activations in ``gqa.hardware.auto_dtype()``.
 
 Per context ``C``: prefill = one forward over a ``C``-token prompt (batch 1) that returns the last position's logits
 (as generation needs); decode = one over the median time between consecutive new tokens (``N`` new tokens give ``N - 1``
 intervals), from the wall-clock time at which each came out of generation (our ``generate_stream``; HF's
-``streamer``); ``decode_mean_tok_s`` is ``(N - 1) / (t_N - t_1)``.
+``streamer``); ``decode_mean_tok_s`` is ``(N - 1) / (t_N - t_1)``. With ``--batch``: decode throughput instead (see
+``run_throughput``). ``--greedy``: also the greedy tokens of a few chat prompts (agreement between engines).
 """
 
 from __future__ import annotations
@@ -28,7 +33,16 @@ from pathlib import Path
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ENGINES = ("gqa", "gqa-eager", "hf")
+QUANTIZED = ("q8_0", "q4_0", "q4_1")
+ENGINES = ("gqa", "gqa-compile", "hf", "llama.cpp")
+GREEDY_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in one sentence.",
+    "List three primary colours.",
+    "What is 12 times 7?",
+    "Who wrote Romeo and Juliet?",
+)
 
 
 def prompt(context: int, vocab: int, seed: int = 0) -> list[int]:
@@ -37,31 +51,77 @@ def prompt(context: int, vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(min(10, vocab - 1), vocab, (context,), generator=g).tolist()
 
 
-def run_gqa(path: str | None, dtype: torch.dtype, contexts: list[int], new: int, compiled: bool) -> tuple[int, list]:
+def load_gqa(path: str | None, dtype: str):
+    """The model as ``gqa`` loads it for ``dtype`` (a float dtype, or a block format: see the module docstring)."""
     import gqa
+    from gqa.quantized import QuantizedLinear
+
+    if dtype not in QUANTIZED:
+        return gqa.load_model(path, dtype=DTYPES[dtype], tokenizer=False)
+    model = gqa.load_model(path, dtype="auto", tokenizer=False)
+    layer = model.model.layers[0].mlp.down_proj
+    if not (isinstance(layer, QuantizedLinear) and layer.format.name == dtype):
+        model = gqa.load_model(path, dtype="auto", tokenizer=False, quantize=dtype)
+    return model
+
+
+def run_gqa(path: str | None, dtype: str, contexts: list[int], new: int, compiled: bool) -> tuple[int, list]:
     from gqa.generation import generate_stream
 
-    model = gqa.load_model(path, dtype=dtype, tokenizer=False)
-    step = torch.compile(lambda tok, caches: model(tok, caches=caches)) if compiled else None
+    model = load_gqa(path, dtype)
     rows = []
     with torch.inference_mode():
+        model.generate([5, 6, 7], max_new_tokens=3, eos_token_ids=[])  # first-call costs outside the timing
         for context in contexts:
             ids = prompt(context, model.config.vocab_size)
-            if step is not None:  # compile (or re-specialise) for this cache size outside the timing
-                model.generate(ids[:8], max_new_tokens=3, eos_token_ids=[], step_fn=step)
-                caches = model.new_caches(1, context + new)
-                model(torch.tensor([ids]), caches=caches, last_only=True)
-                for _ in range(2):
-                    step(torch.tensor([[ids[-1]]]), caches)
+            if compiled:  # compile (or re-specialise) for this cache bucket outside the timing
+                model.generate(ids, max_new_tokens=new, eos_token_ids=[], compile=True)
             start = time.perf_counter()
             model(torch.tensor([ids]), caches=model.new_caches(1, context + new), last_only=True)
             prefill = time.perf_counter() - start
             stamps = []
-            for _ in generate_stream(model, [ids], max_new_tokens=new, eos_token_ids=[], step_fn=step):
+            for _ in generate_stream(model, [ids], max_new_tokens=new, eos_token_ids=[], compile=compiled):
                 stamps.append(time.perf_counter())
             assert len(stamps) == new
             rows.append(_row(context, prefill, stamps))
     return model.config.num_kv_heads, rows
+
+
+def run_throughput(path: str | None, dtype: str, contexts: list[int], new: int, batches: list[int]) -> tuple[int, list]:
+    """Decode throughput of ``B`` sequences at once, for each batch size and context: the caches are filled with
+    random keys/values up to the context (decode time does not depend on their values, and a real prefill of 32 x 4k
+    tokens would take minutes here), then ``new`` steps of ``B`` greedy tokens run through ``model(...)`` as
+    ``generate`` calls it; tokens/s = ``B`` / the median step time."""
+    model = load_gqa(path, dtype)
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for context in contexts:
+            for batch in batches:
+                caches = model.new_caches(batch, context + new)
+                for cache in caches:
+                    cache.key.normal_(generator=g)
+                    cache.value.normal_(generator=g)
+                    cache.cursor.fill_(context)
+                tokens = torch.randint(10, model.config.vocab_size, (batch, 1), generator=g)
+                stamps = [time.perf_counter()]
+                for _ in range(new):
+                    tokens = model(tokens, caches=caches)[:, -1].argmax(-1, keepdim=True)
+                    stamps.append(time.perf_counter())
+                step = statistics.median(b - a for a, b in itertools.pairwise(stamps))
+                kv = sum(c.nbytes for c in caches)
+                rows.append({"context": context, "batch": batch, "new_tokens": new, "step_s": step,
+                             "decode_tok_s": batch / step, "kv_cache_bytes": kv})  # fmt: skip
+                del caches
+    return model.config.num_kv_heads, rows
+
+
+def greedy_tokens(path: str | None, generate: object) -> list[list[int]]:
+    """``generate(prompt_ids) -> new ids`` on ``GREEDY_PROMPTS`` (chat template of the model's tokenizer)."""
+    import gqa
+
+    tok = gqa.load_tokenizer(path)
+    return [generate(tok.apply_chat(p)) for p in GREEDY_PROMPTS]
 
 
 def run_hf(path: str | None, dtype: torch.dtype, contexts: list[int], new: int) -> tuple[int, list]:
@@ -135,25 +195,77 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def run_llama_cpp(path: str | None, contexts: list[int], new: int) -> tuple[int, list, object]:
+    """llama.cpp (``llama-cpp-python``) on the GGUF file itself, as many threads as torch uses here."""
+    from llama_cpp import Llama
+
+    from gqa.loaders import resolve_model_path
+
+    file = resolve_model_path(path)
+    if file.is_dir():
+        raise ValueError(f"{file}: llama.cpp runs GGUF files, not HF folders")
+    threads = torch.get_num_threads()
+    llm = Llama(model_path=str(file), n_ctx=max(contexts) + new + 64, n_batch=512, n_threads=threads,
+                n_threads_batch=threads, verbose=False)  # fmt: skip
+    vocab = llm.n_vocab()
+    rows = []
+    llm.eval([5, 6, 7])  # first-call costs outside the timing
+    for context in contexts:
+        ids = prompt(context, vocab)
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(ids)
+        prefill = time.perf_counter() - start
+        llm.reset()
+        stamps = []
+        for _ in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) == new:
+                break
+        rows.append(_row(context, prefill, stamps))
+
+    def generate(ids: list[int]) -> list[int]:
+        llm.reset()
+        out = []
+        for t in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            out.append(int(t))
+            if len(out) == 32 or t == llm.token_eos():
+                return out
+        return out
+
+    return int(llm.metadata.get(f"{llm.metadata['general.architecture']}.attention.head_count_kv", 0)), rows, generate
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gqa.bench.model_worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("engine", choices=ENGINES)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--dtype", choices=[*DTYPES, *QUANTIZED], default="fp32")
     parser.add_argument("--contexts", type=int, nargs="+", required=True)
     parser.add_argument("--new-tokens", type=int, required=True)
+    parser.add_argument("--batch", type=int, nargs="+", default=None, help="decode throughput at these batch sizes")
+    parser.add_argument("--greedy", action="store_true", help="also greedy tokens of GREEDY_PROMPTS")
     ns = parser.parse_args(argv)
     torch.manual_seed(0)
-    dtype = DTYPES[ns.dtype]
-    if ns.engine == "hf":
-        kv_heads, rows = run_hf(ns.model, dtype, ns.contexts, ns.new_tokens)
+    greedy = None
+    if ns.batch is not None:
+        kv_heads, rows = run_throughput(ns.model, ns.dtype, ns.contexts, ns.new_tokens, ns.batch)
+    elif ns.engine == "hf":
+        kv_heads, rows = run_hf(ns.model, DTYPES[ns.dtype], ns.contexts, ns.new_tokens)
+    elif ns.engine == "llama.cpp":
+        kv_heads, rows, generate = run_llama_cpp(ns.model, ns.contexts, ns.new_tokens)
+        greedy = greedy_tokens(ns.model, generate) if ns.greedy else None
     else:
-        kv_heads, rows = run_gqa(ns.model, dtype, ns.contexts, ns.new_tokens, compiled=ns.engine == "gqa")
+        compiled = ns.engine == "gqa-compile"
+        kv_heads, rows = run_gqa(ns.model, ns.dtype, ns.contexts, ns.new_tokens, compiled=compiled)
+        if ns.greedy:
+            model = load_gqa(ns.model, ns.dtype)
+            greedy = greedy_tokens(ns.model, lambda ids: model.generate(ids, max_new_tokens=32, compile=compiled))
     peak_mib = peak_rss_mib()
     from gqa import kernels
 
     print(json.dumps({"engine": ns.engine, "dtype": ns.dtype, "model_kv_heads": kv_heads, "peak_rss_mib": peak_mib,
-                      "native_kernels": kernels.available(), "rows": rows}))  # fmt: skip
+                      "native_kernels": kernels.available(), "rows": rows, "greedy": greedy}))  # fmt: skip
     return 0
 
 

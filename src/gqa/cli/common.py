@@ -38,6 +38,10 @@ def loading(what: str, *, timed: bool = True, quiet: bool = False) -> Iterator[N
         print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, dtype_help: str = "weight dtype") -> None:
+def add_model_arguments(
+    parser: argparse.ArgumentParser, dtype_help: str = "weight dtype", *, auto: bool = False
+) -> None:
+    """``--model`` and ``--dtype`` (default fp32; with ``auto``, the keyword ``auto`` is accepted and the default)."""
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
-    add_dtype_argument(parser, "--dtype", default="fp32", help=dtype_help)
+    keywords = ("auto",) if auto else ()
+    add_dtype_argument(parser, "--dtype", keywords=keywords, default="auto" if auto else "fp32", help=dtype_help)

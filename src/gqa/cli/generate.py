@@ -6,6 +6,10 @@ import argparse
 import sys
 import time
 
+import torch
+
+from ..models import decode_step
+from ..quantized import FORMATS
 from .common import add_model_arguments, loading, model_label
 from .dtypes import DTYPES
 from .parallel import add_tp_argument, is_lead, run_on_ranks
@@ -13,7 +17,21 @@ from .parallel import add_tp_argument, is_lead, run_on_ranks
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt (a user message, or plain text with --raw)")
-    add_model_arguments(parser)
+    add_model_arguments(
+        parser,
+        "weight dtype; auto (default): bf16 where the CPU multiplies bf16 natively (AVX512-BF16/AMX), else fp32, and "
+        "a GGUF's q8_0/q4_0/q4_1 weights stay quantized; a float dtype dequantizes them",
+        auto=True,
+    )
+    parser.add_argument(
+        "--quantize", choices=sorted(FORMATS), default=None,
+        help="quantize the layers' weights to this block format after loading (embeddings and output: q8_0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="decode through torch.compile (compiled once per cache size, kept on disk; ~10 s per process even when "
+        "cached). Off by default: the native CPU decode step is as fast without the wait",
+    )  # fmt: skip
     parser.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
     parser.add_argument("--system", default=None, help="system message for the chat template (default: none)")
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="stop after N new tokens")
@@ -29,7 +47,10 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         help="with T > 0: sample from the most likely tokens that make up probability P (default: off)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=None, help="with T > 0: random seed (default: unseeded)")
-    parser.add_argument("--stats", action="store_true", help="print prefill/decode tokens per second to stderr")
+    parser.add_argument(
+        "--stats", action="store_true",
+        help="print prefill/decode tokens per second, and what ran (decode path, dtype, weights), to stderr",
+    )  # fmt: skip
     add_tp_argument(parser)
 
 
@@ -62,8 +83,12 @@ def generate_text(ns: argparse.Namespace) -> int:
     from ..generation import generate_stream
 
     lead = is_lead()
-    with loading(f"{model_label(ns.model)} as {ns.dtype}", quiet=not lead):
-        model = load_model(ns.model, dtype=DTYPES[ns.dtype], tensor_parallel=getattr(ns, "sharded", False))
+    dtype = ns.dtype if ns.dtype == "auto" else DTYPES[ns.dtype]
+    quantize = getattr(ns, "quantize", None)
+    what = f"{model_label(ns.model)} as {ns.dtype}" + (f", quantized to {quantize}" if quantize else "")
+    with loading(what, quiet=not lead):
+        model = load_model(ns.model, dtype=dtype, tensor_parallel=getattr(ns, "sharded", False), quantize=quantize)
+    native_steps = decode_step.calls
     tok = model.tokenizer
     if ns.raw:
         prompt_ids = tok.encode(ns.prompt)
@@ -85,6 +110,7 @@ def generate_text(ns: argparse.Namespace) -> int:
         top_p=ns.top_p,
         seed=ns.seed,
         eos_token_ids=tok.eos_token_ids,
+        compile=getattr(ns, "compile", False),
     ):
         first = first or time.perf_counter()
         t = int(token[0])
@@ -107,4 +133,29 @@ def generate_text(ns: argparse.Namespace) -> int:
             f"{len(generated)} new tokens, decode {max(len(generated) - 1, 0) / max(decode_s, 1e-9):.1f} tok/s]",
             file=sys.stderr,
         )
+        path = (
+            "compiled (torch.compile)" if ns.compile else "native step" if decode_step.calls > native_steps else "eager"
+        )
+        print(f"[decode: {path}; activations {str(model.dtype).removeprefix('torch.')}; weights "
+              f"{describe_weights(model)}]", file=sys.stderr)  # fmt: skip
     return 0
+
+
+def describe_weights(model: torch.nn.Module) -> str:
+    """``"q4_1 63.3 MiB + q8_0 30.0 MiB + bfloat16 0.1 MiB"``: the resident bytes of the weights by storage format
+    (quantized blocks by format, float tensors by dtype; a tied tensor counted once)."""
+    from ..quantized import QuantizedEmbedding, QuantizedLinear
+
+    sizes: dict[str, int] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            tensors = [(module.format.name, module.blocks)]
+        else:
+            tensors = [(str(p.dtype).removeprefix("torch."), p) for p in module.parameters(recurse=False)]
+        for name, t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                sizes[name] = sizes.get(name, 0) + t.nbytes
+    parts = sorted(sizes.items(), key=lambda kv: -kv[1])
+    return " + ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in parts)

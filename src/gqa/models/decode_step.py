@@ -20,6 +20,7 @@ from .. import kernels
 from ..cache import StaticKVCache
 from ..linear import linears
 
+calls = 0  # steps run here since import (``gqa generate --stats`` says which path decoded)
 MAX_ROWS = 8  # batch rows per step: up to this many the GEMVs stream each weight once for all of them
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -47,6 +48,8 @@ def applies(model: torch.nn.Module, input_ids: torch.Tensor, caches: list | None
 def decode_step(model: torch.nn.Module, input_ids: torch.Tensor, caches: list[StaticKVCache]) -> torch.Tensor:
     """Logits ``(B, 1, vocab)`` of ``input_ids (B, 1)``, appending each layer's K/V to its cache (``applies`` must
     hold)."""
+    global calls
+    calls += 1
     B = input_ids.shape[0]
     backbone = model.model
     cos, sin = backbone.rope.cos_sin(caches[0].positions(1))  # (B, 1, D) float32 each
