@@ -18,6 +18,7 @@ from gqa.bench import model as bench_model
 from gqa.cli import build_parser
 from gqa.cli import eval as eval_command
 from gqa.cli import main as cli
+from gqa.hardware import auto_dtype
 
 ENV = os.environ | {"HF_HUB_OFFLINE": "1"}
 
@@ -33,6 +34,20 @@ def test_generate_chat_greedy():
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
     assert "decode" in res.stderr and "tok/s" in res.stderr
+    from gqa import kernels
+
+    if kernels.vectorized():  # the default: the GGUF's own Q4_1/Q8_0 blocks, decoded by the native step
+        assert "[decode: native step; activations " in res.stderr and "weights q4_1 63.3 MiB + q8_0" in res.stderr
+
+
+def test_generate_float_dtype_dequantizes_and_quantize_and_compile_flags():
+    res = gqa("generate", "--raw", "The capital of France is", "--max-new-tokens", "4", "--dtype", "fp32", "--stats")
+    assert res.returncode == 0, res.stderr
+    assert "weights float32 513.1 MiB" in res.stderr  # 135M parameters, tied embeddings counted once
+    res = gqa("generate", "--raw", "The capital of France is", "--max-new-tokens", "4", "--dtype", "fp32",
+              "--quantize", "q8_0", "--stats")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "as fp32, quantized to q8_0" in res.stderr and "weights q8_0 " in res.stderr and "Paris" in res.stdout
 
 
 def test_generate_raw_is_deterministic_and_respects_the_limit():
@@ -128,10 +143,13 @@ def test_help_shows_every_default_once():
 @pytest.mark.parametrize(
     ("args", "shown"),
     [
-        (("generate", "--help"), ["stop after N new tokens (default: 128)", "--dtype {fp32,bf16,fp16}"]),
+        (
+            ("generate", "--help"),
+            ["stop after N new tokens (default: 128)", "--dtype {auto,fp32,bf16,fp16}", "--quantize {q4_0,q4_1,q8_0}"],
+        ),
         (("eval", "--help"), ["tokens per forward pass (default: 512)", "--dtype {fp32,bf16}"]),
         (("convert", "--help"), ["(default: pca)", "(default: 0, no healing)", "{auto,bf16,fp32}"]),
-        (("bench", "model", "--help"), ["(default: 128 1024 4096; with --tp: 512)", "(default: fp32 bf16)"]),
+        (("bench", "model", "--help"), ["(default: 128 1024 4096; with --tp: 512)", "(default: fp32 bf16 q4_1)"]),
     ],
 )
 def test_help_texts(capsys, args, shown):
@@ -183,7 +201,7 @@ def test_every_command_takes_the_same_dtype_spellings(args, dest, value):
         (("generate", "hi", "--dtype", "half"), "argument --dtype: unknown dtype 'half'; choose from fp32, bf16, fp16"),
         (("eval", "--dtype", "float16"), "argument --dtype: dtype 'float16' is not supported here; choose from fp32"),
         (("convert", "d", "--kv-heads", "1", "--heal-precision", "fp16"), "choose from auto, bf16, fp32"),
-        (("bench", "model", "--dtypes", "fp16"), "choose from fp32, bf16"),
+        (("bench", "model", "--dtypes", "fp16"), "choose from q8_0, q4_0, q4_1, fp32, bf16"),
     ],
 )
 def test_unknown_or_unsupported_dtypes_are_errors(capsys, args, message):
@@ -224,7 +242,7 @@ class FakeTokenizer:
 def test_generate_says_what_it_loads_on_stderr_and_keeps_stdout_for_the_text(capsys, monkeypatch):
     loaded = []
 
-    def load_model(path, dtype, tensor_parallel=False):
+    def load_model(path, dtype, tensor_parallel=False, quantize=None):
         loaded.append((path, dtype))
         return SimpleNamespace(tokenizer=FakeTokenizer())
 
@@ -239,8 +257,13 @@ def test_generate_says_what_it_loads_on_stderr_and_keeps_stdout_for_the_text(cap
 @pytest.mark.parametrize(
     ("args", "patch", "line"),
     [
-        (("generate", "hi", "--model", "m.gguf"), (api, "load_model"), "Loading m.gguf as fp32 ..."),
+        (("generate", "hi", "--model", "m.gguf", "--dtype", "fp32"), (api, "load_model"), "Loading m.gguf as fp32 ..."),
         (("info",), (loaders, "read_model"), "Loading embedded SmolLM2-135M-Instruct ..."),
+        (
+            ("generate", "hi"),
+            (api, "load_model"),
+            f"Loading embedded SmolLM2-135M-Instruct as {'bf16' if auto_dtype() == torch.bfloat16 else 'fp32'} (auto)",
+        ),
         (
             ("eval", "--dtype", "bf16", "--reference", "r.gguf"),
             (eval_command, "evaluate"),

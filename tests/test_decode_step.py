@@ -159,3 +159,20 @@ def test_cases_left_to_the_eager_path(tmp_path, counted):
         with pytest.raises(ValueError, match=r"overflow: 1 new tokens after 2 cached exceed max_len 2"):
             model(torch.ones(1, 1, dtype=torch.long), caches=caches)
     assert len(counted) == 2 and caches[0].seq_len == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_ops_against_float64(dtype):
+    """The decode step's small ops on odd sizes (vector tails), extremes included."""
+    g = torch.randn(3, 37, dtype=torch.float64) * 6
+    g[0, :4] = torch.tensor([0.0, 90.0, -90.0, 1e-4])
+    up = torch.randn(3, 37, dtype=torch.float64)
+    out = torch.ops.gqa.silu_mul(g.to(dtype), up.to(dtype))
+    ref = torch.nn.functional.silu(g.to(dtype).double()).to(dtype).double() * up.to(dtype).double()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    x, w = torch.randn(5, 19, dtype=torch.float64), torch.randn(19, dtype=torch.float64)
+    norm = torch.ops.gqa.rms_norm(x.to(dtype), w.to(dtype), 1e-6)
+    xr = x.to(dtype).double()
+    ref = w.to(dtype).double() * (xr / (xr.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()).to(dtype).double()
+    torch.testing.assert_close(norm.double(), ref, atol=tol, rtol=tol)

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ..hardware import auto_dtype
 from ..models import decode_step
 from ..quantized import FORMATS
 from .common import add_model_arguments, loading, model_label
@@ -85,7 +86,10 @@ def generate_text(ns: argparse.Namespace) -> int:
     lead = is_lead()
     dtype = ns.dtype if ns.dtype == "auto" else DTYPES[ns.dtype]
     quantize = getattr(ns, "quantize", None)
-    what = f"{model_label(ns.model)} as {ns.dtype}" + (f", quantized to {quantize}" if quantize else "")
+    shown = ns.dtype
+    if ns.dtype == "auto":  # say what auto means here; quantized GGUF blocks show in --stats
+        shown = {v: k for k, v in DTYPES.items()}[auto_dtype()] + " (auto)"
+    what = f"{model_label(ns.model)} as {shown}" + (f", quantized to {quantize}" if quantize else "")
     with loading(what, quiet=not lead):
         model = load_model(ns.model, dtype=dtype, tensor_parallel=getattr(ns, "sharded", False), quantize=quantize)
     native_steps = decode_step.calls

@@ -23,7 +23,7 @@ import torch
 NAME = "gqa_cpu_kernels"
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "quantized.cpp")  # attention, float GEMV, decode ops; quantized GEMV
-HEADERS = (CSRC / "simd.h",)
+HEADERS = (CSRC / "simd.h", CSRC / "quantized.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
 LDFLAGS = ("-fopenmp",)
 

@@ -2,9 +2,11 @@
 
 A decoded token is a few thousand multiply-adds per weight row and little else, so in eager PyTorch the ~100 small
 ATen ops per layer (norms, RoPE, the cache write, masks, reshapes, residual adds) cost as much as streaming the
-weights. Here a layer is seven calls: ``gqa::rms_norm``, one GEMV over q/k/v, ``gqa::decode_attend`` (RoPE, the cache
-write and grouped attention over each row's slots ``[start, cursor]``), the ``o_proj`` GEMV, ``gqa::rms_norm``, one
-GEMV over gate/up, ``gqa::silu_mul`` and the ``down_proj`` GEMV — float or block-quantized weights alike. Values round
+weights. Here a layer is one native call, ``gqa::decode_layer``: ``rms_norm``, one GEMV over q/k/v,
+``decode_attend`` (RoPE, the cache write and grouped attention over each row's slots ``[start, cursor]``), the
+``o_proj`` GEMV, ``rms_norm``, one GEMV over gate/up, ``silu_mul`` and the ``down_proj`` GEMV — float or
+block-quantized weights alike. Layers it cannot take whole (tensor parallelism's all-reducing projections) run those
+same ops one call each from Python. Values round
 to the model's dtype where the eager code rounds, so it gives the eager path's results (tested against HF
 transformers); ``CausalLM.forward`` takes this path whenever it applies (``applies``) and the eager one otherwise.
 No compilation, so the first token is as fast as the rest.
@@ -18,7 +20,8 @@ import torch
 
 from .. import kernels
 from ..cache import StaticKVCache
-from ..linear import linears
+from ..linear import Linear, linears
+from ..quantized import QuantizedLinear
 
 calls = 0  # steps run here since import (``gqa generate --stats`` says which path decoded)
 MAX_ROWS = 8  # batch rows per step: up to this many the GEMVs stream each weight once for all of them
@@ -57,9 +60,16 @@ def decode_step(model: torch.nn.Module, input_ids: torch.Tensor, caches: list[St
     x = backbone.embed_tokens(input_ids).view(B, -1)  # (B, E)
     for layer, cache in zip(backbone.layers, caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
+        scale = 1.0 / math.sqrt(attn.head_dim)
+        fused = _layer_weights(layer, x.dtype)
+        if fused is not None:  # the whole layer in one native call
+            x = torch.ops.gqa.decode_layer(
+                x, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+                *fused, cos, sin, cache.key, cache.value, cache.start, cache.cursor, scale,
+            )  # fmt: skip
+            continue
         h = torch.ops.gqa.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
         q, k, v = linears(h, (attn.q_proj, attn.k_proj, attn.v_proj))  # (B, H_q*D), (B, H_kv*D), (B, H_kv*D)
-        scale = 1.0 / math.sqrt(attn.head_dim)
         a = torch.ops.gqa.decode_attend(q, k, v, cos, sin, cache.key, cache.value, cache.start, cache.cursor, scale)
         x = x + attn.o_proj(a)
         h = torch.ops.gqa.rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
@@ -67,3 +77,29 @@ def decode_step(model: torch.nn.Module, input_ids: torch.Tensor, caches: list[St
         x = x + mlp.down_proj(torch.ops.gqa.silu_mul(gate, up))
     x = torch.ops.gqa.rms_norm(x, backbone.norm.weight, backbone.norm.eps)
     return model.lm_head(x).view(B, 1, -1)
+
+
+def _layer_weights(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[list, list[int], list] | None:
+    """``(weights, formats, qkv_biases)`` for ``gqa::decode_layer`` — q, k, v, o, gate, up, down as float matrices
+    (format -1) or quantized blocks (their format's code) — or ``None`` when a part is something else (e.g. the
+    all-reducing projections of tensor parallelism, output biases, norms with different eps): then the layer runs
+    op by op."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+        return None
+    weights, formats = [], []
+    for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        if type(module) is QuantizedLinear:
+            weights.append(module.blocks)
+            formats.append(module.format.code)
+        elif type(module) is Linear and module.weight.dtype == dtype and module.weight.is_contiguous():
+            weights.append(module.weight)
+            formats.append(-1)
+        else:
+            return None
+    biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    if attn.o_proj.bias is not None or any(m.bias is not None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        return None
+    if any(b is not None and b.dtype != dtype for b in biases):
+        return None
+    return weights, formats, biases

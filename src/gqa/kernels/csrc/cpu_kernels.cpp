@@ -21,6 +21,7 @@
 // it (-march=native): AVX-512 (16 lanes; vdpbf16ps for bf16 with AVX512-BF16) or AVX2 with FMA (8 lanes); plain loops
 // otherwise. gqa::simd_width() says which was built.
 
+#include "quantized.h"
 #include "simd.h"
 
 namespace {
@@ -547,7 +548,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // y = T(silu(gate)) * up (SwiGLU), gate and up (N, F) of one dtype.
 template <typename T>
 void silu_mul_impl(const T* g, const T* u, T* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if GQA_SIMD > 1
+  // silu(x) = x * sigmoid(x), with e = exp(-|x|) (vexp takes arguments <= 0): sigmoid = 1 / (1 + e) for x >= 0,
+  // e / (1 + e) for x < 0. The result is rounded to T before the product with up, as torch rounds silu's output.
+  float tmp[LANES];
+  for (; i + LANES <= n; i += LANES) {
+    const vec x = vload(g + i);
+    const vec e = vexp(vmul(vset(-1.0f), vmax(x, vsub(vzero(), x))));
+    const vec r = vdiv(vset(1.0f), vadd(vset(1.0f), e));
+    vstore(tmp, vmul(x, vblend_negative(x, r, vmul(e, r))));
+    for (int j = 0; j < LANES; ++j)
+      y[i + j] = static_cast<T>(to_float(static_cast<T>(tmp[j])) * to_float(u[i + j]));
+  }
+#endif
+  for (; i < n; ++i) {
     const float x = to_float(g[i]);
     y[i] = static_cast<T>(to_float(static_cast<T>(x / (1.0f + std::exp(-x)))) * to_float(u[i]));
   }
@@ -649,6 +664,48 @@ at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return out.view({B, -1});
 }
 
+// x (N, K) times a group of weight matrices of one input (q/k/v, gate/up): float weights (format -1) through
+// linear_rows_n, block-quantized ones (format >= 0) through gqa::quantized_linear_rows; a mixed group one by one.
+std::vector<at::Tensor> project(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
+                                const c10::List<c10::optional<at::Tensor>>& biases) {
+  const bool all_float = std::all_of(formats.begin(), formats.end(), [](int64_t f) { return f < 0; });
+  const bool all_quantized = std::all_of(formats.begin(), formats.end(), [](int64_t f) { return f >= 0; });
+  if (all_float) return linear_rows_n(x, weights, biases);
+  if (all_quantized) return gqa::quantized_linear_rows(x, weights, formats, biases);
+  std::vector<at::Tensor> outs;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    c10::List<c10::optional<at::Tensor>> bias;
+    bias.push_back(biases.get(i));
+    outs.push_back(project(x, {weights[i]}, {formats[i]}, bias)[0]);
+  }
+  return outs;
+}
+
+// One decoder layer for one new token per row, in one call (Llama/Qwen2: pre-norm attention and SwiGLU MLP, no
+// output biases):  x += o_proj(attend(rope(q, k), v));  x += down(silu(gate(h)) * up(h)), h = rms_norm(x).
+// weights: [q, k, v, o, gate, up, down] (float (M, K) or blocks), formats: 7 codes (-1 float), qkv_biases: 3 (or
+// None); the rest as in decode_attend. x (B, E) -> (B, E).
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const at::Tensor& norm2, double eps,
+                        at::TensorList weights, at::IntArrayRef formats,
+                        const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& start,
+                        at::Tensor cursor, double scale) {
+  TORCH_CHECK(weights.size() == 7 && formats.size() == 7 && qkv_biases.size() == 3,
+              "gqa::decode_layer: 7 weights and formats (q, k, v, o, gate, up, down) and 3 q/k/v biases");
+  c10::List<c10::optional<at::Tensor>> none1, none2;
+  none1.push_back(c10::nullopt);
+  none2.push_back(c10::nullopt);
+  none2.push_back(c10::nullopt);
+  const at::Tensor h = rms_norm(x, norm1, eps);
+  const auto qkv = project(h, weights.slice(0, 3), formats.slice(0, 3), qkv_biases);
+  const at::Tensor a = decode_attend(qkv[0], qkv[1], qkv[2], cos, sin, key_cache, value_cache, start, cursor, scale);
+  const at::Tensor x1 = x + project(a, weights.slice(3, 1), formats.slice(3, 1), none1)[0];
+  const at::Tensor h1 = rms_norm(x1, norm2, eps);
+  const auto gate_up = project(h1, weights.slice(4, 2), formats.slice(4, 2), none2);
+  const at::Tensor m = silu_mul(gate_up[0], gate_up[1]);
+  return x1 + project(m, weights.slice(6, 1), formats.slice(6, 1), none1)[0];
+}
+
 int64_t simd_width() { return GQA_SIMD; }
 
 }  // namespace
@@ -665,6 +722,10 @@ TORCH_LIBRARY(gqa, m) {
   m.def(
       "decode_attend(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor start, Tensor(c!) cursor, float scale) -> Tensor");
+  m.def(
+      "decode_layer(Tensor x, Tensor norm1, Tensor norm2, float eps, Tensor[] weights, int[] formats, "
+      "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor start, "
+      "Tensor(c!) cursor, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gqa, CPU, m) {
@@ -674,4 +735,5 @@ TORCH_LIBRARY_IMPL(gqa, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attend", &decode_attend);
+  m.impl("decode_layer", &decode_layer);
 }

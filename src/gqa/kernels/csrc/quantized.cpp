@@ -27,6 +27,8 @@
 #include <cstring>
 #include <vector>
 
+#include "quantized.h"
+
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -61,17 +63,17 @@ inline float half_at(const uint8_t* p) {
 inline float to_float(float x) { return x; }
 inline float to_float(BFloat16 x) { return static_cast<float>(x); }
 
-// x (N, K) quantized per 32-value block: q (N, K) int8, d (N, K / 32) scales, s (N, K / 32) = sum of each block's q.
+// x (N, K) quantized per 32-value block: q (N, K) int8, d (N, K / 32) scales, ds (N, K / 32) = d * sum of the q.
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int32_t> s;
+  std::vector<float> ds;  // d * (sum of the block's q): the block's sum of x, as the kernel sees it
 };
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   const int64_t nb = K / QK;
-  QuantizedRows r{std::vector<int8_t>(N * K), std::vector<float>(N * nb), std::vector<int32_t>(N * nb)};
+  QuantizedRows r{std::vector<int8_t>(N * K), std::vector<float>(N * nb), std::vector<float>(N * nb)};
   std::vector<float> xf(QK);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
@@ -89,7 +91,7 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
         sum += qb[i];
       }
       r.d[n * nb + b] = d;
-      r.s[n * nb + b] = sum;
+      r.ds[n * nb + b] = d * static_cast<float>(sum);
     }
   return r;
 }
@@ -124,14 +126,18 @@ template <int F, int NR>
 inline void qdot_row(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t n0, int64_t K, float* out) {
   constexpr int64_t BYTES = F == Q8_0 ? 34 : F == Q4_0 ? 18 : 20;
   const int64_t nbx = K / QK;
-  float scalar[NR] = {};
 #if defined(__AVX2__)
-  __m256 acc[NR];
-  for (int n = 0; n < NR; ++n) acc[n] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * BYTES;
-    _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * BYTES), _MM_HINT_T0);
-    const float dw = half_at(blk), mw = F == Q4_1 ? half_at(blk + 2) : 0.0f;
+  // U blocks per iteration, each into its own accumulator: one FMA chain per accumulator would wait on the FMA
+  // latency every block (measured: ~5 cycles per block with one chain).
+  constexpr int U = 4;
+  __m256 acc[NR][U];
+  float mins[NR][U] = {};
+  for (int n = 0; n < NR; ++n)
+    for (int u = 0; u < U; ++u) acc[n][u] = _mm256_setzero_ps();
+  int64_t b = 0;
+  auto block = [&](int64_t bi, int u) {
+    const uint8_t* blk = w + bi * BYTES;
+    const float dw = half_at(blk);
     __m256i wq;
     if constexpr (F == Q8_0) {
       wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
@@ -141,17 +147,26 @@ inline void qdot_row(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int6
     // q8_0: signed weights; |w| as unsigned bytes times sign(w) * x keeps the u8 x s8 form (llama.cpp's trick).
     const __m256i wu = F == Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;
     for (int n = 0; n < NR; ++n) {
-      const int64_t xi = (n0 + n) * nbx + b;
-      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (n0 + n) * K + b * QK));
+      const int64_t xi = (n0 + n) * nbx + bi;
+      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (n0 + n) * K + bi * QK));
       if constexpr (F == Q8_0) xq = _mm256_sign_epi8(xq, wq);
-      const float dd = dw * xr.d[xi];
-      acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(wu, xq)), _mm256_set1_ps(dd), acc[n]);
-      if constexpr (F == Q4_0) scalar[n] -= 8.0f * dd * static_cast<float>(xr.s[xi]);
-      if constexpr (F == Q4_1) scalar[n] += mw * xr.d[xi] * static_cast<float>(xr.s[xi]);
+      acc[n][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(wu, xq)), _mm256_set1_ps(dw * xr.d[xi]), acc[n][u]);
+      if constexpr (F == Q4_0) mins[n][u] -= 8.0f * dw * xr.ds[xi];
+      if constexpr (F == Q4_1) mins[n][u] += half_at(blk + 2) * xr.ds[xi];
     }
+  };
+  for (; b + U <= nb; b += U) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (b + 8) * BYTES), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (b + 8) * BYTES + 64), _MM_HINT_T0);
+    for (int u = 0; u < U; ++u) block(b + u, u);
   }
-  for (int n = 0; n < NR; ++n) out[n] = hsum(acc[n]) + scalar[n];
+  for (; b < nb; ++b) block(b, 0);
+  for (int n = 0; n < NR; ++n) {
+    __m256 a = _mm256_add_ps(_mm256_add_ps(acc[n][0], acc[n][1]), _mm256_add_ps(acc[n][2], acc[n][3]));
+    out[n] = hsum(a) + (mins[n][0] + mins[n][1]) + (mins[n][2] + mins[n][3]);
+  }
 #else
+  float scalar[NR] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * BYTES;
     const float dw = half_at(blk);
@@ -169,10 +184,9 @@ inline void qdot_row(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int6
         }
         dot += q * xq[i];
       }
-      const float dd = dw * xr.d[xi];
-      scalar[n] += dd * static_cast<float>(dot);
-      if constexpr (F == Q4_0) scalar[n] -= 8.0f * dd * static_cast<float>(xr.s[xi]);
-      if constexpr (F == Q4_1) scalar[n] += half_at(blk + 2) * xr.d[xi] * static_cast<float>(xr.s[xi]);
+      scalar[n] += dw * xr.d[xi] * static_cast<float>(dot);
+      if constexpr (F == Q4_0) scalar[n] -= 8.0f * dw * xr.ds[xi];
+      if constexpr (F == Q4_1) scalar[n] += half_at(blk + 2) * xr.ds[xi];
     }
   }
   for (int n = 0; n < NR; ++n) out[n] = scalar[n];
@@ -325,6 +339,12 @@ at::Tensor dequantize_rows(const at::Tensor& blocks, int64_t format, int64_t K, 
 }
 
 }  // namespace
+
+std::vector<at::Tensor> gqa::quantized_linear_rows(const at::Tensor& x, at::TensorList blocks,
+                                                   at::IntArrayRef formats,
+                                                   const c10::List<c10::optional<at::Tensor>>& biases) {
+  return qlinear_rows_n(x, blocks, formats, biases);
+}
 
 TORCH_LIBRARY_FRAGMENT(gqa, m) {
   m.def("qlinear_rows_n(Tensor x, Tensor[] blocks, int[] formats, Tensor?[] biases) -> Tensor[]");
