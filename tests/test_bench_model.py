@@ -85,3 +85,49 @@ def test_decode_rate_is_robust_to_one_slow_token():
     assert row["decode_tok_s"] == pytest.approx(10.0)
     assert row["decode_mean_tok_s"] == pytest.approx(4 / 1.1)
     assert row["prefill_tok_s"] == pytest.approx(32.0)
+
+
+def test_throughput_mode_runs_each_batch_and_the_budget_batch(tiny, tmp_path, capsys):
+    out = tmp_path / "t.json"
+    budget = 2 * 2 * 2 * 4 * 4 * (8 + 3) * 5 / 2**30  # exactly 5 sequences of 8 + 3 tokens at 2 KV heads (fp32)
+    argv = ["--model", str(tiny), "--kv-heads", "2", "1", "--contexts", "8", "--new-tokens", "3", "--dtypes", "fp32",
+            "--batch", "1", "2", "--kv-budget", str(budget), "--json", str(out)]  # fmt: skip
+    assert bench_model(argv) == 0
+    payload = json.loads(out.read_text())
+    assert payload["benchmark"] == "model-throughput"
+    by_heads = {r["kv_heads"]: r for r in payload["results"]}
+    assert by_heads[2]["budget_batch"] == 5 and by_heads[1]["budget_batch"] == 10  # one KV head: twice the batch
+    assert [row["batch"] for row in by_heads[2]["rows"]] == [1, 2, 5]
+    for r in payload["results"]:
+        for row in r["rows"]:
+            assert row["decode_tok_s"] > 0 and row["fits_budget"] == (row["batch"] == r["budget_batch"])
+            assert row["kv_cache_bytes"] == r["kv_bytes_per_token"] * row["batch"] * (8 + 3)
+    text = capsys.readouterr().out
+    assert "| 5 (largest in " in text and "MQA (1 KV)" in text and "x MHA's" not in text  # no 8-head run to compare
+
+
+def test_llama_cpp_is_skipped_with_a_reason_for_a_float_model(tiny, capsys):
+    argv = ["--model", str(tiny), "--kv-heads", "2", "--contexts", "8", "--new-tokens", "2", "--dtypes", "fp32",
+            "--engines", "gqa", "llama.cpp"]  # fmt: skip
+    assert bench_model(argv) == 0
+    captured = capsys.readouterr()
+    assert "skipping llama.cpp: the model is no quantized GGUF" in captured.err
+    assert "| gqa |" in captured.out and "llama.cpp |" not in captured.out
+
+
+def test_greedy_agreement_and_bandwidth_fraction_in_the_table():
+    from gqa.bench.model_report import agreement, table
+
+    base = {"kv_heads": 3, "kv_bytes_per_token": 10, "peak_rss_mib": 100, "dtype": "q4_1"}
+    row = {"context": 4, "prefill_tok_s": 10.0, "decode_tok_s": 50.0, "weight_bytes": 10**8, "kv_bytes": 0}
+    ours = base | {"engine": "gqa", "rows": [row], "greedy": [[1, 2, 3], [4, 5, 6], [7, 8]]}
+    theirs = base | {
+        "engine": "llama.cpp",
+        "rows": [row | {"decode_tok_s": 25.0}],
+        "greedy": [[1, 2, 3], [4, 9, 6], [7, 8]],
+    }
+    text = agreement([ours, theirs])
+    assert "2 of 3 chat prompts identical" in text and "matching prefix 2.0 tokens on average"  # 3, 1, 2 in text
+    payload = {"results": [ours, theirs], "args": {"contexts": [4]}, "config": {"num_heads": 9}, "read_gbps": 10.0}
+    md = table(payload)
+    assert "| 2.00x vs llama.cpp | 50% |" in md  # 1e8 bytes x 50 tok/s = 5 GB/s of 10

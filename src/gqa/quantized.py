@@ -224,3 +224,20 @@ def quantize_model(model: nn.Module, fmt: Format | str, *, head_format: Format |
             done[id(module.weight)] = quantize(module.weight, fmt if name.startswith("model.layers.") else head)
         weights[f"{name}.weight"] = done[id(module.weight)]
     install_quantized(model, weights, dtype)
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Resident bytes of ``model``'s weights by storage format: quantized blocks by format name, float parameters by
+    dtype name (``"bfloat16"``); a tensor shared by two modules (tied embeddings) is counted once."""
+    sizes: dict[str, int] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            tensors = [(module.format.name, module.blocks)]
+        else:
+            tensors = [(str(p.dtype).removeprefix("torch."), p) for p in module.parameters(recurse=False)]
+        for name, t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                sizes[name] = sizes.get(name, 0) + t.nbytes
+    return sizes

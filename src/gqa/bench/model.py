@@ -215,6 +215,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         print(f"[bench model] skipping llama.cpp: {why}", file=sys.stderr, flush=True)
         engines.remove("llama.cpp")
     results = []
+    read_gbps = [read_bandwidth()]  # the ceiling a decode step's bytes are measured against, at the start and end
     with tempfile.TemporaryDirectory(prefix="gqa-bench-model-") as tmp:
         paths = _variants(ns.model, cfg, counts, Path(tmp))
         for n, path in paths.items():
@@ -228,8 +229,10 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
                     r = _run_worker(path, engine, dtype, ns.contexts, ns.new_tokens, *greedy)
                     per_token = kv_bytes_per_token(cfg.num_layers, n, cfg.head_dim, dtype)
                     results.append({"kv_heads": n, "kv_bytes_per_token": per_token} | r)
+    read_gbps.append(read_bandwidth())
     payload = {
         "benchmark": "model",
+        "read_gbps": max(read_gbps),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_description(torch.device("cpu")),
         "model": ns.model or "embedded SmolLM2-135M-Instruct",
@@ -256,6 +259,13 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if ns.plot:
         plot_model(payload, ns.plot)
     return 0
+
+
+def read_bandwidth() -> float:
+    """This machine's read bandwidth now, GB/s: ``x.sum()`` over 1 GiB of float32, all threads (``bench.limits``)."""
+    from .limits import _bandwidth
+
+    return _bandwidth(torch.device("cpu"), 2**30, 5, {})[0]
 
 
 def _applies(engine: str, dtype: str, original: bool, own_format: str | None) -> bool:

@@ -27,12 +27,15 @@ def _label(kv_heads: int, payload: dict) -> str:
 
 def table(payload: dict) -> str:
     """Markdown: a row per (dtype, KV heads, context, engine); decode compared with HF at the same head count and
-    dtype, or for block formats (no HF row) with llama.cpp; then the greedy-token agreement, if measured."""
+    dtype, or for block formats (no HF row) with llama.cpp; for gqa rows the fraction of the bandwidth ceiling
+    (weights + KV cache read per token, times tokens/s, over the measured read bandwidth); then the greedy-token
+    agreement, if measured."""
     lines = [
         "| dtype | KV heads | context | KV cache MiB | engine | prefill tok/s | decode tok/s | decode vs baseline "
-        "| peak RSS MiB |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|",
+        "| of ceiling | peak RSS MiB |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
+    read_gbps = payload.get("read_gbps")
     results = payload["results"]
     by = {(r["kv_heads"], r["engine"], r["dtype"]): r for r in results}
     for dtype in dict.fromkeys(r["dtype"] for r in results):
@@ -47,9 +50,15 @@ def table(payload: dict) -> str:
                     row = r["rows"][i]
                     ratio = f"{row['decode_tok_s'] / base:.2f}x vs {base_name}" if base else "-"
                     cache = r["kv_bytes_per_token"] * context / 2**20
+                    ceiling = "-"
+                    if read_gbps and "weight_bytes" in row:  # bytes read per token x tokens/s over the bandwidth
+                        ceiling = (
+                            f"{(row['weight_bytes'] + row['kv_bytes']) * row['decode_tok_s'] / 1e9 / read_gbps:.0%}"
+                        )
                     lines.append(
                         f"| {dtype} | {_label(n, payload)} | {context} | {cache:.1f} | {engine} | "
-                        f"{row['prefill_tok_s']:.0f} | {row['decode_tok_s']:.1f} | {ratio} | {r['peak_rss_mib']:.0f} |"
+                        f"{row['prefill_tok_s']:.0f} | {row['decode_tok_s']:.1f} | {ratio} | {ceiling} | "
+                        f"{r['peak_rss_mib']:.0f} |"
                     )
     text = "\n".join(lines)
     agree = agreement(results)

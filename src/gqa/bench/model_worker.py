@@ -67,6 +67,7 @@ def load_gqa(path: str | None, dtype: str):
 
 def run_gqa(path: str | None, dtype: str, contexts: list[int], new: int, compiled: bool) -> tuple[int, list]:
     from gqa.generation import generate_stream
+    from gqa.quantized import weight_bytes
 
     model = load_gqa(path, dtype)
     rows = []
@@ -84,6 +85,9 @@ def run_gqa(path: str | None, dtype: str, contexts: list[int], new: int, compile
                 stamps.append(time.perf_counter())
             assert len(stamps) == new
             rows.append(_row(context, prefill, stamps))
+    for row in rows:  # what one decoded token reads: every weight once, and the KV cache at the context
+        row["weight_bytes"] = sum(weight_bytes(model).values())
+        row["kv_bytes"] = sum(c.nbytes for c in model.new_caches(1, row["context"]))
     return model.config.num_kv_heads, rows
 
 

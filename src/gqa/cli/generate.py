@@ -20,8 +20,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt (a user message, or plain text with --raw)")
     add_model_arguments(
         parser,
-        "weight dtype; auto (default): bf16 where the CPU multiplies bf16 natively (AVX512-BF16/AMX), else fp32, and "
-        "a GGUF's q8_0/q4_0/q4_1 weights stay quantized; a float dtype dequantizes them",
+        "weight dtype; auto: bf16 where the CPU multiplies bf16 natively (AVX512-BF16/AMX), else fp32, and a GGUF's "
+        "q8_0/q4_0/q4_1 weights stay quantized; a float dtype dequantizes them",
         auto=True,
     )
     parser.add_argument(
@@ -146,20 +146,8 @@ def generate_text(ns: argparse.Namespace) -> int:
 
 
 def describe_weights(model: torch.nn.Module) -> str:
-    """``"q4_1 63.3 MiB + q8_0 30.0 MiB + bfloat16 0.1 MiB"``: the resident bytes of the weights by storage format
-    (quantized blocks by format, float tensors by dtype; a tied tensor counted once)."""
-    from ..quantized import QuantizedEmbedding, QuantizedLinear
+    """``"q4_1 63.3 MiB + q8_0 28.7 MiB + bfloat16 0.1 MiB"``: the resident bytes of the weights by storage format."""
+    from ..quantized import weight_bytes
 
-    sizes: dict[str, int] = {}
-    seen: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
-            tensors = [(module.format.name, module.blocks)]
-        else:
-            tensors = [(str(p.dtype).removeprefix("torch."), p) for p in module.parameters(recurse=False)]
-        for name, t in tensors:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                sizes[name] = sizes.get(name, 0) + t.nbytes
-    parts = sorted(sizes.items(), key=lambda kv: -kv[1])
+    parts = sorted(weight_bytes(model).items(), key=lambda kv: -kv[1])
     return " + ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in parts)
