@@ -176,3 +176,23 @@ def test_step_ops_against_float64(dtype):
     xr = x.to(dtype).double()
     ref = w.to(dtype).double() * (xr / (xr.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()).to(dtype).double()
     torch.testing.assert_close(norm.double(), ref, atol=tol, rtol=tol)
+
+
+def test_decode_mode_evaluation_scores_through_the_step_and_matches_hf(tmp_path, counted):
+    """``evaluate(decode=True)`` feeds one token at a time through the caches; its perplexity is HF's own (a full
+    forward, float64 log-softmax) on the same tokens."""
+    from gqa.evaluate import _score
+
+    ref = hf_model(tmp_path, "qwen2", 6, 2, 16)
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    ids = torch.randint(4, 128, (40,), generator=torch.Generator().manual_seed(3))
+    nll, _, count = _score(model, ids, window=16, stride=8, decode=True)
+    assert count == 39 and len(counted) > 30  # windows of 16, every scored position a native step
+    with torch.inference_mode():
+        from gqa.evaluate import sliding_windows
+
+        expected = 0.0
+        for begin, first, end in sliding_windows(40, 16, 8):
+            logp = ref(ids[None, begin:end]).logits[0].double().log_softmax(-1)
+            expected -= logp[first - 1 - begin : end - 1 - begin].gather(-1, ids[first:end, None]).sum().item()
+    assert nll == pytest.approx(expected, rel=1e-5)

@@ -120,6 +120,23 @@ def _next_token_log_probs(
         yield logits[first - 1 - begin : end - 1 - begin].double().log_softmax(-1).cpu()  # (T, vocab)
 
 
+def _next_token_log_probs_decoded(
+    model: nn.Module, ids: torch.Tensor, spans: list[tuple[int, int, int]]
+) -> Iterator[torch.Tensor]:
+    """As ``_next_token_log_probs``, but each scored position comes from a one-token decode step through a KV cache
+    (the path generation takes: on CPU the native step, with its int8 inputs for quantized weights); the tokens of a
+    window before its first scored position are one prefill."""
+    device = next(model.parameters()).device
+    for begin, first, end in spans:
+        window = ids[begin:end].to(device)
+        caches = model.new_caches(1, end - begin)
+        head = first - 1 - begin  # tokens before the first one whose logits are scored
+        if head > 0:
+            model(window[None, :head], caches=caches, last_only=True)
+        rows = [model(window[None, t : t + 1], caches=caches)[0, -1] for t in range(head, end - 1 - begin)]
+        yield torch.stack(rows).double().log_softmax(-1).cpu()  # (T, vocab)
+
+
 @torch.inference_mode()
 def _score(
     model: nn.Module,
@@ -127,8 +144,10 @@ def _score(
     window: int,
     stride: int | None,
     reference: nn.Module | None = None,
+    decode: bool = False,
 ) -> tuple[float, float, int]:
-    """``(sum of next-token NLLs, sum of KL(reference || model), scored tokens)`` in one pass over the windows."""
+    """``(sum of next-token NLLs, sum of KL(reference || model), scored tokens)`` in one pass over the windows;
+    ``decode``: the model's log-probabilities from one-token decode steps (``_next_token_log_probs_decoded``)."""
     stride = check_windows(window, stride)
     ids = _as_ids(ids)
     for m in (model, reference):
@@ -138,7 +157,8 @@ def _score(
     nll = kl = 0.0
     count = sum(end - first for _, first, end in spans)
     ref_log_probs = _next_token_log_probs(reference, ids, spans) if reference is not None else None
-    for (_, first, end), log_q in zip(spans, _next_token_log_probs(model, ids, spans), strict=True):
+    scored = (_next_token_log_probs_decoded if decode else _next_token_log_probs)(model, ids, spans)
+    for (_, first, end), log_q in zip(spans, scored, strict=True):
         nll -= log_q.gather(-1, ids[first:end, None]).sum().item()
         if ref_log_probs is not None:
             log_p = next(ref_log_probs)
@@ -204,7 +224,9 @@ def evaluate(
     window: int = DEFAULT_WINDOW,
     stride: int | None = None,
     max_tokens: int | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
+    quantize: str | None = None,
+    decode: bool = False,
 ) -> EvalResult:
     """Load a model, tokenize ``text`` with its tokenizer, and measure perplexity (and KL against a reference).
 
@@ -215,17 +237,20 @@ def evaluate(
     reference_path : a model with the same vocabulary, loaded in float32; adds ``kl`` to the result.
     window, stride : see ``perplexity``.
     max_tokens : evaluate only the first ``max_tokens`` tokens (``>= 2``).
-    dtype : the model's weight dtype.
+    dtype, quantize : as in ``gqa.load_model`` (``"auto"`` keeps a GGUF's quantized blocks).
+    decode : score each token through a one-token decode step with a KV cache, the path generation takes (slower:
+        one step per token), instead of window forwards; what a quantized model's int8 decode inputs change shows
+        only this way.
     """
     check_windows(window, stride)  # fail before the slow loading
     if max_tokens is not None and max_tokens < 2:
         raise ValueError(f"max_tokens must be >= 2, got {max_tokens}")
     from .api import load_model
 
-    model = load_model(model_path, dtype=dtype)
+    model = load_model(model_path, dtype=dtype, quantize=quantize)
     ids = model.tokenizer.encode(text)[:max_tokens]
     if len(ids) < 2:
         raise ValueError(f"the text is {len(ids)} token(s) long; at least 2 are needed")
     reference = None if reference_path is None else load_model(reference_path, tokenizer=False)
-    nll, kl, count = _score(model, _as_ids(ids), window, stride, reference)
+    nll, kl, count = _score(model, _as_ids(ids), window, stride, reference, decode=decode)
     return EvalResult(math.exp(nll / count), len(ids), None if reference is None else kl / count)

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..evaluate import DEFAULT_WINDOW, check_windows, default_eval_text, evaluate
+from ..quantized import FORMATS
 from ..suite import HELD_OUT_CONVERSATIONS
 from .common import loading, model_label
 from .dtypes import DTYPES, add_dtype_argument
@@ -26,7 +27,18 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens", type=int, default=None, metavar="N", help="evaluate only the first N tokens (default: all)"
     )
-    add_dtype_argument(parser, "--dtype", choices=EVAL_DTYPES, default="fp32", help="weight dtype")
+    add_dtype_argument(
+        parser, "--dtype", choices=EVAL_DTYPES, keywords=("auto",), default="fp32",
+        help="weight dtype; auto: as gqa generate's default (bf16 where native, a GGUF's q8_0/q4_0/q4_1 blocks kept)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--quantize", choices=sorted(FORMATS), default=None, help="quantize the layers' weights to this block format"
+    )
+    parser.add_argument(
+        "--decode", action="store_true",
+        help="score every token through a one-token decode step with a KV cache, as generation runs the model "
+        "(slower); a quantized model's int8 decode inputs only show this way",
+    )  # fmt: skip
     suite = parser.add_argument_group(
         "suite", "judge a converted chat model against its original (--reference, default the embedded SmolLM2) on "
         "answers and prose: KL on held-out self-generated answers, agreement of greedy answers, the question set, "
@@ -72,9 +84,12 @@ def run_eval(ns: argparse.Namespace) -> int:
             reference_path=ns.reference,
             window=ns.window,
             max_tokens=ns.max_tokens,
-            dtype=DTYPES[ns.dtype],
+            dtype=ns.dtype if ns.dtype == "auto" else DTYPES[ns.dtype],
+            quantize=ns.quantize,
+            decode=ns.decode,
         )
-    print(f"model        {model_name(ns.model)}, {ns.dtype}")
+    how = ns.dtype + (f", quantized to {ns.quantize}" if ns.quantize else "") + (", decode steps" if ns.decode else "")
+    print(f"model        {model_name(ns.model)}, {how}")
     print(f"text         {description}")
     print(f"tokens       {res.tokens}  (window {ns.window}, stride {stride})")
     print(f"perplexity   {res.perplexity:.4f}")
