@@ -230,23 +230,9 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
                     per_token = kv_bytes_per_token(cfg.num_layers, n, cfg.head_dim, dtype)
                     results.append({"kv_heads": n, "kv_bytes_per_token": per_token} | r)
     read_gbps.append(read_bandwidth())
-    payload = {
-        "benchmark": "model",
-        "read_gbps": max(read_gbps),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_description(torch.device("cpu")),
-        "model": ns.model or "embedded SmolLM2-135M-Instruct",
-        "config": cfg.as_dict(),
-        "args": {
-            "kv_heads": list(paths),
-            "contexts": ns.contexts,
-            "dtypes": ns.dtypes,
-            "engines": engines,
-            "new_tokens": ns.new_tokens,
-        },
-        "elapsed_s": time.perf_counter() - started,
-        "results": results,
-    }
+    args = {"kv_heads": list(paths), "contexts": ns.contexts, "dtypes": ns.dtypes, "engines": engines,
+            "new_tokens": ns.new_tokens}  # fmt: skip
+    payload = _payload("model", ns, started, args, results, read_gbps=max(read_gbps), config=cfg.as_dict())
     header = (
         f"Model benchmark ({payload['model']}, {cfg.num_heads} query heads), batch 1, {ns.new_tokens} new tokens "
         f"per context; torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -299,23 +285,9 @@ def _run_throughput(ns: argparse.Namespace, cfg: ModelConfig, counts: list[int],
                     for row in r["rows"]:
                         row["fits_budget"] = row["batch"] == fits
                     results.append({"kv_heads": n, "kv_bytes_per_token": per_token, "budget_batch": fits} | r)
-    payload = {
-        "benchmark": "model-throughput",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_description(torch.device("cpu")),
-        "model": ns.model or "embedded SmolLM2-135M-Instruct",
-        "config": cfg.as_dict(),
-        "args": {
-            "kv_heads": counts,
-            "contexts": ns.contexts,
-            "dtypes": ns.dtypes,
-            "batch": ns.batch,
-            "kv_budget_gib": ns.kv_budget,
-            "new_tokens": ns.new_tokens,
-        },
-        "elapsed_s": time.perf_counter() - started,
-        "results": results,
-    }
+    args = {"kv_heads": counts, "contexts": ns.contexts, "dtypes": ns.dtypes, "batch": ns.batch,
+            "kv_budget_gib": ns.kv_budget, "new_tokens": ns.new_tokens}  # fmt: skip
+    payload = _payload("model-throughput", ns, started, args, results, config=cfg.as_dict())
     header = (
         f"Decode throughput ({payload['model']}, {cfg.num_heads} query heads), {ns.new_tokens} steps per point, "
         f"caches filled to the context; torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -336,15 +308,8 @@ def _run_tp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     started = time.perf_counter()
     tps = list(dict.fromkeys(ns.tp))
     results = run_tp(ns, tps)
-    payload = {
-        "benchmark": "model-tp",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_description(torch.device("cpu")),
-        "model": ns.model or "embedded SmolLM2-135M-Instruct",
-        "args": {"tp": tps, "contexts": ns.contexts, "dtypes": ns.dtypes, "new_tokens": ns.new_tokens},
-        "elapsed_s": time.perf_counter() - started,
-        "results": results,
-    }
+    args = {"tp": tps, "contexts": ns.contexts, "dtypes": ns.dtypes, "new_tokens": ns.new_tokens}
+    payload = _payload("model-tp", ns, started, args, results)
     cores = os.cpu_count()
     header = (
         f"Tensor-parallel decode ({payload['model']}), batch 1, eager, {ns.new_tokens} new tokens per context; "
@@ -352,6 +317,20 @@ def _run_tp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     )
     _report(ns, payload, header + "\n\n" + tp_table(results))
     return 0
+
+
+def _payload(kind: str, ns: argparse.Namespace, started: float, args: dict, results: list, **extra: object) -> dict:
+    """The JSON of a run: what ran, where, when, with which arguments, and its results."""
+    return {
+        "benchmark": kind,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_description(torch.device("cpu")),
+        "model": ns.model or "embedded SmolLM2-135M-Instruct",
+        **extra,
+        "args": args,
+        "elapsed_s": time.perf_counter() - started,
+        "results": results,
+    }
 
 
 def _report(ns: argparse.Namespace, payload: dict, text: str) -> None:
