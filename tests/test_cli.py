@@ -40,7 +40,7 @@ def test_generate_chat_greedy():
         assert "[decode: native step; activations " in res.stderr and "weights q4_1 63.3 MiB + q8_0" in res.stderr
 
 
-def test_generate_float_dtype_dequantizes_and_quantize_and_compile_flags():
+def test_generate_float_dtype_dequantizes_and_quantize_flag():
     res = gqa("generate", "--raw", "The capital of France is", "--max-new-tokens", "4", "--dtype", "fp32", "--stats")
     assert res.returncode == 0, res.stderr
     assert "weights float32 513.1 MiB" in res.stderr  # 135M parameters, tied embeddings counted once

@@ -196,3 +196,22 @@ def test_decode_mode_evaluation_scores_through_the_step_and_matches_hf(tmp_path,
             logp = ref(ids[None, begin:end]).logits[0].double().log_softmax(-1)
             expected -= logp[first - 1 - begin : end - 1 - begin].gather(-1, ids[first:end, None]).sum().item()
     assert nll == pytest.approx(expected, rel=1e-5)
+
+
+def test_compiled_generation_equals_the_native_step_and_buckets_the_cache(tmp_path, monkeypatch, counted):
+    from gqa import compiled
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    hf_model(tmp_path / "model", "llama", 4, 2, 16)
+    model = gqa.load_model(tmp_path / "model", dtype=torch.float32, tokenizer=False)
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    native = model.generate(prompts, max_new_tokens=6, eos_token_ids=[])
+    assert len(counted) == 5
+    assert model.generate(prompts, max_new_tokens=6, eos_token_ids=[], compile=True) == native
+    assert len(counted) == 5  # the compiled steps did not go through the native step
+    assert compiled.cache_dir() == tmp_path / "inductor" and any((tmp_path / "inductor").iterdir())
+    assert compiled.compiled_step(model) is compiled.compiled_step(model)  # one compiled step per model
+    assert [compiled.cache_bucket(n, 300) for n in (1, 256, 257, 300)] == [256, 256, 300, 300]  # capped at the context
+    assert [compiled.cache_bucket(n, 8192) for n in (1, 256, 257)] == [256, 256, 512]
+    with pytest.raises(ValueError, match="either compile=True or a step_fn"):
+        model.generate(prompts, max_new_tokens=2, compile=True, step_fn=lambda t, c: None)
