@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 from ..cli.common import model_label
+from ..cli.dtypes import dtype_type
 from ..loaders import read_config
 from ..models.config import ModelConfig
 from . import write_json_atomic, write_text_atomic
 from .model_report import check_plotting, plot_model, table
-from .model_worker import DTYPES, ENGINES, QUANTIZED
+from .model_worker import DTYPES, ENGINES, QUANTIZED, gguf_format
 from .report import machine_description
 
 
@@ -42,21 +43,6 @@ def cache_dtype(dtype: str) -> torch.dtype:
 def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: str) -> int:
     """K and V of every layer for one token: ``2 * layers * H_kv * D * itemsize``."""
     return 2 * num_layers * kv_heads * head_dim * cache_dtype(dtype).itemsize
-
-
-def gguf_format(path: str | None) -> str | None:
-    """The block format of a GGUF file's layer weights (``"q4_1"`` ...), ``None`` for HF folders and float files."""
-    from collections import Counter
-
-    from ..loaders import resolve_model_path
-    from ..loaders.gguf_file import open_gguf
-
-    file = resolve_model_path(path)
-    if file.is_dir():
-        return None
-    kinds = Counter(t.tensor_type.name.lower() for t in open_gguf(file).tensors if t.name.startswith("blk."))
-    name = kinds.most_common(1)[0][0]
-    return name if name in QUANTIZED else None
 
 
 def llama_cpp_available() -> bool:
@@ -127,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=None, metavar="S",
                         help="prompt lengths in tokens (default: 128 1024 4096; with --tp: 512)")  # fmt: skip
     parser.add_argument(
-        "--dtypes", nargs="+", type=_bench_dtype, default=["fp32", "bf16", "q4_1"], metavar="DTYPE",
+        "--dtypes", nargs="+", type=dtype_type(tuple(DTYPES), QUANTIZED), default=["fp32", "bf16", "q4_1"],
+        metavar="DTYPE",
         help="weights: fp32, bf16, or a block format q8_0, q4_0, q4_1 (a GGUF's own blocks when the file is in that "
         "format, else quantized on load; activations bf16 where the CPU has native bf16)",
     )  # fmt: skip
@@ -159,15 +146,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot", type=Path, default=None, metavar="PATH", help="write the PNG plot here (needs matplotlib)"
     )
-
-
-def _bench_dtype(text: str) -> str:
-    name = text.strip().lower()
-    if name in QUANTIZED:
-        return name
-    from ..cli.dtypes import dtype_type
-
-    return dtype_type(tuple(DTYPES), QUANTIZED)(text)
 
 
 def main(argv: list[str] | None = None) -> int:

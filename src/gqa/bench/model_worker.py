@@ -51,25 +51,36 @@ def prompt(context: int, vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(min(10, vocab - 1), vocab, (context,), generator=g).tolist()
 
 
+def gguf_format(path: str | None) -> str | None:
+    """The block format of a GGUF file's layer weights (``"q4_1"`` ...), ``None`` for HF folders and float files."""
+    from collections import Counter
+
+    from gqa.loaders import resolve_model_path
+    from gqa.loaders.gguf_file import open_gguf
+
+    file = resolve_model_path(path)
+    if file.is_dir():
+        return None
+    kinds = Counter(t.tensor_type.name.lower() for t in open_gguf(file).tensors if t.name.startswith("blk."))
+    name = kinds.most_common(1)[0][0]
+    return name if name in QUANTIZED else None
+
+
 def load_gqa(path: str | None, dtype: str):
     """The model as ``gqa`` loads it for ``dtype`` (a float dtype, or a block format: see the module docstring)."""
     import gqa
-    from gqa.quantized import QuantizedLinear
 
     if dtype not in QUANTIZED:
         return gqa.load_model(path, dtype=DTYPES[dtype], tokenizer=False)
-    model = gqa.load_model(path, dtype="auto", tokenizer=False)
-    layer = model.model.layers[0].mlp.down_proj
-    if not (isinstance(layer, QuantizedLinear) and layer.format.name == dtype):
-        model = gqa.load_model(path, dtype="auto", tokenizer=False, quantize=dtype)
-    return model
+    quantize = None if gguf_format(path) == dtype else dtype  # the file's own blocks, or float weights quantized
+    return gqa.load_model(path, dtype="auto", tokenizer=False, quantize=quantize)
 
 
-def run_gqa(path: str | None, dtype: str, contexts: list[int], new: int, compiled: bool) -> tuple[int, list]:
+def run_gqa(model: torch.nn.Module, contexts: list[int], new: int, compiled: bool) -> tuple[int, list]:
+    from gqa.cache import kv_cache_bytes
     from gqa.generation import generate_stream
     from gqa.quantized import weight_bytes
 
-    model = load_gqa(path, dtype)
     rows = []
     with torch.inference_mode():
         model.generate([5, 6, 7], max_new_tokens=3, eos_token_ids=[])  # first-call costs outside the timing
@@ -85,9 +96,12 @@ def run_gqa(path: str | None, dtype: str, contexts: list[int], new: int, compile
                 stamps.append(time.perf_counter())
             assert len(stamps) == new
             rows.append(_row(context, prefill, stamps))
+    cfg, weights = model.config, sum(weight_bytes(model).values())
     for row in rows:  # what one decoded token reads: every weight once, and the KV cache at the context
-        row["weight_bytes"] = sum(weight_bytes(model).values())
-        row["kv_bytes"] = sum(c.nbytes for c in model.new_caches(1, row["context"]))
+        row["weight_bytes"] = weights
+        row["kv_bytes"] = kv_cache_bytes(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, row["context"], dtype=model.dtype
+        )
     return model.config.num_kv_heads, rows
 
 
@@ -261,9 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         greedy = greedy_tokens(ns.model, generate) if ns.greedy else None
     else:
         compiled = ns.engine == "gqa-compile"
-        kv_heads, rows = run_gqa(ns.model, ns.dtype, ns.contexts, ns.new_tokens, compiled=compiled)
+        model = load_gqa(ns.model, ns.dtype)
+        kv_heads, rows = run_gqa(model, ns.contexts, ns.new_tokens, compiled=compiled)
         if ns.greedy:
-            model = load_gqa(ns.model, ns.dtype)
             greedy = greedy_tokens(ns.model, lambda ids: model.generate(ids, max_new_tokens=32, compile=compiled))
     peak_mib = peak_rss_mib()
     from gqa import kernels

@@ -6,10 +6,9 @@ weights. Here a layer is one native call, ``gqa::decode_layer``: ``rms_norm``, o
 ``decode_attend`` (RoPE, the cache write and grouped attention over each row's slots ``[start, cursor]``), the
 ``o_proj`` GEMV, ``rms_norm``, one GEMV over gate/up, ``silu_mul`` and the ``down_proj`` GEMV — float or
 block-quantized weights alike. Layers it cannot take whole (tensor parallelism's all-reducing projections) run those
-same ops one call each from Python. Values round
-to the model's dtype where the eager code rounds, so it gives the eager path's results (tested against HF
-transformers); ``CausalLM.forward`` takes this path whenever it applies (``applies``) and the eager one otherwise.
-No compilation, so the first token is as fast as the rest.
+same ops one call each from Python. Values round to the model's dtype where the eager code rounds, so it gives the
+eager path's results (tested against HF transformers); ``CausalLM.forward`` takes this path whenever it applies
+(``applies``) and the eager one otherwise. No compilation, so the first token is as fast as the rest.
 """
 
 from __future__ import annotations
