@@ -200,7 +200,7 @@ def test_heal_reads_windows_at_the_starts_with_the_weights(monkeypatch):
     ids = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0))
     batches = []
     real = healing_module.kl_loss
-    monkeypatch.setattr(healing_module, "kl_loss", lambda s, t, w=None: batches.append(w) or real(s, t, w))
+    monkeypatch.setattr(healing_module, "kl_loss", lambda s, t, w=None, *rest: batches.append(w) or real(s, t, w, *rest))
     weights = torch.zeros(200)
     weights[50:60] = 1.0
     heal(student, teacher, ids, steps=6, seq_len=16, starts=[50, 190], weights=weights, progress=False,
@@ -221,3 +221,6 @@ def test_weighted_kl_loss_is_the_weighted_mean():
     w = torch.rand(2, 5)
     torch.testing.assert_close(kl_loss(s, t, w), (per * w).sum() / w.sum())
     torch.testing.assert_close(kl_loss(s, t), per.mean())
+    # a share of a larger batch: divided by the whole batch's weight (or position count), not its own
+    torch.testing.assert_close(kl_loss(s, t, w, total=3.0), (per * w).sum() / 3.0)
+    torch.testing.assert_close(kl_loss(s, t, None, total=40), per.sum() / 40)

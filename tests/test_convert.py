@@ -254,7 +254,7 @@ def test_destination_overlapping_the_source_is_refused(tiny, tmp_path):
 
 @pytest.mark.parametrize("existing", [False, True])
 def test_failure_mid_write_leaves_nothing(tiny, tmp_path, monkeypatch, existing):
-    import safetensors.torch
+    from gqa.convert.shards import ShardedWriter
 
     dst = tmp_path / "out"
     if existing:
@@ -265,7 +265,7 @@ def test_failure_mid_write_leaves_nothing(tiny, tmp_path, monkeypatch, existing)
     def fail(*args, **kwargs):
         raise RuntimeError("disk full (simulated)")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", fail)
+    monkeypatch.setattr(ShardedWriter, "write", fail)  # fails after the header of the weights is written
     with pytest.raises(RuntimeError, match="simulated"):
         convert(tiny["llama"], dst, kv_heads=4, force=True)
     assert digest(tmp_path) == before  # no temporary folder, DST as it was (absent, or the user's files)

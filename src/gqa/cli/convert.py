@@ -12,7 +12,7 @@ import torch
 
 from ..cache import kv_cache_bytes
 from .common import loading, model_label
-from .dtypes import add_dtype_argument
+from .dtypes import DTYPES, add_dtype_argument
 
 if TYPE_CHECKING:
     from ..convert import HealConfig
@@ -24,6 +24,7 @@ UNLIMITED_STEPS = 10**9  # the step limit under --heal-minutes alone
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     from ..convert import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME, METHODS, PRECISIONS, TRAINABLE, HealConfig
+    from ..convert.shards import DEFAULT_MAX_SHARD_SIZE
 
     src_help = "GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct); never modified"
     parser.add_argument("src", nargs="?", default=None, metavar="SRC", help=src_help)
@@ -46,6 +47,24 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "docstrings; generated once per model and cached (default: on when the source has a chat template)",
     )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+    add_dtype_argument(
+        parser, "--dtype", keywords=["source"], default="source",
+        help="dtype of the written weights (default: the source's; a GGUF's quantized blocks give fp32); the "
+        "arithmetic is fp32 either way",
+    )  # fmt: skip
+    parser.add_argument(
+        "--device", default="auto", metavar="DEV",
+        help="where calibration, merging, the refit and healing run: auto (the GPU if there is one), cpu, cuda, cuda:N",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+        help=f"largest weight file, e.g. 5GB or 500MiB (default: {DEFAULT_MAX_SHARD_SIZE}); more is sharded with "
+        "model.safetensors.index.json",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="print the memory and time the conversion is expected to take, and write nothing",
+    )  # fmt: skip
     heal = parser.add_argument_group(
         "healing", "distil the merged model from SRC (KL on the logits) before writing it; "
         f"DST then also holds {HEAL_PLOT_NAME} (loss curve) and {HEAL_LOG_NAME}",
@@ -109,6 +128,53 @@ def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None
     return config, Path(ns.heal_text).read_text(encoding="utf-8")
 
 
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def dry_run(ns: argparse.Namespace, heal: HealConfig | None) -> int:
+    """``--dry-run``: what the conversion would write and take, from the source's shapes and a quick speed test."""
+    from ..convert import NEEDS_CALIBRATION, resolve_device
+    from ..convert.data import CALIBRATION_CONVERSATION_TOKENS, CALIBRATION_PROSE_TOKENS
+    from ..convert.estimate import estimate
+    from ..convert.shards import parse_size
+    from ..loaders.lazy import open_lazy
+
+    source = open_lazy(ns.src)
+    cfg = source.config
+    merging = ns.kv_heads < cfg.num_kv_heads
+    refit = merging and (ns.method in NEEDS_CALIBRATION if ns.refit is None else ns.refit)
+    calibrating = merging and (ns.calibration_text is not None or ns.method in NEEDS_CALIBRATION or refit)
+    tokens = 0
+    if calibrating:
+        if ns.calibration_text is not None:
+            from ..loaders import load_tokenizer
+
+            tokens = len(load_tokenizer(ns.src).encode(ns.calibration_text.read_text(encoding="utf-8")))
+        else:
+            tokens = CALIBRATION_CONVERSATION_TOKENS + CALIBRATION_PROSE_TOKENS  # about the defaults' length
+    device = resolve_device(ns.device)
+    per_step = 0 if heal is None else heal.seq_len * heal.batch_size
+    est = estimate(source, ns.kv_heads, calibration_tokens=tokens, refit=refit, heal=heal is not None,
+                   heal_tokens_per_step=per_step, device=device)  # fmt: skip
+    dtype = source.dtype if ns.dtype == "source" else DTYPES[ns.dtype]
+    size = sum(int(torch.Size(s).numel()) for n, s in source.shapes.items()) * dtype.itemsize
+    shards = max(1, math.ceil(size / parse_size(ns.max_shard_size)))
+    print(f"source       {model_label(ns.src)} ({cfg.arch}, {cfg.num_layers} layers, {len(source.shapes)} tensors, "
+          f"stored as {str(source.dtype).removeprefix('torch.')})")  # fmt: skip
+    print(f"plan         KV heads {cfg.num_kv_heads} -> {ns.kv_heads}; "
+          + (f"method {ns.method}, {'refit, ' if refit else ''}" if merging else "exact, ")
+          + (f"~{tokens:,} calibration tokens" if tokens else "no calibration") + f"; on {device}")  # fmt: skip
+    print(f"writes       ~{size / 1e9:.2f} GB in {str(dtype).removeprefix('torch.')}, {shards} shard(s)")
+    print(f"memory       peak ~{_gib(est.peak_bytes)} streaming (this process now {_gib(est.baseline_bytes)}); "
+          f"the model whole in fp32 would be {_gib(est.whole_model_bytes)}")  # fmt: skip
+    if heal is not None:
+        print(f"healing      needs ~{_gib(est.heal_bytes)} more (source and converted model in fp32, optimizer)")
+    print(f"time         ~{est.seconds / 60:.1f} min ({est.layer_seconds:.1f} s per layer at a measured "
+          f"{est.gflops:.0f} GFLOP/s)" + ("" if heal is None else " before healing"))  # fmt: skip
+    return 0
+
+
 def run_convert(ns: argparse.Namespace) -> int:
     from ..convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, NEEDS_CALIBRATION, convert
     from ..loaders import read_config
@@ -117,6 +183,8 @@ def run_convert(ns: argparse.Namespace) -> int:
     heal, heal_text = heal_settings(ns)  # before anything slow
     if src is not None and not Path(src).expanduser().exists():
         raise FileNotFoundError(f"source model {src} does not exist")
+    if ns.dry_run:
+        return dry_run(ns, heal)
     cfg = read_config(src)
     if heal is not None and ns.kv_heads >= cfg.num_kv_heads:
         raise ValueError(f"healing only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
@@ -128,11 +196,15 @@ def run_convert(ns: argparse.Namespace) -> int:
             raise ValueError("--conversations needs a source whose tokenizer has a chat template; this one has none")
     text = None if ns.calibration_text is None else ns.calibration_text.read_text(encoding="utf-8")
     merging = ns.kv_heads < cfg.num_kv_heads  # then progress bars follow the line
-    with loading(f"{model_label(src)} as fp32 and converting it to {ns.kv_heads} KV heads", timed=not merging):
+    dtype = None if ns.dtype == "source" else DTYPES[ns.dtype]
+    with loading(f"{model_label(src)} layer by layer and converting it to {ns.kv_heads} KV heads", timed=not merging):
         out = convert(
             src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, refit=ns.refit,
-            heal=heal, heal_text=heal_text, conversations=ns.conversations,
+            heal=heal, heal_text=heal_text, conversations=ns.conversations, dtype=dtype, device=ns.device,
+            max_shard_size=ns.max_shard_size,
         )  # fmt: skip
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return 0  # rank 0 reports
     n, h_kv = ns.kv_heads, cfg.num_kv_heads
     refit = ns.method in NEEDS_CALIBRATION if ns.refit is None else ns.refit
     how = "copied" if n == h_kv else "expanded exactly" if n > h_kv else f"merged with method {ns.method!r}"

@@ -10,17 +10,22 @@ expansion when ``N`` is a multiple of ``H_kv``, a registered method (``mean``, `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
+from ..distributed import in_launched_world, init_process_group
 from ..loaders import read_model, resolve_model_path
+from ..loaders.lazy import LazyModel, open_lazy
 from ..models.config import ModelConfig
 from . import pca as _pca  # noqa: F401 - registers the "pca" method
 from .calibration import default_calibration_text, default_heal_text
@@ -37,7 +42,9 @@ from .methods import (
     register_method,
 )
 from .refit import refit_convert_state
-from .writer import check_destination, write_checkpoint
+from .shards import DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_DTYPES, parse_size
+from .streaming import source_windows, stream_convert
+from .writer import check_destination, remove_weights, staged, write_config, write_weights
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
@@ -106,7 +113,8 @@ def _calibration_activations(
     cfg: ModelConfig, state: dict[str, torch.Tensor], tok: Tokenizer, text: str | list[int], progress: bool = False
 ) -> list[torch.Tensor]:
     """Per layer ``(T, hidden)``: the input of each attention (after ``input_layernorm``) in the source model, on
-    ``text`` (or token ids) cut into windows of at most ``min(max_position_embeddings, 2048)`` tokens."""
+    ``text`` (or token ids) cut into windows of at most ``min(max_position_embeddings, SOURCE_WINDOW)`` tokens
+    (``source_windows``). The model in memory; ``stream_convert`` computes the same a layer at a time."""
     from ..models import CausalLM
 
     ids = tok.encode(text) if isinstance(text, str) else text
@@ -118,12 +126,11 @@ def _calibration_activations(
         layer.self_attn.register_forward_pre_hook(lambda _m, args, i=i: acts[i].append(args[0].flatten(0, 1)))
         for i, layer in enumerate(model.model.layers)
     ]
-    window = min(cfg.max_position_embeddings, 2048)
-    starts = tqdm(range(0, len(ids), window), desc="calibration", unit="window", disable=not progress, file=sys.stderr)
+    windows = tqdm(source_windows(cfg, ids), desc="calibration", unit="window", disable=not progress, file=sys.stderr)
     try:
         with torch.inference_mode():
-            for start in starts:
-                model(torch.tensor([ids[start : start + window]]))
+            for window in windows:
+                model(window)
     finally:
         for h in hooks:
             h.remove()
@@ -153,6 +160,18 @@ def _source_tokenizer(resolved: Path) -> Tokenizer | None:
         return None
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"``: the local CUDA GPU when there is one (under torchrun, this rank's), else the CPU; else as given."""
+    if isinstance(device, str) and device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} was asked for, but torch sees no CUDA GPU")
+    return device
+
+
 def convert(
     src: str | Path | None = None,
     dst: str | Path | None = None,
@@ -165,19 +184,26 @@ def convert(
     heal: HealConfig | None = None,
     heal_text: str | None = None,
     conversations: bool | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "auto",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     progress: bool = True,
 ) -> Path:
     """Convert a model to ``kv_heads`` KV heads and write it as an HF checkpoint folder.
 
+    The source is read one layer at a time (``gqa.convert.streaming``): memory holds about one layer, the embeddings
+    and the calibration activations, not the model, so models larger than memory convert. Healing (and generating
+    the calibration conversations) needs the model in memory.
+
     Parameters
     ----------
     src : str, Path or None
-        A ``.gguf`` file, an HF checkpoint folder, a folder with one ``.gguf`` file, or ``None`` for the embedded
-        SmolLM2-135M-Instruct (9 query heads, 3 KV heads). Never written to.
+        A ``.gguf`` file, an HF checkpoint folder (single-file or sharded safetensors), a folder with one ``.gguf``
+        file, or ``None`` for the embedded SmolLM2-135M-Instruct (9 query heads, 3 KV heads). Never written to.
     dst : str or Path
-        The folder to write (required): ``config.json``, ``model.safetensors`` (float32; no ``lm_head.weight`` when
-        tied), ``generation_config.json`` and the source's tokenizer files. Must not be, lie inside or contain the
-        source.
+        The folder to write (required): ``config.json``, ``model.safetensors`` (or shards of at most
+        ``max_shard_size`` with ``model.safetensors.index.json``, HF's layout; no ``lm_head.weight`` when tied),
+        ``generation_config.json`` and the source's tokenizer files. Must not be, lie inside or contain the source.
     kv_heads : int
         N, the new number of KV heads; must divide the number of query heads ``H_q``. ``N > H_kv`` (a multiple of
         ``H_kv``) repeats each KV head ``N / H_kv`` times: the model computes exactly what it did. ``N < H_kv``
@@ -204,7 +230,8 @@ def convert(
         if ``heal.minutes`` of wall time run out first) of distillation from the source model
         (``gqa.convert.healing.heal``; learning rate, window length, batch, which parameters train, seed, precision).
         ``dst`` then also holds ``heal_loss.png`` (the loss curve) and ``heal_log.json`` (per-step losses and
-        learning rates, settings, timing).
+        learning rates, settings, timing). Under torchrun (``WORLD_SIZE > 1``) healing is data-parallel across the
+        processes (``heal``'s docstring): rank 0 converts, every rank heals, rank 0 writes.
     heal_text : str or None
         The text healing reads (never the evaluation text); default for a chat model its self-generated
         conversations, answer tokens weighted, mixed with docstrings (``gqa.convert.data.heal_data``), else
@@ -212,10 +239,19 @@ def convert(
     conversations : bool or None
         Whether the calibration and healing that are not given a text read self-generated conversations
         (``gqa.convert.conversations``: the source writes them, the first time in minutes, then they are read from
-        a cache keyed by its content hash). ``None`` (default): when the source's tokenizer has a chat template.
-        ``False``: prose only, as before. ``True``: required (``ValueError`` without a chat template).
+        a cache keyed by its content hash). ``None`` (default): when the source's tokenizer has a chat template and
+        the model fits in memory (``fits_in_memory``). ``False``: prose only. ``True``: required (``ValueError``
+        without a chat template).
+    dtype : torch.dtype or None
+        The written weights' dtype; default the source's (bf16 in, bf16 out; a GGUF's quantized blocks: float32).
+        The arithmetic is float32 either way.
+    device : str or torch.device
+        Where calibration, merging, the refit and healing run: ``"auto"`` (default) is the CUDA GPU when there is one,
+        else the CPU.
+    max_shard_size : int or str
+        Bytes per weight file (``"5GB"``, transformers' default): more weights than that are sharded.
     progress : bool
-        Show progress bars (generating conversations, merging and refitting the layers, healing).
+        Show progress bars (generating conversations, converting the layers with the time left, healing).
 
     Returns
     -------
@@ -231,8 +267,50 @@ def convert(
         Unknown ``method``; ``kv_heads`` < 1, not dividing ``H_q``, or incompatible with ``H_kv``; ``dst`` overlaps
         the source; an unreadable source; ``heal`` when not merging, or ``heal_text`` without ``heal``.
 
-    An exception or interrupt while healing leaves no ``dst`` (nothing is written before the healed model is ready).
+    An exception or interrupt leaves no ``dst`` (the files are written into a hidden folder renamed at the end).
     """
+    plan = _plan(src, dst, kv_heads, method, force, calibration_text, refit, heal, heal_text, conversations, dtype,
+                 device, max_shard_size)  # fmt: skip
+    rank, world = init_process_group(plan.device) if in_launched_world() else (0, 1)
+    if world > 1 and heal is None:
+        raise ValueError("only healing runs across processes: run a conversion without healing as one process")
+    with staged(plan.out, force) if rank == 0 else contextlib.nullcontext() as tmp:
+        data = None
+        if rank == 0:
+            data = _convert_into(tmp, plan, progress)
+        if heal is not None:
+            result = _heal_folder(plan, tmp, data, world, progress)
+        if rank == 0:
+            _write_extras(tmp, plan, data, None if heal is None else result)
+    if world > 1:
+        _waiting_group().barrier()  # every rank returns once the result is in place
+    return plan.out
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A checked conversion: what ``convert`` was asked, resolved."""
+
+    resolved: Path
+    out: Path
+    source: LazyModel
+    kv_heads: int
+    method: str
+    calibration_text: str | None
+    do_refit: bool
+    calibrating: bool
+    heal: HealConfig | None
+    heal_text: str | None
+    tok: Tokenizer | None
+    chats_wanted: bool
+    dtype: torch.dtype
+    device: torch.device
+    max_shard_size: int | str
+
+
+def _plan(src, dst, kv_heads, method, force, calibration_text, refit, heal, heal_text, conversations, dtype, device,
+          max_shard_size) -> _Plan:  # fmt: skip
+    """Check ``convert``'s arguments and the source (its config and tensor shapes, no weights) before anything slow."""
     if dst is None:
         raise TypeError("convert() needs a destination folder dst")
     if method not in METHODS:
@@ -245,12 +323,16 @@ def convert(
         raise TypeError(f"heal must be a HealConfig or None, got {type(heal).__name__}")
     if heal_text is not None and heal is None:
         raise ValueError("heal_text is only used when healing: pass heal=HealConfig(steps=...)")
+    if dtype is not None and dtype not in SAFETENSORS_DTYPES:
+        raise TypeError(f"dtype must be None or one of {', '.join(map(str, SAFETENSORS_DTYPES))}, got {dtype!r}")
+    parse_size(max_shard_size)
     if src is not None and not Path(src).expanduser().exists():
         raise FileNotFoundError(f"source model {src} does not exist")
     resolved = resolve_model_path(None if src is None else Path(src).expanduser())
     sources = [resolved] if src is None else [Path(src), resolved]
     out = check_destination(sources, Path(dst), force)  # fail before the slow part
-    cfg, state = read_model(resolved)
+    source = open_lazy(resolved)
+    cfg = source.config
     check_kv_heads(cfg, kv_heads, method)
     if heal is not None and kv_heads >= cfg.num_kv_heads:
         raise ValueError(
@@ -267,58 +349,131 @@ def convert(
             f"{resolved}: method {method!r} calibrates on text, which needs the source's tokenizer, and it has "
             "none; use method 'mean' or 'first' without the refit, or add the tokenizer files"
         )
+    wanted = (calibrating and calibration_text is None) or (heal is not None and heal_text is None)
+    chats = _use_conversations(conversations, tok, wanted)
+    if chats and conversations is None and not fits_in_memory(source):
+        warnings.warn(f"{resolved}: too large to write its own calibration conversations in memory; calibrating on "
+                      "the built-in prose (pass conversations=True to insist)", stacklevel=3)  # fmt: skip
+        chats = False
+    return _Plan(resolved, out, source, kv_heads, method, calibration_text, do_refit, calibrating, heal, heal_text, tok,
+                 chats, source.dtype if dtype is None else dtype, resolve_device(device), max_shard_size)  # fmt: skip
+
+
+def fits_in_memory(source: LazyModel, share: float = 0.5) -> bool:
+    """Whether ``source`` in float32 takes at most ``share`` of the memory available now (``psutil``-free: from
+    ``/proc/meminfo``; ``True`` where that is unknown)."""
+    need = sum(n * 4 for n in (int(torch.Size(s).numel()) for s in source.shapes.values()))
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return need <= share * info["MemAvailable"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return True
+
+
+@dataclasses.dataclass
+class _Converted:
+    """What rank 0's conversion hands to healing and to the extra files."""
+
+    cfg: ModelConfig
+    heal_data: HealData | None
+    chats: ConversationSet | None
+
+
+def _convert_into(folder: Path, plan: _Plan, progress: bool) -> _Converted:
+    """Rank 0: stream the conversion's weights into ``folder`` (and prepare the healing data)."""
+    cfg, tok = plan.source.config, plan.tok
     chats = None
-    if _use_conversations(conversations, tok, (calibrating and calibration_text is None) or
-                          (heal is not None and heal_text is None)):  # fmt: skip
-        chats = _source_conversations(cfg, state, resolved, tok, progress)
-    activations = None
-    if calibrating:
-        if calibration_text is not None or chats is None:
-            ids = tok.encode(default_calibration_text() if calibration_text is None else calibration_text)
+    if plan.chats_wanted:
+        chats = _source_conversations(cfg, read_model(plan.resolved)[1], plan.resolved, tok, progress)
+    ids = None
+    if plan.calibrating:
+        if plan.calibration_text is not None or chats is None:
+            text = default_calibration_text() if plan.calibration_text is None else plan.calibration_text
+            ids = tok.encode(text)
         else:
             ids = calibration_ids(tok, chats.train)
-        if do_refit:
-            new_cfg, new_state = refit_convert_state(cfg, state, kv_heads, method, ids, progress=progress)
+    new_cfg, _ = stream_convert(
+        plan.source, folder, plan.kv_heads, plan.method, calibration_ids=ids, refit=plan.do_refit, dtype=plan.dtype,
+        device=plan.device, max_shard_size=plan.max_shard_size, progress=progress,
+    )  # fmt: skip
+    write_config(folder, new_cfg, plan.dtype, _generation_config(plan.resolved, cfg))
+    data = None
+    if plan.heal is not None:
+        if plan.heal_text is None and chats is not None:
+            data = heal_data(tok, chats.train, plan.heal.seq_len)
         else:
-            activations = _calibration_activations(cfg, state, tok, ids, progress)
-    if not do_refit:
-        new_cfg, new_state = convert_state(cfg, state, kv_heads, method, activations)
-    result = None
-    if heal is not None:
-        if heal_text is None and chats is not None:
-            data = heal_data(tok, chats.train, heal.seq_len)
-        else:
-            data = HealData(tok.encode(default_heal_text() if heal_text is None else heal_text), None, None)
-        new_state, result = _heal_state(cfg, state, new_cfg, new_state, data, heal, progress)
+            data = HealData(tok.encode(default_heal_text() if plan.heal_text is None else plan.heal_text), None, None)
+    return _Converted(new_cfg, data, chats)
 
-    def extra(folder: Path) -> None:
-        if tok is not None:
-            tok.hf.save_pretrained(folder)
-        if result is not None:
-            save_loss_curve(result, folder / HEAL_PLOT_NAME, f"healing {cfg.num_kv_heads} -> {kv_heads} KV heads "
-                            f"({method}), train={heal.train}, lr={heal.lr:g}")  # fmt: skip
-            text = "default_heal_text()" if heal_text is None else f"{len(heal_text)} characters given"
-            log = {
-                "config": dataclasses.asdict(result.config),
-                "text": text
-                if heal_text is not None or chats is None
-                else "self-generated conversations + "
-                f"default_heal_text() ({len(chats.train)} conversations, {HEAL_PROSE_SHARE:.0%} of windows prose)",
-                "seconds": result.seconds,
-                "seconds_per_step": result.seconds_per_step,
-                "cpu_seconds": result.cpu_seconds,
-                "threads": torch.get_num_threads(),
-                "precision": result.precision,
-                "tokens_per_step": result.tokens_per_step,
-                "trained_parameters": result.trained_parameters,
-                "losses": result.losses,
-                "lrs": result.lrs,
-            }
-            (folder / HEAL_LOG_NAME).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
 
-    return write_checkpoint(
-        out, new_cfg, new_state, force=force, generation_config=_generation_config(resolved, cfg), extra=extra
-    )
+def _waiting_group() -> Any:
+    """A gloo group over every rank with ``CONVERSION_WAIT_S`` of timeout, for the ranks waiting on rank 0's
+    conversion (which can take far longer than the training collectives' ``GQA_DIST_TIMEOUT``)."""
+    global _WAITING
+    if _WAITING is None:
+        _WAITING = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=CONVERSION_WAIT_S))
+    return _WAITING
+
+
+_WAITING = None
+CONVERSION_WAIT_S = 6 * 3600.0
+
+
+def _heal_folder(plan: _Plan, folder: Path | None, data: _Converted | None, world: int, progress: bool) -> HealResult:
+    """Every rank: heal the converted model written in rank 0's ``folder`` from the source; rank 0 then rewrites the
+    weights there."""
+    from ..models import CausalLM
+
+    if world > 1:
+        shared = [None if folder is None else (str(folder), data)]
+        torch.distributed.broadcast_object_list(shared, src=0, group=_waiting_group())
+        folder, data = Path(shared[0][0]), shared[0][1]
+    cfg = plan.source.config
+    teacher = CausalLM.from_state(cfg, read_model(plan.resolved)[1], assign=True).to(plan.device)
+    student = CausalLM.from_state(data.cfg, read_model(folder)[1], assign=True).to(plan.device)
+    d = data.heal_data
+    result = heal(
+        student, teacher, d.ids, weights=d.weights, starts=d.starts, progress=progress,
+        **dataclasses.asdict(plan.heal),
+    )  # fmt: skip
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return result
+    remove_weights(folder)
+    write_weights(folder, data.cfg, student.state_dict(), plan.dtype, plan.max_shard_size)
+    return result
+
+
+def _write_extras(folder: Path, plan: _Plan, data: _Converted, result: HealResult | None) -> None:
+    """Rank 0: the tokenizer, and healing's loss curve and log."""
+    if plan.tok is not None:
+        plan.tok.hf.save_pretrained(folder)
+    if result is None:
+        return
+    cfg, chats, h = plan.source.config, data.chats, plan.heal
+    save_loss_curve(result, folder / HEAL_PLOT_NAME, f"healing {cfg.num_kv_heads} -> {plan.kv_heads} KV heads "
+                    f"({plan.method}), train={h.train}, lr={h.lr:g}")  # fmt: skip
+    if plan.heal_text is not None or chats is None:
+        text = "default_heal_text()" if plan.heal_text is None else f"{len(plan.heal_text)} characters given"
+    else:
+        text = (f"self-generated conversations + default_heal_text() ({len(chats.train)} conversations, "
+                f"{HEAL_PROSE_SHARE:.0%} of windows prose)")  # fmt: skip
+    log = {
+        "config": dataclasses.asdict(result.config),
+        "text": text,
+        "seconds": result.seconds,
+        "seconds_per_step": result.seconds_per_step,
+        "cpu_seconds": result.cpu_seconds,
+        "threads": torch.get_num_threads(),
+        "processes": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+        "device": str(plan.device),
+        "precision": result.precision,
+        "tokens_per_step": result.tokens_per_step,
+        "trained_parameters": result.trained_parameters,
+        "losses": result.losses,
+        "lrs": result.lrs,
+    }
+    (folder / HEAL_LOG_NAME).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
 
 
 def _use_conversations(conversations: bool | None, tok: Tokenizer | None, wanted: bool) -> bool:
@@ -338,26 +493,3 @@ def _source_conversations(
 
     model = CausalLM.from_state(cfg, state, assign=True)  # shares the source tensors: only read
     return self_generated_conversations(model, tok, model_content_hash(resolved), progress=progress)
-
-
-def _heal_state(
-    cfg: ModelConfig,
-    state: dict[str, torch.Tensor],
-    new_cfg: ModelConfig,
-    new_state: dict[str, torch.Tensor],
-    data: HealData,
-    config: HealConfig,
-    progress: bool,
-) -> tuple[dict[str, torch.Tensor], HealResult]:
-    """Heal the converted model (``new_cfg``, ``new_state``) from the source (``cfg``, ``state``) on ``data``:
-    the healed tensors by HF name (the same names as ``new_state``) and the ``HealResult``."""
-    from ..models import CausalLM
-
-    teacher = CausalLM.from_state(cfg, state, assign=True)  # shares the source tensors: only read
-    student = CausalLM.from_state(new_cfg, new_state)  # its own copy: trained in place
-    result = heal(
-        student, teacher, data.ids, weights=data.weights, starts=data.starts, progress=progress,
-        **dataclasses.asdict(config),
-    )  # fmt: skip
-    healed = student.state_dict()
-    return {name: healed[name].detach() for name in new_state}, result

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .._atomic import atomic_path
 from ..hardware import fast_bf16
@@ -133,17 +135,29 @@ class HealResult:
 
 
 def kl_loss(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, weights: torch.Tensor | None = None
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    total: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean over positions of ``KL(teacher || student)`` in nats: logits ``(B, L, vocab)`` each, float32 softmax;
-    with ``weights (B, L)``, the weighted mean ``sum w_t KL_t / sum w_t``."""
+    with ``weights (B, L)``, the weighted mean ``sum w_t KL_t / sum w_t``. ``total`` replaces the denominator (the
+    position count or ``sum w_t``): a process holding part of a batch divides by the whole batch's."""
     s = student_logits.float().flatten(0, -2).log_softmax(-1)  # (B*L, vocab)
     t = teacher_logits.float().flatten(0, -2).log_softmax(-1)
-    if weights is None:
+    if weights is None and total is None:
         return F.kl_div(s, t, log_target=True, reduction="batchmean")  # sum_v p (log p - log q), mean over positions
     per_position = F.kl_div(s, t, log_target=True, reduction="none").sum(-1)  # (B*L,)
-    w = weights.flatten().to(per_position)
-    return (per_position * w).sum() / w.sum().clamp_min(1e-12)
+    w = torch.ones_like(per_position) if weights is None else weights.flatten().to(per_position)
+    total = w.sum() if total is None else torch.as_tensor(total, dtype=per_position.dtype)
+    return (per_position * w).sum() / total.clamp_min(1e-12)
+
+
+def _world() -> tuple[int, int]:
+    """``(rank, world size)`` of the default process group, ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def trainable_parameters(model: nn.Module, train: str) -> list[nn.Parameter]:
@@ -237,6 +251,13 @@ def heal(
         evaluation text every few hundred steps) is not counted against ``minutes`` nor in ``HealResult.seconds``
         and ``cpu_seconds``.
 
+    Across processes (a torch.distributed process group of ``N > 1`` ranks is initialized, e.g. under torchrun):
+    data-parallel (``DistributedDataParallel``; gloo on CPU, NCCL on GPU). Every rank draws the same windows and
+    takes its ``batch_size / N`` of each step (``batch_size`` must be a multiple of ``N``), divides its loss by the
+    whole batch's position count (or weight), and the gradients are averaged: the same steps as one process with the
+    same ``batch_size`` and ``seed``, up to float summation order. The time budget is the slowest rank's. Every rank
+    ends with the same weights and ``HealResult``.
+
     Returns
     -------
     HealResult : per-step losses and learning rates, wall time.
@@ -261,17 +282,28 @@ def heal(
             raise ValueError(f"seq_len ({seq_len}) exceeds the model's context of {context} tokens")
     device = next(student.parameters()).device
     precision = resolve_precision(precision, device)
+    rank, world = _world()
+    if batch_size % world:
+        raise ValueError(
+            f"heal batch_size ({batch_size}) must be a multiple of the number of processes ({world}): each process "
+            f"takes batch_size / {world} windows of every step"
+        )
+    per_rank = batch_size // world
     params = trainable_parameters(student, train)
     was = {id(p): p.requires_grad for p in student.parameters()}
     train_ids = {id(p) for p in params}
     for p in student.parameters():
         p.requires_grad_(id(p) in train_ids)
+    model = student
+    if world > 1:
+        ids_ = [device.index] if device.type == "cuda" else None
+        model = DistributedDataParallel(student, device_ids=ids_)
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     windows = _windows(offsets, seq_len, gen)
     losses, lrs = [], []
     bar = None
-    if progress:
+    if progress and rank == 0:
         from tqdm.auto import tqdm
 
         total = steps if budget is None else None  # under a time budget the step count is not known ahead
@@ -284,26 +316,41 @@ def heal(
     def healing_time() -> float:  # wall seconds since the start, less the callback's
         return _clock() - start - paused
 
+    def slowest(seconds: float) -> float:  # the same value on every rank: the largest
+        if world == 1:
+            return seconds
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
     try:
         for step in range(steps):
-            elapsed = healing_time()
+            elapsed = healing_time() if budget is None else slowest(healing_time())
             if budget is not None and elapsed >= budget:
                 break
-            begins = [next(windows) for _ in range(batch_size)]
-            batch = torch.stack([ids[b : b + seq_len] for b in begins]).to(device)  # (B, L)
-            w = None if weights is None else torch.stack([weights[b : b + seq_len] for b in begins]).to(device)
+            begins = [next(windows) for _ in range(batch_size)]  # every rank draws them all, and takes its share
+            mine = begins[rank * per_rank : (rank + 1) * per_rank]
+            batch = torch.stack([ids[b : b + seq_len] for b in mine]).to(device)  # (B / N, L)
+            w = None if weights is None else torch.stack([weights[b : b + seq_len] for b in mine]).to(device)
+            total = None
+            if world > 1:  # the whole batch's positions (or weight): DDP averages the ranks' gradients
+                total = batch_size * seq_len if weights is None else float(sum(weights[b : b + seq_len].sum()
+                                                                                for b in begins))  # fmt: skip
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                 with torch.no_grad():
                     target = teacher(batch)  # (B, L, vocab)
-                logits = student(batch)
-            loss = kl_loss(logits, target, w)  # float32 softmax either way
+                logits = model(batch)
+            loss = kl_loss(logits, target, w, total)  # float32 softmax either way
             step_lr = _lr_at(step, steps, warmup, lr, 0.0 if budget is None else elapsed / budget)
             for group in opt.param_groups:
                 group["lr"] = step_lr
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * world).backward()  # DDP averages over the ranks: the sum of their shares
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
+            if world > 1:
+                loss = loss.detach().clone()
+                dist.all_reduce(loss)  # the whole batch's loss
             value = loss.item()
             if not math.isfinite(value):
                 raise FloatingPointError(f"healing diverged at step {step}: loss {value}; try a smaller lr")
@@ -325,7 +372,7 @@ def heal(
         for p in student.parameters():
             p.requires_grad_(was[id(p)])
             p.grad = None
-    seconds, cpu_seconds = healing_time(), time.process_time() - cpu_start - paused_cpu
+    seconds, cpu_seconds = slowest(healing_time()), time.process_time() - cpu_start - paused_cpu
     n = sum(p.numel() for p in params)
     return HealResult(losses, lrs, seconds, batch_size * seq_len, cfg, n, cpu_seconds, precision)
 

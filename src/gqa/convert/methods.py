@@ -57,6 +57,11 @@ class AttentionWeights:
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
 
+    def to(self, device: torch.device | str) -> AttentionWeights:
+        """The same weights on ``device`` (these very tensors where they are there already)."""
+        return AttentionWeights(**{f: None if (t := getattr(self, f)) is None else t.to(device)
+                                   for f in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias")})  # fmt: skip
+
 
 class Method(Protocol):
     """A reduction method: ``H_kv`` KV heads -> ``num_kv_heads`` (a divisor of ``H_kv``, smaller than it).

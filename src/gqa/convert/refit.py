@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..attention import GroupedQueryAttention
@@ -45,7 +45,16 @@ from .methods import (
 )
 from .value_refit import VALUE_STEPS, ValueGrams, refit_values_and_output, solve_output
 
-__all__ = ["CALIBRATION_WINDOW", "RIDGE", "SHORT_WINDOW", "refit_convert_state", "refit_output"]
+__all__ = [
+    "CALIBRATION_WINDOW",
+    "RIDGE",
+    "SHORT_WINDOW",
+    "calibration_windows",
+    "check_refit",
+    "refit_convert_state",
+    "refit_layer",
+    "refit_output",
+]
 
 # lam / mean(diag(O^T O)). SmolLM2 3 -> 1, o_proj refit, 25k calibration tokens: LICENSE ppl 45.9 at 1e-2, 52.9 at
 # 1e-1; v_proj/o_proj refit: 20.39 at 1e-2, 20.32 at 3e-3 (docs/conversion.md)
@@ -103,9 +112,11 @@ def _windows(ids: Sequence[int], length: int) -> list[Tensor]:
 
 def _attention(cfg: ModelConfig, n: int, w: AttentionWeights, rope) -> GroupedQueryAttention:
     """A ``GroupedQueryAttention`` with ``n`` KV heads holding ``w``."""
-    attn = GroupedQueryAttention(
-        cfg.hidden_size, cfg.num_heads, n, cfg.head_dim, qkv_bias=cfg.attention_bias, rope=rope
-    ).eval()
+    attn = (
+        GroupedQueryAttention(cfg.hidden_size, cfg.num_heads, n, cfg.head_dim, qkv_bias=cfg.attention_bias, rope=rope)
+        .eval()
+        .to(w.q.device)
+    )
     for f in ("q", "k", "v", "o"):
         proj = getattr(attn, f"{f}_proj")
         proj.weight.copy_(getattr(w, f))
@@ -129,11 +140,13 @@ def _refit_layer(
     ``targets`` (``(B * L, E)`` per batch of windows ``X (B, L, E)``), ``attn`` holding ``merged``."""
     H, D, N = cfg.num_heads, cfg.head_dim, attn.num_kv_heads
     r = cfg.num_kv_heads // N * D  # source value dims per new KV head
-    groups = torch.arange(H) // (H // N)  # the new KV head each query head reads
+    device = merged.v.device
+    groups = torch.arange(H, device=device) // (H // N)  # the new KV head each query head reads
     W_src = with_bias_column(source.v, source.v_bias).view(N, r, -1)  # group g's source value rows (r, E + 1)
     v_new = with_bias_column(merged.v, merged.v_bias).view(N, D, -1)
-    B = torch.stack([torch.linalg.lstsq(W_src[g].T, v_new[g].T, driver="gelsd").solution.T for g in range(N)])
-    grams = ValueGrams(H, r, cfg.hidden_size)
+    B = torch.stack([torch.linalg.lstsq(W_src[g].T.cpu(), v_new[g].T.cpu(), driver="gelsd").solution.T
+                     for g in range(N)]).to(device)  # fmt: skip  # gelsd (rank-revealing) is CPU-only
+    grams = ValueGrams(H, r, cfg.hidden_size, device)
     for x, y in zip(X, targets, strict=True):
         _, A = attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None, need_weights=True)
         values = (
@@ -144,6 +157,57 @@ def _refit_layer(
     v = torch.einsum("gdr,gre->gde", B, W_src).flatten(0, 1).to(merged.v.dtype)  # (N * D, E + 1)
     v_bias = v[:, -1].contiguous() if source.v_bias is not None else None
     return dataclasses.replace(merged, v=v[:, :-1].contiguous(), v_bias=v_bias, o=W_o)
+
+
+def refit_layer(
+    cfg: ModelConfig,
+    layer: nn.Module,
+    w: AttentionWeights,
+    hidden: list[Tensor],
+    kv_heads: int,
+    method: str,
+    *,
+    ridge: float = RIDGE,
+    value_steps: int = VALUE_STEPS,
+) -> tuple[AttentionWeights, list[Tensor]]:
+    """One step of the sequential refit: merge and refit source layer ``layer`` (a ``DecoderLayer`` holding ``w``)
+    on ``hidden``, the converted model's hidden states entering it (``(B, L, E)`` per batch of windows, float32 on
+    the layer's device); returns the merged weights and the hidden states leaving the merged layer."""
+    rope = layer.self_attn.rope
+
+    def cos_sin(length: int) -> tuple[Tensor, Tensor]:
+        return rope.cos_sin(torch.arange(length, device=rope.inv_freq.device))
+
+    X = [layer.input_layernorm(h) for h in hidden]
+    acts = torch.cat([x.flatten(0, 1) for x in X]).cpu()  # the merge's small eigen problems run on the CPU
+    merged = convert_layer(w.to("cpu"), cfg, kv_heads, method, acts).to(w.q.device)
+    attn = _attention(cfg, kv_heads, merged, rope)
+    targets = [layer.self_attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
+               .flatten(0, 1) for x in X]  # fmt: skip
+    if attn.o_proj.bias is not None:
+        targets = [t - attn.o_proj.bias for t in targets]
+    merged = _refit_layer(cfg, w, merged, attn, X, targets, cos_sin, ridge, value_steps)
+    attn = _attention(cfg, kv_heads, merged, rope)
+    hidden = [h + attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
+              for h, x in zip(hidden, X, strict=True)]  # fmt: skip  # the refit layer's attention
+    return merged, [h + layer.mlp(layer.post_attention_layernorm(h)) for h in hidden]
+
+
+def check_refit(cfg: ModelConfig, kv_heads: int, method: str, value_steps: int) -> None:
+    """``ValueError`` unless the refit applies: a merge ``kv_heads < H_kv`` by a known method, ``value_steps >= 0``."""
+    check_kv_heads(cfg, kv_heads, method)
+    if isinstance(value_steps, bool) or not isinstance(value_steps, int) or value_steps < 0:
+        raise ValueError(f"value_steps must be an int >= 0, got {value_steps!r}")
+    if kv_heads >= cfg.num_kv_heads:
+        raise ValueError(f"the refit applies to merges only: kv_heads ({kv_heads}) >= {cfg.num_kv_heads}")
+
+
+def calibration_windows(cfg: ModelConfig, calibration_ids: Sequence[int], window: int) -> list[Tensor]:
+    """The refit's batches of calibration windows ``(B, L)`` (``_windows``); ``ValueError`` when there are none."""
+    windows = _windows(list(calibration_ids), min(window, cfg.max_position_embeddings))
+    if not windows:
+        raise ValueError("calibration text must have at least 2 tokens for the o_proj refit")
+    return windows
 
 
 @torch.no_grad()
@@ -175,42 +239,21 @@ def refit_convert_state(
 
     Returns
     -------
-    ``(ModelConfig, dict)`` as ``convert_state``: tensors that do not change are the input's own.
+    ``(ModelConfig, dict)`` as ``convert_state``: tensors that do not change are the input's own. The whole model is
+    in memory here; ``gqa.convert.streaming`` runs the same steps (``refit_layer``) one layer at a time from disk.
     """
     from ..models import CausalLM
 
-    check_kv_heads(cfg, kv_heads, method)
-    if isinstance(value_steps, bool) or not isinstance(value_steps, int) or value_steps < 0:
-        raise ValueError(f"value_steps must be an int >= 0, got {value_steps!r}")
-    if kv_heads >= cfg.num_kv_heads:
-        raise ValueError(f"the refit applies to merges only: kv_heads ({kv_heads}) >= {cfg.num_kv_heads}")
-    windows = _windows(list(calibration_ids), min(window, cfg.max_position_embeddings))
-    if not windows:
-        raise ValueError("calibration text must have at least 2 tokens for the o_proj refit")
+    check_refit(cfg, kv_heads, method, value_steps)
+    windows = calibration_windows(cfg, calibration_ids, window)
     source = CausalLM.from_state(cfg, state, assign=True)  # shares the tensors: only read
-    rope = source.model.rope
-
-    def cos_sin(length: int) -> tuple[Tensor, Tensor]:
-        return rope.cos_sin(torch.arange(length))
-
     out = dict(state)
     hidden = [source.model.embed_tokens(ids) for ids in windows]  # (1, L, E) each: the converted model's stream
     layers = tqdm(source.model.layers, desc="merge + refit", unit="layer", disable=not progress, file=sys.stderr)
     for i, layer in enumerate(layers):
         names = layer_tensor_names(i)
-        X = [layer.input_layernorm(h) for h in hidden]
         w = AttentionWeights(**{f: state.get(n) for f, n in names.items()})
-        merged = convert_layer(w, cfg, kv_heads, method, torch.cat([x.flatten(0, 1) for x in X]))
-        attn = _attention(cfg, kv_heads, merged, rope)
-        targets = [layer.self_attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
-                   .flatten(0, 1) for x in X]  # fmt: skip
-        if attn.o_proj.bias is not None:
-            targets = [t - attn.o_proj.bias for t in targets]
-        merged = _refit_layer(cfg, w, merged, attn, X, targets, cos_sin, ridge, value_steps)
-        attn = _attention(cfg, kv_heads, merged, rope)
-        hidden = [h + attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
-                  for h, x in zip(hidden, X, strict=True)]  # fmt: skip  # the refit layer's attention
-        hidden = [h + layer.mlp(layer.post_attention_layernorm(h)) for h in hidden]
+        merged, hidden = refit_layer(cfg, layer, w, hidden, kv_heads, method, ridge=ridge, value_steps=value_steps)
         for f, n in names.items():
             t = getattr(merged, f)
             if t is not None:

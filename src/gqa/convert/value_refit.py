@@ -43,7 +43,9 @@ def solve_output(HH: Tensor, HY: Tensor, W0: Tensor, ridge: float) -> Tensor:
     ``lam = ridge * mean(diag(HH))``; float64, returns ``(E, n)`` in ``W0``'s dtype."""
     HH, HY, W = HH.double(), HY.double(), W0.double()
     lam = ridge * HH.diagonal().mean()
-    solved = torch.linalg.solve(HH + lam * torch.eye(HH.shape[0], dtype=HH.dtype), HY + lam * W.T)  # (n, E)
+    solved = torch.linalg.solve(
+        HH + lam * torch.eye(HH.shape[0], dtype=HH.dtype, device=HH.device), HY + lam * W.T
+    )  # (n, E)
     return solved.T.to(W0.dtype).contiguous()
 
 
@@ -51,9 +53,9 @@ class ValueGrams:
     """``G (H, r, H, r)``: ``G[i, :, j, :] = U_i^T U_j``; ``R (H, r, E)``: ``U_i^T Y``; summed over windows
     (float64). ``add`` takes one window's ``U (H, L, r)`` and ``Y (L, E)``."""
 
-    def __init__(self, num_heads: int, rank: int, hidden: int) -> None:
-        self.G = torch.zeros(num_heads * rank, num_heads * rank, dtype=torch.float64)
-        self.R = torch.zeros(num_heads, rank, hidden, dtype=torch.float64)
+    def __init__(self, num_heads: int, rank: int, hidden: int, device: torch.device | str = "cpu") -> None:
+        self.G = torch.zeros(num_heads * rank, num_heads * rank, dtype=torch.float64, device=device)
+        self.R = torch.zeros(num_heads, rank, hidden, dtype=torch.float64, device=device)
         self.shape = (num_heads, rank)
 
     def add(self, U: Tensor, Y: Tensor) -> None:

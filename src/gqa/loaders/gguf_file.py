@@ -162,29 +162,17 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
         raise ValueError(msg) from None
 
 
-def _to_torch(t: ReaderTensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Dequantize one GGUF tensor to a fresh float32 torch tensor of torch ``shape``."""
-    arr = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)  # plain ndarray: memmap slicing is slow
+def _to_torch(kind: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """Dequantize one GGUF tensor's ``data`` of type ``kind`` to a fresh float32 torch tensor of torch ``shape``."""
+    arr = dequantize(data, kind).reshape(shape)  # a plain ndarray: memmap slicing is slow
     arr = np.require(arr, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])  # copies views of the read-only memmap
     return torch.from_numpy(arr)
 
 
-def read_gguf(path: str | Path, *, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
-    """Read a llama/qwen2 GGUF file.
-
-    Returns
-    -------
-    (ModelConfig, dict) : the config, and HF-named float32 tensors in torch layout (``lm_head.weight`` only when the
-    file has ``output.weight``); llama q/k rows are put back in HF order. With ``keep_quantized``, 2-D weights stored
-    as Q8_0, Q4_0 or Q4_1 come as ``gqa.quantized.QuantizedTensor`` (their blocks as they are, rows reordered like
-    the float ones) instead of float tensors.
-
-    Raises
-    ------
-    ValueError
-        A damaged file, unsupported architecture or quantization type, or missing/unexpected/misshapen tensors.
-    """
-    path = Path(path)
+def gguf_tensors(path: Path) -> tuple[GGUFReader, ModelConfig, dict[str, ReaderTensor], dict[str, tuple[int, ...]]]:
+    """Open and check a llama/qwen2 GGUF file without reading its weights: the reader, the config, and by HF name
+    the file's tensors and their torch shapes (``ValueError`` for a damaged file, an unsupported architecture or
+    quantization type, or missing/unexpected/misshapen tensors)."""
     reader = open_gguf(path)
     cfg = gguf_config(reader, path)
     by_name: dict[str, ReaderTensor] = {}
@@ -204,18 +192,56 @@ def read_gguf(path: str | Path, *, keep_quantized: bool = False) -> tuple[ModelC
         raise ValueError(f"{path}: tensors outside the {cfg.arch} layout: {', '.join(unknown)}")
     shapes = {name: tuple(int(n) for n in reversed(t.shape.tolist())) for name, t in by_name.items()}
     check_tensors(cfg, shapes, str(path))
+    return reader, cfg, by_name, shapes
 
+
+def stored_dtype(t: ReaderTensor) -> torch.dtype:
+    """The torch dtype a GGUF tensor is read in: its own for F32/F16/BF16, float32 for quantized blocks."""
+    return {_Q.F16: torch.float16, _Q.BF16: torch.bfloat16}.get(t.tensor_type, torch.float32)
+
+
+def gguf_tensor(
+    cfg: ModelConfig, name: str, t: ReaderTensor, shape: tuple[int, ...], data: np.ndarray, keep_quantized: bool = False
+) -> Any:
+    """The HF-layout torch tensor of GGUF tensor ``t`` (HF name ``name``, torch ``shape``) from its raw ``data``
+    (``t.data`` or the same bytes read from the file): in ``stored_dtype(t)`` (or a ``QuantizedTensor``, see
+    ``read_gguf``), llama q/k rows put back in HF order."""
+    if keep_quantized and t.tensor_type.name.lower() in FORMATS and len(shape) == 2:
+        w = torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(shape[0], -1)  # (M, blocks bytes)
+    elif t.tensor_type == _Q.BF16:
+        w = torch.from_numpy(np.array(data, dtype=np.uint8)).view(torch.bfloat16).reshape(shape)
+    elif t.tensor_type == _Q.F16:
+        w = torch.from_numpy(np.array(data, dtype=np.float16)).reshape(shape)
+    else:
+        w = _to_torch(t.tensor_type, data, shape)
+    if cfg.arch == "llama" and ".q_proj." in name:
+        w = unpermute_qk(w, cfg.num_heads)
+    elif cfg.arch == "llama" and ".k_proj." in name:
+        w = unpermute_qk(w, cfg.num_kv_heads)
+    if w.dtype == torch.uint8:
+        w = QuantizedTensor(w.contiguous(), FORMATS[t.tensor_type.name.lower()], shape)
+    return w
+
+
+def read_gguf(path: str | Path, *, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
+    """Read a llama/qwen2 GGUF file.
+
+    Returns
+    -------
+    (ModelConfig, dict) : the config, and HF-named float32 tensors in torch layout (``lm_head.weight`` only when the
+    file has ``output.weight``); llama q/k rows are put back in HF order. With ``keep_quantized``, 2-D weights stored
+    as Q8_0, Q4_0 or Q4_1 come as ``gqa.quantized.QuantizedTensor`` (their blocks as they are, rows reordered like
+    the float ones) instead of float tensors.
+
+    Raises
+    ------
+    ValueError
+        A damaged file, unsupported architecture or quantization type, or missing/unexpected/misshapen tensors.
+    """
+    path = Path(path)
+    _, cfg, by_name, shapes = gguf_tensors(path)
     tensors: dict[str, Any] = {}
     for name, t in by_name.items():
-        if keep_quantized and t.tensor_type.name.lower() in FORMATS and len(shapes[name]) == 2:
-            w = torch.from_numpy(np.array(t.data, dtype=np.uint8)).reshape(shapes[name][0], -1)  # (M, blocks bytes)
-        else:
-            w = _to_torch(t, shapes[name])
-        if cfg.arch == "llama" and ".q_proj." in name:
-            w = unpermute_qk(w, cfg.num_heads)
-        elif cfg.arch == "llama" and ".k_proj." in name:
-            w = unpermute_qk(w, cfg.num_kv_heads)
-        if w.dtype == torch.uint8:
-            w = QuantizedTensor(w.contiguous(), FORMATS[t.tensor_type.name.lower()], shapes[name])
-        tensors[name] = w
+        w = gguf_tensor(cfg, name, t, shapes[name], np.asarray(t.data), keep_quantized)
+        tensors[name] = w if isinstance(w, QuantizedTensor) else w.float()
     return cfg, tensors

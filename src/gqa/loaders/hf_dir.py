@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +57,57 @@ def _shard_files(folder: Path) -> list[Path]:
 
 
 def _read_shard(file: Path, keep: set[str] | None = None) -> dict[str, Any]:
-    """``name -> shape`` for every tensor in a safetensors file, or (``keep`` given) ``name -> float32 tensor`` for
-    those named in ``keep``."""
+    """``name -> (shape, dtype)`` for every tensor in a safetensors file, or (``keep`` given) ``name -> tensor`` (as
+    stored) for those named in ``keep``. The file is memory-mapped only while this runs."""
     try:
         with safe_open(file, framework="pt") as f:
             if keep is None:
-                return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-            return {name: f.get_tensor(name).float() for name in f.keys() if name in keep}  # noqa: SIM118
+                return {name: _shape_dtype(f.get_slice(name)) for name in f.keys()}  # noqa: SIM118
+            return {name: f.get_tensor(name) for name in f.keys() if name in keep}  # noqa: SIM118
     except Exception as e:  # safetensors raises SafetensorError, OSError, ... on damaged files
         raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _shape_dtype(view: Any) -> tuple[tuple[int, ...], torch.dtype | None]:
+    return tuple(view.get_shape()), _DTYPES.get(view.get_dtype())
+
+
+def hf_tensor_index(folder: Path) -> tuple[ModelConfig, dict[str, tuple[Path, tuple[int, ...], torch.dtype | None]]]:
+    """An HF checkpoint folder's config, and by HF name the shard, shape and stored dtype (``None``: not a float) of
+    every tensor the model uses (no ``lm_head.weight`` when tied, no ``rotary_emb.inv_freq``); no weights are read.
+
+    Raises
+    ------
+    ValueError
+        A missing or damaged ``config.json``, index or shard, or missing/unexpected/misshapen tensors.
+    """
+    cfg = hf_config(folder)
+    index: dict[str, tuple[Path, tuple[int, ...], torch.dtype | None]] = {}
+    for file in _shard_files(folder):
+        for name, (shape, dtype) in _read_shard(file).items():
+            if name in index:
+                raise ValueError(f"{file}: tensor {name} is stored in more than one shard")
+            index[name] = (file, shape, dtype)
+    ignored = {n for n in index if n.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        ignored.add("lm_head.weight")
+    index = {n: v for n, v in index.items() if n not in ignored}
+    check_tensors(cfg, {n: v[1] for n, v in index.items()}, str(folder))
+    return cfg, index
+
+
+def read_hf_tensors(index: dict[str, tuple[Path, Any, Any]], names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` (as stored) from the shards ``hf_tensor_index`` found, each shard opened once."""
+    by_file: dict[Path, set[str]] = {}
+    for name in names:
+        by_file.setdefault(index[name][0], set()).add(name)
+    out: dict[str, torch.Tensor] = {}
+    for file, keep in by_file.items():
+        out |= _read_shard(file, keep)
+    return out
 
 
 def read_hf_dir(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -80,21 +123,9 @@ def read_hf_dir(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor
     ValueError
         A missing or damaged ``config.json``, index or shard, or missing/unexpected/misshapen tensors.
     """
-    folder = Path(folder)
-    cfg = hf_config(folder)
-    files = _shard_files(folder)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        for name, shape in _read_shard(file).items():
-            if name in shapes:
-                raise ValueError(f"{file}: tensor {name} is stored in more than one shard")
-            shapes[name] = shape
-    ignored = {n for n in shapes if n.endswith("rotary_emb.inv_freq")}
-    if cfg.tie_word_embeddings:
-        ignored.add("lm_head.weight")
-    keep = set(shapes) - ignored
-    check_tensors(cfg, {n: shapes[n] for n in keep}, str(folder))
+    cfg, index = hf_tensor_index(Path(folder))
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors |= _read_shard(file, keep)
+    for file in dict.fromkeys(entry[0] for entry in index.values()):  # a shard at a time: its float32 copies
+        names = [name for name, entry in index.items() if entry[0] == file]
+        tensors |= {name: t.float() for name, t in read_hf_tensors(index, names).items()}
     return cfg, tensors

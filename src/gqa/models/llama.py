@@ -47,6 +47,17 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def model_rope(cfg: ModelConfig) -> RoPE:
+    """The ``RoPE`` every layer of a ``cfg`` model shares (tables up to ``min(context, 8192)`` positions, grown on
+    demand)."""
+    return RoPE(
+        cfg.head_dim,
+        theta=cfg.rope_theta,
+        scaling=cfg.rope_scaling,
+        max_position=min(cfg.max_position_embeddings, 8192),
+    )
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RoPE) -> None:
         super().__init__()
@@ -75,12 +86,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rope = rope = RoPE(
-            cfg.head_dim,
-            theta=cfg.rope_theta,
-            scaling=cfg.rope_scaling,
-            max_position=min(cfg.max_position_embeddings, 8192),
-        )
+        self.rope = rope = model_rope(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -1,0 +1,82 @@
+"""A model's weights read on demand, a few tensors at a time: what streaming conversion reads a model larger than
+memory with.
+
+``open_lazy(path)`` checks the whole model (config, every tensor's name and shape) without reading a weight; ``read``
+then loads the tensors asked for, in the dtype they are stored in. An HF folder's shards are memory-mapped only while
+a ``read`` runs (so the pages it touched leave the process with it); a GGUF tensor is read from the file with an
+ordinary read (quantized blocks dequantized to float32, llama q/k rows put back in HF order).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import resolve_model_path
+from .gguf_file import gguf_tensor, gguf_tensors, stored_dtype
+from .hf_dir import hf_tensor_index, read_hf_tensors
+
+__all__ = ["LazyModel", "open_lazy"]
+
+
+class LazyModel:
+    """A checked model whose tensors are read when asked for.
+
+    Attributes
+    ----------
+    path : the resolved ``.gguf`` file or HF folder.
+    config : its ``ModelConfig``.
+    shapes : torch shape of every tensor the model uses, by HF name (no ``lm_head.weight`` when tied).
+    dtypes : the dtype each of them is read in (GGUF quantized blocks: float32).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if path.is_dir():
+            self.config, self._index = hf_tensor_index(path)
+            self.shapes = {name: shape for name, (_, shape, _) in self._index.items()}
+            self.dtypes = {name: dtype or torch.float32 for name, (_, _, dtype) in self._index.items()}
+        else:
+            _, self.config, self._gguf, self.shapes = gguf_tensors(path)
+            self.dtypes = {name: stored_dtype(t) for name, t in self._gguf.items()}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The float dtype most of the weights' elements are read in (``bfloat16`` for a bf16 checkpoint)."""
+        counts: Counter[torch.dtype] = Counter()
+        for name, shape in self.shapes.items():
+            counts[self.dtypes[name]] += int(np.prod(shape))
+        return counts.most_common(1)[0][0]
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of tensor ``name`` once read."""
+        return int(np.prod(self.shapes[name])) * self.dtypes[name].itemsize
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors ``names`` by HF name, each a fresh tensor of ``shapes[name]`` in ``dtypes[name]``.
+
+        Raises ``KeyError`` naming a tensor the model does not have."""
+        names = list(names)
+        missing = [n for n in names if n not in self.shapes]
+        if missing:
+            raise KeyError(f"{self.path}: no tensor {', '.join(missing)}")
+        if self.path.is_dir():
+            return read_hf_tensors(self._index, names)
+        out = {}
+        with open(self.path, "rb") as f:
+            for name in names:
+                t = self._gguf[name]
+                f.seek(t.data_offset)
+                raw = np.fromfile(f, dtype=t.data.dtype, count=t.data.size).reshape(t.data.shape)
+                out[name] = gguf_tensor(self.config, name, t, self.shapes[name], raw)
+        return out
+
+
+def open_lazy(path: str | Path | None = None) -> LazyModel:
+    """A ``LazyModel`` on a ``.gguf`` file, an HF checkpoint folder (single-file or sharded), a folder with one
+    ``.gguf`` file, or ``None`` (the embedded SmolLM2); ``ValueError`` for a damaged or unsupported model."""
+    return LazyModel(resolve_model_path(path))
