@@ -200,7 +200,9 @@ def test_heal_reads_windows_at_the_starts_with_the_weights(monkeypatch):
     ids = torch.randint(0, 64, (200,), generator=torch.Generator().manual_seed(0))
     batches = []
     real = healing_module.kl_loss
-    monkeypatch.setattr(healing_module, "kl_loss", lambda s, t, w=None, *rest: batches.append(w) or real(s, t, w, *rest))
+    monkeypatch.setattr(
+        healing_module, "kl_loss", lambda s, t, w=None, *rest: batches.append(w) or real(s, t, w, *rest)
+    )
     weights = torch.zeros(200)
     weights[50:60] = 1.0
     heal(student, teacher, ids, steps=6, seq_len=16, starts=[50, 190], weights=weights, progress=False,
