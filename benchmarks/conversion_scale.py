@@ -119,7 +119,7 @@ def main() -> None:
 
     tok = load_tokenizer(None)
     rows = []
-    with tempfile.TemporaryDirectory(dir=".") as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         text = tmp / "calibration.txt"
         ids = tok.encode(default_calibration_text())[: ns.calibration_tokens]

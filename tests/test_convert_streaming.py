@@ -254,6 +254,7 @@ def test_big_bf16_checkpoint_streams_under_a_memory_bound_and_equals_the_in_memo
     layer_fp32 = 29_360_128 * 4  # the largest layer: 4 * 1024^2 + 3 * 1024 * 8192 parameters
     embedding = 49152 * 1024 * 2  # bf16, while the calibration windows are embedded
     grown = rss["peak"] - rss["baseline"]
+    print(f"streaming conversion: peak RSS {rss['peak'] / 1e6:.0f} MB, {grown / 1e6:.0f} MB over the baseline")
     # The bound: 3 layers in float32 plus the embedding (~450 MB): the layer as stored and in float32, the merged
     # attention, the hidden states, allocator slack. Loading the model whole would be 5x that.
     assert grown < 3 * layer_fp32 + embedding, f"peak RSS grew by {grown / 1e6:.0f} MB (baseline {rss['baseline']})"

@@ -169,6 +169,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} was asked for, but torch sees no CUDA GPU")
+    if device.type == "cuda" and device.index is None:  # under torchrun: this rank's GPU
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return device
 
 

@@ -3,9 +3,10 @@ tensor shapes (no weight is read) and the speed of this machine's matrix product
 
 Memory, streaming (``gqa.convert.streaming``): the process as it is now (Python, torch), plus the largest of
 * embedding the calibration windows: the embedding matrix as stored, and the hidden states;
-* a layer: its tensors as stored and in float32, the merged attention in float32, the hidden states (one copy without
-  the refit, about four with it: inputs, normed inputs, targets, outputs), the refit's Gram matrix
-  ``(H_q * r)^2`` float64 (``r = H_kv / N * D``) and a batch's attention weights;
+* a layer: its tensors as stored and in float32, the merged attention in float32, the hidden states (two copies
+  without the refit, about four with it: inputs, normed inputs, targets, outputs), one forward pass's intermediates
+  (the MLP's and the attention scores of the tokens in flight), and the refit's Gram matrix ``(H_q * r)^2`` float64
+  (``r = H_kv / N * D``);
 plus, when healing, the source (teacher) and the converted model (student) in float32, AdamW's two moments and the
 gradients of the trained parameters, and a step's logits. Time: each layer's floating-point operations (calibration
 forward passes, the refit's attention passes, Gram products and conjugate-gradient iterations) over the measured rate.
@@ -21,9 +22,14 @@ import torch
 
 from ..loaders.lazy import LazyModel
 from .refit import BATCH_TOKENS, CALIBRATION_WINDOW
+from .streaming import SOURCE_WINDOW
 from .value_refit import _CG_STEPS, VALUE_STEPS
 
-__all__ = ["Estimate", "estimate", "machine_gflops"]
+__all__ = ["EFFICIENCY", "Estimate", "estimate", "machine_gflops"]
+
+# the share of the measured matrix-product rate conversions reach: 0.6B MHA -> 2 KV heads on a 2-core CPU, pca took
+# 2.5x and pca + refit 2.4x the time these operation counts take at the full rate (docs/conversion.md, Large models)
+EFFICIENCY = 0.4
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,11 @@ def estimate(
     attn = 2 * H * D * E + 2 * N * D * E
     r = max(cfg.num_kv_heads // max(N, 1), 1) * D
     hidden = T * E * 4 * (4 if refit else 2)
-    refit_bytes = ((H * r) ** 2 * 8 + BATCH_TOKENS * H * CALIBRATION_WINDOW * 4 * 2) if refit and T else 0
-    layer_phase = stored + params * 4 + attn * 4 + hidden + refit_bytes
+    window = min(CALIBRATION_WINDOW if refit else SOURCE_WINDOW, cfg.max_position_embeddings)
+    in_flight = min(T, BATCH_TOKENS if refit else window)  # tokens one forward pass holds
+    transient = in_flight * (3 * cfg.intermediate_size + H * window) * 4  # MLP intermediates, attention scores
+    refit_bytes = (H * r) ** 2 * 8 if refit and T else 0
+    layer_phase = stored + params * 4 + attn * 4 + hidden + transient + refit_bytes
     embed = source.nbytes("model.embed_tokens.weight") + T * E * 4
     whole = sum(numel(n) for n in source.shapes) * 4
     heal_bytes = 0
@@ -106,12 +115,11 @@ def estimate(
     baseline = _rss()
     rate32 = machine_gflops(torch.float32, device) * 1e9
     rate64 = machine_gflops(torch.float64, device) * 1e9
-    window = min(CALIBRATION_WINDOW if refit else 2048, cfg.max_position_embeddings)
     forward = T * (2 * params + 2 * H * D * window)  # the layer's projections, and causal attention scores
     flops32, flops64 = forward, 0.0
     if refit and T:
         flops32 += 3 * T * (2 * attn + 2 * H * D * window) + 2 * T * (H * r) ** 2
         flops64 += VALUE_STEPS * _CG_STEPS * 2 * H * H * D * r * (D + r)
-    seconds = flops32 / rate32 + flops64 / rate64 + stored / 1e9  # and reading the layer, ~1 GB/s
+    seconds = (flops32 / rate32 + flops64 / rate64) / EFFICIENCY + stored / 1e9  # and reading the layer, ~1 GB/s
     return Estimate(baseline + max(layer_phase, embed), baseline, whole, seconds, cfg.num_layers, heal_bytes,
                     rate32 / 1e9)  # fmt: skip
