@@ -16,4 +16,4 @@ def heal_tiny(teacher_state: dict, student_state: dict, cfgs: tuple, ids: torch.
     teacher = CausalLM.from_state(cfgs[0], teacher_state)
     student = CausalLM.from_state(cfgs[1], student_state)
     result = heal(student, teacher, ids, weights=weights, progress=False, **kwargs)
-    return {"losses": result.losses, "lrs": result.lrs, "state": student.state_dict()}
+    return {"losses": result.losses, "lrs": result.lrs, "state": student.state_dict(), "sharding": result.sharding}

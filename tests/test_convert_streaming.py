@@ -280,7 +280,8 @@ def test_big_bf16_checkpoint_streams_under_a_memory_bound_and_equals_the_in_memo
 # Healing across processes equals healing in one
 
 
-def test_heal_on_two_gloo_processes_equals_one_process():
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_heal_on_two_gloo_processes_equals_one_process(sharding):
     import heal_workers
     from test_convert_heal import tiny_pair
 
@@ -294,7 +295,8 @@ def test_heal_on_two_gloo_processes_equals_one_process():
     cfgs = (teacher.config, student.config)
     states = [{k: v.clone() for k, v in m.state_dict().items()} for m in (teacher, student)]
     one = heal_workers.heal_tiny(*states, cfgs, ids, weights, kwargs)
-    two = launch_local(2, heal_workers.heal_tiny, *states, cfgs, ids, weights, kwargs)
+    two = launch_local(2, heal_workers.heal_tiny, *states, cfgs, ids, weights, kwargs | {"sharding": sharding})
+    assert one["sharding"] == "none" and two[0]["sharding"] == two[1]["sharding"] == sharding
     for rank in (0, 1):
         torch.testing.assert_close(two[rank]["losses"], one["losses"], atol=1e-6, rtol=1e-5)
         assert two[rank]["lrs"] == one["lrs"]
@@ -302,11 +304,13 @@ def test_heal_on_two_gloo_processes_equals_one_process():
             torch.testing.assert_close(two[rank]["state"][name], t, atol=1e-4, rtol=1e-4)  # shows, scaled to lr
     moved = max((one["state"][n] - states[1][n]).abs().max().item() for n in states[1])
     assert moved > 5e-3, moved  # 5 steps of lr 3e-3 moved the weights: agreeing to 1e-4 is not trivial
-    with pytest.raises(Exception, match=r"batch_size \(3\) must be a multiple of the number of processes \(2\)"):
-        launch_local(2, heal_workers.heal_tiny, *states, cfgs, ids, weights, kwargs | {"batch_size": 3})
+    if sharding == "ddp":
+        with pytest.raises(Exception, match=r"batch_size \(3\) must be a multiple of the number of processes \(2\)"):
+            launch_local(2, heal_workers.heal_tiny, *states, cfgs, ids, weights, kwargs | {"batch_size": 3})
 
 
-def test_torchrun_convert_heals_data_parallel_and_rank_zero_writes(mha, tmp_path):
+@pytest.mark.parametrize("sharding", ["auto", "fsdp"])
+def test_torchrun_convert_heals_data_parallel_and_rank_zero_writes(mha, tmp_path, sharding):
     text = tmp_path / "heal.txt"
     text.write_text(words(3000, seed=1))
     common = [str(mha), "--kv-heads", "2", "--method", "mean", "--heal-steps", "4", "--heal-batch", "2",
@@ -314,16 +318,33 @@ def test_torchrun_convert_heals_data_parallel_and_rank_zero_writes(mha, tmp_path
               "--max-shard-size", "8KB"]  # fmt: skip
     env = dict(os.environ, GQA_DIST_TIMEOUT="120", OMP_NUM_THREADS="1")
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "gqa", "convert", *common[:1], str(tmp_path / "two"), *common[1:]],
+                          "-m", "gqa", "convert", *common[:1], str(tmp_path / "two"), *common[1:],
+                          "--heal-sharding", sharding],
                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("healed       4 steps") == 1  # rank 0 reports, once
     assert cli(["convert", common[0], str(tmp_path / "one"), *common[1:]]) == 0
     logs = [json.loads((tmp_path / d / "heal_log.json").read_text()) for d in ("one", "two")]
     assert (logs[0]["processes"], logs[1]["processes"]) == (1, 2)
+    assert (logs[0]["sharding"], logs[1]["sharding"]) == ("none", "ddp" if sharding == "auto" else "fsdp")
     torch.testing.assert_close(logs[1]["losses"], logs[0]["losses"], atol=1e-6, rtol=1e-5)
     one, two_ = stored(tmp_path / "one"), stored(tmp_path / "two")
     assert one.keys() == two_.keys() and all(t.dtype == torch.bfloat16 for t in two_.values())
     for name, t in one.items():
         torch.testing.assert_close(two_[name].float(), t.float(), atol=1e-2, rtol=0)  # bf16 roundings
     assert sorted(p.name for p in tmp_path.iterdir()) == ["heal.txt", "one", "two"]  # no staging folders left
+
+
+def test_auto_sharding_picks_fsdp_when_replicas_do_not_fit(monkeypatch):
+    from test_convert_heal import tiny_pair
+
+    from gqa.convert import healing
+
+    teacher, student = tiny_pair()
+    params = healing.trainable_parameters(student, "attention")
+    weights = sum(p.numel() * 4 for m in (teacher, student) for p in m.parameters())
+    optimizer = 3 * sum(p.numel() * 4 for p in params)
+    need = weights + optimizer  # both models' weights, and the student's gradients and AdamW moments
+    for memory, want in ((2 * need, False), (int(need / healing.FSDP_SHARE) + 8, False), (need, True)):
+        monkeypatch.setattr(healing, "_device_memory", lambda device, world, m=memory: m)
+        assert healing.fsdp_needed(student, teacher, params, torch.device("cpu"), 2) == want, memory

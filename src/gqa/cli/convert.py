@@ -24,6 +24,7 @@ UNLIMITED_STEPS = 10**9  # the step limit under --heal-minutes alone
 
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     from ..convert import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME, METHODS, PRECISIONS, TRAINABLE, HealConfig
+    from ..convert.healing import SHARDINGS
     from ..convert.shards import DEFAULT_MAX_SHARD_SIZE
 
     src_help = "GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct); never modified"
@@ -90,6 +91,11 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="which parameters train: the q/k/v/o projections or all",
     )  # fmt: skip
     heal.add_argument("--heal-seed", type=int, default=d.seed, metavar="S", help="seed of the window order")
+    heal.add_argument(
+        "--heal-sharding", choices=SHARDINGS, default=d.sharding,
+        help="under torchrun: ddp replicates the models on every process, fsdp shards them (for a model too big for "
+        "one device); auto: fsdp only where replicas and optimizer would not fit",
+    )  # fmt: skip
     add_dtype_argument(
         heal, "--heal-precision", choices=[p for p in PRECISIONS if p != "auto"], keywords=["auto"],
         default=d.precision, help="bf16: the passes under bfloat16 autocast, float32 weights and optimizer; auto: "
@@ -117,7 +123,7 @@ def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None
     steps = ns.heal_steps or UNLIMITED_STEPS  # --heal-minutes alone: the time is the limit
     config = HealConfig(
         steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train, None, ns.heal_seed, ns.heal_precision,
-        ns.heal_minutes,
+        ns.heal_minutes, ns.heal_sharding,
     )  # fmt: skip
     if ns.heal_text is None:
         return config, None

@@ -432,13 +432,13 @@ def _heal_folder(plan: _Plan, folder: Path | None, data: _Converted | None, worl
         torch.distributed.broadcast_object_list(shared, src=0, group=_waiting_group())
         folder, data = Path(shared[0][0]), shared[0][1]
     cfg = plan.source.config
-    teacher = CausalLM.from_state(cfg, read_model(plan.resolved)[1], assign=True).to(plan.device)
-    student = CausalLM.from_state(data.cfg, read_model(folder)[1], assign=True).to(plan.device)
+    teacher = CausalLM.from_state(cfg, read_model(plan.resolved)[1], assign=True)
+    student = CausalLM.from_state(data.cfg, read_model(folder)[1], assign=True)
     d = data.heal_data
     result = heal(
-        student, teacher, d.ids, weights=d.weights, starts=d.starts, progress=progress,
+        student, teacher, d.ids, weights=d.weights, starts=d.starts, progress=progress, device=plan.device,
         **dataclasses.asdict(plan.heal),
-    )  # fmt: skip
+    )  # fmt: skip  # under FSDP the models stay on the CPU and their shards go to the device
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return result
     remove_weights(folder)
@@ -468,6 +468,7 @@ def _write_extras(folder: Path, plan: _Plan, data: _Converted, result: HealResul
         "cpu_seconds": result.cpu_seconds,
         "threads": torch.get_num_threads(),
         "processes": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+        "sharding": result.sharding,
         "device": str(plan.device),
         "precision": result.precision,
         "tokens_per_step": result.tokens_per_step,

@@ -19,7 +19,9 @@ and the KL stay float32): on a CPU with native bf16 matmul (AVX512-BF16 or AMX) 
 
 from __future__ import annotations
 
+import copy
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +39,7 @@ from ..hardware import fast_bf16
 
 __all__ = [
     "PRECISIONS",
+    "SHARDINGS",
     "TRAINABLE",
     "HealConfig",
     "HealResult",
@@ -48,6 +51,7 @@ __all__ = [
 
 TRAINABLE = ("attention", "all")
 PRECISIONS = ("auto", "bf16", "fp32")  # bf16: the passes under bfloat16 autocast, float32 weights and optimizer
+SHARDINGS = ("auto", "ddp", "fsdp")  # across processes: replicated models (DDP) or sharded ones (FSDP)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -75,6 +79,7 @@ class HealConfig:
     seed: int = 0
     precision: str = "auto"
     minutes: float | None = None
+    sharding: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "batch_size", "seed"):
@@ -93,6 +98,8 @@ class HealConfig:
             raise ValueError(f"heal train must be one of {', '.join(TRAINABLE)}; got {self.train!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"heal precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"heal sharding must be one of {', '.join(SHARDINGS)}; got {self.sharding!r}")
         if self.minutes is not None and not (
             isinstance(self.minutes, (int, float)) and not isinstance(self.minutes, bool)
             and math.isfinite(self.minutes) and self.minutes > 0
@@ -118,6 +125,7 @@ class HealResult:
     tokens_per_step : ``batch_size * seq_len``.
     config : the ``HealConfig`` used.
     precision : what the passes ran in, ``"bf16"`` or ``"fp32"`` (``config.precision`` may say ``"auto"``).
+    sharding : across processes, ``"ddp"`` or ``"fsdp"`` as it ran; ``"none"`` in one process.
     """
 
     losses: list[float]
@@ -128,6 +136,7 @@ class HealResult:
     trained_parameters: int = 0
     cpu_seconds: float = 0.0
     precision: str = "fp32"
+    sharding: str = "none"
 
     @property
     def seconds_per_step(self) -> float:
@@ -158,6 +167,50 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+FSDP_SHARE = 0.8  # of a device's memory: more than this for replicated models and optimizer picks FSDP
+
+
+def _device_memory(device: torch.device, world: int) -> int:
+    """Bytes one rank may use: the GPU's memory, or on the CPU the available memory shared by the local ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 2**62
+    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def fsdp_needed(student: nn.Module, teacher: nn.Module, params: list, device: torch.device, world: int) -> bool:
+    """Whether replicating both models and the optimizer state (gradients and AdamW's two moments of the trained
+    ``params``) on every rank would take more than ``FSDP_SHARE`` of a rank's memory on ``device``."""
+    weights = sum(p.numel() * p.element_size() for m in (student, teacher) for p in m.parameters())
+    optimizer = 3 * sum(p.numel() * 4 for p in params)
+    return weights + optimizer > FSDP_SHARE * _device_memory(device, world)
+
+
+def _fully_sharded(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` sharded in place across the default group's ranks with FSDP2: each decoder layer
+    (``model.model.layers``) its own unit, the rest (embeddings, norm, head) the root's; shards on ``device``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+@torch.no_grad()
+def _gather_into(student: nn.Module, sharded: nn.Module) -> None:
+    """Copy the sharded copy's parameters into ``student``, one gathered parameter at a time (a collective)."""
+    own = dict(student.named_parameters())
+    for name, p in sharded.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        own[name].copy_(full.to(own[name].device))
 
 
 def trainable_parameters(model: nn.Module, train: str) -> list[nn.Parameter]:
@@ -216,6 +269,8 @@ def heal(
     seed: int = 0,
     precision: str = "auto",
     minutes: float | None = None,
+    sharding: str = "auto",
+    device: torch.device | str | None = None,
     progress: bool = True,
     callback: Callable[[int, float], None] | None = None,
     weights: Sequence[float] | torch.Tensor | None = None,
@@ -247,6 +302,8 @@ def heal(
         tokens of a conversation, 0 where a window would predict across a document boundary); default all 1.
     starts : offsets in ``token_ids`` where windows may begin (e.g. each conversation's first token; a start too close
         to the end is moved back to fit); default every ``seq_len`` tokens (non-overlapping chunks).
+    sharding : ``"auto"``, ``"ddp"`` or ``"fsdp"``: how several processes share the work (below); ignored alone.
+    device : where the passes run; default the student's. With DDP or alone the models are moved there.
     callback : called as ``callback(step, loss)`` after every step. Its own time (e.g. scoring the student on an
         evaluation text every few hundred steps) is not counted against ``minutes`` nor in ``HealResult.seconds``
         and ``cpu_seconds``.
@@ -256,13 +313,18 @@ def heal(
     takes its ``batch_size / N`` of each step (``batch_size`` must be a multiple of ``N``), divides its loss by the
     whole batch's position count (or weight), and the gradients are averaged: the same steps as one process with the
     same ``batch_size`` and ``seed``, up to float summation order. The time budget is the slowest rank's. Every rank
-    ends with the same weights and ``HealResult``.
+    ends with the same weights and ``HealResult``. ``sharding="fsdp"`` shards copies of both models across the ranks
+    instead (FSDP2 ``fully_shard`` per decoder layer and the rest; parameters, gradients and AdamW's moments each
+    ``1 / N`` per rank, on ``device``), for a student that does not fit one device; the same steps again, and the
+    healed weights are gathered back into ``student`` (which, like ``teacher``, can stay on the CPU). ``"auto"``
+    (default): FSDP where the replicated models and the optimizer would take more than ``FSDP_SHARE`` of the
+    device's memory (``fsdp_needed``), else DDP.
 
     Returns
     -------
     HealResult : per-step losses and learning rates, wall time.
     """
-    cfg = HealConfig(steps, lr, seq_len, batch_size, train, warmup, seed, precision, minutes)  # validates
+    cfg = HealConfig(steps, lr, seq_len, batch_size, train, warmup, seed, precision, minutes, sharding)  # validates
     budget = None if minutes is None else 60.0 * minutes
     warmup = min(20, steps // 10) if warmup is None else warmup
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
@@ -280,7 +342,7 @@ def heal(
         context = getattr(getattr(m, "config", None), "max_position_embeddings", None)
         if context is not None and seq_len > context:
             raise ValueError(f"seq_len ({seq_len}) exceeds the model's context of {context} tokens")
-    device = next(student.parameters()).device
+    device = next(student.parameters()).device if device is None else torch.device(device)
     precision = resolve_precision(precision, device)
     rank, world = _world()
     if batch_size % world:
@@ -294,10 +356,18 @@ def heal(
     train_ids = {id(p) for p in params}
     for p in student.parameters():
         p.requires_grad_(id(p) in train_ids)
-    model = student
-    if world > 1:
-        ids_ = [device.index] if device.type == "cuda" else None
-        model = DistributedDataParallel(student, device_ids=ids_)
+    sharded = world > 1 and (sharding == "fsdp" or (sharding == "auto" and fsdp_needed(student, teacher, params,
+                                                                                        device, world)))  # fmt: skip
+    if sharded:  # copies, sharded onto ``device``; the healed weights come back into ``student`` at the end
+        model, teacher = _fully_sharded(copy.deepcopy(student), device), _fully_sharded(copy.deepcopy(teacher), device)
+        params = trainable_parameters(model, train)
+    else:
+        student.to(device)
+        teacher.to(device)
+        model = student
+        if world > 1:
+            ids_ = [device.index] if device.type == "cuda" and device.index is not None else None
+            model = DistributedDataParallel(student, device_ids=ids_)
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     windows = _windows(offsets, seq_len, gen)
@@ -309,7 +379,7 @@ def heal(
         total = steps if budget is None else None  # under a time budget the step count is not known ahead
         bar = tqdm(total=total, desc="healing", unit="step", file=sys.stderr, dynamic_ncols=True)
     teacher.eval()
-    student.train()
+    model.train()
     start, cpu_start = _clock(), time.process_time()
     paused = paused_cpu = 0.0  # wall and CPU seconds spent in ``callback``, left out of the budget and the result
 
@@ -372,9 +442,12 @@ def heal(
         for p in student.parameters():
             p.requires_grad_(was[id(p)])
             p.grad = None
+    if sharded:
+        _gather_into(student, model)
     seconds, cpu_seconds = slowest(healing_time()), time.process_time() - cpu_start - paused_cpu
     n = sum(p.numel() for p in params)
-    return HealResult(losses, lrs, seconds, batch_size * seq_len, cfg, n, cpu_seconds, precision)
+    how = "fsdp" if sharded else "ddp" if world > 1 else "none"
+    return HealResult(losses, lrs, seconds, batch_size * seq_len, cfg, n, cpu_seconds, precision, how)
 
 
 def save_loss_curve(result: HealResult, path: str | Path, title: str | None = None) -> Path:
