@@ -128,17 +128,17 @@ def merge_keys(
     # that an exact, RoPE-commuting answer is kept
     M = X.T @ X / X.shape[0]  # (E', E') E[x x^T]
 
-    def energy(A: Tensor) -> Tensor:  # E[(x^T A y)^2] = tr(A^T M A M), x and y independent tokens
-        return (M @ A * (A @ M)).sum()
+    def energy(L: Tensor, R: Tensor) -> Tensor:  # E[(x^T A y)^2] = tr(A^T M A M) for A = L^T R, x and y independent
+        return ((L @ M @ L.T) * (R @ M @ R.T)).sum()  # tokens; = tr(L M L^T R M R^T): (rows, rows), not (E', E')
 
     def score_error(k_new: Tensor, q_new: list[list[Tensor]]) -> Tensor:  # E[(q_i(x).k_h(y) - q'_i(x).k'(y))^2]
         return sum(
-            energy(q[rows].T @ k[rows] - qn.T @ k_new)
+            energy(torch.cat([q[rows], -qn]), torch.cat([k[rows], k_new]))  # A = q^T k - qn^T k_new
             for k, qs, qns in zip(K, Q, q_new, strict=True) for q, qn in zip(qs, qns, strict=True)
         )  # fmt: skip
 
     per_plane = score_error(merged[rows], [[q[rows] for q in qs] for qs in new_Q])
-    scale = sum(energy(q[rows].T @ k[rows]) for k, qs in zip(K, Q, strict=True) for q in qs)
+    scale = sum(energy(q[rows], k[rows]) for k, qs in zip(K, Q, strict=True) for q in qs)
     if per_plane - score_error(pooled, pooled_Q) <= 1e-9 * scale:
         return merged, new_Q
     merged[rows] = pooled
