@@ -364,8 +364,10 @@ def test_cli_heals(src, tmp_path, capsys):
     assert f"loss curve   {dst.resolve() / 'heal_loss.png'}" in out
     log = json.loads((dst / "heal_log.json").read_text())
     assert log["config"] == {"steps": 6, "lr": 1e-3, "seq_len": 16, "batch_size": 1, "train": "attention",
-                             "warmup": None, "seed": 0, "precision": "fp32", "minutes": None}  # fmt: skip
+                             "warmup": None, "seed": 0, "precision": "fp32", "minutes": None,
+                             "sharding": "auto"}  # fmt: skip
     assert log["precision"] == "fp32"  # what the passes ran in
+    assert (log["processes"], log["sharding"], log["device"]) == (1, "none", "cpu")  # one process: nothing shared
 
 
 def test_the_callbacks_time_is_not_healing_time(monkeypatch):
