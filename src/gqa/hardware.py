@@ -1,4 +1,5 @@
-"""What the machine multiplies fast: the ``"auto"`` dtype of ``gqa.load_model`` and the CLI, and healing's precision."""
+"""What the machine multiplies fast (the ``"auto"`` dtype of ``gqa.load_model`` and the CLI, and healing's precision),
+and how much memory it has free."""
 
 from __future__ import annotations
 
@@ -20,3 +21,13 @@ def fast_bf16(device: torch.device | str = "cpu") -> bool:
 def auto_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     """bfloat16 where ``device`` multiplies it natively (``fast_bf16``), else float32."""
     return torch.bfloat16 if fast_bf16(device) else torch.float32
+
+
+def available_memory() -> int | None:
+    """Bytes of RAM available to new allocations now (``MemAvailable`` of ``/proc/meminfo``), or ``None`` where that
+    is unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..hardware import available_memory
 from .cases import Case, Inputs, make_inputs
 from .implementations import REFUSALS, Impl
 from .timing import TOLERANCE, check_calls, reference_output, time_round_robin
@@ -67,12 +68,8 @@ def memory_budget(device: torch.device, override_gb: float | None) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(0.85 * free)
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        return int(0.6 * info["MemAvailable"])
-    except (OSError, KeyError, ValueError, IndexError):
-        return 8 * 2**30
+    available = available_memory()
+    return 8 * 2**30 if available is None else int(0.6 * available)
 
 
 def gib(n: float) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -143,7 +144,9 @@ def dry_run(ns: argparse.Namespace, heal: HealConfig | None) -> int:
     from ..convert import NEEDS_CALIBRATION, resolve_device
     from ..convert.data import CALIBRATION_CONVERSATION_TOKENS, CALIBRATION_PROSE_TOKENS
     from ..convert.estimate import estimate
-    from ..convert.shards import parse_size
+    from ..convert.shards import plan_shards
+    from ..convert.streaming import converted_shapes
+    from ..convert.writer import weight_specs
     from ..loaders.lazy import open_lazy
 
     source = open_lazy(ns.src)
@@ -164,8 +167,9 @@ def dry_run(ns: argparse.Namespace, heal: HealConfig | None) -> int:
     est = estimate(source, ns.kv_heads, calibration_tokens=tokens, refit=refit, heal=heal is not None,
                    heal_tokens_per_step=per_step, device=device)  # fmt: skip
     dtype = source.dtype if ns.dtype == "source" else DTYPES[ns.dtype]
-    size = sum(int(torch.Size(s).numel()) for n, s in source.shapes.items()) * dtype.itemsize
-    shards = max(1, math.ceil(size / parse_size(ns.max_shard_size)))
+    specs = weight_specs(dataclasses.replace(cfg, num_kv_heads=ns.kv_heads),
+                         converted_shapes(cfg, source.shapes, ns.kv_heads), dtype)  # fmt: skip  # what is written
+    size, shards = sum(s.nbytes for s in specs), len(plan_shards(specs, ns.max_shard_size))
     print(f"source       {model_label(ns.src)} ({cfg.arch}, {cfg.num_layers} layers, {len(source.shapes)} tensors, "
           f"stored as {str(source.dtype).removeprefix('torch.')})")  # fmt: skip
     print(f"plan         KV heads {cfg.num_kv_heads} -> {ns.kv_heads}; "

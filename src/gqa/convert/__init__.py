@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..distributed import in_launched_world, init_process_group
+from ..hardware import available_memory
 from ..loaders import read_model, resolve_model_path
 from ..loaders.lazy import LazyModel, open_lazy
 from ..models.config import ModelConfig
@@ -38,7 +39,8 @@ from .methods import (
     Method,
     check_kv_heads,
     convert_layer,
-    layer_tensor_names,
+    layer_weights,
+    put_layer_weights,
     register_method,
 )
 from .refit import refit_convert_state
@@ -99,13 +101,10 @@ def convert_state(
     check_kv_heads(cfg, kv_heads, method)
     out = dict(state)
     for i in range(cfg.num_layers):
-        names = layer_tensor_names(i)
-        w = AttentionWeights(**{f: state.get(n) for f, n in names.items()})
-        new = convert_layer(w, cfg, kv_heads, method, None if activations is None else activations[i])
-        for f, n in names.items():
-            t = getattr(new, f)
-            if t is not None:
-                out[n] = t
+        new = convert_layer(
+            layer_weights(state, i), cfg, kv_heads, method, None if activations is None else activations[i]
+        )
+        put_layer_weights(out, i, new)
     return dataclasses.replace(cfg, num_kv_heads=kv_heads), out
 
 
@@ -163,9 +162,7 @@ def _source_tokenizer(resolved: Path) -> Tokenizer | None:
 def resolve_device(device: str | torch.device) -> torch.device:
     """``"auto"``: the local CUDA GPU when there is one (under torchrun, this rank's), else the CPU; else as given."""
     if isinstance(device, str) and device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        return torch.device("cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device} was asked for, but torch sees no CUDA GPU")
@@ -362,15 +359,11 @@ def _plan(src, dst, kv_heads, method, force, calibration_text, refit, heal, heal
 
 
 def fits_in_memory(source: LazyModel, share: float = 0.5) -> bool:
-    """Whether ``source`` in float32 takes at most ``share`` of the memory available now (``psutil``-free: from
-    ``/proc/meminfo``; ``True`` where that is unknown)."""
-    need = sum(n * 4 for n in (int(torch.Size(s).numel()) for s in source.shapes.values()))
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        return need <= share * info["MemAvailable"]
-    except (OSError, KeyError, ValueError, IndexError):
-        return True
+    """Whether ``source`` in float32 takes at most ``share`` of the memory available now (``True`` where that is
+    unknown)."""
+    need = sum(int(torch.Size(s).numel()) * 4 for s in source.shapes.values())
+    available = available_memory()
+    return available is None or need <= share * available
 
 
 @dataclasses.dataclass

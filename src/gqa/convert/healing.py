@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._atomic import atomic_path
-from ..hardware import fast_bf16
+from ..hardware import available_memory, fast_bf16
 
 __all__ = [
     "PRECISIONS",
@@ -176,10 +176,8 @@ def _device_memory(device: torch.device, world: int) -> int:
     """Bytes one rank may use: the GPU's memory, or on the CPU the available memory shared by the local ranks."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
+    available = available_memory()
+    if available is None:
         return 2**62
     return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 

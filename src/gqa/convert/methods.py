@@ -24,6 +24,8 @@ __all__ = [
     "check_kv_heads",
     "convert_layer",
     "layer_tensor_names",
+    "layer_weights",
+    "put_layer_weights",
     "register_method",
     "with_bias_column",
     "with_ones_column",
@@ -61,6 +63,18 @@ class AttentionWeights:
         """The same weights on ``device`` (these very tensors where they are there already)."""
         return AttentionWeights(**{f: None if (t := getattr(self, f)) is None else t.to(device)
                                    for f in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias")})  # fmt: skip
+
+
+def layer_weights(state: dict[str, torch.Tensor], i: int) -> AttentionWeights:
+    """Layer ``i``'s attention projections from tensors by HF name (absent biases: ``None``)."""
+    return AttentionWeights(**{f: state.get(n) for f, n in layer_tensor_names(i).items()})
+
+
+def put_layer_weights(state: dict[str, torch.Tensor], i: int, w: AttentionWeights) -> None:
+    """Store ``w`` as layer ``i``'s attention tensors in ``state`` (by HF name; ``None`` fields left out)."""
+    for f, n in layer_tensor_names(i).items():
+        if getattr(w, f) is not None:
+            state[n] = getattr(w, f)
 
 
 class Method(Protocol):

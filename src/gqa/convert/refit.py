@@ -39,7 +39,8 @@ from .methods import (
     AttentionWeights,
     check_kv_heads,
     convert_layer,
-    layer_tensor_names,
+    layer_weights,
+    put_layer_weights,
     with_bias_column,
     with_ones_column,
 )
@@ -251,11 +252,7 @@ def refit_convert_state(
     hidden = [source.model.embed_tokens(ids) for ids in windows]  # (1, L, E) each: the converted model's stream
     layers = tqdm(source.model.layers, desc="merge + refit", unit="layer", disable=not progress, file=sys.stderr)
     for i, layer in enumerate(layers):
-        names = layer_tensor_names(i)
-        w = AttentionWeights(**{f: state.get(n) for f, n in names.items()})
+        w = layer_weights(state, i)
         merged, hidden = refit_layer(cfg, layer, w, hidden, kv_heads, method, ridge=ridge, value_steps=value_steps)
-        for f, n in names.items():
-            t = getattr(merged, f)
-            if t is not None:
-                out[n] = t
+        put_layer_weights(out, i, merged)
     return dataclasses.replace(cfg, num_kv_heads=kv_heads), out

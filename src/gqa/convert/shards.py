@@ -20,7 +20,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "INDEX_NAME", "WEIGHTS_NAME", "ShardedWriter", "TensorSpec", "parse_size"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "INDEX_NAME",
+    "WEIGHTS_NAME",
+    "ShardedWriter",
+    "TensorSpec",
+    "parse_size",
+    "plan_shards",
+]
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -59,6 +67,21 @@ class TensorSpec:
         return n * self.dtype.itemsize
 
 
+def plan_shards(specs: Sequence[TensorSpec], max_shard_size: int | str) -> list[list[TensorSpec]]:
+    """``specs`` in order, cut into shards: a new one started when the next tensor would take the current one past
+    ``max_shard_size`` (a tensor larger than that gets its own)."""
+    limit = parse_size(max_shard_size)
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if shards[-1] and size + s.nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.nbytes
+    return shards
+
+
 @dataclass(frozen=True)
 class _Place:
     file: Path
@@ -72,27 +95,18 @@ class ShardedWriter:
     Parameters
     ----------
     folder : an existing folder (a conversion's private staging folder).
-    specs : the tensors, in the order they are laid out; shards are filled in this order, a new one started when the
-        next tensor would take the current one past ``max_shard_size`` (a tensor larger than that gets its own).
+    specs : the tensors, in the order they are laid out (``plan_shards`` cuts them into shards).
     max_shard_size : bytes, or a size like ``"5GB"``.
     """
 
     def __init__(self, folder: Path, specs: Sequence[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
-        limit = parse_size(max_shard_size)
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError("ShardedWriter: a tensor name appears twice")
         for s in specs:
             if s.dtype not in SAFETENSORS_DTYPES:
                 raise TypeError(f"ShardedWriter: {s.name} has dtype {s.dtype}; writable: float64/32/16, bfloat16")
-        shards: list[list[TensorSpec]] = [[]]
-        size = 0
-        for s in specs:
-            if shards[-1] and size + s.nbytes > limit:
-                shards.append([])
-                size = 0
-            shards[-1].append(s)
-            size += s.nbytes
+        shards = plan_shards(specs, max_shard_size)
         n = len(shards)
         self.folder = Path(folder)
         self.files = [self.folder / (WEIGHTS_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from ..loaders.lazy import LazyModel
 from ..models.config import ModelConfig
 from ..models.llama import DecoderLayer, model_rope
-from .methods import AttentionWeights, check_kv_heads, convert_layer, layer_tensor_names
+from .methods import check_kv_heads, convert_layer, layer_tensor_names, layer_weights, put_layer_weights
 from .refit import CALIBRATION_WINDOW, RIDGE, calibration_windows, check_refit, refit_layer
 from .shards import DEFAULT_MAX_SHARD_SIZE, ShardedWriter
 from .value_refit import VALUE_STEPS
@@ -66,10 +66,6 @@ def _layer(cfg: ModelConfig, tensors: dict[str, Tensor], i: int, rope: torch.nn.
         layer = DecoderLayer(cfg, rope)
     layer.load_state_dict({n.removeprefix(prefix): t for n, t in tensors.items()}, strict=True, assign=True)
     return layer.eval()
-
-
-def _weights(tensors: dict[str, Tensor], i: int) -> AttentionWeights:
-    return AttentionWeights(**{f: tensors.get(n) for f, n in layer_tensor_names(i).items()})
 
 
 @torch.no_grad()
@@ -145,7 +141,7 @@ def stream_convert(
         tensors = {n: t.to(device, torch.float32) for n, t in stored.items()}
         del stored
         layer = _layer(cfg, tensors, i, rope)
-        w = _weights(tensors, i)
+        w = layer_weights(tensors, i)
         if refit:
             merged, hidden = refit_layer(cfg, layer, w, hidden, kv_heads, method, ridge=ridge, value_steps=value_steps)
         else:
@@ -155,9 +151,7 @@ def stream_convert(
                 acts = torch.cat([layer.input_layernorm(h).flatten(0, 1) for h in hidden]).cpu()  # (T, E)
                 hidden = [layer(h, None, cs, None) for h, cs in zip(hidden, cos_sin, strict=True)]
             merged = convert_layer(w.to("cpu"), cfg, kv_heads, method, acts)
-        for field, name in layer_tensor_names(i).items():
-            if getattr(merged, field) is not None:
-                tensors[name] = getattr(merged, field)
+        put_layer_weights(tensors, i, merged)
         write(tensors)
         del tensors, layer, w, merged
     write(source.read(n for n in ("model.norm.weight", "lm_head.weight") if n in source.shapes))

@@ -176,10 +176,10 @@ def write_weights(
     folder: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, max_shard_size: int | str
 ) -> list[Path]:
     """``state``'s tensors into ``folder`` in ``dtype`` (``weight_specs``, ``ShardedWriter``); the files written."""
-    writer = ShardedWriter(folder, weight_specs(cfg, {n: tuple(t.shape) for n, t in state.items()}, dtype),
-                           max_shard_size)  # fmt: skip
-    for spec in writer.places.values():
-        writer.write(spec.spec.name, state[spec.spec.name])
+    specs = weight_specs(cfg, {n: tuple(t.shape) for n, t in state.items()}, dtype)
+    writer = ShardedWriter(folder, specs, max_shard_size)
+    for spec in specs:
+        writer.write(spec.name, state[spec.name])
     return writer.close()
 
 
