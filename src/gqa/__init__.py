@@ -4,7 +4,7 @@ from .api import load_model, load_tokenizer
 from .attention import GroupedQueryAttention
 from .backends import BACKENDS
 from .cache import DynamicKVCache, StaticKVCache, kv_cache_bytes
-from .functional import grouped_attention
+from .functional import grouped_attention, last_backend
 from .masks import causal_mask, padding_mask
 from .rope import RoPE
 
@@ -17,6 +17,7 @@ __all__ = [
     "causal_mask",
     "grouped_attention",
     "kv_cache_bytes",
+    "last_backend",
     "load_model",
     "load_tokenizer",
     "padding_mask",

@@ -17,6 +17,33 @@ def shape_str(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
+def flat_view(t: torch.Tensor, tail: int) -> torch.Tensor | None:
+    """``t`` with its leading dims merged into one before its last ``tail`` dims, as a view (``None`` where that
+    would need a copy): how the kernels take any number of batch dims without copying K/V."""
+    try:
+        return t.view(-1, *t.shape[-tail:]) if t.dim() > tail else t.unsqueeze(0)
+    except RuntimeError:
+        return None
+
+
+def kernel_refusal(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dropout_p: float, return_weights: bool
+) -> str | None:
+    """Why an inference decode kernel (the native CPU one, the Triton one) cannot take these tensors, or ``None``:
+    no weights, dropout or gradients, no empty inputs, K/V with contiguous rows and batch dims mergeable as a view."""
+    if return_weights or dropout_p > 0.0:
+        return "attention weights / dropout"
+    if query.numel() == 0 or key.numel() == 0:
+        return "empty inputs (no query or no key)"
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return "inputs that need gradients (no backward)"
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        return "key/value whose last dim is not contiguous"
+    if flat_view(key, 3) is None or flat_view(value, 3) is None:
+        return "key/value whose batch dims cannot be merged without a copy"
+    return None
+
+
 def check_heads(num_heads: int, num_kv_heads: int) -> int:
     """Return the group size ``G = num_heads // num_kv_heads`` or raise."""
     for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):

@@ -7,6 +7,13 @@ import torch
 from ._checks import check_dropout, check_mask, check_qkv, check_scale
 from .backends import BACKENDS, choose_backend
 
+_last: list[str | None] = [None]
+
+
+def last_backend() -> str | None:
+    """The backend the last eager ``grouped_attention`` call in this process ran (``auto`` resolved), or None."""
+    return _last[0]
+
 
 def grouped_attention(
     query: torch.Tensor,
@@ -43,8 +50,9 @@ def grouped_attention(
         Multiplies the scores; default ``D ** -0.5``.
     return_weights : bool
         Also return the attention weights ``(*B, H_q, L, S)`` (after dropout, if any).
-    backend : {"auto", "reference", "grouped", "sdpa", "fused"}
-        ``auto`` picks per shape, device and dtype; ``fused`` is the native CPU decode kernel (see ``gqa.kernels``).
+    backend : {"auto", "reference", "grouped", "sdpa", "fused", "triton"}
+        ``auto`` picks per shape, device and dtype (``last_backend()`` says which ran); ``fused`` is the native CPU
+        decode kernel (``gqa.kernels``), ``triton`` the GPU split-KV decode kernel (``gqa.gpu.split_kv``).
 
     Returns
     -------
@@ -72,5 +80,7 @@ def grouped_attention(
     )
     if backend == "auto":
         backend = choose_backend(query, key, value, return_weights=return_weights, **kwargs)
+    if not torch.compiler.is_compiling():
+        _last[0] = backend
     out, weights = BACKENDS[backend](query, key, value, return_weights=return_weights, **kwargs)
     return (out, weights) if return_weights else out

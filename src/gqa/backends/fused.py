@@ -12,17 +12,9 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from .._checks import AttnShape
+from .._checks import AttnShape, flat_view, kernel_refusal
 
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _flat_view(t: torch.Tensor, tail: int) -> torch.Tensor | None:
-    """``t`` with its leading dims merged into one, as a view (``None`` where that would need a copy)."""
-    try:
-        return t.view(-1, *t.shape[-tail:]) if t.dim() > tail else t.unsqueeze(0)
-    except RuntimeError:
-        return None
 
 
 def supports(
@@ -38,16 +30,9 @@ def supports(
         return f"device {query.device.type} (CPU only)"
     if query.dtype not in DTYPES:
         return f"dtype {query.dtype} (float32 and bfloat16 only)"
-    if return_weights or dropout_p > 0.0:
-        return "attention weights / dropout"
-    if query.numel() == 0 or key.numel() == 0:
-        return "empty inputs (no query or no key)"
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return "inputs that need gradients (no backward)"
-    if key.stride(-1) != 1 or value.stride(-1) != 1:
-        return "key/value whose last dim is not contiguous"
-    if _flat_view(key, 3) is None or _flat_view(value, 3) is None:
-        return "key/value whose batch dims cannot be merged without a copy"
+    reason = kernel_refusal(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
+    if reason is not None:
+        return reason
     if not kernels.available():
         return "native kernels not built (python -m gqa.kernels)"
     return None
@@ -72,7 +57,7 @@ def fused_attention(
     q = query.reshape(-1, H_kv, G * L, D)  # (N, H_kv, G*L, D): rows g*L + l; a view unless query is strided
     if q.stride(-1) != 1:  # the kernel reads rows of D contiguous values; q is G*L rows per head, a copy is cheap
         q = q.contiguous()
-    k, v = _flat_view(key, 3), _flat_view(value, 3)  # (N, H_kv, S, D), (N, H_kv, S, D_v)
+    k, v = flat_view(key, 3), flat_view(value, 3)  # (N, H_kv, S, D), (N, H_kv, S, D_v)
     mask = None
     if attn_mask is not None:
         mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.float()

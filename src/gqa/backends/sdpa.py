@@ -4,7 +4,8 @@ natively grouped.
 torch's fused kernels (the CPU flash kernel; flash/cuDNN on CUDA) index the shared KV head per query head, but its
 math fallback — chosen for dropout, 3-D inputs and some dtypes and masks — copies K/V with ``repeat_interleave``.
 This backend therefore flattens the batch dims to exactly one, turns our bottom-right causal mask into an explicit
-mask when ``L != S`` (torch's ``is_causal`` is top-left), and refuses to run when torch would pick the copying path.
+mask when ``L != S`` (torch's ``is_causal`` is top-left) — on CUDA into ``causal_lower_right``, which torch runs on
+the flash kernel whose own causal is bottom-right — and refuses to run when torch would pick the copying path.
 """
 
 from __future__ import annotations
@@ -13,14 +14,19 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams
 from torch.nn.attention import SDPBackend
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from .._checks import AttnShape, shape_str
+from ..gpu.routing import device_capability, flash_supports
 from ..masks import causal_mask, merge_masks
 
 
 def _to_4d(t: torch.Tensor) -> torch.Tensor:
     """``(*B, H, L, D)`` -> ``(N, H, L, D)`` with ``N = prod(B)`` (a view for the usual layouts)."""
+    if t.dim() == 4:
+        return t  # the common case, without a reshape call (a few µs of host time per call on a GPU)
     return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
 
 
@@ -39,10 +45,14 @@ def _mask_4d(mask: torch.Tensor, shape: AttnShape) -> torch.Tensor:
 def _inputs(query, key, value, shape: AttnShape, attn_mask, is_causal):
     q, k, v = _to_4d(query), _to_4d(key), _to_4d(value)
     mask = None if attn_mask is None else _mask_4d(attn_mask, shape)
+    if is_causal and shape.L == 1:
+        is_causal = False  # bottom-right, one query sees every key
     native_causal = is_causal and mask is None and shape.L == shape.S
-    if is_causal and not native_causal:
+    if is_causal and mask is None and shape.L < shape.S and query.device.type == "cuda":
+        mask = causal_lower_right(shape.L, shape.S)  # flash's own causal is bottom-right: no mask materialized
+    elif is_causal and not native_causal:
         mask = merge_masks(mask, causal_mask(shape.L, shape.S, query.device))
-    if mask is not None and mask.dtype not in (torch.bool, query.dtype):
+    if not isinstance(mask, CausalBias) and mask is not None and mask.dtype not in (torch.bool, query.dtype):
         mask = mask.to(query.dtype)
     return q, k, v, mask, native_causal
 
@@ -81,9 +91,31 @@ def _fused_choice_probe(q: tuple, k: tuple, v: tuple, mask: tuple | None, native
     return _PROBED[key]
 
 
+def _flash_takes_lower_right(q, k, v, grouped: bool) -> bool:
+    """Whether ``causal_lower_right`` runs on the flash kernel (as torch's ``CausalBias`` dispatch decides), the one
+    path it takes without materializing the mask or copying K/V."""
+    try:
+        params = SDPAParams(q, k, v, None, 0.0, False, grouped)
+        return bool(torch.backends.cuda.can_use_flash_attention(params))
+    except (TypeError, RuntimeError):  # an older torch without enable_gqa in SDPAParams
+        return False
+
+
+def _flash_certain(q, k, v, mask) -> bool:
+    """Inputs SDPA's flash kernel takes for certain (no mask, half precision, dense last dims, sm80-sm90), so torch
+    never falls to math for them: no need to ask its dispatcher, whose checks cost tens of µs per call on CUDA."""
+    if q.device.type != "cuda" or mask is not None or any(t.stride(-1) != 1 for t in (q, k, v)):
+        return False
+    return flash_supports(device_capability(q.device), q.dtype, q.shape[-1], v.shape[-1])
+
+
 def _native(q, k, v, mask, dropout_p: float, native_causal: bool, scale: float, grouped: bool) -> bool:
     if dropout_p > 0.0:
         return False  # every CPU path with dropout is the copying math path
+    if _flash_certain(q, k, v, mask):
+        return True
+    if isinstance(mask, CausalBias):
+        return _flash_takes_lower_right(q, k, v, grouped)
     if torch.compiler.is_compiling():
         mask_kind = None if mask is None else (mask.dim(), mask.dtype)
         return _fused_choice_probe(_layout(q), _layout(k), _layout(v), mask_kind, native_causal, grouped)
@@ -140,4 +172,11 @@ def sdpa_attention(
         # torch's CPU flash kernel (2.13) returns finite values for a query row holding a NaN when S < 16 (fewer
         # keys than one vector of its max); the other backends give NaN, as the definition does. Put it back.
         out = out.masked_fill(q.isnan().any(-1, keepdim=True), float("nan"))  # mask (N, H_q, L, 1)
+    if q.device.type == "cuda" and isinstance(mask, torch.Tensor) and not isinstance(mask, CausalBias):
+        # torch's fused CUDA kernels give a query row whose mask hides every key the mean of V (or NaN); the
+        # definition, and every other backend, gives zeros
+        seen = mask.any(-1, keepdim=True) if mask.dtype == torch.bool else (mask != float("-inf")).any(-1, True)
+        out = out.masked_fill(~seen, 0.0)  # seen (N | 1, H | 1, L | 1, 1)
+    if len(shape.batch) == 1:
+        return out, None
     return out.reshape(*shape.batch, shape.H_q, shape.L, shape.D_v), None
