@@ -107,7 +107,8 @@ def generate_stream(
     own positions; a single list of ints is one prompt.
     ``step_fn(tokens (B, 1), caches) -> logits (B, 1, vocab)`` replaces the plain decode step (e.g. a compiled one).
     ``compile``: decode through ``torch.compile`` (``gqa.compiled``): compiled once per batch size and cache bucket,
-    kept on disk for the next process. Without it, decoding on CPU runs the native step (``models.decode_step``).
+    kept on disk for the next process. Without it, decoding on CPU runs the native step (``models.decode_step``),
+    and on CUDA a captured CUDA graph of the step (``gqa.gpu.graphs``) where triton is installed.
     """
     cfg = model.config
     if max_new_tokens < 1:
@@ -140,6 +141,8 @@ def generate_stream(
     caches = model.new_caches(B, capacity)
     set_left_padding(caches, pads)
     logits = model(ids, caches=caches, last_only=True)[:, -1]  # (B, vocab)
+    if step_fn is None and model.device.type == "cuda":
+        step_fn = _cuda_step(model, caches)
     step = step_fn or (lambda tok, c: model(tok, caches=c))
     eos_ids = torch.tensor(eos, dtype=torch.long, device=model.device)
     finished = torch.zeros(B, dtype=torch.bool, device=model.device)
@@ -151,6 +154,16 @@ def generate_stream(
         if bool(finished.all()) or i == max_new_tokens - 1:
             return
         logits = step(token[:, None], caches)[:, -1]  # (B, vocab)
+
+
+def _cuda_step(model: CausalLM, caches: list) -> Callable[[torch.Tensor, list], torch.Tensor] | None:
+    """The CUDA-graph decode step (``gqa.gpu.graphs``) where it applies and triton is installed, else None."""
+    from .gpu.graphs import GraphedDecoder, graphs_apply
+    from .gpu.split_kv import triton_available
+
+    if not triton_available() or graphs_apply(model, caches) is not None:
+        return None
+    return GraphedDecoder(model, caches)
 
 
 def generate(
