@@ -1,0 +1,493 @@
+"""The prepared GPU check: correctness, attention and whole-model decode on CUDA, in one run that fits a short loan.
+
+    python benchmarks/gpu_check.py --out DIR            # on a GPU machine (about 4.5 minutes on an H200)
+    python benchmarks/gpu_check.py --dry --out DIR      # on CPU: the same steps on tiny shapes (tests run this)
+
+Steps, each under its own time budget, each writing what it measured before the next starts:
+
+1. ``machine``: GPU, torch/triton versions, and the device-to-device copy bandwidth (the ceiling decode is judged by);
+2. ``tests``: ``pytest -m cuda`` (the CUDA-parametrised tests against float64 references and HF transformers);
+3. ``kernel``: per-call host overhead of each path (CPU µs, no synchronisation), and the split-KV kernel's own GPU
+   time in every tile configuration against SDPA (the kernel torch picks), both replayed from CUDA graphs (no
+   launch overhead): GB/s and % of the copy bandwidth;
+4. ``decode``: ``gqa bench attention`` decode, bf16, D=128, H_q=32 over H_kv in {32, 8, 4, 1}, B in {1, 8, 64},
+   S in {1k, 4k, 16k, 64k}: gqa ``auto`` and each backend, SDPA as torch picks and held to each kernel, HF
+   ``repeat_kv`` + SDPA, compiled FlexAttention; CUDA-event medians with the L2 flushed before every call;
+5. ``fp32``: decode in float32, where SDPA falls to its math path;
+6. ``prefill``: the same at L = S = 4k, causal; ``flex``: compiled FlexAttention on a few decode shapes;
+7. ``model``: whole-model greedy decode, gqa ``generate`` (CUDA graphs + split-KV kernel) vs HF ``generate`` on the
+   same random weights: SmolLM2-135M's shapes and a Llama-3-8B-like config with fewer layers; logits compared.
+
+Outputs under ``--out``: ``gpu_check.json`` (everything, rewritten after each step), ``gpu_check.md`` (the tables),
+``attention_decode.json`` / ``attention_prefill.json`` (the benchmark's own raw rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SDPA_NAMES = ("torch-sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
+STEPS = ("machine", "tests", "kernel", "decode", "fp32", "prefill", "flex", "model")
+
+# Whole-model configs (HF Llama config keys). SmolLM2-135M's shapes; a Llama-3-8B-like one with fewer layers.
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+               max_position_embeddings=8192, rms_norm_eps=1e-5)  # fmt: skip
+LLAMA3_8B_8L = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5)  # fmt: skip
+TINY = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+            vocab_size=256, tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=512,
+            rms_norm_eps=1e-5)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check")), help="output folder")
+    p.add_argument("--dry", action="store_true", help="CPU, tiny shapes: check the plumbing, measure nothing real")
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="which steps (default: all)")
+    p.add_argument("--budget-s", type=float, default=330.0, help="whole run's time budget in seconds (default 330)")
+    p.add_argument("--device", default="cuda", help="CUDA device (default: cuda)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s must be > 0, got {args.budget_s}")
+    if not args.dry:
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device: run on a GPU machine, or pass --dry for the CPU plumbing check")
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            parser.error(f"--device {args.device!r} is not a torch device")
+        if device.type != "cuda":
+            parser.error(f"--device must be a CUDA device, got {args.device!r}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a folder")
+    return args
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written over the median time)."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * src.nbytes / statistics.median(times) / 1e9
+
+
+def machine(device: torch.device, dry: bool) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info |= {"gpu": props.name, "capability": list(torch.cuda.get_device_capability(device)),
+                 "memory_gib": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count,
+                 "cuda": torch.version.cuda}  # fmt: skip
+    info["copy_gbs"] = copy_bandwidth(device, 2**22 if dry else 2**31)
+    return info
+
+
+def run_tests(dry: bool, budget_s: float) -> dict:
+    """``pytest -m cuda`` in a subprocess; on --dry only collects them (no CUDA here)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    if dry:
+        cmd.append("--collect-only")
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s)
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        return {"command": " ".join(cmd[1:]), "returncode": proc.returncode, "tail": tail}
+    except subprocess.TimeoutExpired as err:
+        return {"command": " ".join(cmd[1:]), "returncode": None, "tail": f"timed out after {budget_s:.0f} s: {err}"}
+
+
+def attention(kind: str, out: Path, dry: bool, device: torch.device, budget_s: float) -> dict:
+    """One ``gqa bench attention`` run (decode or prefill) in this process; its rows summarised per case."""
+    from gqa.bench.attention import main as bench_main
+
+    path = out / f"attention_{kind}.json"
+    impls = ["auto", "triton", "grouped", "sdpa", "torch-sdpa", "hf-repeat_kv"]
+    if dry and kind in ("flex", "fp32"):
+        return {"argv": [], "returncode": 0, "rows": [], "limits": None}  # compiled flex on CPU: too slow to check
+    if dry:
+        argv = ["--device", "cpu", "--quick", "--dtypes", "fp32", "--q-heads", "4", "--head-dim", "16",
+                "--kv-heads", "4", "1", "--impls", "auto", "grouped", "torch-sdpa", "hf-repeat_kv"]  # fmt: skip
+        argv += ["--kinds", "decode", "--batches", "1", "--contexts", "64"] if kind == "decode" else \
+            ["--kinds", "prefill", "--prefill-lens", "32", "--masks", "causal"]  # fmt: skip
+    elif kind == "fp32":  # SDPA has no natively grouped float32 kernel: torch falls to math
+        argv = ["--device", str(device), "--quick", "--dtypes", "fp32", "--q-heads", "32", "--head-dim", "128",
+                "--kv-heads", "8", "1", "--impls", "auto", "triton", "grouped", "torch-sdpa", "hf-repeat_kv",
+                "sdpa-efficient", "sdpa-math", "--kinds", "decode", "--batches", "1", "8", "64",
+                "--contexts", "4k", "16k"]  # fmt: skip
+    elif kind == "flex":  # compiled once per shape (seconds each): a few decode shapes, apart from the main grid
+        argv = ["--device", str(device), "--quick", "--dtypes", "bf16", "--q-heads", "32", "--head-dim", "128",
+                "--kv-heads", "8", "4", "--impls", "auto", "torch-sdpa", "flex", "--kinds", "decode",
+                "--batches", "8", "--contexts", "4k", "16k"]  # fmt: skip
+    else:
+        argv = ["--device", str(device), "--quick", "--dtypes", "bf16", "--q-heads", "32", "--head-dim", "128",
+                "--kv-heads", "32", "8", "4", "1", "--impls", *impls, *SDPA_NAMES]  # fmt: skip
+        argv += ["--kinds", "decode", "--batches", "1", "8", "64", "--contexts", "1k", "4k", "16k", "64k"] \
+            if kind == "decode" else ["--kinds", "prefill", "--prefill-lens", "4k", "--masks", "causal"]  # fmt: skip
+    argv += ["--json", str(path), "--max-seconds", f"{budget_s:.0f}", "--no-progress"]
+    code = bench_main(argv)
+    payload = json.loads(path.read_text())
+    return {"argv": argv, "returncode": code, "rows": [summarise(row) for row in payload["rows"]],
+            "limits": payload.get("limits")}  # fmt: skip
+
+
+def summarise(row: dict) -> dict:
+    """A benchmark row as the check's table needs it: times of ours and the peers, the best SDPA kernel."""
+    out = {k: row.get(k) for k in ("kind", "dtype", "B", "H_q", "H_kv", "L", "S", "D", "mask", "min_bytes", "status")}
+    if row.get("status") != "ran":
+        return out | {"skip_reason": row.get("skip_reason")}
+    med = row["median_ms"]
+    sdpa = {n: med.get(n) for n in SDPA_NAMES if med.get(n)}
+    best = min(sdpa, key=sdpa.get) if sdpa else None
+    return out | {
+        "median_ms": med,
+        "auto_backend": row.get("auto_backend"),
+        "best_sdpa": best,
+        "best_sdpa_ms": sdpa.get(best) if best else None,
+        "math_ms": med.get("sdpa-math"),
+        "skipped": row.get("skipped", {}),
+        "mismatches": row.get("mismatches", []),
+        "errors": row.get("errors", {}),
+    }
+
+
+def graph_ms(fn, device: torch.device, replays: int = 20) -> float:
+    """Milliseconds per call of ``fn`` captured in a CUDA graph and replayed (launch overhead excluded)."""
+    fn()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def host_us(fn, device: torch.device, calls: int = 200) -> float:
+    """CPU microseconds per call of ``fn`` issued back to back without synchronising (small inputs)."""
+    for _ in range(5):
+        fn()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    spent = time.perf_counter() - start
+    _sync(device)
+    return spent / calls * 1e6
+
+
+def _decode_inputs(B: int, H_kv: int, S: int, device: torch.device, dtype=torch.bfloat16, L: int = 1):
+    g = torch.Generator(device=device).manual_seed(B + H_kv + S)
+    q = torch.randn(B, 32, L, 128, device=device, dtype=dtype, generator=g)
+    k = torch.randn(B, H_kv, S, 128, device=device, dtype=dtype, generator=g)
+    v = torch.randn(B, H_kv, S, 128, device=device, dtype=dtype, generator=g)
+    return q, k, v
+
+
+def _host_times(device: torch.device) -> dict[str, float | str]:
+    import torch.nn.functional as F
+
+    import gqa
+    from gqa.gpu.split_kv import split_kv_attention
+
+    q, k, v = _decode_inputs(1, 8, 1024, device)
+    qp, kp, vp = _decode_inputs(1, 8, 1024, device, L=1024)
+    calls = {
+        "F.sdpa decode": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "gqa auto decode": lambda: gqa.grouped_attention(q, k, v),
+        "gqa triton decode": lambda: gqa.grouped_attention(q, k, v, backend="triton"),
+        "split_kv_attention": lambda: split_kv_attention(q, k, v),
+        "F.sdpa prefill causal": lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True),
+        "gqa auto prefill causal": lambda: gqa.grouped_attention(qp, kp, vp, is_causal=True),
+    }
+    calls["gqa sdpa prefill causal"] = lambda: gqa.grouped_attention(qp, kp, vp, is_causal=True, backend="sdpa")
+    times = {name: host_us(fn, device) for name, fn in calls.items()}
+    for name, (a, b, c, causal) in {"decode": (q, k, v, False), "prefill causal": (qp, kp, vp, True)}.items():
+        choice = torch._fused_sdp_choice(a, b, c, None, 0.0, causal, enable_gqa=True)
+        times[f"torch picks for {name}"] = torch.nn.attention.SDPBackend(choice).name
+    return times
+
+
+def _sweep_row(B: int, H_kv: int, S: int, device: torch.device) -> dict:
+    import torch.nn.functional as F
+
+    from gqa._checks import check_qkv
+    from gqa.gpu.split_kv import CONFIGS, launch
+
+    q, k, v = _decode_inputs(B, H_kv, S, device)
+    shape = check_qkv(q, k, v)
+    row = {"B": B, "H_kv": H_kv, "S": S, "bytes": 2 * k.nbytes + 2 * q.nbytes,
+           "sdpa_ms": graph_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), device)}  # fmt: skip
+    for config in CONFIGS:
+        try:
+            row[f"triton {config}"] = graph_ms(
+                lambda c=config: launch(q, k, v, shape, 128**-0.5, False, None, None, None, None, c), device
+            )
+        except Exception as err:  # a configuration that does not compile (shared memory): recorded
+            row[f"triton {config}"] = f"{type(err).__name__}: {str(err)[:200]}"
+    return row
+
+
+@torch.inference_mode()
+def kernel_step(device: torch.device, dry: bool, copy_gbs: float | None) -> dict:
+    """Host overhead per path, and graph-replayed kernel time per tile configuration vs SDPA (torch's pick)."""
+    if dry:
+        return {"host_us": {}, "sweep": []}
+    host = _host_times(device)
+    sweep = []
+    for B, H_kv, S in ((8, 8, 16384), (8, 8, 65536), (64, 8, 16384), (64, 4, 16384), (1, 8, 65536), (64, 1, 16384),
+                       (8, 32, 16384), (64, 8, 4096)):  # fmt: skip
+        sweep.append(_sweep_row(B, H_kv, S, device))
+        torch.cuda.empty_cache()
+    return {"host_us": host, "sweep": sweep, "copy_gbs": copy_gbs}
+
+
+def _hf_model(config: dict, device: torch.device, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**config, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def _gqa_model(hf, device: torch.device, dtype: torch.dtype):
+    from gqa.models import CausalLM
+    from gqa.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(hf.config.to_dict() | {"model_type": "llama"})
+    with torch.device(device):
+        model = CausalLM.from_state(cfg, hf.state_dict())
+    return model.to(dtype)
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def model_decode(name: str, config: dict, device: torch.device, *, dtype: torch.dtype, batch: int, prompt_len: int,
+                 new_tokens: int, repeats: int) -> dict:  # fmt: skip
+    """gqa vs HF on the same random weights: logits of a prompt, greedy agreement, and decode tokens/s."""
+    hf = _hf_model(config, device, torch.float32)
+    model = _gqa_model(hf, device, torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, config["vocab_size"], (batch, prompt_len), generator=gen).to(device)
+
+    def logits_err() -> float:
+        ref = hf(ids).logits.float()
+        return ((model(ids).float() - ref).norm() / ref.norm()).item()
+
+    fp32_err = logits_err()  # float32 on both sides: the same network, to rounding
+    hf, model = hf.to(dtype), model.to(dtype)
+    logit_err = logits_err()
+
+    def ours_generate(step_fn=None):
+        return model.generate(ids, max_new_tokens=new_tokens, eos_token_ids=[], step_fn=step_fn)
+
+    def eager():
+        return ours_generate(step_fn=lambda tok, caches: model(tok, caches=caches))
+
+    def hf_generate():
+        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+
+    tokens_ours = torch.tensor(ours_generate(), device=device)  # (B, new)
+    tokens_hf = hf_generate()[:, prompt_len:]
+    agree = (tokens_ours == tokens_hf).float().mean().item()
+    seconds = {"gqa": _timed(ours_generate, device, repeats), "gqa-eager": _timed(eager, device, repeats),
+               "hf": _timed(hf_generate, device, repeats)}  # fmt: skip
+    rates = {k: batch * new_tokens / s for k, s in seconds.items()}
+    return {"name": name, "dtype": str(dtype).removeprefix("torch."), "B": batch, "prompt": prompt_len,
+            "new_tokens": new_tokens, "logits_rel_err": logit_err, "logits_rel_err_fp32": fp32_err,
+            "greedy_agreement": agree,
+            "tokens_per_s": rates, "speedup_vs_hf": rates["gqa"] / rates["hf"]}  # fmt: skip
+
+
+def models(device: torch.device, dry: bool) -> list[dict]:
+    if dry:
+        return [model_decode("tiny", TINY, device, dtype=torch.float32, batch=2, prompt_len=8, new_tokens=4, repeats=1)]
+    runs = []
+    for name, config, batch, repeats in (("SmolLM2-135M shapes", SMOLLM2, 1, 3), ("SmolLM2-135M shapes", SMOLLM2, 8, 2),
+                                         ("Llama-3-8B-like, 8 layers", LLAMA3_8B_8L, 1, 2)):  # fmt: skip
+        try:
+            runs.append(model_decode(name, config, device, dtype=torch.bfloat16, batch=batch, prompt_len=128,
+                                     new_tokens=128, repeats=repeats))  # fmt: skip
+        except Exception as err:  # one config failing must not lose the others
+            runs.append({"name": name, "B": batch, "error": f"{type(err).__name__}: {err}"})
+            print(f"[gpu_check] model {name} B={batch} failed: {runs[-1]['error']}", file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
+    return runs
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def markdown(result: dict) -> str:
+    """The check's tables (decode, prefill, models) in markdown."""
+    m = result.get("machine", {})
+    copy = m.get("copy_gbs")
+    lines = [f"# gqa GPU check — {m.get('gpu', m.get('device'))}, torch {m.get('torch')}, triton {m.get('triton')}",
+             "", f"Device-to-device copy: {copy:.0f} GB/s (read + write)." if copy else "", ""]  # fmt: skip
+    for kind in ("decode", "fp32", "prefill", "flex"):
+        step = result.get(kind)
+        if not step:
+            continue
+        dtype = "fp32" if kind == "fp32" else "bf16"
+        lines += [f"## Attention {kind} ({dtype}, D=128, H_q=32; ms, CUDA-event medians, L2 flushed)", "",
+                  "| B | H_kv | L | S | auto | triton | best SDPA (kernel) | SDPA math | hf repeat_kv | flex | "
+                  "auto GB/s | % of copy | auto vs best SDPA |", "|" + "---|" * 13]  # fmt: skip
+        for r in step["rows"]:
+            if r.get("status") != "ran":
+                lines.append(f"| {r['B']} | {r['H_kv']} | {r['L']} | {r['S']} | skipped: {r.get('skip_reason')} |")
+                continue
+            med = r["median_ms"]
+            auto = med.get("auto")
+            gbs = r["min_bytes"] / (auto * 1e-3) / 1e9 if auto else None
+            pct = f"{100 * gbs / copy:.0f}%" if gbs and copy else "—"
+            ratio = f"{r['best_sdpa_ms'] / auto:.2f}x" if auto and r.get("best_sdpa_ms") else "—"
+            lines.append(
+                f"| {r['B']} | {r['H_kv']} | {r['L']} | {r['S']} | {_ms(auto)} ({r.get('auto_backend')}) | "
+                f"{_ms(med.get('triton'))} | {_ms(r.get('best_sdpa_ms'))} ({r.get('best_sdpa')}) | "
+                f"{_ms(r.get('math_ms'))} | {_ms(med.get('hf-repeat_kv'))} | {_ms(med.get('flex'))} | "
+                f"{'—' if gbs is None else f'{gbs:.0f}'} | {pct} | {ratio} |"
+            )
+        lines.append("")
+    kern = result.get("kernel") or {}
+    if kern.get("host_us"):
+        lines += ["## Host time per call (CPU µs, back-to-back, no synchronisation)", "", "| path | µs |", "|---|---|"]
+        lines += [f"| {name} | {us if isinstance(us, str) else f'{us:.1f}'} |" for name, us in kern["host_us"].items()]
+        lines.append("")
+    if kern.get("sweep"):
+        configs = [key for key in kern["sweep"][0] if key.startswith("triton")]
+        lines += ["## Decode kernels replayed from CUDA graphs (bf16, H_q=32, D=128; ms, GB/s = K/V + q + out bytes)",
+                  "", "| B | H_kv | S | SDPA, torch's pick: ms (GB/s) | " + " | ".join(configs) + " |",
+                  "|" + "---|" * (4 + len(configs))]  # fmt: skip
+        for r in kern["sweep"]:
+
+            def cell(ms, nbytes=r["bytes"]):
+                return f"{ms:.3f} ({nbytes / ms / 1e6:.0f})" if isinstance(ms, float) else "fails"
+
+            lines.append(f"| {r['B']} | {r['H_kv']} | {r['S']} | {cell(r['sdpa_ms'])} | "
+                         + " | ".join(cell(r[c]) for c in configs) + " |")  # fmt: skip
+        lines.append("")
+    if result.get("model"):
+        lines += ["## Whole-model greedy decode, random weights (tokens/s, prompt 128, 128 new tokens)", "",
+                  "| model | dtype | B | gqa (graphs) | gqa eager | HF generate | gqa / HF | logits rel. err (fp32) | "
+                  "greedy agreement |", "|" + "---|" * 9]  # fmt: skip
+        for r in result["model"]:
+            if "error" in r:
+                lines.append(f"| {r['name']} | — | {r['B']} | failed: {r['error'][:200]} |")
+                continue
+            t = r["tokens_per_s"]
+            lines.append(f"| {r['name']} | {r['dtype']} | {r['B']} | {t['gqa']:.0f} | {t['gqa-eager']:.0f} | "
+                         f"{t['hf']:.0f} | {r['speedup_vs_hf']:.2f}x | {r['logits_rel_err']:.1e} "
+                         f"({r['logits_rel_err_fp32']:.1e}) | "
+                         f"{r['greedy_agreement']:.3f} |")  # fmt: skip
+        lines.append("")
+    if result.get("tests"):
+        lines += ["## pytest -m cuda", "", "```", result["tests"]["tail"][-1500:].strip(), "```", ""]
+    return "\n".join(lines)
+
+
+def _write(out: Path, result: dict) -> None:
+    for name, text in (
+        ("gpu_check.json", json.dumps(result, indent=1, default=str)),
+        ("gpu_check.md", markdown(result)),
+    ):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out / name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cpu" if args.dry else args.device)
+    start = time.perf_counter()
+    shares = {"tests": 0.4, "decode": 0.2, "fp32": 0.1, "prefill": 0.05, "flex": 0.08}  # of the budget; the rest: model
+    result: dict = {"argv": sys.argv[1:] if argv is None else argv, "dry": args.dry, "steps": {}}
+    for step in STEPS:
+        if step not in args.steps:
+            continue
+        left = args.budget_s - (time.perf_counter() - start)
+        t0 = time.perf_counter()
+        print(f"[gpu_check] {step} ({left:.0f} s left)", file=sys.stderr, flush=True)
+        try:
+            if step == "machine":
+                result["machine"] = machine(device, args.dry)
+            elif step == "tests":
+                result["tests"] = run_tests(args.dry, max(60.0, shares["tests"] * args.budget_s))
+            elif step == "kernel":
+                result["kernel"] = kernel_step(device, args.dry, result.get("machine", {}).get("copy_gbs"))
+            elif step in ("decode", "fp32", "prefill", "flex"):
+                result[step] = attention(step, args.out, args.dry, device, max(10.0, shares[step] * args.budget_s))
+            elif step == "model":
+                result["model"] = models(device, args.dry)
+            result["steps"][step] = {"ok": True, "seconds": time.perf_counter() - t0}
+        except Exception as err:  # one failing step must not lose the others' numbers
+            result["steps"][step] = {"ok": False, "seconds": time.perf_counter() - t0,
+                                     "error": f"{type(err).__name__}: {err}"}  # fmt: skip
+            print(f"[gpu_check] {step} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        _write(args.out, result)
+    print(markdown(result))
+    return 0 if all(s["ok"] for s in result["steps"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

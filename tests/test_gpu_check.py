@@ -1,0 +1,83 @@
+"""``benchmarks/gpu_check.py``, the prepared GPU check: its flags and errors, and its CPU dry mode end to end (every
+step on tiny shapes, the JSON and markdown it writes). What it measures on a GPU is in docs/performance.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dry", "--budget-s", "0"], "--budget-s must be > 0"),
+        (["--dry", "--steps", "nope"], "invalid choice: 'nope'"),
+        (["--dry", "--budget-s", "soon"], "invalid float value"),
+    ],
+)
+def test_bad_flags_exit_2(gpu_check, argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_out_must_be_a_folder(gpu_check, tmp_path, capsys):
+    target = tmp_path / "file.txt"
+    target.write_text("mine")
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.parse_args(["--dry", "--out", str(target)])
+    assert exc.value.code == 2
+    assert "is not a folder" in capsys.readouterr().err
+    assert target.read_text() == "mine"  # untouched
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_without_a_gpu_it_says_so(gpu_check, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.parse_args(["--out", "x"])
+    assert exc.value.code == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_dry_run_writes_every_step(gpu_check, tmp_path):
+    out = tmp_path / "check"
+    code = gpu_check.main(["--dry", "--out", str(out), "--steps", "machine", "tests", "kernel", "decode", "model"])
+    assert code == 0
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert set(result["steps"]) == {"machine", "tests", "kernel", "decode", "model"}
+    assert all(step["ok"] for step in result["steps"].values()), result["steps"]
+    assert result["machine"]["copy_gbs"] > 0
+    assert result["tests"]["returncode"] == 0 and "collected" in result["tests"]["tail"]  # pytest -m cuda, collected
+    rows = result["decode"]["rows"]
+    assert rows and all(r["status"] == "ran" and not r["mismatches"] for r in rows)
+    (model,) = result["model"]
+    assert model["logits_rel_err_fp32"] < 1e-5  # gqa and HF transformers on the same random weights
+    assert model["greedy_agreement"] == 1.0
+    text = (out / "gpu_check.md").read_text()
+    assert "## Attention decode" in text and "## Whole-model greedy decode" in text
+    assert not list(out.glob(".*.tmp"))  # written atomically
+
+
+def test_markdown_marks_failed_and_skipped_rows(gpu_check):
+    result = {
+        "machine": {"device": "cuda", "copy_gbs": 4000.0},
+        "decode": {"rows": [{"B": 1, "H_kv": 8, "L": 1, "S": 1024, "status": "skipped", "skip_reason": "memory"}]},
+        "model": [{"name": "m", "B": 1, "error": "RuntimeError: boom"}],
+    }
+    text = gpu_check.markdown(result)
+    assert "skipped: memory" in text and "failed: RuntimeError: boom" in text
