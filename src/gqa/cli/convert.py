@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ from .common import loading, model_label
 from .dtypes import DTYPES, add_dtype_argument
 
 if TYPE_CHECKING:
-    from ..convert import HealConfig
+    from ..convert import ConversionPlan, HealConfig
 
 
 BUILTIN_HEAL_TEXT = "stdlib"
@@ -26,7 +27,7 @@ UNLIMITED_STEPS = 10**9  # the step limit under --heal-minutes alone
 def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     from ..convert import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME, METHODS, PRECISIONS, TRAINABLE, HealConfig
     from ..convert.healing import SHARDINGS
-    from ..convert.shards import DEFAULT_MAX_SHARD_SIZE
+    from ..convert.shards import DEFAULT_MAX_SHARD_SIZE, SIZE_UNITS
 
     src_help = "GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct); never modified"
     parser.add_argument("src", nargs="?", default=None, metavar="SRC", help=src_help)
@@ -59,9 +60,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         help="where calibration, merging, the refit and healing run: auto (the GPU if there is one), cpu, cuda, cuda:N",
     )  # fmt: skip
     parser.add_argument(
-        "--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+        "--max-shard-size", type=_shard_size, default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
         help=f"largest weight file, e.g. 5GB or 500MiB (default: {DEFAULT_MAX_SHARD_SIZE}); more is sharded with "
-        "model.safetensors.index.json",
+        f"model.safetensors.index.json. Units: {SIZE_UNITS}",
     )  # fmt: skip
     parser.add_argument(
         "--dry-run", action="store_true",
@@ -104,6 +105,17 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _shard_size(text: str) -> str:
+    """``--max-shard-size``'s value, checked (``parse_size``): a bad one is an argparse error naming the flag."""
+    from ..convert.shards import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _kib(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
@@ -139,34 +151,89 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def dry_run(ns: argparse.Namespace, heal: HealConfig | None) -> int:
-    """``--dry-run``: what the conversion would write and take, from the source's shapes and a quick speed test."""
-    from ..convert import NEEDS_CALIBRATION, resolve_device
+@dataclasses.dataclass
+class Checked:
+    """``gqa convert``'s flags, checked (``check``)."""
+
+    plan: ConversionPlan
+    heal: HealConfig | None
+    heal_text: str | None
+    calibration_text: str | None
+    warned: list[warnings.WarningMessage]  # what the check warned of (the real run's convert warns again)
+
+
+def check(ns: argparse.Namespace) -> Checked:
+    """Every refusal of ``gqa convert``, the same for the real run and ``--dry-run``, made before anything slow: the
+    flags, then the source's config, tensor headers and tokenizer (no weights) and DST (``check_conversion``, which
+    ``convert`` repeats). ``ValueError`` or ``OSError`` (exit 2); nothing is written."""
+    from ..convert import check_conversion
+
+    src = ns.src
+    heal, heal_text = heal_settings(ns)
+    if src is not None and not Path(src).expanduser().exists():
+        raise FileNotFoundError(f"source model {src} does not exist")
+    dtype = None if ns.dtype == "source" else DTYPES[ns.dtype]
+    try:
+        text = None if ns.calibration_text is None else ns.calibration_text.read_text(encoding="utf-8")
+        with warnings.catch_warnings(record=True) as caught:  # a refusal alone, not the warnings before it
+            warnings.simplefilter("always")
+            plan = check_conversion(
+                src, ns.dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text,
+                refit=ns.refit, heal=heal, heal_text=heal_text, conversations=ns.conversations, dtype=dtype,
+                device=ns.device, max_shard_size=ns.max_shard_size,
+            )  # fmt: skip
+    except (ValueError, OSError):
+        _refuse_by_flag(ns, heal)  # a refusal named by its flag comes first
+        raise
+    return Checked(plan, heal, heal_text, text, caught)
+
+
+def _refuse_by_flag(ns: argparse.Namespace, heal: HealConfig | None) -> None:
+    """Two refusals ``check_conversion`` makes too, in the command line's words, before any other: healing without a
+    merge and ``--conversations`` without a chat template. Only after a refusal, so a conversion that passes reads
+    the source's header once less (a GGUF's takes seconds)."""
+    from ..loaders import read_config
+
+    cfg = read_config(ns.src)
+    if heal is not None and ns.kv_heads >= cfg.num_kv_heads:
+        raise ValueError(f"healing only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})") from None
+    if ns.conversations:
+        from ..convert.conversations import has_chat_template
+        from ..loaders import load_tokenizer
+
+        if not has_chat_template(load_tokenizer(ns.src)):
+            raise ValueError(
+                "--conversations needs a source whose tokenizer has a chat template; this one has none"
+            ) from None
+
+
+def dry_run(ns: argparse.Namespace, checked: Checked) -> int:
+    """``--dry-run``: what the checked conversion would write and take, from the source's shapes and a quick speed
+    test."""
     from ..convert.data import CALIBRATION_CONVERSATION_TOKENS, CALIBRATION_PROSE_TOKENS
     from ..convert.estimate import estimate
     from ..convert.shards import plan_shards
     from ..convert.streaming import converted_shapes
     from ..convert.writer import weight_specs
-    from ..loaders.lazy import open_lazy
 
-    source = open_lazy(ns.src)
+    for w in checked.warned:  # the real run's convert gives them again itself
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    plan, heal = checked.plan, checked.heal
+    source = plan.source
     cfg = source.config
     merging = ns.kv_heads < cfg.num_kv_heads
-    refit = merging and (ns.method in NEEDS_CALIBRATION if ns.refit is None else ns.refit)
-    calibrating = merging and (ns.calibration_text is not None or ns.method in NEEDS_CALIBRATION or refit)
+    refit = plan.do_refit
     tokens = 0
-    if calibrating:
-        if ns.calibration_text is not None:
-            from ..loaders import load_tokenizer
-
-            tokens = len(load_tokenizer(ns.src).encode(ns.calibration_text.read_text(encoding="utf-8")))
+    if plan.calibrating:
+        if checked.calibration_text is not None:
+            tokens = len(plan.tok.encode(checked.calibration_text))
         else:
             tokens = CALIBRATION_CONVERSATION_TOKENS + CALIBRATION_PROSE_TOKENS  # about the defaults' length
-    device = resolve_device(ns.device)
+    device = plan.device
     per_step = 0 if heal is None else heal.seq_len * heal.batch_size
     est = estimate(source, ns.kv_heads, calibration_tokens=tokens, refit=refit, heal=heal is not None,
                    heal_tokens_per_step=per_step, device=device)  # fmt: skip
-    dtype = source.dtype if ns.dtype == "source" else DTYPES[ns.dtype]
+    dtype = plan.dtype
     specs = weight_specs(dataclasses.replace(cfg, num_kv_heads=ns.kv_heads),
                          converted_shapes(cfg, source.shapes, ns.kv_heads), dtype)  # fmt: skip  # what is written
     size, shards = sum(s.nbytes for s in specs), len(plan_shards(specs, ns.max_shard_size))
@@ -187,24 +254,13 @@ def dry_run(ns: argparse.Namespace, heal: HealConfig | None) -> int:
 
 def run_convert(ns: argparse.Namespace) -> int:
     from ..convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, NEEDS_CALIBRATION, convert
-    from ..loaders import read_config
 
-    src, dst = ns.src, ns.dst
-    heal, heal_text = heal_settings(ns)  # before anything slow
-    if src is not None and not Path(src).expanduser().exists():
-        raise FileNotFoundError(f"source model {src} does not exist")
+    checked = check(ns)  # the real run and --dry-run refuse alike, before anything slow
     if ns.dry_run:
-        return dry_run(ns, heal)
-    cfg = read_config(src)
-    if heal is not None and ns.kv_heads >= cfg.num_kv_heads:
-        raise ValueError(f"healing only applies when merging KV heads (--kv-heads < {cfg.num_kv_heads})")
-    if ns.conversations:  # refuse before the slow part
-        from ..convert.conversations import has_chat_template
-        from ..loaders import load_tokenizer
-
-        if not has_chat_template(load_tokenizer(src)):
-            raise ValueError("--conversations needs a source whose tokenizer has a chat template; this one has none")
-    text = None if ns.calibration_text is None else ns.calibration_text.read_text(encoding="utf-8")
+        return dry_run(ns, checked)
+    src, dst = ns.src, ns.dst
+    heal, heal_text, text = checked.heal, checked.heal_text, checked.calibration_text
+    cfg = checked.plan.source.config
     merging = ns.kv_heads < cfg.num_kv_heads  # then progress bars follow the line
     dtype = None if ns.dtype == "source" else DTYPES[ns.dtype]
     with loading(f"{model_label(src)} layer by layer and converting it to {ns.kv_heads} KV heads", timed=not merging):

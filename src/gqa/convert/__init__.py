@@ -59,9 +59,11 @@ __all__ = [
     "PRECISIONS",
     "TRAINABLE",
     "AttentionWeights",
+    "ConversionPlan",
     "HealConfig",
     "HealResult",
     "Method",
+    "check_conversion",
     "convert",
     "convert_state",
     "heal",
@@ -268,8 +270,11 @@ def convert(
 
     An exception or interrupt leaves no ``dst`` (the files are written into a hidden folder renamed at the end).
     """
-    plan = _plan(src, dst, kv_heads, method, force, calibration_text, refit, heal, heal_text, conversations, dtype,
-                 device, max_shard_size)  # fmt: skip
+    plan = check_conversion(
+        src, dst, kv_heads=kv_heads, method=method, force=force, calibration_text=calibration_text, refit=refit,
+        heal=heal, heal_text=heal_text, conversations=conversations, dtype=dtype, device=device,
+        max_shard_size=max_shard_size,
+    )  # fmt: skip
     rank, world = init_process_group(plan.device) if in_launched_world() else (0, 1)
     if world > 1 and heal is None:
         raise ValueError("only healing runs across processes: run a conversion without healing as one process")
@@ -287,8 +292,8 @@ def convert(
 
 
 @dataclasses.dataclass
-class _Plan:
-    """A checked conversion: what ``convert`` was asked, resolved."""
+class ConversionPlan:
+    """A checked conversion (``check_conversion``): what ``convert`` was asked, resolved."""
 
     resolved: Path
     out: Path
@@ -302,14 +307,31 @@ class _Plan:
     heal_text: str | None
     tok: Tokenizer | None
     chats_wanted: bool
-    dtype: torch.dtype
+    dtype: torch.dtype  # the config's: the one asked for, else the source's dominant (2-D weights') dtype
     device: torch.device
     max_shard_size: int | str
+    cast: torch.dtype | None = None  # the dtype asked for, every tensor cast to it; None: each keeps its own
 
 
-def _plan(src, dst, kv_heads, method, force, calibration_text, refit, heal, heal_text, conversations, dtype, device,
-          max_shard_size) -> _Plan:  # fmt: skip
-    """Check ``convert``'s arguments and the source (its config and tensor shapes, no weights) before anything slow."""
+def check_conversion(
+    src: str | Path | None = None,
+    dst: str | Path | None = None,
+    *,
+    kv_heads: int,
+    method: str = DEFAULT_METHOD,
+    force: bool = False,
+    calibration_text: str | None = None,
+    refit: bool | None = None,
+    heal: HealConfig | None = None,
+    heal_text: str | None = None,
+    conversations: bool | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "auto",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> ConversionPlan:
+    """Every refusal ``convert`` makes with the same arguments, made first: the arguments, then the source's config,
+    tensor headers and tokenizer (no weights), ``dst`` and the device. Writes nothing; the checked plan it returns is
+    what ``gqa convert --dry-run`` estimates from. ``convert`` calls it before anything slow."""
     if dst is None:
         raise TypeError("convert() needs a destination folder dst")
     if method not in METHODS:
@@ -354,8 +376,9 @@ def _plan(src, dst, kv_heads, method, force, calibration_text, refit, heal, heal
         warnings.warn(f"{resolved}: too large to write its own calibration conversations in memory; calibrating on "
                       "the built-in prose (pass conversations=True to insist)", stacklevel=3)  # fmt: skip
         chats = False
-    return _Plan(resolved, out, source, kv_heads, method, calibration_text, do_refit, calibrating, heal, heal_text, tok,
-                 chats, source.dtype if dtype is None else dtype, resolve_device(device), max_shard_size)  # fmt: skip
+    return ConversionPlan(resolved, out, source, kv_heads, method, calibration_text, do_refit, calibrating, heal,
+                          heal_text, tok, chats, source.dtype if dtype is None else dtype, resolve_device(device),
+                          max_shard_size, cast=dtype)  # fmt: skip
 
 
 def fits_in_memory(source: LazyModel, share: float = 0.5) -> bool:
@@ -375,7 +398,7 @@ class _Converted:
     chats: ConversationSet | None
 
 
-def _convert_into(folder: Path, plan: _Plan, progress: bool) -> _Converted:
+def _convert_into(folder: Path, plan: ConversionPlan, progress: bool) -> _Converted:
     """Rank 0: stream the conversion's weights into ``folder`` (and prepare the healing data)."""
     cfg, tok = plan.source.config, plan.tok
     chats = None
@@ -389,7 +412,7 @@ def _convert_into(folder: Path, plan: _Plan, progress: bool) -> _Converted:
         else:
             ids = calibration_ids(tok, chats.train)
     new_cfg, _ = stream_convert(
-        plan.source, folder, plan.kv_heads, plan.method, calibration_ids=ids, refit=plan.do_refit, dtype=plan.dtype,
+        plan.source, folder, plan.kv_heads, plan.method, calibration_ids=ids, refit=plan.do_refit, dtype=plan.cast,
         device=plan.device, max_shard_size=plan.max_shard_size, progress=progress,
     )  # fmt: skip
     write_config(folder, new_cfg, plan.dtype, _generation_config(plan.resolved, cfg))
@@ -415,7 +438,9 @@ _WAITING = None
 CONVERSION_WAIT_S = 6 * 3600.0
 
 
-def _heal_folder(plan: _Plan, folder: Path | None, data: _Converted | None, world: int, progress: bool) -> HealResult:
+def _heal_folder(
+    plan: ConversionPlan, folder: Path | None, data: _Converted | None, world: int, progress: bool
+) -> HealResult:
     """Every rank: heal the converted model written in rank 0's ``folder`` from the source; rank 0 then rewrites the
     weights there."""
     from ..models import CausalLM
@@ -439,7 +464,7 @@ def _heal_folder(plan: _Plan, folder: Path | None, data: _Converted | None, worl
     return result
 
 
-def _write_extras(folder: Path, plan: _Plan, data: _Converted, result: HealResult | None) -> None:
+def _write_extras(folder: Path, plan: ConversionPlan, data: _Converted, result: HealResult | None) -> None:
     """Rank 0: the tokenizer, and healing's loss curve and log."""
     if plan.tok is not None:
         plan.tok.hf.save_pretrained(folder)

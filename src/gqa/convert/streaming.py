@@ -13,8 +13,10 @@ The calibration text travels through the layers as hidden states, as in the in-m
 
 Peak memory: one layer's weights (as stored, and as float32 on ``device``), the embedding matrix while the calibration
 windows are embedded, and the calibration hidden states (``T x hidden`` float32, a few copies with the refit) — not the
-model. Arithmetic runs in float32 on ``device`` whatever the stored dtype; tensors are written in ``dtype``, the
-source's own unless asked, so a bf16 model stays bf16 and layers the conversion does not touch come out unchanged.
+model. Arithmetic runs in float32 on ``device`` whatever the stored dtype. Unless a ``dtype`` is asked for, every tensor
+is written in its own source dtype (``LazyModel.dtypes``; a GGUF's quantized blocks: float32), a computed tensor in
+that of the source tensor it replaces: a bf16 model stays bf16, a llama.cpp file's F32 norms and biases next to its
+BF16/F16 matrices stay F32, and the tensors the conversion does not touch come out bit for bit (``write_dtypes``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from .shards import DEFAULT_MAX_SHARD_SIZE, ShardedWriter
 from .value_refit import VALUE_STEPS
 from .writer import weight_specs
 
-__all__ = ["SOURCE_WINDOW", "converted_shapes", "source_windows", "stream_convert"]
+__all__ = ["SOURCE_WINDOW", "converted_shapes", "source_windows", "stream_convert", "write_dtypes"]
 
 SOURCE_WINDOW = 2048  # tokens per calibration window read by the source model (no refit), at most its context
 
@@ -57,6 +59,14 @@ def converted_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], kv_he
             if field[0] in "kv" and name in shapes:
                 out[name] = (kv_heads * cfg.head_dim, *shapes[name][1:])
     return out
+
+
+def write_dtypes(source: LazyModel, dtype: torch.dtype | None = None) -> dict[str, torch.dtype]:
+    """The dtype each tensor of ``source`` is written in, by HF name: ``dtype`` for all of them, or (``None``) each
+    its own source dtype (``source.dtypes``: F32 norms and biases stay float32 next to bf16 matrices; a GGUF's
+    quantized blocks give float32). A converted ``k_proj``/``v_proj`` (or bias) takes the dtype of the tensor of the
+    same name it replaces."""
+    return dict(source.dtypes) if dtype is None else dict.fromkeys(source.shapes, dtype)
 
 
 def _layer(cfg: ModelConfig, tensors: dict[str, Tensor], i: int, rope: torch.nn.Module) -> DecoderLayer:
@@ -95,7 +105,8 @@ def stream_convert(
     kv_heads, method : as ``gqa.convert.convert``.
     calibration_ids : token ids the merge (and the refit) calibrate on, or ``None``.
     refit : run the sequential ``v_proj``/``o_proj`` refit (needs ``calibration_ids`` and a merge).
-    dtype : the written tensors' dtype; default the source's (``source.dtype``).
+    dtype : the dtype every written tensor is cast to; default ``None``: each tensor its own source dtype
+        (``write_dtypes``), so the tensors the conversion does not change are written bit for bit.
     device : where the arithmetic runs (the merges' small eigen/least-squares problems run on the CPU).
     ridge, window, value_steps : the refit's (``gqa.convert.refit.refit_convert_state``).
     progress : a tqdm bar over the layers on stderr, with the time left.
@@ -118,10 +129,11 @@ def stream_convert(
         windows = source_windows(cfg, calibration_ids) if merging and calibration_ids else []
     if merging and calibration_ids is not None and not windows:
         raise ValueError("the calibration text encodes to no tokens")
-    dtype = source.dtype if dtype is None else dtype
     new_cfg = dataclasses.replace(cfg, num_kv_heads=kv_heads)
-    writer = ShardedWriter(folder, weight_specs(new_cfg, converted_shapes(cfg, source.shapes, kv_heads), dtype),
-                           max_shard_size)  # fmt: skip
+    dtypes = write_dtypes(source, dtype)
+    specs = weight_specs(new_cfg, converted_shapes(cfg, source.shapes, kv_heads), source.dtype)
+    specs = [dataclasses.replace(s, dtype=dtypes[s.name]) for s in specs]
+    writer = ShardedWriter(folder, specs, max_shard_size)
 
     def write(tensors: dict[str, Tensor]) -> None:
         for name, t in tensors.items():

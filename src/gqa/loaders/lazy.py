@@ -31,7 +31,8 @@ class LazyModel:
     path : the resolved ``.gguf`` file or HF folder.
     config : its ``ModelConfig``.
     shapes : torch shape of every tensor the model uses, by HF name (no ``lm_head.weight`` when tied).
-    dtypes : the dtype each of them is read in (GGUF quantized blocks: float32).
+    dtypes : the dtype each of them is read in, its own (a llama.cpp file's F32 norms and biases next to its BF16 or
+        F16 matrices stay float32; GGUF quantized blocks: float32).
     """
 
     def __init__(self, path: Path) -> None:
@@ -46,10 +47,12 @@ class LazyModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The float dtype most of the weights' elements are read in (``bfloat16`` for a bf16 checkpoint)."""
+        """The float dtype most of the 2-D weights' elements are read in (``bfloat16`` for a bf16 checkpoint, also
+        one whose norms and biases are float32): the one a converted checkpoint's config names."""
         counts: Counter[torch.dtype] = Counter()
-        for name, shape in self.shapes.items():
-            counts[self.dtypes[name]] += int(np.prod(shape))
+        matrices = [n for n, shape in self.shapes.items() if len(shape) == 2] or list(self.shapes)
+        for name in matrices:
+            counts[self.dtypes[name]] += int(np.prod(self.shapes[name]))
         return counts.most_common(1)[0][0]
 
     def nbytes(self, name: str) -> int:
