@@ -170,14 +170,25 @@ def quantized_linears(x: torch.Tensor, layers: list[QuantizedLinear]) -> list[to
 
 
 class QuantizedEmbedding(nn.Module):
-    """``nn.Embedding`` whose table is held as blocks; looked-up rows come out dequantized in ``dtype``."""
+    """``nn.Embedding`` whose table is held as blocks; looked-up rows come out dequantized in ``dtype``.
+
+    ``dtype`` is that of an empty float buffer (not saved in ``state_dict``), so ``model.to(dtype)``, ``.float()`` or
+    ``.bfloat16()`` change it with the rest of the model's activations; the ``uint8`` blocks are never cast.
+    """
 
     def __init__(self, weight: QuantizedTensor, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        if not dtype.is_floating_point:
+            raise TypeError(f"QuantizedEmbedding gives rows in a float dtype, got {dtype}")
         self.num_embeddings, self.embedding_dim = weight.shape
         self.format = weight.format
-        self.dtype = dtype
         self.register_buffer("blocks", weight.blocks)
+        self.register_buffer("_rows_dtype", torch.empty(0, dtype=dtype, device=weight.blocks.device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the rows it gives (follows ``Module.to``)."""
+        return self._rows_dtype.dtype
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.format.name}"

@@ -11,6 +11,10 @@
 //       quantized to int8 with its own scale (d_x = max|x| / 127), and a weight block's dot product with it is one
 //       integer dot product (AVX512-VNNI vpdpbusd / AVX2 vpmaddubsw, unsigned 4/8-bit weights x signed 8-bit
 //       activations) times d_w * d_x. Every thread streams its share of the weight rows once for all N rows.
+//       An input block holding a NaN or an infinity cannot be quantized: it is left out of the integer products
+//       (q = 0, d = 0) and its dot products with the weight blocks are taken in float, d * q (+ m) times x, and
+//       added to the row's sum, so non-finite inputs give what x @ dequant(W)^T gives in float (NaN, +-inf) — the
+//       rows without one take the integer path alone, unchanged.
 //   gqa::dequantize_rows(blocks (M, K / 32 * bytes), format, K, dtype) -> (M, K) of dtype
 //       the float weights (prefill, embedding rows), exactly d * q (+ m) rounded to dtype.
 //
@@ -25,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "quantized.h"
@@ -64,28 +69,41 @@ inline float to_float(float x) { return x; }
 inline float to_float(BFloat16 x) { return static_cast<float>(x); }
 
 // x (N, K) quantized per 32-value block: q (N, K) int8, d (N, K / 32) scales, ds (N, K / 32) = d * sum of the q.
+// A block with a NaN or an infinity is all zeros here (q, d, ds) and listed in nonfinite (n * nb + b, ascending).
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d;
   std::vector<float> ds;  // d * (sum of the block's q): the block's sum of x, as the kernel sees it
+  std::vector<int64_t> nonfinite;
 };
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   const int64_t nb = K / QK;
-  QuantizedRows r{std::vector<int8_t>(N * K), std::vector<float>(N * nb), std::vector<float>(N * nb)};
+  QuantizedRows r{std::vector<int8_t>(N * K), std::vector<float>(N * nb), std::vector<float>(N * nb), {}};
   std::vector<float> xf(QK);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       const T* xb = x + n * K + b * QK;
       float amax = 0.0f;
+      bool finite = true;
       for (int64_t i = 0; i < QK; ++i) {
         xf[i] = to_float(xb[i]);
-        amax = std::max(amax, std::fabs(xf[i]));
+        const float a = std::fabs(xf[i]);
+        amax = std::max(amax, a);
+        finite &= a <= std::numeric_limits<float>::max();  // false for +-inf and NaN (which std::max drops)
+      }
+      int8_t* qb = r.q.data() + n * K + b * QK;
+      if (!finite) {  // taken in float by add_nonfinite_blocks; q, d, ds stay 0
+        r.nonfinite.push_back(n * nb + b);
+        continue;
       }
       const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+      if (!(id <= std::numeric_limits<float>::max())) {  // amax < ~3.7e-37: 1 / d overflows to inf, and x * id
+        r.d[n * nb + b] = d;                                // (inf or NaN) has no int8: the block's q stay 0
+        continue;
+      }
       int32_t sum = 0;
-      int8_t* qb = r.q.data() + n * K + b * QK;
       for (int64_t i = 0; i < QK; ++i) {
         qb[i] = static_cast<int8_t>(std::nearbyint(xf[i] * id));
         sum += qb[i];
@@ -94,6 +112,33 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
       r.ds[n * nb + b] = d * static_cast<float>(sum);
     }
   return r;
+}
+
+// Weight i of a block, d * q (+ m), as dequantize_rows gives it in float32.
+inline float weight_at(const uint8_t* blk, int64_t format, float d, int64_t i) {
+  if (format == Q8_0) return d * static_cast<float>(static_cast<int8_t>(blk[2 + i]));
+  const float m = format == Q4_1 ? half_at(blk + 2) : -8.0f * d;
+  const uint8_t byte = blk[(format == Q4_1 ? 4 : 2) + (i % 16)];
+  return d * static_cast<float>(i < 16 ? (byte & 0x0F) : (byte >> 4)) + m;
+}
+
+// buf (N, rows) += the float dot products of the non-finite input blocks (xr.nonfinite) with weight rows w (rows of
+// row_bytes bytes): sums of inf * w and NaN give what the float product gives (+-inf, NaN where inf * 0 or inf - inf).
+template <typename T>
+void add_nonfinite_blocks(const T* x, const QuantizedRows& xr, int64_t K, const uint8_t* w, int64_t format,
+                          int64_t rows, int64_t row_bytes, float* buf) {
+  const int64_t nb = K / QK, bytes = block_bytes(format);
+  for (const int64_t nbi : xr.nonfinite) {
+    const int64_t n = nbi / nb, b = nbi % nb;
+    const T* xb = x + n * K + b * QK;
+    for (int64_t i = 0; i < rows; ++i) {
+      const uint8_t* blk = w + i * row_bytes + b * bytes;
+      const float d = half_at(blk);
+      float s = 0.0f;
+      for (int64_t j = 0; j < QK; ++j) s += to_float(xb[j]) * weight_at(blk, format, d, j);
+      buf[n * rows + i] += s;
+    }
+  }
 }
 
 #if defined(__AVX2__)
@@ -243,6 +288,8 @@ void qlinear_rows_impl(const at::Tensor& x, const std::vector<QPart>& parts) {
         case Q4_0: qdot_rows<Q4_0>(wp, rows, row_bytes, xr, N, K, buf.data()); break;
         default: qdot_rows<Q4_1>(wp, rows, row_bytes, xr, N, K, buf.data()); break;
       }
+      if (!xr.nonfinite.empty())
+        add_nonfinite_blocks(x.const_data_ptr<T>(), xr, K, wp, part.format, rows, row_bytes, buf.data());
       const T* bp = static_cast<const T*>(part.bias);
       T* yp = static_cast<T*>(part.y);
       for (int64_t n = 0; n < N; ++n)
