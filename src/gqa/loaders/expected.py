@@ -17,7 +17,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> torch shape for every tensor a checkpoint of ``cfg`` must hold.
 
     ``lm_head.weight`` ``(V, H)`` is expected only when ``cfg.tie_word_embeddings`` is false; q/k/v biases only
-    when ``cfg.attention_bias`` is true.
+    when ``cfg.attention_bias`` is true, the o_proj bias ``(H,)`` when ``cfg.output_bias`` is.
     """
     V, H, F = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim  # H_q * D, H_kv * D
@@ -33,6 +33,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_proj.bias"] = (kv,)
             shapes[p + "self_attn.v_proj.bias"] = (kv,)
         shapes[p + "self_attn.o_proj.weight"] = (H, q)
+        if cfg.output_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (H,)
         shapes[p + "post_attention_layernorm.weight"] = (H,)
         shapes[p + "mlp.gate_proj.weight"] = (F, H)
         shapes[p + "mlp.up_proj.weight"] = (F, H)
@@ -68,7 +70,8 @@ def check_tensors(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]], sourc
     if unexpected:
         raise ValueError(
             f"{source}: {len(unexpected)} unexpected tensor(s) for a {cfg.arch} model "
-            f"(tie_word_embeddings={cfg.tie_word_embeddings}, attention_bias={cfg.attention_bias}): "
+            f"(tie_word_embeddings={cfg.tie_word_embeddings}, attention_bias={cfg.attention_bias}, "
+            f"output_bias={cfg.output_bias}): "
             f"{_names(unexpected)}"
         )
     for name, want in expected.items():

@@ -69,6 +69,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
+    output_bias: bool = False  # bias on o_proj (an HF Llama with attention_bias=true has both; Qwen2 never)
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
@@ -117,6 +118,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
                 # Qwen2's q/k/v projections always have biases (its attention has no such option)
                 attention_bias=arch == "qwen2" or bool(cfg["attention_bias"]),
+                output_bias=arch == "llama" and bool(cfg["attention_bias"]),  # transformers' LlamaAttention
                 bos_token_id=cfg["bos_token_id"],
                 eos_token_id=cfg["eos_token_id"] if cfg["eos_token_id"] is not None else [],
                 pad_token_id=cfg["pad_token_id"],
@@ -147,7 +149,14 @@ class ModelConfig:
             "pad_token_id": self.pad_token_id,
         }
         if self.arch == "llama":
+            if self.attention_bias != self.output_bias:
+                raise ValueError(
+                    f"an HF Llama config has one attention_bias for q/k/v and o_proj; this model has q/k/v biases "
+                    f"{self.attention_bias} and an o_proj bias {self.output_bias}"
+                )
             cfg |= {"attention_bias": self.attention_bias, "mlp_bias": False}
+        elif self.output_bias:
+            raise ValueError(f"an HF {self.arch} config cannot hold an o_proj bias")
         return cfg
 
     def as_dict(self) -> dict[str, Any]:
