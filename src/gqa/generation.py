@@ -6,6 +6,7 @@ row or after ``max_new_tokens``; ``generate_stream`` yields each step's tokens a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -14,12 +15,13 @@ from .models.llama import CausalLM, set_left_padding
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ``ValueError`` for a negative temperature, ``top_k < 1`` or ``top_p`` outside ``(0, 1]``."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    """Raise ``ValueError`` for a temperature that is not a finite number >= 0 (NaN included), ``top_k < 1`` or
+    ``top_p`` outside ``(0, 1]``."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
+    if top_p is not None and not 0.0 < top_p <= 1.0:  # NaN fails the comparison too
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
@@ -111,6 +113,7 @@ def generate_stream(
     and on CUDA a captured CUDA graph of the step (``gqa.gpu.graphs``) where triton is installed.
     """
     cfg = model.config
+    check_sampling(temperature, top_k, top_p)  # before the prompt is run, not at the first sampled token
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if compile and step_fn is not None:
