@@ -23,7 +23,7 @@ FUNCTION_CASES = [
         "batch mismatch",
         dict(key=torch.randn(3, 2, 5, 16), value=torch.randn(3, 2, 5, 16)),
         ValueError,
-        r"batch dims differ: query \(2, 8, 3, 16\), key \(3, 2, 5, 16\)",
+        r"batch dims do not broadcast: query \(2, 8, 3, 16\), key \(3, 2, 5, 16\)",
     ),
     (
         "feature mismatch",

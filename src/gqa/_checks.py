@@ -41,6 +41,8 @@ def kernel_refusal(
         return "key/value whose last dim is not contiguous"
     if flat_view(key, 3) is None or flat_view(value, 3) is None:
         return "key/value whose batch dims cannot be merged without a copy"
+    if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+        return "batch dims that differ between query, key and value (broadcast)"
     return None
 
 
@@ -60,13 +62,14 @@ def check_heads(num_heads: int, num_kv_heads: int) -> int:
 class AttnShape:
     """Sizes of one call: ``query (*B, H_q, L, D)``, ``key (*B, H_kv, S, D)``, ``value (*B, H_kv, S, D_v)``."""
 
-    batch: tuple[int, ...]
+    batch: tuple[int, ...]  # the batch dims of the output: query's, key's and value's broadcast together
     H_q: int
     H_kv: int
     L: int
     S: int
     D: int
     D_v: int
+    broadcast: bool = False  # query, key and value have different (broadcastable) batch dims
 
     @property
     def G(self) -> int:
@@ -99,8 +102,14 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> At
     *batch, H_q, L, D = query.shape
     *kbatch, H_kv, S, Dk = key.shape
     *vbatch, H_v, S_v, D_v = value.shape
-    if tuple(kbatch) != tuple(batch) or tuple(vbatch) != tuple(batch):
-        raise ValueError(f"batch dims differ: query {shape_str(query)}, key {shape_str(key)}, value {shape_str(value)}")
+    broadcast = not (tuple(kbatch) == tuple(batch) == tuple(vbatch))
+    if broadcast:  # e.g. learned queries of batch 1 against K/V of batch N, as torch SDPA allows
+        try:
+            batch = list(torch.broadcast_shapes(tuple(batch), tuple(kbatch), tuple(vbatch)))
+        except RuntimeError:
+            raise ValueError(
+                f"batch dims do not broadcast: query {shape_str(query)}, key {shape_str(key)}, value {shape_str(value)}"
+            ) from None
     if Dk != D:
         raise ValueError(f"key head dim ({Dk}) must equal query head dim ({D}): key {shape_str(key)}")
     if H_v != H_kv or S_v != S:
@@ -112,7 +121,7 @@ def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> At
             f"query heads H_q ({H_q}) must be divisible by key/value heads H_kv ({H_kv}): "
             f"query {shape_str(query)}, key {shape_str(key)}"
         )
-    return AttnShape(tuple(batch), H_q, H_kv, L, S, D, D_v)
+    return AttnShape(tuple(batch), H_q, H_kv, L, S, D, D_v, broadcast)
 
 
 def check_mask(attn_mask: torch.Tensor | None, shape: AttnShape, query: torch.Tensor) -> None:

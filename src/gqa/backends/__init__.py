@@ -71,6 +71,8 @@ def choose_backend(
     rows = shape.G * shape.L  # query rows per KV head
     if query.numel() == 0 or key.numel() == 0:
         return "grouped"  # empty in or out: plain tensor ops give the empty or all-zero result
+    if shape.broadcast:
+        return "grouped"  # batch dims that broadcast: the matmuls broadcast them as views; the kernels want one N
     if query.device.type == "cuda":
         return _cuda_backend(query, key, value, shape, attn_mask, dropout_p, is_causal, scale, return_weights)
     if (

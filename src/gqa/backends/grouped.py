@@ -13,6 +13,8 @@ the GEMM). float16 on CPU, which has no fast float16 GEMM, runs that one in floa
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,13 @@ from ..masks import apply_mask_, causal_mask, group_mask, softmax_rows
 
 # Up to this many query rows per KV head (G * L), float32/float64 scores are computed as K @ q^T (see below).
 GEMV_ROWS = 8
+
+
+def _folded_dims(key: torch.Tensor, value: torch.Tensor, batch: tuple[int, ...]) -> list[int]:
+    """Batch dims (indices into ``*B``) where the output has several entries but key and value have one: there the
+    query's entries are folded into the rows of the matmul, so K/V are read as they are instead of being expanded
+    to a copy by the matmul's broadcasting."""
+    return [i for i, n in enumerate(batch) if n > 1 and key.shape[i] == 1 and value.shape[i] == 1]
 
 
 def grouped_attention_rows(
@@ -39,28 +48,44 @@ def grouped_attention_rows(
     out_dtype = query.dtype
     if out_dtype == torch.float16 and query.device.type == "cpu":  # no fast fp16 GEMM on CPU: run it in float32
         query, key, value = query.float(), key.float(), value.float()
-    q = query.reshape(*B, H_kv, G * L, shape.D)  # (*B, H_kv, G*L, D): the group folded into rows
+    # Rows: the group (and any batch dims only the query has, see _folded_dims) folded into the row dim, per KV head.
+    nb, folded = len(B), _folded_dims(key, value, B)
+    kept = [i for i in range(nb) if i not in folded]
+    order = [*kept, nb, *folded, nb + 1, nb + 2]  # (*B_kept, H_kv, *B_folded, G, L) of (*B, H_kv, G, L)
+    B_kept, B_folded = [B[i] for i in kept], [B[i] for i in folded]
+    R = math.prod(B_folded) * G * L  # query rows per KV head and kept batch entry
+    q = query.expand(*B, *query.shape[-3:]).unflatten(-3, (H_kv, G))  # (*B, H_kv, G, L, D): views
+    q = q.permute(*order, nb + 3).reshape(*B_kept, H_kv, R, shape.D)  # a copy of q at most, never of K/V
+    if folded:
+        pick = tuple(0 if i in folded else slice(None) for i in range(nb))
+        key, value = key[pick], value[pick]  # (*B_kept, H_kv, S, D): the size-1 dims dropped, views
     if query.dtype in HALF_DTYPES:  # float32 scores (module docstring)
         q, key = q.float(), key.float()
-    if G * L <= GEMV_ROWS:
-        # Few rows: let K be the matrix of a GEMV, (S, D) @ (D, G*L), which reads K in its row-major layout — on
-        # CPU about twice as fast as q @ K^T, whose GEMV walks K^T. The transpose back is G*L*S values, tiny.
-        scores = torch.matmul(key, (q * scale).transpose(-1, -2)).transpose(-1, -2).contiguous()  # (*B, H_kv, G*L, S)
+    if R <= GEMV_ROWS:
+        # Few rows: let K be the matrix of a GEMV, (S, D) @ (D, R), which reads K in its row-major layout — on
+        # CPU about twice as fast as q @ K^T, whose GEMV walks K^T. The transpose back is R*S values, tiny.
+        scores = torch.matmul(key, (q * scale).transpose(-1, -2)).transpose(-1, -2).contiguous()  # (*B_k, H_kv, R, S)
     else:
-        scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scale)  # (*B, H_kv, G*L, S)
+        scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scale)  # (*B_kept, H_kv, R, S)
 
-    masked = attn_mask is not None or is_causal
-    if masked:
-        grouped = scores.view(*B, H_kv, G, L, S)  # (*B, H_kv, G, L, S)
+    laid_out = (*B_kept, H_kv, *B_folded, G, L)  # the rows unfolded
+    if attn_mask is not None or is_causal:
+        grouped = scores.view(*laid_out, S)
         if attn_mask is not None:
-            grouped = apply_mask_(grouped, group_mask(attn_mask, len(shape.scores), H_kv, G))
+            mask = group_mask(attn_mask, len(shape.scores), H_kv, G)  # broadcastable to (*B, H_kv, G, L, S)
+            grouped = apply_mask_(grouped, mask.permute(*order, nb + 3))
         if is_causal:
             grouped = apply_mask_(grouped, causal_mask(L, S, query.device))
-        scores = grouped.view(*B, H_kv, G * L, S)
+        scores = grouped.view(*B_kept, H_kv, R, S)
     weights = softmax_rows(scores, attn_mask is not None or (is_causal and L > S))
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
 
-    out = torch.matmul(weights.to(value.dtype), value)  # (*B, H_kv, G*L, D_v)
-    out = out.view(*B, shape.H_q, L, shape.D_v).to(out_dtype)  # (*B, H_q, L, D_v)
-    return out, (weights.view(shape.scores).to(out_dtype) if return_weights else None)
+    out = torch.matmul(weights.to(value.dtype), value)  # (*B_kept, H_kv, R, D_v)
+    back = [order.index(i) for i in range(nb + 3)]  # the inverse permutation, for out and weights
+    out = out.view(*laid_out, shape.D_v).permute(*back, nb + 3)  # (*B, H_kv, G, L, D_v)
+    out = out.reshape(*B, shape.H_q, L, shape.D_v).to(out_dtype)  # (*B, H_q, L, D_v)
+    if not return_weights:
+        return out, None
+    weights = weights.view(*laid_out, S).permute(*back, nb + 3).reshape(shape.scores)
+    return out, weights.to(out_dtype)

@@ -134,7 +134,7 @@ def sdpa_is_native(
     scale: float,
 ) -> bool:
     """True when torch would run this call on a fused, natively grouped kernel (no K/V copy)."""
-    if dropout_p > 0.0:
+    if dropout_p > 0.0 or shape.broadcast:
         return False
     q, k, v, mask, native_causal = _inputs(query, key, value, shape, attn_mask, is_causal)
     return _native(q, k, v, mask, dropout_p, native_causal, scale, shape.H_q != shape.H_kv)
@@ -157,6 +157,11 @@ def sdpa_attention(
     if query.numel() == 0 or key.numel() == 0:
         raise ValueError(
             f"backend='sdpa' cannot run empty inputs (query {shape_str(query)}, key {shape_str(key)}); use 'auto'"
+        )
+    if shape.broadcast:
+        raise ValueError(
+            f"backend='sdpa' cannot broadcast batch dims (query {shape_str(query)}, key {shape_str(key)}, value "
+            f"{shape_str(value)}): torch's fused kernels want equal ones; use backend='grouped' or 'auto'"
         )
     q, k, v, mask, native_causal = _inputs(query, key, value, shape, attn_mask, is_causal)
     if not _native(q, k, v, mask, dropout_p, native_causal, scale, shape.H_q != shape.H_kv):
