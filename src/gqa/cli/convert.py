@@ -157,15 +157,14 @@ class Checked:
 
     plan: ConversionPlan
     heal: HealConfig | None
-    heal_text: str | None
     calibration_text: str | None
-    warned: list[warnings.WarningMessage]  # what the check warned of (the real run's convert warns again)
+    warned: list[warnings.WarningMessage]  # what the check warned of, held back until it passed
 
 
 def check(ns: argparse.Namespace) -> Checked:
     """Every refusal of ``gqa convert``, the same for the real run and ``--dry-run``, made before anything slow: the
-    flags, then the source's config, tensor headers and tokenizer (no weights) and DST (``check_conversion``, which
-    ``convert`` repeats). ``ValueError`` or ``OSError`` (exit 2); nothing is written."""
+    flags, then the source's config, tensor headers and tokenizer (no weights) and DST (``check_conversion``).
+    ``ValueError`` or ``OSError`` (exit 2); nothing is written."""
     from ..convert import check_conversion
 
     src = ns.src
@@ -185,7 +184,7 @@ def check(ns: argparse.Namespace) -> Checked:
     except (ValueError, OSError):
         _refuse_by_flag(ns, heal)  # a refusal named by its flag comes first
         raise
-    return Checked(plan, heal, heal_text, text, caught)
+    return Checked(plan, heal, text, caught)
 
 
 def _refuse_by_flag(ns: argparse.Namespace, heal: HealConfig | None) -> None:
@@ -216,8 +215,6 @@ def dry_run(ns: argparse.Namespace, checked: Checked) -> int:
     from ..convert.streaming import converted_shapes
     from ..convert.writer import weight_specs
 
-    for w in checked.warned:  # the real run's convert gives them again itself
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     plan, heal = checked.plan, checked.heal
     source = plan.source
     cfg = source.config
@@ -253,22 +250,18 @@ def dry_run(ns: argparse.Namespace, checked: Checked) -> int:
 
 
 def run_convert(ns: argparse.Namespace) -> int:
-    from ..convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, NEEDS_CALIBRATION, convert
+    from ..convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, NEEDS_CALIBRATION, run_conversion
 
     checked = check(ns)  # the real run and --dry-run refuse alike, before anything slow
+    for w in checked.warned:  # passed: now the check's warnings, once
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if ns.dry_run:
         return dry_run(ns, checked)
-    src, dst = ns.src, ns.dst
-    heal, heal_text, text = checked.heal, checked.heal_text, checked.calibration_text
+    src, heal = ns.src, checked.heal
     cfg = checked.plan.source.config
     merging = ns.kv_heads < cfg.num_kv_heads  # then progress bars follow the line
-    dtype = None if ns.dtype == "source" else DTYPES[ns.dtype]
     with loading(f"{model_label(src)} layer by layer and converting it to {ns.kv_heads} KV heads", timed=not merging):
-        out = convert(
-            src, dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text, refit=ns.refit,
-            heal=heal, heal_text=heal_text, conversations=ns.conversations, dtype=dtype, device=ns.device,
-            max_shard_size=ns.max_shard_size,
-        )  # fmt: skip
+        out = run_conversion(checked.plan, force=ns.force)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return 0  # rank 0 reports
     n, h_kv = ns.kv_heads, cfg.num_kv_heads

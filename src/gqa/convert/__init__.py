@@ -70,6 +70,7 @@ __all__ = [
     "refit_convert_state",
     "register_method",
     "resolve_precision",
+    "run_conversion",
     "save_loss_curve",
 ]
 
@@ -275,6 +276,13 @@ def convert(
         heal=heal, heal_text=heal_text, conversations=conversations, dtype=dtype, device=device,
         max_shard_size=max_shard_size,
     )  # fmt: skip
+    return run_conversion(plan, force=force, progress=progress)
+
+
+def run_conversion(plan: ConversionPlan, *, force: bool = False, progress: bool = True) -> Path:
+    """The conversion ``check_conversion`` checked into ``plan`` (``convert``'s work after its checks; ``gqa convert``
+    calls it with the plan its own check made, so the source is not checked twice). Returns the resolved ``dst``."""
+    heal = plan.heal
     rank, world = init_process_group(plan.device) if in_launched_world() else (0, 1)
     if world > 1 and heal is None:
         raise ValueError("only healing runs across processes: run a conversion without healing as one process")
