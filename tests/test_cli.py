@@ -274,7 +274,7 @@ def test_generate_says_what_it_loads_on_stderr_and_keeps_stdout_for_the_text(cap
         ),
         (
             ("convert", "out", "--kv-heads", "1"),
-            (convert, "convert"),
+            (convert, "run_conversion"),
             "Loading embedded SmolLM2-135M-Instruct layer by layer and converting it to 1 KV heads ...",
         ),
         (
