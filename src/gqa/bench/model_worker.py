@@ -61,7 +61,7 @@ def gguf_format(path: str | None) -> str | None:
     file = resolve_model_path(path)
     if file.is_dir():
         return None
-    kinds = Counter(t.tensor_type.name.lower() for t in open_gguf(file).tensors if t.name.startswith("blk."))
+    kinds = Counter(t.type.name.lower() for t in open_gguf(file).tensors if t.name.startswith("blk."))
     name = kinds.most_common(1)[0][0]
     return name if name in QUANTIZED else None
 

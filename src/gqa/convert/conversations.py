@@ -133,7 +133,7 @@ class ConversationSet:
 
 
 def has_chat_template(tok: Tokenizer | None) -> bool:
-    return tok is not None and bool(getattr(tok.hf, "chat_template", None))
+    return tok is not None and bool(tok.chat_template)
 
 
 def cache_dir() -> Path:
@@ -186,7 +186,7 @@ def _normalised(text: str) -> str:
 def _user_opening(tok: Tokenizer) -> str:
     """The chat template's rendering of a conversation up to the first character of the user's text."""
     marker = "\u2063gqa\u2063"  # a string no template writes itself
-    rendered = tok.hf.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    rendered = tok.render_chat([{"role": "user", "content": marker}], add_generation_prompt=False)
     if marker not in rendered:
         raise ValueError("the chat template does not render the user's text verbatim")
     return rendered[: rendered.index(marker)]
@@ -195,8 +195,8 @@ def _user_opening(tok: Tokenizer) -> str:
 def end_of_turn_ids(tok: Tokenizer, model: CausalLM) -> set[int]:
     ids = set(model.config.eos_token_id) | set(tok.eos_token_ids)
     for name in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
-        token = tok.hf.convert_tokens_to_ids(name)
-        if isinstance(token, int) and token != tok.hf.unk_token_id:
+        token = tok.token_id(name)
+        if token is not None:
             ids.add(token)
     return ids
 

@@ -1,5 +1,6 @@
-"""Read a llama.cpp GGUF file (architecture ``llama`` or ``qwen2``) as a ``ModelConfig`` and float32 tensors with
-HF names, dequantizing with ``gguf.quants``.
+"""Read a llama.cpp GGUF file (architecture ``llama`` or ``qwen2``) as a ``ModelConfig`` and tensors with HF names:
+float tensors and kept quantized blocks are views of the file's memory map (``gguf_reader``), other blocks are
+dequantized (the native kernels for Q8_0/Q4_0/Q4_1, ``gguf.quants`` for the rest).
 
 Two layout facts: GGUF lists a tensor's dims fastest-first (``ne0`` = columns), the reverse of torch's shape; and
 llama.cpp's converter reorders the rows of each llama q/k head from HF's rotate-half order to interleaved pairs,
@@ -14,17 +15,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
-from gguf.quants import dequantize
 
 from ..models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from ..quantized import FORMATS, QuantizedTensor
+from ..quantized import FORMATS, QuantizedTensor, dequantize
 from .expected import check_tensors
+from .gguf_reader import GGUFFile, GGUFTensorInfo
 
-_Q = GGMLQuantizationType
-SUPPORTED_QUANT_TYPES = frozenset(
-    {_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
-)
+SUPPORTED_QUANT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -81,31 +79,22 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, D // 2, 2, *rest).transpose(1, 2).reshape(w.shape)  # (H, D/2, 2) -> (H, 2, D/2)
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """A ``GGUFReader`` on ``path``; a missing, empty, non-GGUF, truncated or malformed file is a ``ValueError``."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ValueError(f"{path}: cannot open the GGUF file ({e.strerror or e})") from None
-    if magic != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file: it starts with {magic!r}, a GGUF file starts with b'GGUF'")
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # GGUFReader raises ValueError, IndexError, KeyError, ... on damaged files
-        raise ValueError(f"{path}: truncated or malformed GGUF file ({type(e).__name__}: {e})") from None
+def open_gguf(path: Path) -> GGUFFile:
+    """The checked header of the GGUF file ``path``; a missing, empty, non-GGUF, truncated or malformed file is a
+    ``ValueError``."""
+    return GGUFFile(path)
 
 
-def _meta(reader: GGUFReader, key: str, path: Path, default: Any = _MISSING) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def _meta(reader: GGUFFile, key: str, path: Path, default: Any = _MISSING) -> Any:
+    value = reader.metadata.get(key, _MISSING)
+    if value is _MISSING:
         if default is _MISSING:
             raise ValueError(f"{path}: GGUF metadata lacks the required key {key!r}")
         return default
-    return field.contents()
+    return value
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, path: Path) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any] | None:
     """HF ``rope_scaling`` from ``{arch}.rope.scaling.*`` (or the older ``{arch}.rope.scale_linear``)."""
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise ValueError(
@@ -123,7 +112,7 @@ def _rope_scaling(reader: GGUFReader, arch: str, path: Path) -> dict[str, Any] |
     return scaling
 
 
-def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
+def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
     """The ``ModelConfig`` described by a GGUF file's metadata (``tie_word_embeddings``: no ``output.weight``)."""
     arch = _meta(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -131,8 +120,8 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     names = {t.name for t in reader.tensors}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _meta(reader, f"{arch}.vocab_size", path, len(tokens.data) if tokens is not None else _MISSING)
+    tokens = reader.metadata.get("tokenizer.ggml.tokens")
+    vocab = _meta(reader, f"{arch}.vocab_size", path, len(tokens) if isinstance(tokens, list) else _MISSING)
     eos = [_meta(reader, f"tokenizer.ggml.{k}_token_id", path, None) for k in ("eos", "eot", "eom")]
     try:
         hidden = int(_meta(reader, f"{arch}.embedding_length", path))
@@ -164,64 +153,77 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
         raise ValueError(msg) from None
 
 
-def _to_torch(kind: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-    """Dequantize one GGUF tensor's ``data`` of type ``kind`` to a fresh float32 torch tensor of torch ``shape``."""
-    arr = dequantize(data, kind).reshape(shape)  # a plain ndarray: memmap slicing is slow
-    arr = np.require(arr, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])  # copies views of the read-only memmap
-    return torch.from_numpy(arr)
-
-
-def gguf_tensors(path: Path) -> tuple[GGUFReader, ModelConfig, dict[str, ReaderTensor], dict[str, tuple[int, ...]]]:
-    """Open and check a llama/qwen2 GGUF file without reading its weights: the reader, the config, and by HF name
+def gguf_tensors(path: Path) -> tuple[GGUFFile, ModelConfig, dict[str, GGUFTensorInfo], dict[str, tuple[int, ...]]]:
+    """Open and check a llama/qwen2 GGUF file without reading its weights: the header, the config, and by HF name
     the file's tensors and their torch shapes (``ValueError`` for a damaged file, an unsupported architecture or
     quantization type, or missing/unexpected/misshapen tensors)."""
     reader = open_gguf(path)
     cfg = gguf_config(reader, path)
-    by_name: dict[str, ReaderTensor] = {}
+    by_name: dict[str, GGUFTensorInfo] = {}
     unknown = []
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             unknown.append(t.name)
-        elif t.tensor_type not in SUPPORTED_QUANT_TYPES:
-            supported = ", ".join(sorted(q.name for q in SUPPORTED_QUANT_TYPES))
+        elif t.type.name not in SUPPORTED_QUANT_TYPES:
             raise ValueError(
-                f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}; supported: {supported}"
+                f"{path}: tensor {t.name} has unsupported type {t.type.name}; "
+                f"supported: {', '.join(sorted(SUPPORTED_QUANT_TYPES))}"
             )
         else:
             by_name[name] = t
     if unknown:
         raise ValueError(f"{path}: tensors outside the {cfg.arch} layout: {', '.join(unknown)}")
-    shapes = {name: tuple(int(n) for n in reversed(t.shape.tolist())) for name, t in by_name.items()}
+    shapes = {name: t.shape for name, t in by_name.items()}
     check_tensors(cfg, shapes, str(path))
     return reader, cfg, by_name, shapes
 
 
-def stored_dtype(t: ReaderTensor) -> torch.dtype:
+def stored_dtype(t: GGUFTensorInfo) -> torch.dtype:
     """The torch dtype a GGUF tensor is read in: its own for F32/F16/BF16, float32 for quantized blocks."""
-    return {_Q.F16: torch.float16, _Q.BF16: torch.bfloat16}.get(t.tensor_type, torch.float32)
+    return _FLOATS.get(t.type.name, torch.float32)
+
+
+def _dequantize(t: GGUFTensorInfo, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """Float32 ``shape`` from the blocks ``data`` of a quantized tensor ``t``."""
+    rows = data.reshape(-1, t.dims[0] // t.type.block * t.type.block_bytes)  # (rows, bytes per row)
+    fmt = FORMATS.get(t.type.name.lower())
+    if fmt is not None:
+        return dequantize(torch.from_numpy(rows), fmt, t.dims[0]).reshape(shape)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    arr = gguf_dequantize(rows, GGMLQuantizationType(t.type.id)).reshape(shape)
+    return torch.from_numpy(np.require(arr, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
 
 
 def gguf_tensor(
-    cfg: ModelConfig, name: str, t: ReaderTensor, shape: tuple[int, ...], data: np.ndarray, keep_quantized: bool = False
+    cfg: ModelConfig,
+    name: str,
+    t: GGUFTensorInfo,
+    shape: tuple[int, ...],
+    data: np.ndarray,
+    keep_quantized: bool = False,
 ) -> Any:
-    """The HF-layout torch tensor of GGUF tensor ``t`` (HF name ``name``, torch ``shape``) from its raw ``data``
-    (``t.data`` or the same bytes read from the file): in ``stored_dtype(t)`` (or a ``QuantizedTensor``, see
-    ``read_gguf``), llama q/k rows put back in HF order."""
-    if keep_quantized and t.tensor_type.name.lower() in FORMATS and len(shape) == 2:
-        w = torch.from_numpy(np.array(data, dtype=np.uint8)).reshape(shape[0], -1)  # (M, blocks bytes)
-    elif t.tensor_type == _Q.BF16:
-        w = torch.from_numpy(np.array(data, dtype=np.uint8)).view(torch.bfloat16).reshape(shape)
-    elif t.tensor_type == _Q.F16:
-        w = torch.from_numpy(np.array(data, dtype=np.float16)).reshape(shape)
+    """The HF-layout torch tensor of GGUF tensor ``t`` (HF name ``name``, torch ``shape``) from its raw bytes
+    ``data`` (``uint8 (t.nbytes,)``: a view of the file's map or the same bytes read from it): in
+    ``stored_dtype(t)`` (or a ``QuantizedTensor``, see ``read_gguf``), llama q/k rows put back in HF order. Float
+    tensors and kept blocks are views of ``data`` where no reordering or alignment fix is needed."""
+    kind = t.type.name
+    if keep_quantized and kind.lower() in FORMATS and len(shape) == 2:
+        w = torch.from_numpy(data).reshape(shape[0], -1)  # (M, blocks bytes)
+    elif kind in _FLOATS:
+        if data.ctypes.data % _FLOATS[kind].itemsize:
+            data = data.copy()  # an alignment below the element size: torch wants aligned storage
+        w = torch.from_numpy(data).view(_FLOATS[kind]).reshape(shape)
     else:
-        w = _to_torch(t.tensor_type, data, shape)
+        w = _dequantize(t, data, shape)
     if cfg.arch == "llama" and ".q_proj." in name:
         w = unpermute_qk(w, cfg.num_heads)
     elif cfg.arch == "llama" and ".k_proj." in name:
         w = unpermute_qk(w, cfg.num_kv_heads)
     if w.dtype == torch.uint8:
-        w = QuantizedTensor(w.contiguous(), FORMATS[t.tensor_type.name.lower()], shape)
+        w = QuantizedTensor(w.contiguous(), FORMATS[kind.lower()], shape)
     return w
 
 
@@ -233,7 +235,8 @@ def read_gguf(path: str | Path, *, keep_quantized: bool = False) -> tuple[ModelC
     (ModelConfig, dict) : the config, and HF-named float32 tensors in torch layout (``lm_head.weight`` only when the
     file has ``output.weight``); llama q/k rows are put back in HF order. With ``keep_quantized``, 2-D weights stored
     as Q8_0, Q4_0 or Q4_1 come as ``gqa.quantized.QuantizedTensor`` (their blocks as they are, rows reordered like
-    the float ones) instead of float tensors.
+    the float ones) instead of float tensors. F32 tensors and kept blocks are copy-on-write views of the file's
+    memory map: nothing is copied for them, and writing to them never changes the file.
 
     Raises
     ------
@@ -241,9 +244,9 @@ def read_gguf(path: str | Path, *, keep_quantized: bool = False) -> tuple[ModelC
         A damaged file, unsupported architecture or quantization type, or missing/unexpected/misshapen tensors.
     """
     path = Path(path)
-    _, cfg, by_name, shapes = gguf_tensors(path)
+    reader, cfg, by_name, shapes = gguf_tensors(path)
     tensors: dict[str, Any] = {}
     for name, t in by_name.items():
-        w = gguf_tensor(cfg, name, t, shapes[name], np.asarray(t.data), keep_quantized)
+        w = gguf_tensor(cfg, name, t, shapes[name], reader.data(t), keep_quantized)
         tensors[name] = w if isinstance(w, QuantizedTensor) else w.float()
     return cfg, tensors

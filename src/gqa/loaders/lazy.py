@@ -73,8 +73,8 @@ class LazyModel:
         with open(self.path, "rb") as f:
             for name in names:
                 t = self._gguf[name]
-                f.seek(t.data_offset)
-                raw = np.fromfile(f, dtype=t.data.dtype, count=t.data.size).reshape(t.data.shape)
+                f.seek(t.offset)
+                raw = np.fromfile(f, dtype=np.uint8, count=t.nbytes)
                 out[name] = gguf_tensor(self.config, name, t, self.shapes[name], raw)
         return out
 
