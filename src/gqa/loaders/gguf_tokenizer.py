@@ -39,13 +39,11 @@ _GPT4O = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_LLAMA3_NAMES = ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"]
+_LLAMA3_NAMES += ["jina-v5-nano", "dbrx", "smaug-bpe"]
 # tokenizer.ggml.pre -> the regex its merges were learned with; others split with GPT-2's (ByteLevel's own)
 SPLITS = {
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano")
-        + ("dbrx", "smaug-bpe"),
-        _LLAMA3,
-    ),
+    **dict.fromkeys(_LLAMA3_NAMES, _LLAMA3),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2),
     "tekken": _TEKKEN,
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O),
@@ -104,8 +102,8 @@ def backend_from_gguf(g: GGUFFile) -> BackendTokenizer:
     if not tokens or merges is None:
         raise ValueError(f"{g.path}: a byte-level BPE tokenizer needs tokenizer.ggml.tokens and tokenizer.ggml.merges")
     types = g.metadata.get("tokenizer.ggml.token_type")
-    types = [] if types is None else types.tolist()
-    if types and len(types) != len(tokens):
+    types = [0] * len(tokens) if types is None else types.tolist()
+    if len(types) != len(tokens):
         raise ValueError(f"{g.path}: {len(types)} token types for {len(tokens)} tokens")
     spelling = byte_alphabet()
     alphabet = set(spelling.values())
@@ -127,11 +125,11 @@ def backend_from_gguf(g: GGUFFile) -> BackendTokenizer:
             [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(False, use_regex=False)]
         )
     tok.decoder = decoders.ByteLevel()
-    control = [t for t, kind in zip(tokens, types) if kind == CONTROL and set(t) <= alphabet]
+    control = [t for t, kind in zip(tokens, types, strict=True) if kind == CONTROL and set(t) <= alphabet]
     special = special_tokens_from_gguf(g)
     named = [t for t in special.values() if t is not None and t not in control]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(control + named)])
-    user = [t for t, kind in zip(tokens, types) if kind == USER_DEFINED and t in vocab]
+    user = [t for t, kind in zip(tokens, types, strict=True) if kind == USER_DEFINED and t in vocab]
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
     tok.post_processor = _bos_eos(g, special, vocab)
     return tok
