@@ -74,9 +74,13 @@ class Tokenizer:
         from .loaders.gguf_tokenizer import NATIVE_MODELS
 
         source = open_model(path)
-        if not isinstance(source, Path) and source.metadata.get("tokenizer.ggml.model") in NATIVE_MODELS:
-            return cls.from_gguf(source)
-        return cls.from_hf(_transformers_tokenizer(resolve_model_path(source)))
+        if not isinstance(source, Path):
+            model = source.metadata.get("tokenizer.ggml.model")
+            if model in NATIVE_MODELS:
+                return cls.from_gguf(source)
+            if not isinstance(model, str):
+                raise ValueError(f"{source.path}: the GGUF file has no tokenizer (no tokenizer.ggml.model)")
+        return cls.from_hf(_transformers_tokenizer(resolve_model_path(source)))  # sentencepiece, unigram, ...
 
     @property
     def hf(self) -> PreTrainedTokenizerBase:

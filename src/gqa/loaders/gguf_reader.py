@@ -49,7 +49,7 @@ GGML_TYPES: dict[int, GGMLType] = {
         GGMLType(6, "Q5_0", 32, 22),
         GGMLType(7, "Q5_1", 32, 24),
         GGMLType(8, "Q8_0", 32, 34),
-        GGMLType(9, "Q8_1", 32, 36),
+        GGMLType(9, "Q8_1", 32, 40),
         GGMLType(10, "Q2_K", 256, 84),
         GGMLType(11, "Q3_K", 256, 110),
         GGMLType(12, "Q4_K", 256, 144),

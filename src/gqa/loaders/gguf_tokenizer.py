@@ -116,7 +116,11 @@ def backend_from_gguf(g: GGUFFile) -> BackendTokenizer:
         if not sep or " " in right:
             raise ValueError(f"{g.path}: merge {merge!r} is not two tokens separated by one space")
         pairs.append((left, right))
-    tok = BackendTokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False, ignore_merges=False))
+    try:
+        bpe = models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False, ignore_merges=False)
+    except Exception as e:  # tokenizers raises a bare Exception, e.g. for a merge of tokens not in the vocabulary
+        raise ValueError(f"{g.path}: the GGUF vocabulary and merges do not make a BPE model ({e})") from None
+    tok = BackendTokenizer(bpe)
     split = SPLITS.get(_field(g, "tokenizer.ggml.pre", str))
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
