@@ -11,7 +11,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from hypothesis import HealthCheck, given, settings
