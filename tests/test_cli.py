@@ -13,12 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gqa import __version__, api, convert, generation, loaders
+from gqa import __version__, api, convert, generation
 from gqa.bench import model as bench_model
 from gqa.cli import build_parser
 from gqa.cli import eval as eval_command
 from gqa.cli import main as cli
 from gqa.hardware import auto_dtype
+from gqa.loaders import lazy
 
 ENV = os.environ | {"HF_HUB_OFFLINE": "1"}
 
@@ -261,7 +262,7 @@ def test_generate_says_what_it_loads_on_stderr_and_keeps_stdout_for_the_text(cap
     ("args", "patch", "line"),
     [
         (("generate", "hi", "--model", "m.gguf", "--dtype", "fp32"), (api, "load_model"), "Loading m.gguf as fp32 ..."),
-        (("info",), (loaders, "read_model"), "Loading embedded SmolLM2-135M-Instruct ..."),
+        (("info",), (lazy, "open_lazy"), "Loading embedded SmolLM2-135M-Instruct ..."),
         (
             ("generate", "hi"),
             (api, "load_model"),

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``gqa`` parser: a subcommand each, ``bench`` with a subcommand per benchmark."""
     from ..bench import attention as bench_attention
     from ..bench import model as bench_model
+    from ..bench import startup as bench_startup
     from .common import add_model_arguments
     from .convert import add_convert_arguments, run_convert
     from .dtypes import SPELLINGS
@@ -96,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
         bench_model.DESCRIPTION,
     )
     bench_model.add_arguments(model)
+    startup = _subcommand(
+        benchmarks,
+        "startup",
+        "process wall time of import gqa, gqa info, a first token and load_model, beside llama.cpp's",
+        lambda ns, argv: bench_startup.run(startup, ns),
+        bench_startup.DESCRIPTION,
+    )
+    bench_startup.add_arguments(startup)
     return parser
 
 

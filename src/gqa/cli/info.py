@@ -30,14 +30,16 @@ def kv_cache_table(num_layers: int, num_heads: int, num_kv_heads: int, head_dim:
 
 
 def run_info(ns: argparse.Namespace) -> int:
-    from ..loaders import read_model
+    from ..loaders.lazy import open_lazy
 
     with loading(model_label(ns.model)):
-        cfg, state = read_model(ns.model)
+        lazy = open_lazy(ns.model)  # the config and every tensor's shape, no weight read
+    cfg = lazy.config
     if ns.tp is not None:
         from ..models.tensor_parallel import check_tp
 
         check_tp(cfg.num_heads, cfg.num_kv_heads, ns.tp)
+    state = {name: torch.empty(shape, device="meta") for name, shape in lazy.shapes.items()}
     params = sum(t.numel() for k, t in state.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
     print(f"architecture     {cfg.arch}")
     print(f"parameters       {params / 1e6:.1f} M")
