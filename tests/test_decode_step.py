@@ -110,6 +110,36 @@ def test_native_step_equals_the_eager_step(tmp_path, monkeypatch):
             torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_per_step_equals_a_call_per_layer(tmp_path, monkeypatch, dtype, quantized):
+    """``gqa::decode_model`` (every layer, the final norm and lm_head in one native call) runs the per-layer ops in
+    the same order: the same bits as a ``gqa::decode_layer`` call per layer from Python."""
+    from gqa.quantized import quantize_model
+
+    hf_model(tmp_path, "llama", 6, 2, 10)
+    model = gqa.load_model(tmp_path, dtype=dtype, tokenizer=False)
+    if quantized:
+        quantize_model(model, "q4_1")
+    whole = []
+    real = decode_step._model_args
+
+    def spy(*args):
+        whole.append(real(*args) is not None)
+        return whole[-1] and real(*args)
+
+    prompts, steps = [[5, 6, 7, 8], [9]], [[11, 12], [13, 14], [15, 16]]
+    with monkeypatch.context() as m:
+        m.setattr(decode_step, "_model_args", spy)
+        one_call = decode_logits(model, prompts, steps)
+    assert whole == [True] * 3  # each step was one decode_model call
+    with monkeypatch.context() as m:
+        m.setattr(decode_step, "_model_args", lambda *a: None)
+        per_layer = decode_logits(model, prompts, steps)
+    for a, b in zip(one_call, per_layer, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_quantized_model_decodes_natively_and_tracks_its_dequantized_self(tmp_path, counted):
     from gqa.quantized import QuantizedLinear, quantize_model
 

@@ -57,6 +57,16 @@ def decode_step(model: torch.nn.Module, input_ids: torch.Tensor, caches: list[St
     cos, sin = backbone.rope.cos_sin(caches[0].positions(1))  # (B, 1, D) float32 each
     cos, sin = cos.view(B, -1).contiguous(), sin.view(B, -1).contiguous()
     x = backbone.embed_tokens(input_ids).view(B, -1)  # (B, E)
+    whole = _model_args(model, x.dtype)
+    if whole is not None:  # every layer, the final norm and lm_head in one native call
+        norms1, norms2, eps, weights, formats, biases, head, head_format = whole
+        logits = torch.ops.gqa.decode_model(
+            x, norms1, norms2, eps, weights, formats, biases, cos, sin, [c.key for c in caches],
+            [c.value for c in caches], [c.start for c in caches], [c.cursor for c in caches],
+            1.0 / math.sqrt(backbone.layers[0].self_attn.head_dim), backbone.norm.weight, backbone.norm.eps,
+            head, head_format,
+        )  # fmt: skip
+        return logits.view(B, 1, -1)
     for layer, cache in zip(backbone.layers, caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         scale = 1.0 / math.sqrt(attn.head_dim)
@@ -76,6 +86,33 @@ def decode_step(model: torch.nn.Module, input_ids: torch.Tensor, caches: list[St
         x = x + mlp.down_proj(torch.ops.gqa.silu_mul(gate, up))
     x = torch.ops.gqa.rms_norm(x, backbone.norm.weight, backbone.norm.eps)
     return model.lm_head(x).view(B, 1, -1)
+
+
+def _model_args(model: torch.nn.Module, dtype: torch.dtype) -> tuple | None:
+    """The arguments of ``gqa::decode_model`` besides the activations and caches — ``(norms1, norms2, eps, weights,
+    formats, qkv_biases, head, head_format)``, per layer flattened in layer order — or ``None`` when a layer cannot be
+    fused (``_layer_weights``), the layers' norms differ in eps, or lm_head is neither a float ``Linear`` in
+    ``dtype`` nor a ``QuantizedLinear`` without bias."""
+    layers = model.model.layers
+    eps = layers[0].input_layernorm.eps
+    head = model.lm_head
+    if type(head) is QuantizedLinear and head.bias is None:
+        head_weight, head_format = head.blocks, head.format.code
+    elif type(head) is Linear and head.bias is None and head.weight.dtype == dtype and head.weight.is_contiguous():
+        head_weight, head_format = head.weight, -1
+    else:
+        return None
+    norms1, norms2, weights, formats, biases = [], [], [], [], []
+    for layer in layers:
+        fused = _layer_weights(layer, dtype)
+        if fused is None or layer.input_layernorm.eps != eps:
+            return None
+        norms1.append(layer.input_layernorm.weight)
+        norms2.append(layer.post_attention_layernorm.weight)
+        weights += fused[0]
+        formats += fused[1]
+        biases += fused[2]
+    return norms1, norms2, eps, weights, formats, biases, head_weight, head_format
 
 
 def _layer_weights(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[list, list[int], list] | None:

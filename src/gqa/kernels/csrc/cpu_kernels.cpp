@@ -706,6 +706,34 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const at::
   return x1 + project(m, weights.slice(6, 1), formats.slice(6, 1), none1)[0];
 }
 
+// A whole decode step for one new token per row, in one call: every layer as decode_layer, then the final norm and
+// lm_head. Per layer l: norms1[l], norms2[l], weights[7l .. 7l+7), formats likewise, qkv_biases[3l .. 3l+3),
+// key_caches[l], value_caches[l], starts[l], cursors[l]; eps and scale shared. head: float (V, E) or blocks, its
+// format in head_format (-1 float). x (B, E) -> logits (B, V).
+at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
+                        at::TensorList weights, at::IntArrayRef formats,
+                        const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
+                        const at::Tensor& sin, at::TensorList key_caches, at::TensorList value_caches,
+                        at::TensorList starts, at::TensorList cursors, double scale, const at::Tensor& final_norm,
+                        double final_eps, const at::Tensor& head, int64_t head_format) {
+  const size_t L = norms1.size();
+  TORCH_CHECK(norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
+                  qkv_biases.size() == 3 * L && key_caches.size() == L && value_caches.size() == L &&
+                  starts.size() == L && cursors.size() == L,
+              "gqa::decode_model: per layer 2 norms, 7 weights and formats, 3 q/k/v biases, K and V caches, a start "
+              "and a cursor; got ", L, " layers' norms1 and ", weights.size(), " weights");
+  at::Tensor h = x;
+  for (size_t l = 0; l < L; ++l) {
+    c10::List<c10::optional<at::Tensor>> biases;
+    for (size_t i = 0; i < 3; ++i) biases.push_back(qkv_biases.get(3 * l + i));
+    h = decode_layer(h, norms1[l], norms2[l], eps, weights.slice(7 * l, 7), formats.slice(7 * l, 7), biases, cos,
+                     sin, key_caches[l], value_caches[l], starts[l], cursors[l], scale);
+  }
+  c10::List<c10::optional<at::Tensor>> none;
+  none.push_back(c10::nullopt);
+  return project(rms_norm(h, final_norm, final_eps), {head}, {head_format}, none)[0];
+}
+
 int64_t simd_width() { return GQA_SIMD; }
 
 }  // namespace
@@ -726,6 +754,11 @@ TORCH_LIBRARY(gqa, m) {
       "decode_layer(Tensor x, Tensor norm1, Tensor norm2, float eps, Tensor[] weights, int[] formats, "
       "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor start, "
       "Tensor(c!) cursor, float scale) -> Tensor");
+  m.def(
+      "decode_model(Tensor x, Tensor[] norms1, Tensor[] norms2, float eps, Tensor[] weights, int[] formats, "
+      "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
+      "Tensor[] starts, Tensor(c!)[] cursors, float scale, Tensor final_norm, float final_eps, Tensor head, "
+      "int head_format) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gqa, CPU, m) {
@@ -736,4 +769,5 @@ TORCH_LIBRARY_IMPL(gqa, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attend", &decode_attend);
   m.impl("decode_layer", &decode_layer);
+  m.impl("decode_model", &decode_model);
 }
