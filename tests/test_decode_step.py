@@ -122,7 +122,7 @@ def test_one_call_per_step_equals_a_call_per_layer(tmp_path, monkeypatch, dtype,
     if quantized:
         quantize_model(model, "q4_1")
     whole = []
-    real = decode_step._model_args
+    real = decode_step._cached_model_args
 
     def spy(*args):
         whole.append(real(*args) is not None)
@@ -130,14 +130,40 @@ def test_one_call_per_step_equals_a_call_per_layer(tmp_path, monkeypatch, dtype,
 
     prompts, steps = [[5, 6, 7, 8], [9]], [[11, 12], [13, 14], [15, 16]]
     with monkeypatch.context() as m:
-        m.setattr(decode_step, "_model_args", spy)
+        m.setattr(decode_step, "_cached_model_args", spy)
         one_call = decode_logits(model, prompts, steps)
     assert whole == [True] * 3  # each step was one decode_model call
     with monkeypatch.context() as m:
-        m.setattr(decode_step, "_model_args", lambda *a: None)
+        m.setattr(decode_step, "_cached_model_args", lambda *a: None)
         per_layer = decode_logits(model, prompts, steps)
     for a, b in zip(one_call, per_layer, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_step_sees_replaced_modules_and_weights(tmp_path):
+    """The one-call step's arguments are cached per model: a module, weight or dtype changed after a step is used by
+    the next one (the step's logits equal the eager path's after each change)."""
+    from gqa.quantized import quantize_model
+
+    hf_model(tmp_path, "llama", 4, 2, 16)
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    prompts, steps = [[5, 6, 7]], [[9]]
+
+    def check():
+        fast = decode_logits(model, prompts, steps)[0]
+        with torch.inference_mode():
+            eager = model(torch.tensor([prompts[0] + steps[0]]))[:, -1]
+        torch.testing.assert_close(fast, eager, atol=3e-2, rtol=3e-2)
+        return fast
+
+    before = check()
+    down = model.model.layers[1].mlp.down_proj
+    down.weight = torch.nn.Parameter(down.weight * 3)  # a new Parameter object in the same module
+    assert not torch.allclose(check(), before, atol=1e-3)
+    quantize_model(model, "q8_0")  # modules replaced
+    check()
+    model.to(torch.bfloat16)  # same Parameter objects, new dtype
+    check()
 
 
 def test_quantized_model_decodes_natively_and_tracks_its_dequantized_self(tmp_path, counted):

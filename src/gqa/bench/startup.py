@@ -1,10 +1,11 @@
 """Startup benchmark: how long a user waits before anything happens, as process wall time.
 
-Each case runs ``--runs`` times (default 5) in a fresh Python process, one after another, and the table shows the
-median (and min-max): ``import torch`` (the floor), ``import gqa``, ``gqa info``, ``gqa generate --max-new-tokens 1``,
-``gqa.load_model()`` in-process (the first call in a fresh process and a second, warm one, timed inside the process),
-and llama.cpp (``llama-cpp-python``) importing, loading the same GGUF file and producing its first token, when it is
-installed. Run ``gqa bench startup --help`` for the flags.
+Each case runs ``--runs`` times (default 5) in a fresh Python process, the cases taking turns (round-robin, so a busy
+spell on a shared machine hits all of them alike), and the table shows the median (and min-max): ``import torch``
+(the floor), ``import gqa``, ``gqa info``, ``gqa generate --max-new-tokens 1``, ``gqa.load_model()`` in-process (the
+first call in a fresh process and a second, warm one, timed inside the process), and llama.cpp
+(``llama-cpp-python``) importing, loading the same GGUF file and producing its first token, when it is installed.
+Run ``gqa bench startup --help`` for the flags.
 """
 
 from __future__ import annotations
@@ -119,11 +120,13 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error(f"--model {ns.model}: no such file (a .gguf file)")
     llama_cpp = llama_cpp_available() and not ns.no_llama_cpp
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE=os.environ.get("PYTHONDONTWRITEBYTECODE", ""))
-    rows = []
-    for case in cases(ns.model, ns.dtype, llama_cpp):
-        seconds = measure(case, ns.runs, env)
-        rows.append({"name": case.name, "seconds": seconds, "median": statistics.median(seconds)})
-        print(f"[bench startup] {case.name}: {statistics.median(seconds):.2f} s", file=sys.stderr, flush=True)
+    todo = cases(ns.model, ns.dtype, llama_cpp)
+    seconds: dict[str, list[float]] = {case.name: [] for case in todo}
+    for run_index in range(ns.runs):  # round-robin: a busy spell on a shared machine hits every case alike
+        for case in todo:
+            seconds[case.name] += measure(case, 1, env)
+        print(f"[bench startup] round {run_index + 1} of {ns.runs} done", file=sys.stderr, flush=True)
+    rows = [{"name": name, "seconds": s, "median": statistics.median(s)} for name, s in seconds.items()]
     flags = sys.argv[sys.argv.index("startup") + 1 :] if "startup" in sys.argv else []
     command = " ".join(["gqa bench startup", *flags])
     result = {
