@@ -3,9 +3,10 @@
     python benchmarks/decode_profile.py --dtype auto      # the default model as gqa generate loads it (q4_1 blocks)
     python benchmarks/decode_profile.py --dtype bf16
 
-Prints medians (ms) of: a full decode step at ``--context`` tokens (batch 1, the native step), the GEMVs of every
-layer's weights (q/k/v, o, gate/up, down, as the step calls them), the lm_head GEMV, and ``x.sum()`` over 1 GiB (the
-read bandwidth the GEMVs are compared with), three rounds.
+Prints medians (ms) of: a full decode step at ``--context`` tokens (batch 1, the native step: one
+``gqa::decode_model`` call), the same step with a native call per layer (the path kept for what the one call cannot
+take), the GEMVs of every layer's weights (q/k/v, o, gate/up, down, as the step calls them), the lm_head GEMV, and
+``x.sum()`` over 1 GiB (the read bandwidth the GEMVs are compared with), three rounds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 import gqa
+from gqa.models import decode_step
 from gqa.quantized import QuantizedLinear
 
 
@@ -63,12 +65,22 @@ def main() -> None:
                 cache.cursor.fill_(ns.context)
             model(token, caches=caches)
 
+        def per_layer_step() -> None:
+            whole = decode_step._cached_model_args
+            decode_step._cached_model_args = lambda *args: None
+            try:
+                step()
+            finally:
+                decode_step._cached_model_args = whole
+
         big = torch.randn(2**28)
         for _ in range(3):
-            s, g = median_ms(step), median_ms(lambda: [gemv(inputs[grp[0].in_features], grp) for grp in groups])
+            s, per_layer = median_ms(step), median_ms(per_layer_step)
+            g = median_ms(lambda: [gemv(inputs[grp[0].in_features], grp) for grp in groups])
             h = median_ms(lambda: gemv(inputs[model.lm_head.in_features], [model.lm_head]))
             bw = big.nbytes / median_ms(big.sum, 10) / 1e6
-            print(f"step {s:.2f} ms | layer GEMVs {g:.2f} ms | lm_head {h:.2f} ms | rest {s - g - h:.2f} ms | "
+            print(f"step {s:.2f} ms (a call per layer: {per_layer:.2f} ms) | layer GEMVs {g:.2f} ms | "
+                  f"lm_head {h:.2f} ms | rest {s - g - h:.2f} ms | "
                   f"sum over 1 GiB {bw:.1f} GB/s")  # fmt: skip
 
 
