@@ -180,11 +180,9 @@ def test_smollm2_config(smol):
     assert all(t.dtype == torch.float32 for t in sd.values())
 
 
-def test_smollm2_weights_match_transformers(smol):
+def test_smollm2_weights_match_transformers(smol, hf_smollm2):
     _, sd = smol
-    path = default_model_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)  # float32
-    ref = hf.state_dict()
+    ref = hf_smollm2.state_dict()
     assert set(ref) == set(sd) | {"lm_head.weight"}
     for name, t in sd.items():
         assert t.shape == ref[name].shape, name

@@ -9,7 +9,6 @@ import torch
 
 import gqa
 from gqa.generation import generate, sample_next
-from gqa.loaders import default_model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -28,12 +27,8 @@ def ours():
 
 
 @pytest.fixture(scope="module")
-def hf():
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
-    )
-    return model.eval()
+def hf(hf_smollm2):
+    return hf_smollm2
 
 
 def test_logits_match_hf_transformers_on_the_same_gguf(ours, hf):
