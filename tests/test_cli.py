@@ -163,9 +163,10 @@ def test_help_texts(capsys, args, shown):
 
 def test_bench_is_a_group_of_benchmarks(capsys):
     code, out, _ = run_cli(capsys, "bench", "--help")
-    assert code == 0 and out.startswith("usage: gqa bench [-h] {attention,model} ...")
+    assert code == 0 and out.startswith("usage: gqa bench [-h] {attention,model,startup} ...")
     lines = " ".join(out.split())
     assert "attention time gqa's attention backends" in lines and "model KV-cache size, prefill and decode" in lines
+    assert "startup process wall time of import gqa" in lines
     assert "what" not in out and "args" not in out and "REMAINDER" not in out
     for name, flag in (("attention", "--kv-heads H_KV"), ("model", "--engines")):
         code, out, _ = run_cli(capsys, "bench", name, "--help")

@@ -160,12 +160,16 @@ def test_a_quantized_models_decode_step_propagates_nonfinite_values(value):
     model.lm_head.register_forward_pre_hook(lambda module, args: inputs.append(args[0].clone()))
     with torch.no_grad():
         model.model.norm.weight[5] = value
-    logits = first_decode_logits(model, [1, 2, 3], 4)
+    logits = first_decode_logits(model, [1, 2, 3], 4)  # one gqa::decode_model call: lm_head inside it
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(decode_step, "_cached_model_args", lambda *args: None)
+        per_layer = first_decode_logits(model, [1, 2, 3], 4)  # a call per layer, then the lm_head module (hooked)
     expected = reference(model.lm_head, inputs[-1]).view(-1)
     assert not torch.isfinite(expected).any()
-    if math.isnan(value):
-        assert torch.isnan(logits).all()
-    assert_nonfinite_like(logits, expected)
+    for out in (logits, per_layer):
+        if math.isnan(value):
+            assert torch.isnan(out).all()
+        assert_nonfinite_like(out, expected)
 
 
 def test_quantized_embedding_dtype_follows_module_to():
