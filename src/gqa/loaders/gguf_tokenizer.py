@@ -141,12 +141,14 @@ def backend_from_gguf(g: GGUFFile) -> BackendTokenizer:
 
 def _bos_eos(g: GGUFFile, special: dict[str, str | None], vocab: dict[str, int]) -> processors.TemplateProcessing:
     """BOS/EOS around each sequence as ``tokenizer.ggml.add_bos_token``/``add_eos_token`` say (default: neither)."""
-    parts = {}
-    for end in ("bos", "eos"):
-        token = special[f"{end}_token"] if _field(g, f"tokenizer.ggml.add_{end}_token", bool, False) else None
-        parts[end] = [] if token is None else [token]
+    parts: dict[str, list[str]] = {"bos": [], "eos": []}
+    pinned: dict[str, int] = {}
+    for end in parts:
+        token = special[f"{end}_token"]
+        if token is not None and _field(g, f"tokenizer.ggml.add_{end}_token", bool, False):
+            parts[end].append(token)
+            pinned[token] = vocab.get(token, g.metadata[f"tokenizer.ggml.{end}_token_id"])
     bos, eos = parts["bos"], parts["eos"]
     single = [*bos, "$A:0", *eos]
     pair = [*single, *bos, "$B:1", *eos]
-    pinned = [(t, vocab.get(t, g.metadata["tokenizer.ggml.tokens"].index(t))) for t in dict.fromkeys(bos + eos)]
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=pinned)
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(pinned.items()))
