@@ -211,6 +211,7 @@ def test_byte_alphabet_is_gpt2s():
     [
         ("tokenizer.ggml.merges", ["a b c"], "merge 'a b c' is not two tokens separated by one space"),
         ("tokenizer.ggml.token_type", np.array([1, 2, 3]), "3 token types for 49152 tokens"),
+        ("tokenizer.ggml.token_type", ["1", "2"], "token_type must be an array of integers"),
         ("tokenizer.ggml.bos_token_id", 10**6, "tokenizer.ggml.bos_token_id = 1000000 is not a token"),
         ("tokenizer.ggml.pre", 7, "'tokenizer.ggml.pre' must be str, got int"),
         ("tokenizer.ggml.model", "llama", "tokenizer model 'llama' is not built natively"),

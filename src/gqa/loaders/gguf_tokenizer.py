@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -102,6 +103,8 @@ def backend_from_gguf(g: GGUFFile) -> BackendTokenizer:
     if not tokens or merges is None:
         raise ValueError(f"{g.path}: a byte-level BPE tokenizer needs tokenizer.ggml.tokens and tokenizer.ggml.merges")
     types = g.metadata.get("tokenizer.ggml.token_type")
+    if types is not None and not (isinstance(types, np.ndarray) and types.dtype.kind in "iu"):
+        raise ValueError(f"{g.path}: tokenizer.ggml.token_type must be an array of integers")
     types = [0] * len(tokens) if types is None else types.tolist()
     if len(types) != len(tokens):
         raise ValueError(f"{g.path}: {len(types)} token types for {len(tokens)} tokens")
