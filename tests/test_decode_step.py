@@ -271,3 +271,73 @@ def test_compiled_generation_equals_the_native_step_and_buckets_the_cache(tmp_pa
     assert [compiled.cache_bucket(n, 8192) for n in (1, 256, 257)] == [256, 256, 512]
     with pytest.raises(ValueError, match="either compile=True or a step_fn"):
         model.generate(prompts, max_new_tokens=2, compile=True, step_fn=lambda t, c: None)
+
+
+def _random_layers(g: torch.Generator, dtype, formats, E, F, Hq, Hkv, D, biases):
+    """Per layer: norms, 7 weights (float or blocks per ``formats``) with their format codes, q/k/v biases."""
+    from gqa.quantized import get_format, quantize
+
+    layers = []
+    shapes = [(Hq * D, E), (Hkv * D, E), (Hkv * D, E), (E, Hq * D), (F, E), (F, E), (E, F)]
+    for fmt in formats:
+        weights, codes = [], []
+        for M, K in shapes:
+            w = torch.randn(M, K, generator=g) / K**0.5
+            if fmt is None:
+                weights.append(w.to(dtype))
+                codes.append(-1)
+            else:
+                weights.append(quantize(w, fmt).blocks)
+                codes.append(get_format(fmt).code)
+        norms = [(1 + 0.1 * torch.randn(E, generator=g)).to(dtype) for _ in range(2)]
+        bias = [(0.1 * torch.randn(M, generator=g)).to(dtype) if biases else None for M, _ in shapes[:3]]
+        layers.append((norms, weights, codes, bias))
+    return layers
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("formats", "F", "D"), [((None, "q4_1", "q8_0", "q4_0"), 224, 16), ((None, None), 205, 6)], ids=["mixed", "float"]
+)
+def test_one_call_op_equals_decode_layer_per_layer_on_odd_shapes(dtype, threads, formats, F, D):
+    """``gqa::decode_model`` against ``gqa::decode_layer`` per layer plus the final norm and lm_head, bit for bit:
+    H_q=18 over H_kv=6, F=224 or 205 and a vocabulary of 1,001 (chunks that end mid-way), batch 3 with left padding,
+    700 cached tokens (the context split across tasks), float and q4_1/q8_0/q4_0 layers mixed, 1-3 threads, and the
+    caches and cursors it leaves behind."""
+    g = torch.Generator().manual_seed(3)
+    B, E, Hq, Hkv, V, C, pos = 3, 64, 18, 6, 1001, 720, 700
+    layers = _random_layers(g, dtype, formats, E, F, Hq, Hkv, D, biases=True)
+    head = torch.randn(V, E, generator=g).to(dtype) / 8
+    final_norm = (1 + 0.1 * torch.randn(E, generator=g)).to(dtype)
+    x = torch.randn(B, E, generator=g).to(dtype)
+    cos, sin = torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
+    caches = [(torch.randn(B, Hkv, C, D, generator=g).to(dtype), torch.randn(B, Hkv, C, D, generator=g).to(dtype))
+              for _ in layers]  # fmt: skip
+    starts = [torch.tensor([0, 5, 699]) for _ in layers]
+    scale, eps = D**-0.5, 1e-5
+
+    def fresh():
+        return [(k.clone(), v.clone()) for k, v in caches], [torch.tensor(pos) for _ in layers]
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kv1, cur1 = fresh()
+        one = torch.ops.gqa.decode_model(
+            x, [n[0] for n, *_ in layers], [n[1] for n, *_ in layers], eps, [w for _, ws, _, _ in layers for w in ws],
+            [c for _, _, cs, _ in layers for c in cs], [b for *_, bs in layers for b in bs], cos, sin,
+            [k for k, _ in kv1], [v for _, v in kv1], starts, cur1, scale, final_norm, eps, head, -1,
+        )  # fmt: skip
+        kv2, cur2 = fresh()
+        h = x
+        for (norms, ws, cs, bs), (k, v), start, cursor in zip(layers, kv2, starts, cur2, strict=True):
+            h = torch.ops.gqa.decode_layer(h, norms[0], norms[1], eps, ws, cs, bs, cos, sin, k, v, start, cursor, scale)
+        per_layer = torch.ops.gqa.linear_rows(torch.ops.gqa.rms_norm(h, final_norm, eps), head, None)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, per_layer)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(kv1, kv2, strict=True))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(kv1, kv2, strict=True))
+    assert [int(c) for c in cur1] == [pos + 1] * len(layers) == [int(c) for c in cur2]
+    assert torch.isfinite(one).all() and one.float().std() > 0.1  # a real result, not zeros

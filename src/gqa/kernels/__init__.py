@@ -22,8 +22,9 @@ import torch
 
 NAME = "gqa_cpu_kernels"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "quantized.cpp")  # attention, float GEMV, decode ops; quantized GEMV
-HEADERS = (CSRC / "simd.h", CSRC / "quantized.h")
+# attention, float GEMV, decode ops; quantized GEMV; the whole decode step in one call
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "quantized.cpp", CSRC / "decode_step.cpp")
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-DNDEBUG")
 LDFLAGS = ("-fopenmp",)
 

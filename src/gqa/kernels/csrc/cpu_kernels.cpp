@@ -15,75 +15,29 @@
 //       bool = allowed, float = added to the scores. causal: row r = g * L + l sees keys j <= S - L + l.
 //       A row that sees no key returns zeros.
 //
+//   gqa::rms_norm, gqa::silu_mul, gqa::decode_attend (RoPE, the cache write and attention of one decoded token),
+//   gqa::decode_layer (a whole decoder layer for one new token per row): the op-by-op decode step (decode_step.cpp
+//   has the whole step in one call); the kernels themselves are in gemv.h, attention.h and layer_ops.h.
+//
 //   gqa::simd_width() -> int: float32 lanes the build vectorizes with (16 AVX-512, 8 AVX2 + FMA, 1 none).
 //
 // float32 and bfloat16 (all tensors one dtype; accumulation and softmax in float32). SIMD where the compiler targets
 // it (-march=native): AVX-512 (16 lanes; vdpbf16ps for bf16 with AVX512-BF16) or AVX2 with FMA (8 lanes); plain loops
 // otherwise. gqa::simd_width() says which was built.
 
+#include "attention.h"
+#include "gemv.h"
+#include "layer_ops.h"
 #include "quantized.h"
 #include "simd.h"
 
 namespace {
 
-using namespace gqa_simd;
+using namespace gqa_cpu;
 
 // ---------------------------------------------------------------------------------------------------------------
 // linear_rows
 
-// out[n * ldo + i] = sum_k W[i, k] x[n, k] for MR weight rows and NR input rows. The weights `pf` elements ahead are
-// prefetched as we go (8 rows, at most 32 KB): the hardware prefetcher alone does not ramp up on short row streams
-// (one core of the Zen 4 development machine: 20 -> 30 GB/s, a plain sum 34-38 GB/s).
-template <typename T, int MR, int NR>
-inline void gemv_tile(const T* W, int64_t K, const T* x, float* out, int64_t ldo) {
-  int64_t k = 0;
-  const int64_t pf = std::min<int64_t>(8 * K, 32768 / sizeof(T));
-  float sums[MR][NR];
-#if GQA_SIMD > 1
-  vec acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int n = 0; n < NR; ++n) acc[i][n] = vzero();
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, BFloat16>) {
-    for (; k + 32 <= K; k += 32) {
-      __m512bh xv[NR];
-      for (int n = 0; n < NR; ++n) xv[n] = (__m512bh)_mm512_loadu_si512(x + n * K + k);
-      for (int i = 0; i < MR; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(W + i * K + k + pf), _MM_HINT_T0);
-        __m512bh w = (__m512bh)_mm512_loadu_si512(W + i * K + k);
-        for (int n = 0; n < NR; ++n) acc[i][n] = _mm512_dpbf16_ps(acc[i][n], w, xv[n]);
-      }
-    }
-  }
-#endif
-  for (; k + LANES <= K; k += LANES) {
-    vec xv[NR];
-    for (int n = 0; n < NR; ++n) xv[n] = vload(x + n * K + k);
-    for (int i = 0; i < MR; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(W + i * K + k + pf), _MM_HINT_T0);
-      const vec w = vload(W + i * K + k);
-      for (int n = 0; n < NR; ++n) acc[i][n] = vfma(w, xv[n], acc[i][n]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int n = 0; n < NR; ++n) sums[i][n] = vsum(acc[i][n]);
-#else
-  for (int i = 0; i < MR; ++i)
-    for (int n = 0; n < NR; ++n) sums[i][n] = 0.0f;
-#endif
-  for (; k < K; ++k)
-    for (int i = 0; i < MR; ++i)
-      for (int n = 0; n < NR; ++n) sums[i][n] += to_float(W[i * K + k]) * to_float(x[n * K + k]);
-  for (int i = 0; i < MR; ++i)
-    for (int n = 0; n < NR; ++n) out[n * ldo + i] = sums[i][n];
-}
-
-template <typename T, int NR>
-void gemv_rows_nr(const T* W, int64_t K, const T* x, float* out, int64_t ldo, int64_t rows) {
-  int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) gemv_tile<T, 4, NR>(W + i * K, K, x, out + i, ldo);
-  for (; i < rows; ++i) gemv_tile<T, 1, NR>(W + i * K, K, x, out + i, ldo);
-}
 
 // One weight matrix of a (possibly multi-matrix) call: y (N, M) = x (N, K) @ w (M, K)^T + bias.
 struct LinearPart {
@@ -111,23 +65,14 @@ void linear_rows_impl(const at::Tensor& x, const std::vector<LinearPart>& parts)
       const T* wp = static_cast<const T*>(part.w) + m0 * K;
       const T* bp = static_cast<const T*>(part.bias);
       T* yp = static_cast<T*>(part.y);
-      buf.resize(4 * rows);
-      for (int64_t n0 = 0; n0 < N; n0 += 4) {
-        const int64_t nr = std::min<int64_t>(4, N - n0);
-        const T* xn = xp + n0 * K;
-        switch (nr) {
-          case 1: gemv_rows_nr<T, 1>(wp, K, xn, buf.data(), rows, rows); break;
-          case 2: gemv_rows_nr<T, 2>(wp, K, xn, buf.data(), rows, rows); break;
-          case 3: gemv_rows_nr<T, 3>(wp, K, xn, buf.data(), rows, rows); break;
-          default: gemv_rows_nr<T, 4>(wp, K, xn, buf.data(), rows, rows); break;
+      buf.resize(N * rows);
+      gemv_rows<T>(wp, K, xp, N, rows, buf.data());
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t i = 0; i < rows; ++i) {
+          float v = buf[n * rows + i];
+          if (bp) v += to_float(bp[m0 + i]);
+          yp[n * M + m0 + i] = static_cast<T>(v);
         }
-        for (int64_t n = 0; n < nr; ++n)
-          for (int64_t i = 0; i < rows; ++i) {
-            float v = buf[n * rows + i];
-            if (bp) v += to_float(bp[m0 + i]);
-            yp[(n0 + n) * M + m0 + i] = static_cast<T>(v);
-          }
-      }
     }
   });
 }
@@ -178,300 +123,36 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
 // ---------------------------------------------------------------------------------------------------------------
 // decode_attention
 
-constexpr int64_t CHUNK = 64;  // keys per online-softmax step: the chunk's K/V rows stay in L1
-constexpr int64_t ROW_TILE = 4;         // query rows that share each loaded value row
-constexpr int64_t PREFETCH_CHUNKS = 2;  // K/V rows this many chunks ahead are prefetched
-
-inline void to_float_row(const BFloat16* x, float* y, int64_t n) {
-  int64_t i = 0;
-#if GQA_SIMD > 1
-  for (; i + LANES <= n; i += LANES) vstore(y + i, vload(x + i));
-#endif
-  for (; i < n; ++i) y[i] = to_float(x[i]);
+template <typename T>
+GroupedAttention<T> grouped_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const MaskView& mask, float scale, int64_t L, bool causal,
+                                      const int64_t* start) {
+  GroupedAttention<T> a;
+  a.q = q.const_data_ptr<T>(), a.k = k.const_data_ptr<T>(), a.v = v.const_data_ptr<T>();
+  for (int d = 0; d < 3; ++d) a.qs[d] = q.stride(d), a.ks[d] = k.stride(d), a.vs[d] = v.stride(d);
+  a.B = q.size(0), a.H = q.size(1), a.R = q.size(2), a.D = q.size(3), a.S = k.size(2), a.Dv = v.size(3), a.L = L;
+  a.scale = scale, a.causal = causal, a.mask = mask, a.start = start;
+  return a;
 }
-inline void to_float_row(const float* x, float* y, int64_t n) { std::copy(x, x + n, y); }
-
-// s[c] = q . k[c] for the n (<= CHUNK) keys of a chunk; k rows are float32 here (bf16 chunks are converted first).
-inline void chunk_scores(const float* q, const float* k, int64_t sk, int64_t n, int64_t D, float* s) {
-  int64_t c = 0;
-#if GQA_SIMD > 1
-  if (D % LANES == 0) {
-    for (; c + LANES <= n; c += LANES) {  // LANES keys at a time, one accumulator each
-      vec acc[LANES];
-      for (int i = 0; i < LANES; ++i) acc[i] = vzero();
-      for (int64_t d = 0; d < D; d += LANES) {
-        const vec qd = vload(q + d);
-        for (int i = 0; i < LANES; ++i) acc[i] = vfma(qd, vload(k + (c + i) * sk + d), acc[i]);
-      }
-      vstore(s + c, reduce_lanes(acc));
-    }
-  }
-#endif
-  for (; c < n; ++c) {
-    float acc = 0.0f;
-    for (int64_t d = 0; d < D; ++d) acc += q[d] * k[c * sk + d];
-    s[c] = acc;
-  }
-}
-
-#if defined(__AVX512BF16__)
-// bfloat16 keys and query: s[c] = scale * (q . k[c]) with vdpbf16ps (32 products per instruction, exact products,
-// float32 sums), straight from the cache's bf16 rows. Needs D % 32 == 0.
-inline void chunk_scores_bf16(const BFloat16* q, const BFloat16* k, int64_t sk, int64_t n, int64_t D, float scale,
-                              float* s) {
-  int64_t c = 0;
-  for (; c < n; c += 16) {
-    const int64_t m = std::min<int64_t>(16, n - c);
-    __m512 acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + d);
-      for (int i = 0; i < m; ++i)
-        acc[i] = _mm512_dpbf16_ps(acc[i], qd, (__m512bh)_mm512_loadu_si512(k + (c + i) * sk + d));
-    }
-    const __m512 r = _mm512_mul_ps(reduce_lanes(acc), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(s + c, static_cast<__mmask16>((1u << m) - 1u), r);
-  }
-}
-#endif
-
-#if GQA_SIMD > 1
-// Value columns held in registers per row: RT x VALUE_VECS accumulators fit the register file (32 with AVX-512, 16
-// with AVX2) next to the loaded value vectors.
-constexpr int VALUE_VECS = GQA_SIMD == 16 ? 4 : 2;
-#endif
-
-// For RT rows: acc_r[0:Dv] = acc_r * alpha_r + sum_c p_r[c] v[c, :] over a chunk of n keys; each value row is
-// loaded (and converted) once for the RT rows, VALUE_VECS * LANES columns at a time in registers.
-template <typename T, int RT>
-inline void accumulate_values(float* acc, int64_t lda, const float* alpha, const float* p, int64_t ldp, const T* v,
-                              int64_t sv, int64_t n, int64_t Dv) {
-  int64_t d = 0;
-#if GQA_SIMD > 1
-  constexpr int WIDE = VALUE_VECS * LANES;
-  for (; d + WIDE <= Dv; d += WIDE) {
-    vec a[RT][VALUE_VECS];
-    for (int r = 0; r < RT; ++r) {
-      const vec al = vset(alpha[r]);
-      for (int j = 0; j < VALUE_VECS; ++j) a[r][j] = vmul(vload(acc + r * lda + d + LANES * j), al);
-    }
-    for (int64_t c = 0; c < n; ++c) {
-      const T* vc = v + c * sv + d;
-      vec vv[VALUE_VECS];
-      for (int j = 0; j < VALUE_VECS; ++j) vv[j] = vload(vc + LANES * j);
-      for (int r = 0; r < RT; ++r) {
-        const vec pc = vset(p[r * ldp + c]);
-        for (int j = 0; j < VALUE_VECS; ++j) a[r][j] = vfma(pc, vv[j], a[r][j]);
-      }
-    }
-    for (int r = 0; r < RT; ++r)
-      for (int j = 0; j < VALUE_VECS; ++j) vstore(acc + r * lda + d + LANES * j, a[r][j]);
-  }
-  for (; d + LANES <= Dv; d += LANES) {
-    vec a[RT];
-    for (int r = 0; r < RT; ++r) a[r] = vmul(vload(acc + r * lda + d), vset(alpha[r]));
-    for (int64_t c = 0; c < n; ++c) {
-      const vec vc = vload(v + c * sv + d);
-      for (int r = 0; r < RT; ++r) a[r] = vfma(vset(p[r * ldp + c]), vc, a[r]);
-    }
-    for (int r = 0; r < RT; ++r) vstore(acc + r * lda + d, a[r]);
-  }
-#endif
-  for (; d < Dv; ++d)
-    for (int r = 0; r < RT; ++r) {
-      float x = acc[r * lda + d] * alpha[r];
-      for (int64_t c = 0; c < n; ++c) x += p[r * ldp + c] * to_float(v[c * sv + d]);
-      acc[r * lda + d] = x;
-    }
-}
-
-// max(a, b), NaN if either is NaN (std::max and the max instructions drop a NaN in one of the two places).
-inline float max_nan(float a, float b) { return (b > a || std::isnan(b)) ? b : a; }
-
-// The largest of s[0:n], NaN if any of them is NaN (-inf for n == 0).
-inline float max_of(const float* s, int64_t n) {
-  int64_t c = 0;
-  float mx = -std::numeric_limits<float>::infinity();
-#if GQA_SIMD > 1
-  if (n >= LANES) {
-    vec vm = vset(mx);
-    for (; c + LANES <= n; c += LANES) vm = vmax_nan(vm, vload(s + c));
-    mx = vany_nan(vm) ? std::numeric_limits<float>::quiet_NaN() : vmaxof(vm);
-  }
-#endif
-  for (; c < n; ++c) mx = max_nan(mx, s[c]);
-  return mx;
-}
-
-// p[0:n] = exp(s[0:n] - m), returns their sum.
-inline float exp_shifted(float* s, float m, int64_t n) {
-  int64_t c = 0;
-  float sum = 0.0f;
-#if GQA_SIMD > 1
-  const vec vm = vset(m);
-  vec vs = vzero();
-  for (; c + LANES <= n; c += LANES) {
-    const vec e = vexp(vsub(vload(s + c), vm));
-    vstore(s + c, e);
-    vs = vadd(vs, e);
-  }
-  sum = vsum(vs);
-#endif
-  for (; c < n; ++c) {
-    s[c] = std::exp(s[c] - m);
-    sum += s[c];
-  }
-  return sum;
-}
-
-struct MaskView {
-  const void* data = nullptr;
-  bool is_bool = false;
-  int64_t sb = 0, sh = 0, sg = 0, sl = 0, ss = 0;  // strides of (B, H_kv, G, L, S), in elements
-};
 
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const MaskView& mask,
                            float scale, int64_t L, bool causal, at::Tensor& out, const int64_t* start = nullptr) {
-  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), S = k.size(2), Dv = v.size(3);
-  const int64_t G = R / L;
-  const int64_t threads = at::get_num_threads();
-  const int64_t heads = B * H;
-  // Split the context so that there are a few tasks per thread, each at least 256 keys long.
-  int64_t splits = std::max<int64_t>(1, std::min<int64_t>((S + 255) / 256, (4 * threads + heads - 1) / heads));
-  const int64_t span = (S + splits - 1) / splits;
-  splits = std::max<int64_t>(1, (S + span - 1) / span);
-
-  // Partial results per (head, split): R running maxima, R sums, R x Dv accumulators.
-  std::vector<float> part_m(heads * splits * R), part_l(heads * splits * R), part_acc(heads * splits * R * Dv);
-  const T* qp = q.const_data_ptr<T>();
-  const T* kp = k.const_data_ptr<T>();
-  const T* vp = v.const_data_ptr<T>();
-  const float NEG_INF = -std::numeric_limits<float>::infinity();
-
-#if defined(__AVX512BF16__)
-  const bool use_dpbf16 = std::is_same_v<T, BFloat16> && D % 32 == 0;
-#else
-  const bool use_dpbf16 = false;
-#endif
-
-  at::parallel_for(0, heads * splits, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(R * D), scores(R * CHUNK), alpha(R), kbuf(std::is_same_v<T, float> ? 0 : CHUNK * D);
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t head = task / splits, split = task % splits, b = head / H, h = head % H;
-      const int64_t j_begin = split * span, j_end = std::min(S, j_begin + span);
-      const T* qh = qp + b * q.stride(0) + h * q.stride(1);
-      const T* kh = kp + b * k.stride(0) + h * k.stride(1);
-      const T* vh = vp + b * v.stride(0) + h * v.stride(1);
-      const int64_t sk = k.stride(2), sv = v.stride(2);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(qh[r * q.stride(2) + d]) * scale;
-      float* m = part_m.data() + task * R;
-      float* l = part_l.data() + task * R;
-      float* acc = part_acc.data() + task * R * Dv;
-      std::fill(m, m + R, NEG_INF);
-      std::fill(l, l + R, 0.0f);
-      std::fill(acc, acc + R * Dv, 0.0f);
-      const int64_t first = start ? std::max(j_begin, start[b]) : j_begin;  // left padding: slots before start[b]
-
-      for (int64_t c0 = first; c0 < j_end; c0 += CHUNK) {
-        const int64_t n = std::min(CHUNK, j_end - c0);
-#if GQA_SIMD > 1
-        // Prefetch the K/V rows PREFETCH_CHUNKS chunks ahead: the hardware prefetcher alone leaves bandwidth unused.
-        for (int64_t c = c0 + PREFETCH_CHUNKS * CHUNK; c < std::min(j_end, c0 + (PREFETCH_CHUNKS + 1) * CHUNK); ++c) {
-          for (int64_t d = 0; d < D; d += 64 / int64_t(sizeof(T)))
-            _mm_prefetch(reinterpret_cast<const char*>(kh + c * sk + d), _MM_HINT_T0);
-          for (int64_t d = 0; d < Dv; d += 64 / int64_t(sizeof(T)))
-            _mm_prefetch(reinterpret_cast<const char*>(vh + c * sv + d), _MM_HINT_T0);
-        }
-#endif
-        const float* kc = nullptr;  // the chunk's keys as float32 rows, stride kstride
-        int64_t kstride = 0;
-        if (use_dpbf16) {
-          // scores straight from the bf16 rows, below
-        } else if constexpr (std::is_same_v<T, float>) {
-          kc = kh + c0 * sk;
-          kstride = sk;
-        } else {
-          for (int64_t c = 0; c < n; ++c) to_float_row(kh + (c0 + c) * sk, kbuf.data() + c * D, D);
-          kc = kbuf.data();
-          kstride = D;
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t g = r / L, lr = r % L;
-          // Keys this row may see in the chunk: [c0, c0 + visible).
-          int64_t visible = n;
-          if (causal) visible = std::max<int64_t>(0, std::min(n, S - L + lr + 1 - c0));
-          float* s = scores.data() + r * CHUNK;
-#if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<T, BFloat16>) {
-            if (use_dpbf16) chunk_scores_bf16(qh + r * q.stride(2), kh + c0 * sk, sk, visible, D, scale, s);
-          }
-#endif
-          if (!use_dpbf16) chunk_scores(qf.data() + r * D, kc, kstride, visible, D, s);
-          for (int64_t c = visible; c < n; ++c) s[c] = NEG_INF;
-          if (mask.data) {
-            const int64_t off = b * mask.sb + h * mask.sh + g * mask.sg + lr * mask.sl;
-            if (mask.is_bool) {
-              const bool* mp = static_cast<const bool*>(mask.data) + off;
-              for (int64_t c = 0; c < visible; ++c)
-                if (!mp[(c0 + c) * mask.ss]) s[c] = NEG_INF;
-            } else {
-              const float* mp = static_cast<const float*>(mask.data) + off;
-              for (int64_t c = 0; c < visible; ++c) s[c] += mp[(c0 + c) * mask.ss];
-            }
-          }
-          const float mx = max_of(s, visible);
-          if (mx == NEG_INF) {  // nothing visible in this chunk for this row: weights 0, accumulator unchanged
-            std::fill(s, s + n, 0.0f);
-            alpha[r] = 1.0f;
-            continue;
-          }
-          const float m_new = max_nan(m[r], mx);  // NaN stays: the row's output is NaN, as in torch
-          alpha[r] = (m[r] == NEG_INF) ? 0.0f : std::exp(m[r] - m_new);
-          const float psum = exp_shifted(s, m_new, visible);
-          std::fill(s + visible, s + n, 0.0f);
-          l[r] = l[r] * alpha[r] + psum;
-          m[r] = m_new;
-        }
-        const T* vc = vh + c0 * sv;
-        int64_t r = 0;
-        for (; r + ROW_TILE <= R; r += ROW_TILE)
-          accumulate_values<T, ROW_TILE>(acc + r * Dv, Dv, alpha.data() + r, scores.data() + r * CHUNK, CHUNK, vc,
-                                         sv, n, Dv);
-        for (; r < R; ++r)
-          accumulate_values<T, 1>(acc + r * Dv, Dv, alpha.data() + r, scores.data() + r * CHUNK, CHUNK, vc, sv, n,
-                                  Dv);
-      }
-    }
+  GroupedAttention<T> a = grouped_attention<T>(q, k, v, mask, scale, L, causal, start);
+  a.plan(at::get_num_threads());
+  std::vector<float> parts(a.part_floats());
+  a.set_parts(parts.data());
+  at::parallel_for(0, a.tasks(), 1, [&](int64_t t0, int64_t t1) {
+    typename GroupedAttention<T>::Scratch scratch;
+    for (int64_t t = t0; t < t1; ++t) a.task(t, scratch);
   });
-
-  // Combine the splits of each head: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
   T* op = out.mutable_data_ptr<T>();
-  at::parallel_for(0, heads * R, 64, [&](int64_t i0, int64_t i1) {
-    std::vector<float> row(Dv);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t head = i / R, r = i % R;
-      float M = NEG_INF;
-      for (int64_t s = 0; s < splits; ++s) M = max_nan(M, part_m[(head * splits + s) * R + r]);
-      std::fill(row.begin(), row.end(), 0.0f);
-      float denom = 0.0f;
-      if (M != NEG_INF) {
-        for (int64_t s = 0; s < splits; ++s) {
-          const int64_t t = (head * splits + s) * R + r;
-          if (part_m[t] == NEG_INF) continue;
-          const float w = std::exp(part_m[t] - M);
-          denom += w * part_l[t];
-          const float* a = part_acc.data() + t * Dv;
-          for (int64_t d = 0; d < Dv; ++d) row[d] += w * a[d];
-        }
-      }
-      const float inv = std::isnan(denom) ? denom : denom > 0.0f ? 1.0f / denom : 0.0f;
-      T* o = op + i * Dv;
-      for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<T>(row[d] * inv);
-    }
+  at::parallel_for(0, a.B * a.H * a.R, 64, [&](int64_t i0, int64_t i1) {
+    std::vector<float> row(a.Dv);
+    for (int64_t i = i0; i < i1; ++i) a.combine(i, row.data(), op + i * a.Dv);
   });
 }
+
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, double scale, int64_t query_len, bool causal) {
@@ -515,18 +196,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // The rest of one decoded token's layer, each op one call instead of the handful of ATen ops (and their dispatch)
 // it replaces; rounding to x's dtype happens where the eager PyTorch code rounds, so results match it.
 
-// y = w * T(x / rms(x)), the rms in float32 (HF's RMSNorm). x (N, E), w (E,), both of one dtype.
-template <typename T>
-void rms_norm_impl(const T* x, const T* w, T* y, int64_t N, int64_t E, float eps) {
-  for (int64_t n = 0; n < N; ++n) {
-    const T* xn = x + n * E;
-    float ss = 0.0f;
-    for (int64_t e = 0; e < E; ++e) ss += to_float(xn[e]) * to_float(xn[e]);
-    const float r = 1.0f / std::sqrt(ss / static_cast<float>(E) + eps);
-    for (int64_t e = 0; e < E; ++e)
-      y[n * E + e] = static_cast<T>(to_float(w[e]) * to_float(static_cast<T>(to_float(xn[e]) * r)));
-  }
-}
+
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 1 && weight.is_contiguous() &&
@@ -545,28 +215,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
-// y = T(silu(gate)) * up (SwiGLU), gate and up (N, F) of one dtype.
-template <typename T>
-void silu_mul_impl(const T* g, const T* u, T* y, int64_t n) {
-  int64_t i = 0;
-#if GQA_SIMD > 1
-  // silu(x) = x * sigmoid(x), with e = exp(-|x|) (vexp takes arguments <= 0): sigmoid = 1 / (1 + e) for x >= 0,
-  // e / (1 + e) for x < 0. The result is rounded to T before the product with up, as torch rounds silu's output.
-  float tmp[LANES];
-  for (; i + LANES <= n; i += LANES) {
-    const vec x = vload(g + i);
-    const vec e = vexp(vmul(vset(-1.0f), vmax(x, vsub(vzero(), x))));
-    const vec r = vdiv(vset(1.0f), vadd(vset(1.0f), e));
-    vstore(tmp, vmul(x, vblend_negative(x, r, vmul(e, r))));
-    for (int j = 0; j < LANES; ++j)
-      y[i + j] = static_cast<T>(to_float(static_cast<T>(tmp[j])) * to_float(u[i + j]));
-  }
-#endif
-  for (; i < n; ++i) {
-    const float x = to_float(g[i]);
-    y[i] = static_cast<T>(to_float(static_cast<T>(x / (1.0f + std::exp(-x)))) * to_float(u[i]));
-  }
-}
+
 
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.is_contiguous() && up.is_contiguous() &&
@@ -585,15 +234,6 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   return y;
 }
 
-// Rotate one head vector (HF half-rotation RoPE over all D features) in float32: out = x cos + rotate_half(x) sin.
-template <typename T>
-inline void rope_row(const T* x, const float* cos, const float* sin, T* out, int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) {
-    const float rot = d < half ? -to_float(x[d + half]) : to_float(x[d - half]);
-    out[d] = static_cast<T>(to_float(x[d]) * cos[d] + rot * sin[d]);
-  }
-}
 
 template <typename T>
 void decode_attend_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
@@ -706,34 +346,6 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& norm1, const at::
   return x1 + project(m, weights.slice(6, 1), formats.slice(6, 1), none1)[0];
 }
 
-// A whole decode step for one new token per row, in one call: every layer as decode_layer, then the final norm and
-// lm_head. Per layer l: norms1[l], norms2[l], weights[7l .. 7l+7), formats likewise, qkv_biases[3l .. 3l+3),
-// key_caches[l], value_caches[l], starts[l], cursors[l]; eps and scale shared. head: float (V, E) or blocks, its
-// format in head_format (-1 float). x (B, E) -> logits (B, V).
-at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
-                        at::TensorList weights, at::IntArrayRef formats,
-                        const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
-                        const at::Tensor& sin, at::TensorList key_caches, at::TensorList value_caches,
-                        at::TensorList starts, at::TensorList cursors, double scale, const at::Tensor& final_norm,
-                        double final_eps, const at::Tensor& head, int64_t head_format) {
-  const size_t L = norms1.size();
-  TORCH_CHECK(norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
-                  qkv_biases.size() == 3 * L && key_caches.size() == L && value_caches.size() == L &&
-                  starts.size() == L && cursors.size() == L,
-              "gqa::decode_model: per layer 2 norms, 7 weights and formats, 3 q/k/v biases, K and V caches, a start "
-              "and a cursor; got ", L, " layers' norms1 and ", weights.size(), " weights");
-  at::Tensor h = x;
-  for (size_t l = 0; l < L; ++l) {
-    c10::List<c10::optional<at::Tensor>> biases;
-    for (size_t i = 0; i < 3; ++i) biases.push_back(qkv_biases.get(3 * l + i));
-    h = decode_layer(h, norms1[l], norms2[l], eps, weights.slice(7 * l, 7), formats.slice(7 * l, 7), biases, cos,
-                     sin, key_caches[l], value_caches[l], starts[l], cursors[l], scale);
-  }
-  c10::List<c10::optional<at::Tensor>> none;
-  none.push_back(c10::nullopt);
-  return project(rms_norm(h, final_norm, final_eps), {head}, {head_format}, none)[0];
-}
-
 int64_t simd_width() { return GQA_SIMD; }
 
 }  // namespace
@@ -754,11 +366,6 @@ TORCH_LIBRARY(gqa, m) {
       "decode_layer(Tensor x, Tensor norm1, Tensor norm2, float eps, Tensor[] weights, int[] formats, "
       "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor start, "
       "Tensor(c!) cursor, float scale) -> Tensor");
-  m.def(
-      "decode_model(Tensor x, Tensor[] norms1, Tensor[] norms2, float eps, Tensor[] weights, int[] formats, "
-      "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
-      "Tensor[] starts, Tensor(c!)[] cursors, float scale, Tensor final_norm, float final_eps, Tensor head, "
-      "int head_format) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gqa, CPU, m) {
@@ -769,5 +376,4 @@ TORCH_LIBRARY_IMPL(gqa, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attend", &decode_attend);
   m.impl("decode_layer", &decode_layer);
-  m.impl("decode_model", &decode_model);
 }

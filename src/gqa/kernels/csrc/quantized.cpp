@@ -68,14 +68,7 @@ inline float half_at(const uint8_t* p) {
 inline float to_float(float x) { return x; }
 inline float to_float(BFloat16 x) { return static_cast<float>(x); }
 
-// x (N, K) quantized per 32-value block: q (N, K) int8, d (N, K / 32) scales, ds (N, K / 32) = d * sum of the q.
-// A block with a NaN or an infinity is all zeros here (q, d, ds) and listed in nonfinite (n * nb + b, ascending).
-struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<float> ds;  // d * (sum of the block's q): the block's sum of x, as the kernel sees it
-  std::vector<int64_t> nonfinite;
-};
+using gqa::QuantizedRows;
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
@@ -258,6 +251,19 @@ void qdot_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const Quantize
   }
 }
 
+// buf (N, rows) = x @ dequant(w)^T for `rows` weight rows of `format` at w; xr is x quantized by quantize_rows.
+template <typename T>
+void rows_dot(const uint8_t* w, int64_t format, int64_t rows, int64_t K, const QuantizedRows& xr, const T* x,
+              int64_t N, float* buf) {
+  const int64_t row_bytes = K / QK * block_bytes(format);
+  switch (format) {
+    case Q8_0: qdot_rows<Q8_0>(w, rows, row_bytes, xr, N, K, buf); break;
+    case Q4_0: qdot_rows<Q4_0>(w, rows, row_bytes, xr, N, K, buf); break;
+    default: qdot_rows<Q4_1>(w, rows, row_bytes, xr, N, K, buf); break;
+  }
+  if (!xr.nonfinite.empty()) add_nonfinite_blocks(x, xr, K, w, format, rows, row_bytes, buf);
+}
+
 struct QPart {
   const uint8_t* w;
   int64_t format;
@@ -283,13 +289,7 @@ void qlinear_rows_impl(const at::Tensor& x, const std::vector<QPart>& parts) {
       const int64_t rows = m1 - m0, row_bytes = K / QK * block_bytes(part.format);
       const uint8_t* wp = part.w + m0 * row_bytes;
       buf.resize(N * rows);
-      switch (part.format) {
-        case Q8_0: qdot_rows<Q8_0>(wp, rows, row_bytes, xr, N, K, buf.data()); break;
-        case Q4_0: qdot_rows<Q4_0>(wp, rows, row_bytes, xr, N, K, buf.data()); break;
-        default: qdot_rows<Q4_1>(wp, rows, row_bytes, xr, N, K, buf.data()); break;
-      }
-      if (!xr.nonfinite.empty())
-        add_nonfinite_blocks(x.const_data_ptr<T>(), xr, K, wp, part.format, rows, row_bytes, buf.data());
+      rows_dot(wp, part.format, rows, K, xr, x.const_data_ptr<T>(), N, buf.data());
       const T* bp = static_cast<const T*>(part.bias);
       T* yp = static_cast<T*>(part.y);
       for (int64_t n = 0; n < N; ++n)
@@ -391,6 +391,20 @@ std::vector<at::Tensor> gqa::quantized_linear_rows(const at::Tensor& x, at::Tens
                                                    at::IntArrayRef formats,
                                                    const c10::List<c10::optional<at::Tensor>>& biases) {
   return qlinear_rows_n(x, blocks, formats, biases);
+}
+
+int64_t gqa::quantized_row_bytes(int64_t format, int64_t K) { return K / QK * block_bytes(format); }
+
+QuantizedRows gqa::quantize_input(const float* x, int64_t N, int64_t K) { return quantize_rows(x, N, K); }
+QuantizedRows gqa::quantize_input(const at::BFloat16* x, int64_t N, int64_t K) { return quantize_rows(x, N, K); }
+
+void gqa::quantized_rows_dot(const uint8_t* w, int64_t format, int64_t rows, int64_t K, const QuantizedRows& xr,
+                             const float* x, int64_t N, float* buf) {
+  rows_dot(w, format, rows, K, xr, x, N, buf);
+}
+void gqa::quantized_rows_dot(const uint8_t* w, int64_t format, int64_t rows, int64_t K, const QuantizedRows& xr,
+                             const at::BFloat16* x, int64_t N, float* buf) {
+  rows_dot(w, format, rows, K, xr, x, N, buf);
 }
 
 TORCH_LIBRARY_FRAGMENT(gqa, m) {

@@ -1,13 +1,38 @@
-// What cpu_kernels.cpp uses from quantized.cpp: the quantized multi-matrix GEMV (see quantized.cpp).
+// What the other kernel files use from quantized.cpp: the quantized GEMV over several matrices, and its parts for
+// callers that schedule the rows themselves (the one-call decode step). Formats: 0 = q8_0, 1 = q4_0, 2 = q4_1.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <vector>
 
 namespace gqa {
 
 std::vector<at::Tensor> quantized_linear_rows(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef formats,
                                               const c10::List<c10::optional<at::Tensor>>& biases);
+
+// x (N, K) quantized per 32-value block: q (N, K) int8, d (N, K / 32) scales, ds (N, K / 32) = d * sum of the q.
+// A block with a NaN or an infinity is all zeros here (q, d, ds) and listed in nonfinite (n * nb + b, ascending).
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<float> ds;  // d * (sum of the block's q): the block's sum of x, as the kernel sees it
+  std::vector<int64_t> nonfinite;
+};
+
+// Bytes of one weight row of K values in `format`.
+int64_t quantized_row_bytes(int64_t format, int64_t K);
+
+// x (N, K), K a multiple of 32, quantized for quantized_rows_dot.
+QuantizedRows quantize_input(const float* x, int64_t N, int64_t K);
+QuantizedRows quantize_input(const at::BFloat16* x, int64_t N, int64_t K);
+
+// buf (N, rows) = x @ dequant(w)^T for `rows` weight rows of `format` at w (xr = quantize_input(x)); a row's sum does
+// not depend on which slice of rows computes it.
+void quantized_rows_dot(const uint8_t* w, int64_t format, int64_t rows, int64_t K, const QuantizedRows& xr,
+                        const float* x, int64_t N, float* buf);
+void quantized_rows_dot(const uint8_t* w, int64_t format, int64_t rows, int64_t K, const QuantizedRows& xr,
+                        const at::BFloat16* x, int64_t N, float* buf);
 
 }  // namespace gqa

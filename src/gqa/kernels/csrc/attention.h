@@ -1,0 +1,331 @@
+// Grouped decode attention (gqa::decode_attention, and the attention of gqa::decode_attend and the one-call step):
+// the R = G * L query rows of a KV head read each key and value row once, online softmax in float32, the context cut
+// into splits so that several threads stream even one head; a split's partial result (running max, sum, accumulator
+// per row) is combined per row afterwards.
+#pragma once
+#include "simd.h"
+
+namespace gqa_cpu {
+
+using namespace gqa_simd;
+
+
+constexpr int64_t CHUNK = 64;  // keys per online-softmax step: the chunk's K/V rows stay in L1
+constexpr int64_t ROW_TILE = 4;         // query rows that share each loaded value row
+constexpr int64_t PREFETCH_CHUNKS = 2;  // K/V rows this many chunks ahead are prefetched
+
+inline void to_float_row(const BFloat16* x, float* y, int64_t n) {
+  int64_t i = 0;
+#if GQA_SIMD > 1
+  for (; i + LANES <= n; i += LANES) vstore(y + i, vload(x + i));
+#endif
+  for (; i < n; ++i) y[i] = to_float(x[i]);
+}
+inline void to_float_row(const float* x, float* y, int64_t n) { std::copy(x, x + n, y); }
+
+// s[c] = q . k[c] for the n (<= CHUNK) keys of a chunk; k rows are float32 here (bf16 chunks are converted first).
+inline void chunk_scores(const float* q, const float* k, int64_t sk, int64_t n, int64_t D, float* s) {
+  int64_t c = 0;
+#if GQA_SIMD > 1
+  if (D % LANES == 0) {
+    for (; c + LANES <= n; c += LANES) {  // LANES keys at a time, one accumulator each
+      vec acc[LANES];
+      for (int i = 0; i < LANES; ++i) acc[i] = vzero();
+      for (int64_t d = 0; d < D; d += LANES) {
+        const vec qd = vload(q + d);
+        for (int i = 0; i < LANES; ++i) acc[i] = vfma(qd, vload(k + (c + i) * sk + d), acc[i]);
+      }
+      vstore(s + c, reduce_lanes(acc));
+    }
+  }
+#endif
+  for (; c < n; ++c) {
+    float acc = 0.0f;
+    for (int64_t d = 0; d < D; ++d) acc += q[d] * k[c * sk + d];
+    s[c] = acc;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 keys and query: s[c] = scale * (q . k[c]) with vdpbf16ps (32 products per instruction, exact products,
+// float32 sums), straight from the cache's bf16 rows. Needs D % 32 == 0.
+inline void chunk_scores_bf16(const BFloat16* q, const BFloat16* k, int64_t sk, int64_t n, int64_t D, float scale,
+                              float* s) {
+  int64_t c = 0;
+  for (; c < n; c += 16) {
+    const int64_t m = std::min<int64_t>(16, n - c);
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + d);
+      for (int i = 0; i < m; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], qd, (__m512bh)_mm512_loadu_si512(k + (c + i) * sk + d));
+    }
+    const __m512 r = _mm512_mul_ps(reduce_lanes(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(s + c, static_cast<__mmask16>((1u << m) - 1u), r);
+  }
+}
+#endif
+
+#if GQA_SIMD > 1
+// Value columns held in registers per row: RT x VALUE_VECS accumulators fit the register file (32 with AVX-512, 16
+// with AVX2) next to the loaded value vectors.
+constexpr int VALUE_VECS = GQA_SIMD == 16 ? 4 : 2;
+#endif
+
+// For RT rows: acc_r[0:Dv] = acc_r * alpha_r + sum_c p_r[c] v[c, :] over a chunk of n keys; each value row is
+// loaded (and converted) once for the RT rows, VALUE_VECS * LANES columns at a time in registers.
+template <typename T, int RT>
+inline void accumulate_values(float* acc, int64_t lda, const float* alpha, const float* p, int64_t ldp, const T* v,
+                              int64_t sv, int64_t n, int64_t Dv) {
+  int64_t d = 0;
+#if GQA_SIMD > 1
+  constexpr int WIDE = VALUE_VECS * LANES;
+  for (; d + WIDE <= Dv; d += WIDE) {
+    vec a[RT][VALUE_VECS];
+    for (int r = 0; r < RT; ++r) {
+      const vec al = vset(alpha[r]);
+      for (int j = 0; j < VALUE_VECS; ++j) a[r][j] = vmul(vload(acc + r * lda + d + LANES * j), al);
+    }
+    for (int64_t c = 0; c < n; ++c) {
+      const T* vc = v + c * sv + d;
+      vec vv[VALUE_VECS];
+      for (int j = 0; j < VALUE_VECS; ++j) vv[j] = vload(vc + LANES * j);
+      for (int r = 0; r < RT; ++r) {
+        const vec pc = vset(p[r * ldp + c]);
+        for (int j = 0; j < VALUE_VECS; ++j) a[r][j] = vfma(pc, vv[j], a[r][j]);
+      }
+    }
+    for (int r = 0; r < RT; ++r)
+      for (int j = 0; j < VALUE_VECS; ++j) vstore(acc + r * lda + d + LANES * j, a[r][j]);
+  }
+  for (; d + LANES <= Dv; d += LANES) {
+    vec a[RT];
+    for (int r = 0; r < RT; ++r) a[r] = vmul(vload(acc + r * lda + d), vset(alpha[r]));
+    for (int64_t c = 0; c < n; ++c) {
+      const vec vc = vload(v + c * sv + d);
+      for (int r = 0; r < RT; ++r) a[r] = vfma(vset(p[r * ldp + c]), vc, a[r]);
+    }
+    for (int r = 0; r < RT; ++r) vstore(acc + r * lda + d, a[r]);
+  }
+#endif
+  for (; d < Dv; ++d)
+    for (int r = 0; r < RT; ++r) {
+      float x = acc[r * lda + d] * alpha[r];
+      for (int64_t c = 0; c < n; ++c) x += p[r * ldp + c] * to_float(v[c * sv + d]);
+      acc[r * lda + d] = x;
+    }
+}
+
+// max(a, b), NaN if either is NaN (std::max and the max instructions drop a NaN in one of the two places).
+inline float max_nan(float a, float b) { return (b > a || std::isnan(b)) ? b : a; }
+
+// The largest of s[0:n], NaN if any of them is NaN (-inf for n == 0).
+inline float max_of(const float* s, int64_t n) {
+  int64_t c = 0;
+  float mx = -std::numeric_limits<float>::infinity();
+#if GQA_SIMD > 1
+  if (n >= LANES) {
+    vec vm = vset(mx);
+    for (; c + LANES <= n; c += LANES) vm = vmax_nan(vm, vload(s + c));
+    mx = vany_nan(vm) ? std::numeric_limits<float>::quiet_NaN() : vmaxof(vm);
+  }
+#endif
+  for (; c < n; ++c) mx = max_nan(mx, s[c]);
+  return mx;
+}
+
+// p[0:n] = exp(s[0:n] - m), returns their sum.
+inline float exp_shifted(float* s, float m, int64_t n) {
+  int64_t c = 0;
+  float sum = 0.0f;
+#if GQA_SIMD > 1
+  const vec vm = vset(m);
+  vec vs = vzero();
+  for (; c + LANES <= n; c += LANES) {
+    const vec e = vexp(vsub(vload(s + c), vm));
+    vstore(s + c, e);
+    vs = vadd(vs, e);
+  }
+  sum = vsum(vs);
+#endif
+  for (; c < n; ++c) {
+    s[c] = std::exp(s[c] - m);
+    sum += s[c];
+  }
+  return sum;
+}
+
+struct MaskView {
+  const void* data = nullptr;
+  bool is_bool = false;
+  int64_t sb = 0, sh = 0, sg = 0, sl = 0, ss = 0;  // strides of (B, H_kv, G, L, S), in elements
+};
+
+
+// One call's attention: q (B, H_kv, R, D), k (B, H_kv, S, D), v (B, H_kv, S, Dv) as pointers and strides (the last
+// dim contiguous), cut into B * H_kv * splits tasks and combined row by row; partial results in `part_*`.
+template <typename T>
+struct GroupedAttention {
+  const T *q, *k, *v;
+  int64_t qs[3], ks[3], vs[3];  // strides of dims 0..2 of q, k, v
+  int64_t B, H, R, D, S, Dv, L;
+  float scale;
+  bool causal;
+  MaskView mask;
+  const int64_t* start;  // (B,) first visible slot per row (left padding), or nullptr
+  int64_t splits, span;
+  float *part_m, *part_l, *part_acc;  // (B * H_kv * splits, R), the same, (B * H_kv * splits, R, Dv)
+
+  // Split the context so that there are a few tasks per thread, each at least 256 keys long.
+  void plan(int64_t threads) {
+    const int64_t heads = B * H;
+    splits = std::max<int64_t>(1, std::min<int64_t>((S + 255) / 256, (4 * threads + heads - 1) / heads));
+    span = (S + splits - 1) / splits;
+    splits = std::max<int64_t>(1, (S + span - 1) / span);
+  }
+  int64_t tasks() const { return B * H * splits; }
+  int64_t part_floats() const { return tasks() * R * (2 + Dv); }  // what part_m, part_l and part_acc need together
+  void set_parts(float* p) {
+    part_m = p;
+    part_l = p + tasks() * R;
+    part_acc = p + 2 * tasks() * R;
+  }
+
+  // Per-thread buffers of `task`.
+  struct Scratch {
+    std::vector<float> qf, scores, alpha, kbuf;
+  };
+
+  // Task `task` = (head, split): the partial result of head `task / splits` over its split of the keys.
+  void task(int64_t task, Scratch& sc) const;
+
+  // Row i of the (B * H_kv * R) output rows: the splits combined, out[0:Dv] = sum_s e^(m_s - M) acc_s / sum_s
+  // e^(m_s - M) l_s (zeros for a row that sees no key). `row` is Dv floats of scratch.
+  void combine(int64_t i, float* row, T* out) const;
+};
+
+template <typename T>
+void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
+  const float NEG_INF = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512BF16__)
+  const bool use_dpbf16 = std::is_same_v<T, BFloat16> && D % 32 == 0;
+#else
+  const bool use_dpbf16 = false;
+#endif
+  sc.qf.resize(R * D);
+  sc.scores.resize(R * CHUNK);
+  sc.alpha.resize(R);
+  sc.kbuf.resize(std::is_same_v<T, float> ? 0 : CHUNK * D);
+  float* qf = sc.qf.data();
+  float* alpha = sc.alpha.data();
+  const int64_t head = task / splits, split = task % splits, b = head / H, h = head % H;
+  const int64_t j_begin = split * span, j_end = std::min(S, j_begin + span);
+  const T* qh = q + b * qs[0] + h * qs[1];
+  const T* kh = k + b * ks[0] + h * ks[1];
+  const T* vh = v + b * vs[0] + h * vs[1];
+  const int64_t sk = ks[2], sv = vs[2];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(qh[r * qs[2] + d]) * scale;
+  float* m = part_m + task * R;
+  float* l = part_l + task * R;
+  float* acc = part_acc + task * R * Dv;
+  std::fill(m, m + R, NEG_INF);
+  std::fill(l, l + R, 0.0f);
+  std::fill(acc, acc + R * Dv, 0.0f);
+  const int64_t first = start ? std::max(j_begin, start[b]) : j_begin;  // left padding: slots before start[b]
+
+        for (int64_t c0 = first; c0 < j_end; c0 += CHUNK) {
+          const int64_t n = std::min(CHUNK, j_end - c0);
+  #if GQA_SIMD > 1
+          // Prefetch the K/V rows PREFETCH_CHUNKS chunks ahead: the hardware prefetcher alone leaves bandwidth unused.
+          for (int64_t c = c0 + PREFETCH_CHUNKS * CHUNK; c < std::min(j_end, c0 + (PREFETCH_CHUNKS + 1) * CHUNK); ++c) {
+            for (int64_t d = 0; d < D; d += 64 / int64_t(sizeof(T)))
+              _mm_prefetch(reinterpret_cast<const char*>(kh + c * sk + d), _MM_HINT_T0);
+            for (int64_t d = 0; d < Dv; d += 64 / int64_t(sizeof(T)))
+              _mm_prefetch(reinterpret_cast<const char*>(vh + c * sv + d), _MM_HINT_T0);
+          }
+  #endif
+          const float* kc = nullptr;  // the chunk's keys as float32 rows, stride kstride
+          int64_t kstride = 0;
+          if (use_dpbf16) {
+            // scores straight from the bf16 rows, below
+          } else if constexpr (std::is_same_v<T, float>) {
+            kc = kh + c0 * sk;
+            kstride = sk;
+          } else {
+            for (int64_t c = 0; c < n; ++c) to_float_row(kh + (c0 + c) * sk, sc.kbuf.data() + c * D, D);
+            kc = sc.kbuf.data();
+            kstride = D;
+          }
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t g = r / L, lr = r % L;
+            // Keys this row may see in the chunk: [c0, c0 + visible).
+            int64_t visible = n;
+            if (causal) visible = std::max<int64_t>(0, std::min(n, S - L + lr + 1 - c0));
+            float* s = sc.scores.data() + r * CHUNK;
+  #if defined(__AVX512BF16__)
+            if constexpr (std::is_same_v<T, BFloat16>) {
+              if (use_dpbf16) chunk_scores_bf16(qh + r * qs[2], kh + c0 * sk, sk, visible, D, scale, s);
+            }
+  #endif
+            if (!use_dpbf16) chunk_scores(qf + r * D, kc, kstride, visible, D, s);
+            for (int64_t c = visible; c < n; ++c) s[c] = NEG_INF;
+            if (mask.data) {
+              const int64_t off = b * mask.sb + h * mask.sh + g * mask.sg + lr * mask.sl;
+              if (mask.is_bool) {
+                const bool* mp = static_cast<const bool*>(mask.data) + off;
+                for (int64_t c = 0; c < visible; ++c)
+                  if (!mp[(c0 + c) * mask.ss]) s[c] = NEG_INF;
+              } else {
+                const float* mp = static_cast<const float*>(mask.data) + off;
+                for (int64_t c = 0; c < visible; ++c) s[c] += mp[(c0 + c) * mask.ss];
+              }
+            }
+            const float mx = max_of(s, visible);
+            if (mx == NEG_INF) {  // nothing visible in this chunk for this row: weights 0, accumulator unchanged
+              std::fill(s, s + n, 0.0f);
+              alpha[r] = 1.0f;
+              continue;
+            }
+            const float m_new = max_nan(m[r], mx);  // NaN stays: the row's output is NaN, as in torch
+            alpha[r] = (m[r] == NEG_INF) ? 0.0f : std::exp(m[r] - m_new);
+            const float psum = exp_shifted(s, m_new, visible);
+            std::fill(s + visible, s + n, 0.0f);
+            l[r] = l[r] * alpha[r] + psum;
+            m[r] = m_new;
+          }
+          const T* vc = vh + c0 * sv;
+          int64_t r = 0;
+          for (; r + ROW_TILE <= R; r += ROW_TILE)
+            accumulate_values<T, ROW_TILE>(acc + r * Dv, Dv, alpha + r, sc.scores.data() + r * CHUNK, CHUNK, vc,
+                                           sv, n, Dv);
+          for (; r < R; ++r)
+            accumulate_values<T, 1>(acc + r * Dv, Dv, alpha + r, sc.scores.data() + r * CHUNK, CHUNK, vc, sv, n,
+                                    Dv);
+        }
+}
+
+template <typename T>
+void GroupedAttention<T>::combine(int64_t i, float* row, T* out) const {
+  const float NEG_INF = -std::numeric_limits<float>::infinity();
+  const int64_t head = i / R, r = i % R;
+  float M = NEG_INF;
+  for (int64_t s = 0; s < splits; ++s) M = max_nan(M, part_m[(head * splits + s) * R + r]);
+  std::fill(row, row + Dv, 0.0f);
+  float denom = 0.0f;
+  if (M != NEG_INF) {
+    for (int64_t s = 0; s < splits; ++s) {
+      const int64_t t = (head * splits + s) * R + r;
+      if (part_m[t] == NEG_INF) continue;
+      const float w = std::exp(part_m[t] - M);
+      denom += w * part_l[t];
+      const float* a = part_acc + t * Dv;
+      for (int64_t d = 0; d < Dv; ++d) row[d] += w * a[d];
+    }
+  }
+  const float inv = std::isnan(denom) ? denom : denom > 0.0f ? 1.0f / denom : 0.0f;
+  for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(row[d] * inv);
+}
+
+}  // namespace gqa_cpu

@@ -1,0 +1,396 @@
+// gqa::decode_model: a whole decode step for one new token per row — every layer, the final norm and lm_head — in one
+// call and one parallel region (team.h). Per layer, five phases, each cut into chunks the threads claim:
+//   1. q/k/v GEMV in chunks of whole heads; a chunk ropes its q heads (into qr) or its k heads (into the cache slot),
+//      or writes its v heads to the cache;
+//   2. attention: (row, KV head, split of the context) tasks, as gqa::decode_attention cuts them;
+//   3. o_proj GEMV and the residual add, in row chunks;
+//   4. gate/up GEMV and silu(gate) * up, chunks of matching gate and up rows;
+//   5. down_proj GEMV and the residual add;
+// then lm_head in row chunks. What every chunk of a phase reads — the RMSNorm of the residual, the attention splits
+// combined, and for block-quantized weights that input quantized to int8 — each thread computes for itself when it
+// takes its first chunk of the phase: a few hundred values, cheaper than a phase of its own. Each value comes from the
+// same code, in the same order, as in the op-by-op path (gqa::decode_layer per layer), so the logits are bitwise the
+// same (tested).
+//
+//   gqa::decode_model(x (B, E), norms1 [(E,)], norms2 [(E,)], eps, weights [7 per layer: q, k, v, o, gate, up, down],
+//                     formats [7 per layer: -1 float, else the block format], qkv_biases [3 per layer, or None],
+//                     cos (B, D), sin (B, D), key_caches [(B, H_kv, C, D)], value_caches [(B, H_kv, C, Dv)],
+//                     starts [(B,) int64], cursors [() int64], scale, final_norm (E,), final_eps, head (V, E) or
+//                     blocks, head_format) -> logits (B, V); each cache gets the new K/V at its cursor, cursor += 1.
+
+#include "attention.h"
+#include "gemv.h"
+#include "layer_ops.h"
+#include "quantized.h"
+#include "simd.h"
+#include "team.h"
+
+namespace {
+
+using namespace gqa_cpu;
+
+// A weight matrix (M, K) as the step reads it: float rows of K values, or block-quantized rows.
+struct Matrix {
+  const void* w = nullptr;
+  int64_t format = -1;  // -1 float, else the block format
+  int64_t M = 0, K = 0;
+  const void* bias = nullptr;  // (M,) or nullptr
+
+  int64_t row_bytes(int64_t elem) const { return format < 0 ? K * elem : gqa::quantized_row_bytes(format, K); }
+};
+
+// Rows per chunk of a matrix: about 32 KB of weights (a few microseconds of streaming), at least 16 rows.
+int64_t chunk_rows(const Matrix& m, int64_t elem) {
+  const int64_t rows = (32768 / std::max<int64_t>(1, m.row_bytes(elem)) + 15) / 16 * 16;
+  return std::max<int64_t>(16, rows);
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+enum Phase : int { QKV = 0, ATTENTION = 1, O_PROJ = 2, GATE_UP = 3, DOWN = 4, PHASES_PER_LAYER = 5 };
+
+template <typename T>
+struct Layer {
+  const T *norm1, *norm2;
+  Matrix q, k, v, o, gate, up, down;
+  T *key_cache, *value_cache;
+  int64_t kc_stride[3], vc_stride[3];  // (B, H_kv, C) strides of the caches
+  const int64_t* start;
+  int64_t pos;  // the slot this token's K/V go to
+  GroupedAttention<T> attention;
+  int64_t o_rows, f_rows, down_rows;  // rows per chunk
+};
+
+// What each thread keeps for itself.
+template <typename T>
+struct ThreadState {
+  std::vector<T> in;            // the phase's input (B, K): normed residual or combined attention output
+  const T* input = nullptr;     // in.data(), or the shared SwiGLU output for down_proj
+  gqa::QuantizedRows quantized;  // `input` quantized, when the phase's weights are blocks
+  std::vector<float> sums, sums2, row;
+  std::vector<T> rounded, rounded2;
+  typename GroupedAttention<T>::Scratch attention;
+};
+
+template <typename T>
+struct Step {
+  int64_t B, E, Hq, Hkv, D, Dv, F, V;
+  float eps, final_eps;
+  T* x;           // (B, E) the residual stream, updated in place
+  T* qr;          // (B, Hq * D) roped queries
+  T* m;           // (B, F) silu(gate) * up
+  T* logits;      // (B, V)
+  const float *cos, *sin;
+  std::vector<Layer<T>> layers;
+  const T* final_norm;
+  Matrix head;
+  int64_t head_rows;
+
+  std::vector<int64_t> chunks() const {
+    std::vector<int64_t> c;
+    for (const Layer<T>& l : layers) {
+      c.push_back(Hq + 2 * Hkv);
+      c.push_back(l.attention.tasks());
+      c.push_back(ceil_div(E, l.o_rows));
+      c.push_back(ceil_div(F, l.f_rows));
+      c.push_back(ceil_div(E, l.down_rows));
+    }
+    c.push_back(ceil_div(V, head_rows));
+    return c;
+  }
+
+  // The thread's copy of the phase input: rms_norm(x, w), quantized too if `quantize`.
+  void prepare_norm(ThreadState<T>& s, const T* w, float e, bool quantize) const {
+    s.in.resize(B * E);
+    rms_norm_impl<T>(x, w, s.in.data(), B, E, e);
+    s.input = s.in.data();
+    if (quantize) s.quantized = gqa::quantize_input(s.input, B, E);
+  }
+
+  // sums (B, rows) = input @ W[m0 : m0 + rows]^T.
+  void gemv(ThreadState<T>& s, const Matrix& w, int64_t m0, int64_t rows, std::vector<float>& sums) const {
+    sums.resize(B * rows);
+    if (w.format < 0) {
+      gemv_rows<T>(static_cast<const T*>(w.w) + m0 * w.K, w.K, s.input, B, rows, sums.data());
+    } else {
+      const int64_t rb = gqa::quantized_row_bytes(w.format, w.K);
+      gqa::quantized_rows_dot(static_cast<const uint8_t*>(w.w) + m0 * rb, w.format, rows, w.K, s.quantized, s.input,
+                              B, sums.data());
+    }
+  }
+
+  // rounded (B, rows) = T(sums + bias), as the op-by-op GEMV writes its output.
+  void round_out(const std::vector<float>& sums, const Matrix& w, int64_t m0, int64_t rows,
+                 std::vector<T>& rounded) const {
+    rounded.resize(B * rows);
+    const T* bias = static_cast<const T*>(w.bias);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < rows; ++i) {
+        float v = sums[b * rows + i];
+        if (bias) v += to_float(bias[m0 + i]);
+        rounded[b * rows + i] = static_cast<T>(v);
+      }
+  }
+
+  // Head `c` of q (c < Hq), k or v: its rows through the GEMV, then RoPE / the cache write.
+  void qkv_chunk(ThreadState<T>& s, const Layer<T>& l, int64_t c) const {
+    const bool is_q = c < Hq, is_k = !is_q && c < Hq + Hkv;
+    const Matrix& w = is_q ? l.q : is_k ? l.k : l.v;
+    const int64_t h = is_q ? c : is_k ? c - Hq : c - Hq - Hkv, width = is_q || is_k ? D : Dv;
+    gemv(s, w, h * width, width, s.sums);
+    round_out(s.sums, w, h * width, width, s.rounded);
+    for (int64_t b = 0; b < B; ++b) {
+      const T* r = s.rounded.data() + b * width;
+      if (is_q) {
+        rope_row(r, cos + b * D, sin + b * D, qr + (b * Hq + h) * D, D);
+      } else {
+        const int64_t* st = is_k ? l.kc_stride : l.vc_stride;
+        T* slot = (is_k ? l.key_cache : l.value_cache) + b * st[0] + h * st[1] + l.pos * st[2];
+        if (is_k) {
+          rope_row(r, cos + b * D, sin + b * D, slot, D);
+        } else {
+          std::copy(r, r + Dv, slot);
+        }
+      }
+    }
+  }
+
+  // Rows [m0, m0 + rows) of o_proj or down_proj, added to the residual: x = T(x + T(sum)).
+  void residual_chunk(ThreadState<T>& s, const Matrix& w, int64_t m0, int64_t rows) const {
+    gemv(s, w, m0, rows, s.sums);
+    round_out(s.sums, w, m0, rows, s.rounded);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < rows; ++i) {
+        T& xi = x[b * E + m0 + i];
+        xi = static_cast<T>(to_float(xi) + to_float(s.rounded[b * rows + i]));
+      }
+  }
+
+  // Rows [m0, m0 + rows) of gate and up: m = T(silu(gate)) * up.
+  void gate_up_chunk(ThreadState<T>& s, const Layer<T>& l, int64_t m0, int64_t rows) const {
+    gemv(s, l.gate, m0, rows, s.sums);
+    gemv(s, l.up, m0, rows, s.sums2);
+    round_out(s.sums, l.gate, m0, rows, s.rounded);
+    round_out(s.sums2, l.up, m0, rows, s.rounded2);
+#if GQA_SIMD > 1
+    const int64_t vector_end = B * F / LANES * LANES;  // silu_mul over all (B, F) takes its SIMD formula up to here
+#else
+    const int64_t vector_end = 0;
+#endif
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t first = b * F + m0;
+      const int64_t vector_part = std::clamp<int64_t>(vector_end - first, 0, rows);
+      silu_mul_slice(s.rounded.data() + b * rows, s.rounded2.data() + b * rows, m + first, rows, vector_part);
+    }
+  }
+
+  void run_chunk(ThreadState<T>& s, size_t phase, int64_t c, bool first) const {
+    if (phase == layers.size() * PHASES_PER_LAYER) {  // lm_head
+      if (first) prepare_norm(s, final_norm, final_eps, head.format >= 0);
+      const int64_t m0 = c * head_rows, rows = std::min(head_rows, V - m0);
+      gemv(s, head, m0, rows, s.sums);
+      round_out(s.sums, head, m0, rows, s.rounded);
+      for (int64_t b = 0; b < B; ++b)
+        std::copy(s.rounded.data() + b * rows, s.rounded.data() + (b + 1) * rows, logits + b * V + m0);
+      return;
+    }
+    const Layer<T>& l = layers[phase / PHASES_PER_LAYER];
+    switch (phase % PHASES_PER_LAYER) {
+      case QKV:
+        if (first) prepare_norm(s, l.norm1, eps, l.q.format >= 0 || l.k.format >= 0 || l.v.format >= 0);
+        qkv_chunk(s, l, c);
+        break;
+      case ATTENTION:
+        l.attention.task(c, s.attention);
+        break;
+      case O_PROJ: {
+        if (first) {  // the attention output (B, H_kv, G, Dv) = (B, Hq * Dv), splits combined
+          s.in.resize(B * Hq * Dv);
+          s.row.resize(Dv);
+          for (int64_t i = 0; i < B * Hq; ++i) l.attention.combine(i, s.row.data(), s.in.data() + i * Dv);
+          s.input = s.in.data();
+          if (l.o.format >= 0) s.quantized = gqa::quantize_input(s.input, B, Hq * Dv);
+        }
+        const int64_t m0 = c * l.o_rows;
+        residual_chunk(s, l.o, m0, std::min(l.o_rows, E - m0));
+        break;
+      }
+      case GATE_UP: {
+        if (first) prepare_norm(s, l.norm2, eps, l.gate.format >= 0 || l.up.format >= 0);
+        const int64_t m0 = c * l.f_rows;
+        gate_up_chunk(s, l, m0, std::min(l.f_rows, F - m0));
+        break;
+      }
+      default: {  // DOWN
+        if (first) {
+          s.input = m;
+          if (l.down.format >= 0) s.quantized = gqa::quantize_input(m, B, F);
+        }
+        const int64_t m0 = c * l.down_rows;
+        residual_chunk(s, l.down, m0, std::min(l.down_rows, E - m0));
+      }
+    }
+  }
+};
+
+Matrix matrix(const at::Tensor& w, int64_t format, int64_t K, const c10::optional<at::Tensor>& bias,
+              at::ScalarType dtype, const char* name, int64_t layer) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "gqa::decode_model: layer ", layer, " ", name,
+              " must be a contiguous matrix, got ", w.sizes());
+  if (format < 0) {
+    TORCH_CHECK(w.scalar_type() == dtype && w.size(1) == K, "gqa::decode_model: layer ", layer, " ", name,
+                " must be (M, ", K, ") of x's dtype, got ", w.sizes(), " ", w.scalar_type());
+  } else {
+    TORCH_CHECK(K % 32 == 0, "gqa::decode_model: layer ", layer, " ", name, ": K = ", K,
+                " is not a multiple of the block size 32");
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) == gqa::quantized_row_bytes(format, K),
+                "gqa::decode_model: layer ", layer, " ", name, " blocks must be uint8 (M, ",
+                gqa::quantized_row_bytes(format, K), "), got ", w.sizes());
+  }
+  Matrix m{w.const_data_ptr(), format, w.size(0), K, nullptr};
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == m.M && bias->is_contiguous() && bias->scalar_type() == dtype,
+                "gqa::decode_model: layer ", layer, " ", name, " bias must be contiguous (", m.M,
+                ",) of x's dtype, got ", bias->sizes());
+    m.bias = bias->const_data_ptr();
+  }
+  return m;
+}
+
+template <typename T>
+at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
+                             at::TensorList weights, at::IntArrayRef formats,
+                             const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
+                             const at::Tensor& sin, at::TensorList key_caches, at::TensorList value_caches,
+                             at::TensorList starts, at::TensorList cursors, double scale,
+                             const at::Tensor& final_norm, double final_eps, const at::Tensor& head,
+                             int64_t head_format) {
+  const at::ScalarType dtype = x.scalar_type();
+  const int64_t elem = static_cast<int64_t>(sizeof(T));
+  Step<T> st;
+  st.B = x.size(0), st.E = x.size(1);
+  const at::Tensor& kc0 = key_caches[0];
+  TORCH_CHECK(kc0.dim() == 4 && value_caches[0].dim() == 4, "gqa::decode_model: caches must be (B, H_kv, C, D)");
+  st.Hkv = kc0.size(1), st.D = kc0.size(3), st.Dv = value_caches[0].size(3);
+  TORCH_CHECK(st.D % 2 == 0, "gqa::decode_model: head_dim must be even for RoPE, got ", st.D);
+  st.Hq = weights[0].size(0) / st.D;
+  st.F = weights[4].size(0), st.V = head.size(0);
+  st.eps = static_cast<float>(eps), st.final_eps = static_cast<float>(final_eps);
+  TORCH_CHECK(st.Hq % st.Hkv == 0 && st.Hq * st.D == weights[0].size(0), "gqa::decode_model: q_proj has ",
+              weights[0].size(0), " rows, not a multiple of H_kv * head_dim = ", st.Hkv * st.D);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.sizes() == at::IntArrayRef({st.B, st.D}) && sin.sizes() == cos.sizes(),
+              "gqa::decode_model: cos and sin must be contiguous float32 (B, D), got ", cos.sizes());
+  const int64_t threads = at::get_num_threads();
+  int64_t part_floats = 0;
+  for (size_t i = 0; i < norms1.size(); ++i) {
+    const int64_t li = static_cast<int64_t>(i);
+    const at::Tensor &kc = key_caches[i], &vc = value_caches[i];
+    TORCH_CHECK(kc.dim() == 4 && vc.dim() == 4 && kc.stride(3) == 1 && vc.stride(3) == 1 && kc.size(0) == st.B &&
+                    vc.size(0) == st.B && kc.size(1) == st.Hkv && vc.size(1) == st.Hkv && kc.size(3) == st.D &&
+                    vc.size(3) == st.Dv && vc.size(2) == kc.size(2) && kc.scalar_type() == dtype &&
+                    vc.scalar_type() == dtype,
+                "gqa::decode_model: layer ", li, "'s caches must be (B, H_kv, C, D) of x's dtype with contiguous "
+                "rows, like layer 0's; got ", kc.sizes(), " and ", vc.sizes());
+    const at::Tensor &start = starts[i], &cursor = cursors[i];
+    TORCH_CHECK(start.scalar_type() == at::kLong && start.is_contiguous() &&
+                    start.sizes() == at::IntArrayRef({st.B}) && cursor.scalar_type() == at::kLong &&
+                    cursor.dim() == 0,
+                "gqa::decode_model: start must be int64 (B,) and cursor an int64 scalar");
+    for (const at::Tensor& n : {norms1[i], norms2[i]})
+      TORCH_CHECK(n.dim() == 1 && n.size(0) == st.E && n.is_contiguous() && n.scalar_type() == dtype,
+                  "gqa::decode_model: layer ", li, "'s norms must be contiguous (E,) of x's dtype");
+    Layer<T> l;
+    l.norm1 = norms1[i].const_data_ptr<T>(), l.norm2 = norms2[i].const_data_ptr<T>();
+    const int64_t* f = formats.data() + 7 * i;
+    const at::Tensor* w = weights.data() + 7 * i;
+    const c10::optional<at::Tensor> none;
+    l.q = matrix(w[0], f[0], st.E, qkv_biases.get(3 * i), dtype, "q_proj", li);
+    l.k = matrix(w[1], f[1], st.E, qkv_biases.get(3 * i + 1), dtype, "k_proj", li);
+    l.v = matrix(w[2], f[2], st.E, qkv_biases.get(3 * i + 2), dtype, "v_proj", li);
+    l.o = matrix(w[3], f[3], st.Hq * st.Dv, none, dtype, "o_proj", li);
+    l.gate = matrix(w[4], f[4], st.E, none, dtype, "gate_proj", li);
+    l.up = matrix(w[5], f[5], st.E, none, dtype, "up_proj", li);
+    l.down = matrix(w[6], f[6], st.F, none, dtype, "down_proj", li);
+    TORCH_CHECK(l.q.M == st.Hq * st.D && l.k.M == st.Hkv * st.D && l.v.M == st.Hkv * st.Dv && l.o.M == st.E &&
+                    l.gate.M == st.F && l.up.M == st.F && l.down.M == st.E,
+                "gqa::decode_model: layer ", li, "'s projections disagree with layer 0's shapes");
+    l.key_cache = kc.mutable_data_ptr<T>(), l.value_cache = vc.mutable_data_ptr<T>();
+    for (int d = 0; d < 3; ++d) l.kc_stride[d] = kc.stride(d), l.vc_stride[d] = vc.stride(d);
+    l.start = start.const_data_ptr<int64_t>();
+    l.pos = cursor.item<int64_t>();
+    TORCH_CHECK(l.pos >= 0 && l.pos < kc.size(2), "gqa::decode_model: layer ", li, "'s cache is full (",
+                kc.size(2), " slots)");
+    l.o_rows = chunk_rows(l.o, elem);
+    l.f_rows = std::max<int64_t>(16, chunk_rows(l.gate, elem) / 32 * 16);  // gate and up rows: about the same bytes
+    l.down_rows = chunk_rows(l.down, elem);
+    // The attention reads the roped queries (B, H_kv, G, D) and the cache's slots [0, pos].
+    GroupedAttention<T>& a = l.attention;
+    a.q = nullptr, a.k = l.key_cache, a.v = l.value_cache;
+    a.qs[0] = st.Hq * st.D, a.qs[1] = st.Hq / st.Hkv * st.D, a.qs[2] = st.D;
+    for (int d = 0; d < 3; ++d) a.ks[d] = l.kc_stride[d], a.vs[d] = l.vc_stride[d];
+    a.B = st.B, a.H = st.Hkv, a.R = st.Hq / st.Hkv, a.D = st.D, a.S = l.pos + 1, a.Dv = st.Dv, a.L = 1;
+    a.scale = static_cast<float>(scale), a.causal = false, a.mask = MaskView{}, a.start = l.start;
+    a.plan(threads);
+    part_floats = std::max(part_floats, a.part_floats());
+    st.layers.push_back(l);
+  }
+  TORCH_CHECK(final_norm.dim() == 1 && final_norm.size(0) == st.E && final_norm.is_contiguous() &&
+                  final_norm.scalar_type() == dtype,
+              "gqa::decode_model: final_norm must be contiguous (E,) of x's dtype");
+  st.final_norm = final_norm.const_data_ptr<T>();
+  st.head = matrix(head, head_format, st.E, c10::nullopt, dtype, "lm_head", -1);
+  st.head_rows = chunk_rows(st.head, elem);
+
+  at::Tensor h = x.clone();
+  at::Tensor qr = at::empty({st.B, st.Hq * st.D}, x.options());
+  at::Tensor m = at::empty({st.B, st.F}, x.options());
+  at::Tensor logits = at::empty({st.B, st.V}, x.options());
+  std::vector<float> parts(part_floats);
+  st.x = h.mutable_data_ptr<T>(), st.qr = qr.mutable_data_ptr<T>(), st.m = m.mutable_data_ptr<T>();
+  st.logits = logits.mutable_data_ptr<T>();
+  st.cos = cos.const_data_ptr<float>(), st.sin = sin.const_data_ptr<float>();
+  for (Layer<T>& l : st.layers) {
+    l.attention.q = st.qr;
+    l.attention.set_parts(parts.data());  // layers run one after the other: one buffer for all
+  }
+  PhasedWork work(st.chunks());
+  work.run<ThreadState<T>>(
+      [&](ThreadState<T>& s, size_t phase, int64_t c, bool first) { st.run_chunk(s, phase, c, first); });
+  for (const at::Tensor& cursor : cursors) const_cast<at::Tensor&>(cursor).add_(1);
+  return logits;
+}
+
+at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
+                        at::TensorList weights, at::IntArrayRef formats,
+                        const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
+                        const at::Tensor& sin, at::TensorList key_caches, at::TensorList value_caches,
+                        at::TensorList starts, at::TensorList cursors, double scale, const at::Tensor& final_norm,
+                        double final_eps, const at::Tensor& head, int64_t head_format) {
+  const size_t L = norms1.size();
+  TORCH_CHECK(L >= 1 && norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
+                  qkv_biases.size() == 3 * L && key_caches.size() == L && value_caches.size() == L &&
+                  starts.size() == L && cursors.size() == L,
+              "gqa::decode_model: per layer 2 norms, 7 weights and formats, 3 q/k/v biases, K and V caches, a start "
+              "and a cursor; got ", L, " layers' norms1 and ", weights.size(), " weights");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gqa::decode_model: x must be contiguous (B, E), got ", x.sizes());
+  if (x.scalar_type() == at::kFloat)
+    return decode_model_impl<float>(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_caches,
+                                    value_caches, starts, cursors, scale, final_norm, final_eps, head, head_format);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gqa::decode_model: float32 or bfloat16 only, got ", x.scalar_type());
+  return decode_model_impl<at::BFloat16>(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_caches,
+                                         value_caches, starts, cursors, scale, final_norm, final_eps, head,
+                                         head_format);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(gqa, m) {
+  m.def(
+      "decode_model(Tensor x, Tensor[] norms1, Tensor[] norms2, float eps, Tensor[] weights, int[] formats, "
+      "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
+      "Tensor[] starts, Tensor(c!)[] cursors, float scale, Tensor final_norm, float final_eps, Tensor head, "
+      "int head_format) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gqa, CPU, m) { m.impl("decode_model", &decode_model); }

@@ -1,0 +1,78 @@
+// The small ops of a decoded token's layer (RMSNorm, SwiGLU's silu(gate) * up, RoPE), rounding to the activations'
+// dtype where the eager PyTorch code rounds, so results match it.
+#pragma once
+#include "simd.h"
+
+namespace gqa_cpu {
+
+using namespace gqa_simd;
+
+// y = w * T(x / rms(x)), the rms in float32 (HF's RMSNorm). x (N, E), w (E,), both of one dtype.
+template <typename T>
+void rms_norm_impl(const T* x, const T* w, T* y, int64_t N, int64_t E, float eps) {
+  for (int64_t n = 0; n < N; ++n) {
+    const T* xn = x + n * E;
+    float ss = 0.0f;
+    for (int64_t e = 0; e < E; ++e) ss += to_float(xn[e]) * to_float(xn[e]);
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(E) + eps);
+    for (int64_t e = 0; e < E; ++e)
+      y[n * E + e] = static_cast<T>(to_float(w[e]) * to_float(static_cast<T>(to_float(xn[e]) * r)));
+  }
+}
+
+// y = T(silu(gate)) * up (SwiGLU), gate and up (N, F) of one dtype.
+template <typename T>
+void silu_mul_impl(const T* g, const T* u, T* y, int64_t n) {
+  int64_t i = 0;
+#if GQA_SIMD > 1
+  // silu(x) = x * sigmoid(x), with e = exp(-|x|) (vexp takes arguments <= 0): sigmoid = 1 / (1 + e) for x >= 0,
+  // e / (1 + e) for x < 0. The result is rounded to T before the product with up, as torch rounds silu's output.
+  float tmp[LANES];
+  for (; i + LANES <= n; i += LANES) {
+    const vec x = vload(g + i);
+    const vec e = vexp(vmul(vset(-1.0f), vmax(x, vsub(vzero(), x))));
+    const vec r = vdiv(vset(1.0f), vadd(vset(1.0f), e));
+    vstore(tmp, vmul(x, vblend_negative(x, r, vmul(e, r))));
+    for (int j = 0; j < LANES; ++j)
+      y[i + j] = static_cast<T>(to_float(static_cast<T>(tmp[j])) * to_float(u[i + j]));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float x = to_float(g[i]);
+    y[i] = static_cast<T>(to_float(static_cast<T>(x / (1.0f + std::exp(-x)))) * to_float(u[i]));
+  }
+}
+
+// silu_mul_impl on the n elements at g, u, y, of which the first `vector_part` take its SIMD formula (the others its
+// scalar one): a slice of a larger (N, F) product then gets, element for element, what silu_mul_impl over the whole
+// product gives, whichever slice computes it.
+template <typename T>
+void silu_mul_slice(const T* g, const T* u, T* y, int64_t n, int64_t vector_part) {
+#if GQA_SIMD > 1
+  int64_t i = 0;
+  for (; i + LANES <= vector_part; i += LANES) silu_mul_impl(g + i, u + i, y + i, LANES);
+  if (i < vector_part) {  // a partial vector: padded to LANES, the lanes are independent
+    T gp[LANES] = {}, up[LANES] = {}, yp[LANES];
+    const int64_t m = vector_part - i;
+    std::copy(g + i, g + vector_part, gp);
+    std::copy(u + i, u + vector_part, up);
+    silu_mul_impl(gp, up, yp, LANES);
+    std::copy(yp, yp + m, y + i);
+  }
+#else
+  vector_part = 0;
+#endif
+  for (int64_t i = vector_part; i < n; ++i) silu_mul_impl(g + i, u + i, y + i, 1);
+}
+
+// Rotate one head vector (HF half-rotation RoPE over all D features) in float32: out = x cos + rotate_half(x) sin.
+template <typename T>
+inline void rope_row(const T* x, const float* cos, const float* sin, T* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rot = d < half ? -to_float(x[d + half]) : to_float(x[d - half]);
+    out[d] = static_cast<T>(to_float(x[d]) * cos[d] + rot * sin[d]);
+  }
+}
+
+}  // namespace gqa_cpu
