@@ -341,3 +341,58 @@ def test_one_call_op_equals_decode_layer_per_layer_on_odd_shapes(dtype, threads,
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(kv1, kv2, strict=True))
     assert [int(c) for c in cur1] == [pos + 1] * len(layers) == [int(c) for c in cur2]
     assert torch.isfinite(one).all() and one.float().std() > 0.1  # a real result, not zeros
+
+
+def _small_step_args(g: torch.Generator, dtype=torch.float32):
+    """Arguments of a 2-layer ``gqa::decode_model`` call (float weights) and its ``(caches, cursors)``."""
+    E, F, Hq, Hkv, D, V, C = 32, 64, 4, 2, 8, 50, 16
+    layers = _random_layers(g, dtype, [None, None], E, F, Hq, Hkv, D, biases=False)
+    caches = [(torch.zeros(1, Hkv, C, D, dtype=dtype), torch.zeros(1, Hkv, C, D, dtype=dtype)) for _ in layers]
+    cursors = [torch.tensor(0) for _ in layers]
+    args = (
+        torch.randn(1, E, generator=g).to(dtype), [n[0] for n, *_ in layers], [n[1] for n, *_ in layers], 1e-5,
+        [w for _, ws, _, _ in layers for w in ws], [c for _, _, cs, _ in layers for c in cs],
+        [b for *_, bs in layers for b in bs], torch.ones(1, D), torch.zeros(1, D), [k for k, _ in caches],
+        [v for _, v in caches], [torch.tensor([0]) for _ in layers], cursors, D**-0.5, torch.ones(E, dtype=dtype),
+        1e-5, torch.randn(V, E, generator=g).to(dtype), -1,
+    )  # fmt: skip
+    return args, caches, cursors
+
+
+def _step_in_child(queue) -> None:
+    args, _, _ = _small_step_args(torch.Generator().manual_seed(0))
+    queue.put(torch.ops.gqa.decode_model(*args).sum().item())
+
+
+def test_the_step_works_in_a_forked_child_and_after_a_thread_count_change():
+    """The step's worker pool is made again where its threads are gone (a forked child) and when the thread count
+    changes: the same logits, no hang."""
+    import multiprocessing
+
+    args, _, _ = _small_step_args(torch.Generator().manual_seed(0))
+    here = torch.ops.gqa.decode_model(*args).sum().item()  # the pool exists in this process now
+    queue = multiprocessing.get_context("fork").Queue()
+    child = multiprocessing.get_context("fork").Process(target=_step_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == here
+    previous = torch.get_num_threads()
+    try:
+        for threads in (3, 1, 2):
+            torch.set_num_threads(threads)
+            args, _, _ = _small_step_args(torch.Generator().manual_seed(0))
+            assert torch.ops.gqa.decode_model(*args).sum().item() == here
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_full_cache_is_refused_before_any_work():
+    """A layer whose cache is full is a clear error, and no cache or cursor was touched."""
+    args, caches, cursors = _small_step_args(torch.Generator().manual_seed(0))
+    cursors[1].fill_(16)  # layer 1 full
+    before = [k.clone() for k, _ in caches]
+    with pytest.raises(RuntimeError, match="layer 1's cache is full"):
+        torch.ops.gqa.decode_model(*args)
+    assert [int(c) for c in cursors] == [0, 16]
+    assert all(torch.equal(a, k) for a, (k, _) in zip(before, caches, strict=True))
