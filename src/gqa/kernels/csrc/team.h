@@ -12,7 +12,7 @@
 #pragma once
 #include <ATen/Parallel.h>
 
-#include <unistd.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -43,7 +43,16 @@ class WorkerPool {
   };
 
   static WorkerPool& get() {
-    static WorkerPool* pool = new WorkerPool();  // never destroyed: workers may still wait on it at exit
+    static WorkerPool* pool = [] {
+      // A fork waits for a running job, and the child starts with its locks free and no workers (they are not
+      // copied): its first job starts new ones.
+      pthread_atfork([] { instance()->lock_all(); }, [] { instance()->unlock_all(); },
+                     [] {
+                       instance()->unlock_all();
+                       instance()->forked_ = true;
+                     });
+      return instance();
+    }();
     return *pool;
   }
 
@@ -75,14 +84,31 @@ class WorkerPool {
  private:
   static constexpr int IDLE_SPINS = 20000;  // ~1-2 ms of pauses (a token's Python side) before a worker sleeps
 
+  static WorkerPool* instance() {
+    static WorkerPool* pool = new WorkerPool();  // never destroyed: workers may still wait on it at exit
+    return pool;
+  }
+  void lock_all() {
+    run_mutex_.lock();
+    sleep_mutex_.lock();
+  }
+  void unlock_all() {
+    sleep_mutex_.unlock();
+    run_mutex_.unlock();
+  }
+
   void retire() {
     job_.store(nullptr);
     while (active_.load() > 0) std::this_thread::yield();  // workers inside the job finish their last chunk
   }
 
   void resize(int64_t workers) {
-    if (static_cast<int64_t>(workers_.size()) == workers && pid_ == getpid()) return;
-    if (pid_ == getpid()) {
+    if (static_cast<int64_t>(workers_.size()) == workers && !forked_) return;
+    if (forked_) {
+      for (std::thread& t : workers_) t.detach();  // a forked child: the parent's threads do not exist here
+      sleepers_.store(0);
+      forked_ = false;
+    } else {
       stop_.store(true);
       {
         std::lock_guard<std::mutex> lock(sleep_mutex_);
@@ -90,12 +116,9 @@ class WorkerPool {
         wake_.notify_all();
       }
       for (std::thread& t : workers_) t.join();
-    } else {
-      for (std::thread& t : workers_) t.detach();  // a forked child: the parent's threads do not exist here
     }
     workers_.clear();
     stop_.store(false);
-    pid_ = getpid();
     for (int64_t i = 0; i < workers; ++i) workers_.emplace_back([this] { loop(); });
   }
 
@@ -135,7 +158,7 @@ class WorkerPool {
   std::mutex run_mutex_, sleep_mutex_;
   std::condition_variable wake_;
   std::vector<std::thread> workers_;
-  pid_t pid_ = 0;
+  bool forked_ = false;  // set in a forked child, under run_mutex_'s protection once the child runs a job
   std::atomic<Job*> job_{nullptr};
   std::atomic<uint64_t> generation_{0};
   std::atomic<int64_t> active_{0}, sleepers_{0};
