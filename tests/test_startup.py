@@ -4,6 +4,7 @@ and ``gqa info``, which import no torch at all."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import torch
 
 import gqa
 from gqa._compiler import assume_constant_result, disable
+from gqa.cli import build_parser
 
 HEAVY = ("torch._dynamo", "torch._inductor", "transformers", "triton", "gguf", "jinja2")
 
@@ -70,8 +72,18 @@ def test_disable_runs_eagerly_under_compile():
 # ---------------------------------------------------------------------------------------------------------------------
 # gqa --help and gqa info without torch (issue 34): each in a fresh interpreter, as a user runs them
 
-COMMANDS = ("generate", "info", "eval", "demo", "convert", "bench")
-BENCHMARKS = ("attention", "model", "startup")
+
+def _commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command line under ``parser`` (``("bench", "attention")``, ...), recursively: a new one is checked too."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += [(*prefix, name), *_commands(sub, (*prefix, name))]
+    return found
+
+
+COMMANDS = _commands(build_parser())
 
 # `gqa ARGS` as `python -m gqa` runs it; then a last line: whether torch and numpy were imported, and the exit code
 _RUN_GQA = """
@@ -97,11 +109,7 @@ def run_gqa(*args: str) -> tuple[dict, str]:
     return json.loads(last), "\n".join(lines)
 
 
-@pytest.mark.parametrize(
-    "args",
-    [("--help",), *((c, "--help") for c in COMMANDS), *(("bench", b, "--help") for b in BENCHMARKS)],
-    ids=" ".join,
-)
+@pytest.mark.parametrize("args", [("--help",), *((*c, "--help") for c in COMMANDS)], ids=" ".join)
 def test_help_imports_neither_torch_nor_numpy(args):
     loaded, out = run_gqa(*args)
     assert loaded == {"torch": False, "numpy": False, "code": 0}, out
