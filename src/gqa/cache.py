@@ -19,6 +19,7 @@ from torch import nn
 
 from ._checks import shape_str
 from ._compiler import disable
+from ._sizes import kv_cache_elements
 
 
 def kv_cache_bytes(
@@ -32,13 +33,10 @@ def kv_cache_bytes(
     """Bytes of a KV cache: ``2 (K and V) * layers * H_kv * D * seq_len * batch * itemsize``.
 
     ``dtype`` defaults to float32, the default of the caches themselves and of ``gqa.load_model``."""
-    for name, n in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                    ("seq_len", seq_len), ("batch", batch)):  # fmt: skip
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+    elements = kv_cache_elements(num_layers, num_kv_heads, head_dim, seq_len, batch)  # the counts checked first
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-    return 2 * num_layers * num_kv_heads * head_dim * seq_len * batch * dtype.itemsize
+    return elements * dtype.itemsize
 
 
 class _KVCache(nn.Module):

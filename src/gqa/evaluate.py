@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-DEFAULT_WINDOW = 512
+from ._options import DEFAULT_WINDOW
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ._options import HELD_OUT_CONVERSATIONS
 from .answers import agreement, answer_kl, chat_answers, is_correct, load_questions, retention
 from .convert.conversations import GenerationSettings
 from .evaluate import _score
@@ -32,7 +33,6 @@ __all__ = ["GENRES", "SuiteResult", "genre_texts", "run_suite"]
 GENRES = ("LICENSE.txt", "held-out docstrings", "encyclopedic prose")
 GENRE_TOKENS = 2048  # the first tokens of each text (window 512, stride 256, as docs/conversion.md)
 GENRE_WINDOW = 512
-HELD_OUT_CONVERSATIONS = 100  # of the held-out conversations, in their order
 
 
 @dataclass

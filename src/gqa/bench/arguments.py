@@ -1,21 +1,35 @@
-"""The flags of ``gqa bench attention``: the parser, the grid they select, and their validation."""
+"""The flags of ``gqa bench attention``: the parser, the grid they select, and their validation. The parser is
+built without importing torch (``gqa bench attention --help``); what the flags select is resolved with it."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from ..cli.dtypes import dtype_type, torch_dtype
+from .workloads import KINDS, MASKS
 
-from ..cli.dtypes import DTYPES, dtype_type
-from .cases import CPU_FULL, CPU_QUICK, GPU_FULL, GPU_QUICK, KINDS, MASKS, Grid
-from .implementations import Impl, implementations_for
+if TYPE_CHECKING:
+    import torch
+
+    from .cases import Grid
+    from .implementations import Impl
+
+DEFAULT_DTYPES = ("fp32", "bf16")  # --dtypes when not given
 
 
 def _dtype(text: str) -> torch.dtype:
     """Any spelling of ``gqa.cli.dtypes`` -> the torch dtype."""
-    return DTYPES[dtype_type()(text)]
+    return torch_dtype(dtype_type()(text))
+
+
+def resolve_dtypes(args: argparse.Namespace) -> list[torch.dtype]:
+    """``--dtypes``, or the default (float32 and bfloat16) where it was not given: set on ``args`` and returned."""
+    if args.dtypes is None:
+        args.dtypes = [torch_dtype(name) for name in DEFAULT_DTYPES]
+    return args.dtypes
 
 
 def _positive_int(text: str) -> int:
@@ -83,9 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dtypes",
         nargs="+",
         type=_dtype,
-        default=[torch.float32, torch.bfloat16],
+        default=None,  # resolve_dtypes: float32 and bfloat16, without importing torch here
         metavar="DTYPE",
-        help="fp32, bf16, fp16 (or float32, bfloat16, float16) (default: fp32 bf16)",
+        help=f"fp32, bf16, fp16 (or float32, bfloat16, float16) (default: {' '.join(DEFAULT_DTYPES)})",
     )
     p.add_argument(
         "--kv-heads",
@@ -155,6 +169,8 @@ def resolve_grid(args: argparse.Namespace, device: torch.device) -> Grid:
     """The preset (CPU or GPU, ``--quick`` or full) with the size flags applied. ``--batches`` / ``--contexts``
     replace the decode grid by every ``(B, S)`` pair (the missing one from the preset's main sweep: B=8 and its
     contexts)."""
+    from .cases import CPU_FULL, CPU_QUICK, GPU_FULL, GPU_QUICK
+
     preset = {(False, False): CPU_FULL, (False, True): CPU_QUICK, (True, False): GPU_FULL, (True, True): GPU_QUICK}
     grid = preset[(device.type == "cuda", args.quick)]
     if args.batches or args.contexts:
@@ -193,6 +209,8 @@ def check_output_paths(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def select_impls(parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch.device) -> list[Impl]:
+    from .implementations import implementations_for
+
     impls = implementations_for(device)
     if not args.impls:
         return impls

@@ -31,7 +31,15 @@ import torch
 
 from ..backends import BACKENDS
 from . import write_json_atomic, write_text_atomic
-from .arguments import DESCRIPTION, add_arguments, build_parser, check_output_paths, resolve_grid, select_impls
+from .arguments import (
+    DESCRIPTION,
+    add_arguments,
+    build_parser,
+    check_output_paths,
+    resolve_dtypes,
+    resolve_grid,
+    select_impls,
+)
 from .cases import build_cases, dtype_name
 from .limits import Limits, measure_limits
 from .report import COUNTING, annotate, fmt_ms, format_markdown, machine_description
@@ -91,6 +99,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequenc
     """``main`` on the flags ``argv`` that ``parser`` (``build_parser``, or one ``add_arguments`` filled) parsed into
     ``args``; bad flags are ``parser.error``."""
     check_output_paths(parser, args)
+    resolve_dtypes(args)
     if args.from_json:
         try:
             payload = json.loads(args.from_json.read_text())

@@ -27,9 +27,7 @@ import torch
 
 from ..cache import kv_cache_bytes
 from ..masks import causal_mask
-
-KINDS = ("decode", "prefill")
-MASKS = ("causal", "bool", "additive")  # how the causal pattern of a prefill is given
+from .workloads import KINDS, MASKS  # noqa: F401 - defined there, without torch (gqa bench attention --help)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}

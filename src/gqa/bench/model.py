@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 from ..cli.common import model_label
-from ..cli.dtypes import dtype_type
 from ..loaders import read_config
 from ..models.config import ModelConfig
 from . import write_json_atomic, write_text_atomic
+from .model_arguments import DESCRIPTION, add_arguments
 from .model_report import check_plotting, plot_model, table
-from .model_worker import DTYPES, ENGINES, QUANTIZED, gguf_format
+from .model_worker import DTYPES, QUANTIZED, gguf_format
 from .report import machine_description
 
 
@@ -93,9 +93,6 @@ def _run_worker(path: str | None, engine: str, dtype: str, contexts: list[int], 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-DESCRIPTION = " ".join(__doc__.split("\n\n")[0].split())
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``gqa bench model``."""
     from ..cli import HelpFormatter
@@ -103,49 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gqa bench model", description=DESCRIPTION, formatter_class=HelpFormatter)
     add_arguments(parser)
     return parser
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``gqa bench model`` on ``parser``."""
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
-    parser.add_argument("--kv-heads", type=int, nargs="+", default=None, metavar="N",
-                        help="KV head counts to run (default: H_q, the model's own, 1; SmolLM2: 9 3 1)")  # fmt: skip
-    parser.add_argument("--contexts", type=int, nargs="+", default=None, metavar="S",
-                        help="prompt lengths in tokens (default: 128 1024 4096; with --tp: 512)")  # fmt: skip
-    parser.add_argument(
-        "--dtypes", nargs="+", type=dtype_type(tuple(DTYPES), QUANTIZED), default=["fp32", "bf16", "q4_1"],
-        metavar="DTYPE",
-        help="weights: fp32, bf16, or a block format q8_0, q4_0, q4_1 (a GGUF's own blocks when the file is in that "
-        "format, else quantized on load; activations bf16 where the CPU has native bf16)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--engines", nargs="+", choices=ENGINES, default=["gqa", "hf", "llama.cpp"],
-        help="what runs the model: gqa (the default path of model.generate / gqa generate), gqa-compile "
-        "(compile=True), hf (transformers; float dtypes), llama.cpp (llama-cpp-python on the GGUF file in its own "
-        "format; skipped when not installed: make llama-cpp)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--batch", type=int, nargs="+", default=None, metavar="B",
-        help="instead: decode throughput of B sequences at once (gqa engine; caches filled to each context)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--kv-budget", type=float, default=None, metavar="GIB",
-        help="with --batch: also the largest batch whose KV cache fits GIB GiB at each context, and its throughput",
-    )  # fmt: skip
-    parser.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens generated per context")
-    parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, 8 new tokens, fp32, no compile")
-    parser.add_argument(
-        "--tp", type=int, nargs="+", default=None, metavar="N",
-        help="instead: the model (as it is) decoded by N tensor-parallel local processes for each N, eager, with "
-        "per-rank weight and KV-cache bytes and the all-reduces' share of decode time (e.g. --tp 1 2 3)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="write every number and the machine here"
-    )
-    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="write the table here")
-    parser.add_argument(
-        "--plot", type=Path, default=None, metavar="PATH", help="write the PNG plot here (needs matplotlib)"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-QUANTIZED = ("q8_0", "q4_0", "q4_1")
-ENGINES = ("gqa", "gqa-compile", "hf", "llama.cpp")
+from gqa.bench.model_arguments import ENGINES, FLOAT_DTYPES, QUANTIZED
+from gqa.cli.dtypes import torch_dtype
+
+DTYPES = {name: torch_dtype(name) for name in FLOAT_DTYPES}
 GREEDY_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",

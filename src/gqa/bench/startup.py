@@ -27,6 +27,7 @@ _LOAD = """
 import json, sys, time, torch
 t0 = time.perf_counter()
 import gqa
+public = [getattr(gqa, name) for name in gqa.__all__]  # loaded on first use: all of them, as import gqa used to
 t1 = time.perf_counter()
 m = gqa.load_model(MODEL, dtype=DTYPE)
 t2 = time.perf_counter()

@@ -1,14 +1,18 @@
 """The ``gqa`` command line: the parser and dispatch here, a file per command (``generate``, ``info``, ``eval``,
-``convert``, ``demo``); ``bench``'s benchmarks live in ``gqa.bench``."""
+``convert``, ``demo``) and one for its flags where the command imports torch (``generate_args``, ``eval_args``,
+``convert_args``), so that ``gqa --help`` and ``gqa COMMAND --help`` run without torch; ``bench``'s benchmarks live
+in ``gqa.bench``."""
 
 from __future__ import annotations
 
 __all__ = ["build_parser", "main"]
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable
+from types import ModuleType
 
 from .. import __version__
 
@@ -41,16 +45,18 @@ def _subcommand(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``gqa`` parser: a subcommand each, ``bench`` with a subcommand per benchmark."""
-    from ..bench import attention as bench_attention
-    from ..bench import model as bench_model
+    """The ``gqa`` parser: a subcommand each, ``bench`` with a subcommand per benchmark. Built from the commands'
+    flags alone (``*_args``, ``bench.*arguments``, ``bench.startup``): no torch is imported until a command runs."""
     from ..bench import startup as bench_startup
+    from ..bench.arguments import DESCRIPTION as ATTENTION_DESCRIPTION
+    from ..bench.arguments import add_arguments as add_attention_arguments
+    from ..bench.model_arguments import DESCRIPTION as MODEL_DESCRIPTION
+    from ..bench.model_arguments import add_arguments as add_model_bench_arguments
     from .common import add_model_arguments
-    from .convert import add_convert_arguments, run_convert
+    from .convert_args import add_convert_arguments
     from .dtypes import SPELLINGS
-    from .eval import add_eval_arguments, run_eval
-    from .generate import add_generate_arguments, run_generate
-    from .info import run_info
+    from .eval_args import add_eval_arguments
+    from .generate_args import add_generate_arguments
 
     parser = argparse.ArgumentParser(
         prog="gqa",
@@ -61,18 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gqa {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_arguments(
-        _subcommand(sub, "generate", "generate text with a model (default: embedded SmolLM2)", _ns(run_generate))
+        _subcommand(sub, "generate", "generate text with a model (default: embedded SmolLM2)", _ns("generate"))
     )
-    info = _subcommand(sub, "info", "a model's architecture and KV-cache size vs MHA and MQA", _ns(run_info))
+    info = _subcommand(sub, "info", "a model's architecture and KV-cache size vs MHA and MQA", _ns("info"))
     add_model_arguments(info, dtype_help="dtype of the KV cache (and weights, with --tp) in the tables")
     info.add_argument("--tp", type=int, default=None, metavar="N", help="also show each of N tensor-parallel ranks' "
                       "heads, weight bytes and KV-cache bytes per token (default: off)")  # fmt: skip
     add_eval_arguments(
-        _subcommand(sub, "eval", "perplexity on a text, and mean KL divergence from a reference", _ns(run_eval))
+        _subcommand(sub, "eval", "perplexity on a text, and mean KL divergence from a reference", _ns("eval"))
     )
     _subcommand(sub, "demo", "MHA vs GQA vs MQA: cache size, cached decoding checked against a full forward", _demo)
     add_convert_arguments(
-        _subcommand(sub, "convert", "change a model's number of KV heads; writes an HF folder", _ns(run_convert))
+        _subcommand(sub, "convert", "change a model's number of KV heads; writes an HF folder", _ns("convert"))
     )
     bench = sub.add_parser(
         "bench",
@@ -85,18 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
         benchmarks,
         "attention",
         "time gqa's attention backends and peer implementations against the machine's bandwidth and matmul rate",
-        lambda ns, argv: bench_attention.run(attention, ns, argv[argv.index("attention") + 1 :]),
-        bench_attention.DESCRIPTION,
+        lambda ns, argv: _bench("attention").run(attention, ns, argv[argv.index("attention") + 1 :]),
+        ATTENTION_DESCRIPTION,
     )
-    bench_attention.add_arguments(attention)
+    add_attention_arguments(attention)
     model = _subcommand(
         benchmarks,
         "model",
         "KV-cache size, prefill and decode tokens/s of gqa vs HF transformers, the model as MHA, GQA and MQA",
-        lambda ns, argv: bench_model.run(model, ns),
-        bench_model.DESCRIPTION,
+        lambda ns, argv: _bench("model").run(model, ns),
+        MODEL_DESCRIPTION,
     )
-    bench_model.add_arguments(model)
+    add_model_bench_arguments(model)
     startup = _subcommand(
         benchmarks,
         "startup",
@@ -108,8 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _ns(run: Callable[[argparse.Namespace], int]) -> Handler:
-    return lambda ns, argv: run(ns)
+def _ns(command: str) -> Handler:
+    """The handler of ``gqa COMMAND``: ``gqa.cli.COMMAND.run_COMMAND(ns)``, imported when it runs (most import
+    torch)."""
+    return lambda ns, argv: getattr(importlib.import_module(f".{command}", __name__), f"run_{command}")(ns)
+
+
+def _bench(name: str) -> ModuleType:
+    """``gqa.bench.NAME``, imported when the benchmark runs (it imports torch)."""
+    return importlib.import_module(f"..bench.{name}", __name__)
 
 
 def _demo(ns: argparse.Namespace, argv: list[str]) -> int:

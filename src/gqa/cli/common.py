@@ -1,4 +1,5 @@
-"""What the CLI's commands share: how a model is named in messages, the loading line, the model flags."""
+"""What the CLI's commands share: how a model is named in messages, the loading line, the model and ``--tp`` flags.
+Imports no torch: the parser is built from these (``gqa --help``)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,12 @@ def add_model_arguments(
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
     keywords = ("auto",) if auto else ()
     add_dtype_argument(parser, "--dtype", keywords=keywords, default="auto" if auto else "fp32", help=dtype_help)
+
+
+def add_tp_argument(parser: argparse.ArgumentParser) -> None:
+    """``--tp N``: the tensor-parallel ranks a command runs on (``gqa.cli.parallel``)."""
+    parser.add_argument(
+        "--tp", type=int, default=None, metavar="N",
+        help="tensor parallelism over N local processes that gqa starts (gloo on CPU); under torchrun the world "
+        "size is used (default: 1, or torchrun's world size)",
+    )  # fmt: skip

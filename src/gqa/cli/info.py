@@ -1,30 +1,39 @@
-"""``gqa info``: a model's architecture and its KV-cache size as MHA, as it is, and as MQA."""
+"""``gqa info``: a model's architecture and its KV-cache size as MHA, as it is, and as MQA.
+
+Read from the model's metadata alone (config and tensor shapes), without importing torch (~2 s), so it answers at
+once; ``--tp`` imports it for the per-rank table.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+from typing import TYPE_CHECKING
 
-import torch
-
-from .. import kernels
-from ..cache import kv_cache_bytes
-from ..models.config import ModelConfig
+from .._sizes import ITEMSIZE, kv_cache_elements
 from .common import loading, model_label
-from .dtypes import DTYPES
+from .dtypes import NAMES
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..models.config import ModelConfig
 
 
-def kv_cache_table(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:
-    """Markdown table: KV-cache bytes per token and for 4096 tokens as MHA, this model's head count, and MQA."""
+def kv_cache_table(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str) -> str:
+    """Markdown table: KV-cache bytes per token and for 4096 tokens as MHA, this model's head count, and MQA.
+    ``dtype``: a torch dtype, or torch's name for it (``"bfloat16"``)."""
     rows = [("MHA", num_heads), (f"this model (GQA, {num_kv_heads} KV heads)", num_kv_heads), ("MQA", 1)]
     seen, lines = set(), []
     name = str(dtype).removeprefix("torch.")
+    itemsize = ITEMSIZE[dtype] if isinstance(dtype, str) else dtype.itemsize
     lines.append(f"| variant | KV heads | KV cache per token ({name}) | for 4096 tokens |")
     lines.append("|---|---:|---:|---:|")
     for label, heads in rows:
         if heads in seen:
             continue
         seen.add(heads)
-        per_token = kv_cache_bytes(num_layers, heads, head_dim, 1, dtype=dtype)
+        per_token = kv_cache_elements(num_layers, heads, head_dim, 1) * itemsize  # kv_cache_bytes, torch-free
         lines.append(f"| {label} | {heads} | {per_token / 1024:.1f} KiB | {per_token * 4096 / 2**20:.1f} MiB |")
     return "\n".join(lines)
 
@@ -39,8 +48,8 @@ def run_info(ns: argparse.Namespace) -> int:
         from ..models.tensor_parallel import check_tp
 
         check_tp(cfg.num_heads, cfg.num_kv_heads, ns.tp)
-    state = {name: torch.empty(shape, device="meta") for name, shape in lazy.shapes.items()}
-    params = sum(t.numel() for k, t in state.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
+    tied = cfg.tie_word_embeddings
+    params = sum(math.prod(shape) for k, shape in lazy.shapes.items() if not (tied and k == "lm_head.weight"))
     print(f"architecture     {cfg.arch}")
     print(f"parameters       {params / 1e6:.1f} M")
     print(f"layers           {cfg.num_layers}")
@@ -51,21 +60,36 @@ def run_info(ns: argparse.Namespace) -> int:
     print(f"context          {cfg.max_position_embeddings}")
     print(f"vocab            {cfg.vocab_size}")
     print(f"RoPE theta       {cfg.rope_theta:g}")
-    native = f"built: {kernels.library_path()}" if kernels.available() else "not built (python -m gqa.kernels)"
-    if kernels.available():
-        simd = {16: "AVX-512", 8: "AVX2"}.get(kernels.simd_width())
-        native += f" ({simd})" if simd else " (no AVX2/AVX-512 here: scalar, so used for bf16 decode attention only)"
-    print(f"native kernels   {native}")
+    print(f"native kernels   {native_kernels()}")
     print()
-    print(kv_cache_table(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, DTYPES[ns.dtype]))
+    print(kv_cache_table(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, NAMES[ns.dtype]))
     if ns.tp is not None:
+        import torch
+
+        from .dtypes import torch_dtype
+
+        state = {name: torch.empty(shape, device="meta") for name, shape in lazy.shapes.items()}
         print()
-        print(tp_table(cfg, state, ns.tp, DTYPES[ns.dtype]))
+        print(tp_table(cfg, state, ns.tp, torch_dtype(ns.dtype)))
     return 0
+
+
+def native_kernels() -> str:
+    """Whether the native kernels are built for this source, torch and CPU, and their SIMD paths, as
+    ``gqa.kernels.available()`` and ``simd_width()`` would say, without loading them or importing torch."""
+    from ..kernels import probe
+
+    path = probe.built_library()
+    if path is None:
+        return "not built (python -m gqa.kernels)"
+    simd = {16: "AVX-512", 8: "AVX2"}.get(probe.simd_width())
+    return f"built: {path}" + (f" ({simd})" if simd else " (no AVX2/AVX-512 here: scalar, so used for bf16 decode "
+                                                         "attention only)")  # fmt: skip
 
 
 def tp_table(cfg: ModelConfig, state: dict[str, torch.Tensor], tp: int, dtype: torch.dtype) -> str:
     """Markdown table: per rank of ``tp``, its query and KV heads, weight bytes and KV-cache bytes per token."""
+    from ..cache import kv_cache_bytes
     from ..models.tensor_parallel import rank_shard, rank_weight_bytes
 
     name = str(dtype).removeprefix("torch.")

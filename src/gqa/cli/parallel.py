@@ -15,16 +15,9 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from ..distributed import in_launched_world, init_process_group, launch_local
+from .common import add_tp_argument  # defined there, without torch (gqa generate --help)
 
 __all__ = ["add_tp_argument", "is_lead", "run_on_ranks", "tp_size"]
-
-
-def add_tp_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--tp", type=int, default=None, metavar="N",
-        help="tensor parallelism over N local processes that gqa starts (gloo on CPU); under torchrun the world "
-        "size is used (default: 1, or torchrun's world size)",
-    )  # fmt: skip
 
 
 def is_lead() -> bool:

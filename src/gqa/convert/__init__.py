@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
+from .._options import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME
 from ..distributed import in_launched_world, init_process_group
 from ..hardware import available_memory
 from ..loaders import read_model, resolve_model_path
@@ -74,10 +75,7 @@ __all__ = [
     "save_loss_curve",
 ]
 
-DEFAULT_METHOD = "pca"  # calibrated, training-free; far better than the paper's mean-pooling (docs/conversion.md)
 NEEDS_CALIBRATION = {"pca"}
-HEAL_PLOT_NAME = "heal_loss.png"  # written inside DST when healing: the loss curve
-HEAL_LOG_NAME = "heal_log.json"  # and the per-step losses, learning rates, settings and timing
 
 
 def convert_state(

@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._atomic import atomic_path
+from .._options import PRECISIONS, SHARDINGS, TRAINABLE, HealConfig
 from ..hardware import available_memory, fast_bf16
 
 __all__ = [
@@ -49,9 +50,6 @@ __all__ = [
     "save_loss_curve",
 ]
 
-TRAINABLE = ("attention", "all")
-PRECISIONS = ("auto", "bf16", "fp32")  # bf16: the passes under bfloat16 autocast, float32 weights and optimizer
-SHARDINGS = ("auto", "ddp", "fsdp")  # across processes: replicated models (DDP) or sharded ones (FSDP)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -64,49 +62,6 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
     if precision != "auto":
         return precision
     return "bf16" if fast_bf16(device) else "fp32"
-
-
-@dataclass(frozen=True)
-class HealConfig:
-    """The knobs of ``heal`` (see there), as one value for ``gqa.convert.convert(..., heal=HealConfig(...))``."""
-
-    steps: int
-    lr: float = 1e-4
-    seq_len: int = 256
-    batch_size: int = 1
-    train: str = "attention"
-    warmup: int | None = None
-    seed: int = 0
-    precision: str = "auto"
-    minutes: float | None = None
-    sharding: str = "auto"
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "seq_len", "batch_size", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"heal {name} must be an int, got {value!r}")
-        if self.steps < 1:
-            raise ValueError(f"heal steps must be >= 1, got {self.steps}")
-        if self.seq_len < 2:
-            raise ValueError(f"heal seq_len must be >= 2 tokens, got {self.seq_len}")
-        if self.batch_size < 1:
-            raise ValueError(f"heal batch_size must be >= 1, got {self.batch_size}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"heal lr must be a positive number, got {self.lr!r}")
-        if self.train not in TRAINABLE:
-            raise ValueError(f"heal train must be one of {', '.join(TRAINABLE)}; got {self.train!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"heal precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
-        if self.sharding not in SHARDINGS:
-            raise ValueError(f"heal sharding must be one of {', '.join(SHARDINGS)}; got {self.sharding!r}")
-        if self.minutes is not None and not (
-            isinstance(self.minutes, (int, float)) and not isinstance(self.minutes, bool)
-            and math.isfinite(self.minutes) and self.minutes > 0
-        ):  # fmt: skip
-            raise ValueError(f"heal minutes must be a positive number or None, got {self.minutes!r}")
-        if self.warmup is not None and not (isinstance(self.warmup, int) and 0 <= self.warmup <= self.steps):
-            raise ValueError(f"heal warmup must be an int in [0, steps={self.steps}], got {self.warmup!r}")
 
 
 @dataclass

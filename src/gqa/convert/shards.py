@@ -12,14 +12,14 @@ go to their place when the tensor is ready, in any order. Reading goes through t
 from __future__ import annotations
 
 import json
-import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from decimal import Decimal
 from pathlib import Path
 
 import torch
+
+from .._options import DEFAULT_MAX_SHARD_SIZE, SIZE_UNITS, parse_size  # noqa: F401 - defined there, torch-free
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -33,36 +33,7 @@ __all__ = [
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-# unit (upper case) -> bytes: every spelling parse_size takes. Bare K/M/G/T count powers of 1000 as KB/MB/GB/TB do
-# (transformers' convert_file_size_to_int: "5GB" is 5 * 10**9); an "i" (Ki, KiB, Gi, GiB, ...) makes them powers of 1024
-_UNITS = {"": 1, "B": 1} | {
-    prefix + suffix: base ** (i + 1)
-    for i, prefix in enumerate("KMGT")
-    for suffix, base in (("", 1000), ("B", 1000), ("I", 1024), ("IB", 1024))
-}
-SIZE_UNITS = (
-    "B; K, M, G, T or KB, MB, GB, TB (powers of 1000); Ki, Mi, Gi, Ti or KiB, MiB, GiB, TiB (powers of 1024); any case"
-)
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from a positive int or a size as transformers writes them: ``"5GB"`` (5 * 10**9), ``"500MB"``,
-    ``"2GiB"`` (2 * 2**30); also ``"500M"`` (bare K/M/G/T are decimal, as KB/MB/GB/TB), ``"2Gi"``, decimals
-    (``"1.5GB"``), any case. ``ValueError`` naming the accepted units for anything else, or for less than a byte."""
-    value = None
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    elif isinstance(size, str) and (m := re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", size, re.ASCII)):
-        unit = _UNITS.get(m.group(2).upper())
-        value = None if unit is None else int(Decimal(m.group(1)) * unit)  # exact: "4.35MB" is 4,350,000
-    if value is None or value < 1:
-        raise ValueError(
-            f"max shard size must be a positive number of bytes, or a number and a unit ({SIZE_UNITS}) such as '5GB' "
-            f"or '500MiB'; got {size!r}"
-        )
-    return value
 
 
 @dataclass(frozen=True)

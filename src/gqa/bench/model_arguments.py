@@ -1,0 +1,63 @@
+"""The flags of ``gqa bench model``, without torch (``gqa bench model --help``); ``model`` runs the benchmark and
+``model_worker`` each engine."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .._options import QUANT_FORMATS
+from ..cli.dtypes import dtype_type
+
+__all__ = ["DESCRIPTION", "ENGINES", "FLOAT_DTYPES", "QUANTIZED", "add_arguments"]
+
+DESCRIPTION = (  # the first paragraph of gqa.bench.model's docstring
+    "Whole-model benchmark: KV-cache size, prefill and decode tokens/s of gqa vs HF transformers on the same weights, "
+    "for the model as MHA, GQA and MQA."
+)
+FLOAT_DTYPES = ("fp32", "bf16")  # the float weights the benchmark runs (and HF transformers with it)
+QUANTIZED = QUANT_FORMATS  # the block formats
+ENGINES = ("gqa", "gqa-compile", "hf", "llama.cpp")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``gqa bench model`` on ``parser``."""
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=None, metavar="N",
+                        help="KV head counts to run (default: H_q, the model's own, 1; SmolLM2: 9 3 1)")  # fmt: skip
+    parser.add_argument("--contexts", type=int, nargs="+", default=None, metavar="S",
+                        help="prompt lengths in tokens (default: 128 1024 4096; with --tp: 512)")  # fmt: skip
+    parser.add_argument(
+        "--dtypes", nargs="+", type=dtype_type(FLOAT_DTYPES, QUANTIZED), default=["fp32", "bf16", "q4_1"],
+        metavar="DTYPE",
+        help="weights: fp32, bf16, or a block format q8_0, q4_0, q4_1 (a GGUF's own blocks when the file is in that "
+        "format, else quantized on load; activations bf16 where the CPU has native bf16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--engines", nargs="+", choices=ENGINES, default=["gqa", "hf", "llama.cpp"],
+        help="what runs the model: gqa (the default path of model.generate / gqa generate), gqa-compile "
+        "(compile=True), hf (transformers; float dtypes), llama.cpp (llama-cpp-python on the GGUF file in its own "
+        "format; skipped when not installed: make llama-cpp)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batch", type=int, nargs="+", default=None, metavar="B",
+        help="instead: decode throughput of B sequences at once (gqa engine; caches filled to each context)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-budget", type=float, default=None, metavar="GIB",
+        help="with --batch: also the largest batch whose KV cache fits GIB GiB at each context, and its throughput",
+    )  # fmt: skip
+    parser.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens generated per context")
+    parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, 8 new tokens, fp32, no compile")
+    parser.add_argument(
+        "--tp", type=int, nargs="+", default=None, metavar="N",
+        help="instead: the model (as it is) decoded by N tensor-parallel local processes for each N, eager, with "
+        "per-rank weight and KV-cache bytes and the all-reduces' share of decode time (e.g. --tp 1 2 3)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="write every number and the machine here"
+    )
+    parser.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="write the table here")
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="PATH", help="write the PNG plot here (needs matplotlib)"
+    )

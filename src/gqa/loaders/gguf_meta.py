@@ -1,0 +1,174 @@
+"""A llama.cpp GGUF file's header as gqa reads it, without torch: its metadata as a ``ModelConfig``, its tensors by HF
+name with their torch shapes, and the dtype each is read in (by torch's name for it). ``gguf_file`` reads the
+tensors themselves.
+
+GGUF lists a tensor's dims fastest-first (``ne0`` = columns), the reverse of torch's shape
+(``GGUFTensorInfo.shape``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from ..models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .expected import check_tensors
+from .gguf_reader import GGUFFile, GGUFTensorInfo
+
+__all__ = [
+    "SUPPORTED_QUANT_TYPES",
+    "gguf_config",
+    "gguf_tensors",
+    "hf_name",
+    "open_gguf",
+    "stored_dtype_name",
+]
+
+SUPPORTED_QUANT_TYPES = frozenset(
+    {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+)
+_FLOAT_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # GGUF float type -> torch name
+
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_MISSING = object()
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``), or
+    ``None`` for a name outside the Llama family's tensors."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """The checked header of the GGUF file ``path``; a missing, empty, non-GGUF, truncated or malformed file is a
+    ``ValueError``."""
+    return GGUFFile(path)
+
+
+def _meta(reader: GGUFFile, key: str, path: Path, default: Any = _MISSING) -> Any:
+    value = reader.metadata.get(key, _MISSING)
+    if value is _MISSING:
+        if default is _MISSING:
+            raise ValueError(f"{path}: GGUF metadata lacks the required key {key!r}")
+        return default
+    return value
+
+
+def _rope_scaling(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any] | None:
+    """HF ``rope_scaling`` from ``{arch}.rope.scaling.*`` (or the older ``{arch}.rope.scale_linear``)."""
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        raise ValueError(
+            f"{path}: per-dimension rope frequency factors (tensor rope_freqs.weight, Llama-3.1-style rope scaling) "
+            "are not supported; convert the HF checkpoint instead"
+        )
+    kind = _meta(reader, f"{arch}.rope.scaling.type", path, None)
+    if kind in (None, "none"):
+        linear = _meta(reader, f"{arch}.rope.scale_linear", path, None)
+        return {"rope_type": "linear", "factor": float(linear)} if linear not in (None, 1.0) else None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(_meta(reader, f"{arch}.rope.scaling.factor", path))}
+    original = _meta(reader, f"{arch}.rope.scaling.original_context_length", path, None)
+    if original:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
+    """The ``ModelConfig`` described by a GGUF file's metadata (``tie_word_embeddings``: no ``output.weight``)."""
+    arch = _meta(reader, "general.architecture", path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    names = {t.name for t in reader.tensors}
+    tokens = reader.metadata.get("tokenizer.ggml.tokens")
+    vocab = _meta(reader, f"{arch}.vocab_size", path, len(tokens) if isinstance(tokens, list) else _MISSING)
+    eos = [_meta(reader, f"tokenizer.ggml.{k}_token_id", path, None) for k in ("eos", "eot", "eom")]
+    try:
+        hidden = int(_meta(reader, f"{arch}.embedding_length", path))
+        heads = int(_meta(reader, f"{arch}.attention.head_count", path))
+        head_dim = _meta(reader, f"{arch}.attention.key_length", path, None)
+        head_dim = head_dim or _meta(reader, f"{arch}.rope.dimension_count", path, None) or hidden // heads
+        return ModelConfig(
+            arch=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length", path)),
+            num_layers=int(_meta(reader, f"{arch}.block_count", path)),
+            num_heads=heads,
+            num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", path, heads)),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+            rope_theta=float(_meta(reader, f"{arch}.rope.freq_base", path, 10000.0)),
+            rope_scaling=_rope_scaling(reader, arch, path),
+            max_position_embeddings=int(_meta(reader, f"{arch}.context_length", path, 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
+            output_bias="blk.0.attn_output.bias" in names,
+            bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id", path, None),
+            eos_token_id=list(dict.fromkeys(i for i in eos if i is not None)),
+            pad_token_id=_meta(reader, "tokenizer.ggml.padding_token_id", path, None),
+        )
+    except (TypeError, ValueError) as e:
+        msg = str(e) if str(e).startswith(str(path)) else f"{path}: bad GGUF metadata: {e}"
+        raise ValueError(msg) from None
+
+
+def gguf_tensors(
+    path: Path | GGUFFile,
+) -> tuple[GGUFFile, ModelConfig, dict[str, GGUFTensorInfo], dict[str, tuple[int, ...]]]:
+    """Open (unless given opened) and check a llama/qwen2 GGUF file without reading its weights: the header, the
+    config, and by HF name the file's tensors and their torch shapes (``ValueError`` for a damaged file, an
+    unsupported architecture or quantization type, or missing/unexpected/misshapen tensors)."""
+    reader = path if isinstance(path, GGUFFile) else open_gguf(path)
+    path = reader.path
+    cfg = gguf_config(reader, path)
+    by_name: dict[str, GGUFTensorInfo] = {}
+    unknown = []
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            unknown.append(t.name)
+        elif t.type.name not in SUPPORTED_QUANT_TYPES:
+            raise ValueError(
+                f"{path}: tensor {t.name} has unsupported type {t.type.name}; "
+                f"supported: {', '.join(sorted(SUPPORTED_QUANT_TYPES))}"
+            )
+        else:
+            by_name[name] = t
+    if unknown:
+        raise ValueError(f"{path}: tensors outside the {cfg.arch} layout: {', '.join(unknown)}")
+    shapes = {name: t.shape for name, t in by_name.items()}
+    check_tensors(cfg, shapes, str(path))
+    return reader, cfg, by_name, shapes
+
+
+def stored_dtype_name(t: GGUFTensorInfo) -> str:
+    """torch's name for the dtype a GGUF tensor is read in: its own for F32/F16/BF16, ``"float32"`` for quantized
+    blocks."""
+    return _FLOAT_NAMES.get(t.type.name, "float32")
