@@ -163,12 +163,12 @@ def test_help_texts(capsys, args, shown):
 
 def test_bench_is_a_group_of_benchmarks(capsys):
     code, out, _ = run_cli(capsys, "bench", "--help")
-    assert code == 0 and out.startswith("usage: gqa bench [-h] {attention,model,startup} ...")
+    assert code == 0 and out.startswith("usage: gqa bench [-h] {attention,model,startup,shared} ...")
     lines = " ".join(out.split())
     assert "attention time gqa's attention backends" in lines and "model KV-cache size, prefill and decode" in lines
-    assert "startup process wall time of import gqa" in lines
+    assert "startup process wall time of import gqa" in lines and "shared decode tok/s alone and beside busy" in lines
     assert "what" not in out and "args" not in out and "REMAINDER" not in out
-    for name, flag in (("attention", "--kv-heads H_KV"), ("model", "--engines")):
+    for name, flag in (("attention", "--kv-heads H_KV"), ("model", "--engines"), ("shared", "--beside")):
         code, out, _ = run_cli(capsys, "bench", name, "--help")
         assert code == 0 and out.startswith(f"usage: gqa bench {name} [-h]") and flag in out
         assert "attention.py" not in out

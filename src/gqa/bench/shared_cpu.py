@@ -5,7 +5,7 @@ busy processes (``--beside``), each a 2-thread torch matmul loop (``--busy torch
 suite) or a pure-Python loop (``--busy python``); the table shows decode tok/s (new tokens over the wall time from the
 first to the last, so stalls count) and the share of its alone speed each engine keeps. Engines run one at a time in
 fresh processes (``gqa.bench.model_worker``), taking turns in every round (``--rounds``, median shown), so a busy
-spell of the machine hits them alike. Run ``gqa bench shared --help`` for the flags.
+spell of the machine hits them alike.
 """
 
 from __future__ import annotations

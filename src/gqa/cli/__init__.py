@@ -47,6 +47,7 @@ def _subcommand(
 def build_parser() -> argparse.ArgumentParser:
     """The ``gqa`` parser: a subcommand each, ``bench`` with a subcommand per benchmark. Built from the commands'
     flags alone (``*_args``, ``bench.*arguments``, ``bench.startup``): no torch is imported until a command runs."""
+    from ..bench import shared_cpu as bench_shared
     from ..bench import startup as bench_startup
     from ..bench.arguments import DESCRIPTION as ATTENTION_DESCRIPTION
     from ..bench.arguments import add_arguments as add_attention_arguments
@@ -111,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
         bench_startup.DESCRIPTION,
     )
     bench_startup.add_arguments(startup)
+    shared = _subcommand(
+        benchmarks,
+        "shared",
+        "decode tok/s alone and beside busy processes: the share of its alone speed each engine keeps",
+        lambda ns, argv: bench_shared.run(shared, ns),
+        bench_shared.DESCRIPTION,
+    )
+    bench_shared.add_arguments(shared)
     return parser
 
 
