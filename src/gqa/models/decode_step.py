@@ -2,12 +2,15 @@
 
 A decoded token is a few thousand multiply-adds per weight row and little else, so in eager PyTorch the ~100 small
 ATen ops per layer (norms, RoPE, the cache write, masks, reshapes, residual adds) cost as much as streaming the
-weights. Here a layer is one native call, ``gqa::decode_layer``: ``rms_norm``, one GEMV over q/k/v,
-``decode_attend`` (RoPE, the cache write and grouped attention over each row's slots ``[start, cursor]``), the
-``o_proj`` GEMV, ``rms_norm``, one GEMV over gate/up, ``silu_mul`` and the ``down_proj`` GEMV — float or
-block-quantized weights alike. Layers it cannot take whole (tensor parallelism's all-reducing projections) run those
-same ops one call each from Python. Values round to the model's dtype where the eager code rounds, so it gives the
-eager path's results (tested against HF transformers); ``CausalLM.forward`` takes this path whenever it applies
+weights. Here the whole step — every layer, the final norm and ``lm_head`` — is one native call,
+``gqa::decode_model`` (``kernels/csrc/decode_step.cpp``): per layer a GEMV over q/k/v with RoPE and the cache write,
+grouped attention over each row's slots ``[start, cursor]``, ``o_proj``, a GEMV over gate/up with SwiGLU and
+``down_proj``, float or block-quantized weights alike, run as phases of small chunks that the calling thread and a
+pool of workers claim (``kernels/csrc/team.h``): a thread that loses its core to other work holds up one chunk, not
+every op of the step. Models the one call cannot take run a ``gqa::decode_layer`` call per layer, and layers it
+cannot take whole (tensor parallelism's all-reducing projections) run the same ops one call each from Python. Values
+round to the model's dtype where the eager code rounds, so every path gives the eager path's results (tested against
+HF transformers, and bit for bit against each other); ``CausalLM.forward`` takes this path whenever it applies
 (``applies``) and the eager one otherwise. No compilation, so the first token is as fast as the rest.
 """
 
