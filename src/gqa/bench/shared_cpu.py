@@ -11,12 +11,10 @@ spell of the machine hits them alike.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
@@ -88,7 +86,7 @@ def table(rows: list[dict], beside: list[int], kind: str) -> str:
 
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    from . import write_json_atomic, write_text_atomic
+    from . import write_results
     from .model import llama_cpp_available
 
     if ns.rounds < 1 or ns.context < 1 or ns.new_tokens < 2 or min(ns.beside) < 0:
@@ -108,17 +106,5 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
                 print(f"[bench shared] beside {n}: round {round_index + 1} of {ns.rounds}", file=sys.stderr, flush=True)
     rows = [{"engine": e, "tok_s": {n: statistics.median(s) for n, s in samples[e].items()}, "samples": samples[e]}
             for e in engines]  # fmt: skip
-    flags = sys.argv[sys.argv.index("shared") + 1 :] if "shared" in sys.argv else []
-    result = {
-        "command": " ".join(["gqa bench shared", *flags]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(),
-        "busy": BUSY[ns.busy],
-        "rows": rows,
-    }
-    ns.out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(ns.out / "results.json", result)
-    text = f"`{result['command']}` ({result['date']}, {os.cpu_count()} CPUs)\n\n{table(rows, ns.beside, ns.busy)}\n"
-    write_text_atomic(ns.out / "results.md", text)
-    print(text)
+    write_results(ns.out, "shared", {"busy": BUSY[ns.busy], "rows": rows}, table(rows, ns.beside, ns.busy))
     return 0

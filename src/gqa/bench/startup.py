@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
@@ -112,7 +111,7 @@ def table(rows: list[dict]) -> str:
 
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    from . import write_json_atomic, write_text_atomic
+    from . import write_results
     from .model import llama_cpp_available
 
     if ns.runs < 1:
@@ -128,19 +127,6 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             seconds[case.name] += measure(case, 1, env)
         print(f"[bench startup] round {run_index + 1} of {ns.runs} done", file=sys.stderr, flush=True)
     rows = [{"name": name, "seconds": s, "median": statistics.median(s)} for name, s in seconds.items()]
-    flags = sys.argv[sys.argv.index("startup") + 1 :] if "startup" in sys.argv else []
-    command = " ".join(["gqa bench startup", *flags])
-    result = {
-        "command": command.strip(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(),
-        "load_average": os.getloadavg(),
-        "llama_cpp": llama_cpp,
-        "rows": rows,
-    }
-    ns.out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(ns.out / "results.json", result)
-    text = f"`{result['command']}` ({result['date']}, {os.cpu_count()} CPUs)\n\n{table(rows)}\n"
-    write_text_atomic(ns.out / "results.md", text)
-    print(text)
+    fields = {"load_average": os.getloadavg(), "llama_cpp": llama_cpp, "rows": rows}
+    write_results(ns.out, "startup", fields, table(rows))
     return 0
