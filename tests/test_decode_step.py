@@ -320,14 +320,18 @@ def test_one_call_op_equals_decode_layer_per_layer_on_odd_shapes(dtype, threads,
     def fresh():
         return [(k.clone(), v.clone()) for k, v in caches], [torch.tensor(pos) for _ in layers]
 
+    big = torch.randn(E, generator=g).to(dtype) * 50
+    head[[5, 700, 900]], head[[6, 701, 901]] = big, -big  # equal largest logits in 3 lm_head chunks: the first wins
+    x[1, 3] = float("nan")  # row 1: every logit NaN, whose argmax is 0 (torch's: NaN is the largest)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         kv1, cur1 = fresh()
+        greedy = torch.empty(B, dtype=torch.long)
         one = torch.ops.gqa.decode_model(
             x, [n[0] for n, *_ in layers], [n[1] for n, *_ in layers], eps, [w for _, ws, _, _ in layers for w in ws],
             [c for _, _, cs, _ in layers for c in cs], [b for *_, bs in layers for b in bs], cos, sin,
-            [k for k, _ in kv1], [v for _, v in kv1], starts, cur1, scale, final_norm, eps, head, -1,
+            [k for k, _ in kv1], [v for _, v in kv1], starts, cur1, scale, final_norm, eps, head, -1, greedy,
         )  # fmt: skip
         kv2, cur2 = fresh()
         h = x
@@ -336,11 +340,17 @@ def test_one_call_op_equals_decode_layer_per_layer_on_odd_shapes(dtype, threads,
         per_layer = torch.ops.gqa.linear_rows(torch.ops.gqa.rms_norm(h, final_norm, eps), head, None)
     finally:
         torch.set_num_threads(previous)
-    assert torch.equal(one, per_layer)
-    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(kv1, kv2, strict=True))
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(kv1, kv2, strict=True))
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # bit for bit, NaN where the other has NaN
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0), b.nan_to_num(0))
+
+    assert same(one, per_layer)
+    assert torch.equal(greedy, one.float().argmax(-1))  # torch's argmax, ties and NaN included
+    assert one[1].isnan().all() and greedy[1] == 0 and {int(greedy[0]), int(greedy[2])} <= {5, 6}
+    assert all(same(a, b) for (a, _), (b, _) in zip(kv1, kv2, strict=True))
+    assert all(same(a, b) for (_, a), (_, b) in zip(kv1, kv2, strict=True))
     assert [int(c) for c in cur1] == [pos + 1] * len(layers) == [int(c) for c in cur2]
-    assert torch.isfinite(one).all() and one.float().std() > 0.1  # a real result, not zeros
+    assert one[0].float().std() > 0.1  # a real result, not zeros
 
 
 def _small_step_args(g: torch.Generator, dtype=torch.float32):
@@ -396,3 +406,36 @@ def test_a_full_cache_is_refused_before_any_work():
         torch.ops.gqa.decode_model(*args)
     assert [int(c) for c in cursors] == [0, 16]
     assert all(torch.equal(a, k) for a, (k, _) in zip(before, caches, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_generation_takes_the_native_argmax_and_gives_the_same_tokens(tmp_path, monkeypatch, dtype):
+    """Greedy ``generate`` uses the argmax the one-call step finds while writing the logits, with the tokens that
+    ``sample_next`` picks from the same logits; a hooked model goes through ``model(...)`` as before."""
+    from gqa import generation
+
+    hf_model(tmp_path, "qwen2", 6, 2, 16)
+    model = gqa.load_model(tmp_path, dtype=dtype, tokenizer=False)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    picked = []
+    real = decode_step.decode_step
+
+    def spy(*args, **kwargs):
+        picked.append(kwargs.get("greedy") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_step, "decode_step", spy)
+    native = generation.generate(model, prompts, max_new_tokens=6, eos_token_ids=[])
+    assert picked == [True] * 5  # every step after the prefill found its tokens natively
+    picked.clear()
+    with monkeypatch.context() as m:
+        m.setattr(generation, "_plain", lambda model: False)
+        plain = generation.generate(model, prompts, max_new_tokens=6, eos_token_ids=[])
+    assert picked == [False] * 5 and native == plain
+    picked.clear()
+    handle = model.register_forward_hook(lambda *a: None)
+    try:
+        assert generation.generate(model, prompts, max_new_tokens=6, eos_token_ids=[]) == native
+    finally:
+        handle.remove()
+    assert picked == [False] * 5

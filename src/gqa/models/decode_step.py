@@ -51,9 +51,12 @@ def applies(model: torch.nn.Module, input_ids: torch.Tensor, caches: list | None
     )
 
 
-def decode_step(model: torch.nn.Module, input_ids: torch.Tensor, caches: list[StaticKVCache]) -> torch.Tensor:
+def decode_step(
+    model: torch.nn.Module, input_ids: torch.Tensor, caches: list[StaticKVCache], greedy: torch.Tensor | None = None
+) -> torch.Tensor:
     """Logits ``(B, 1, vocab)`` of ``input_ids (B, 1)``, appending each layer's K/V to its cache (``applies`` must
-    hold)."""
+    hold). ``greedy``, an int64 ``(B,)`` tensor, gets each row's argmax (``logits.float().argmax(-1)``), found by the
+    native call while it writes the logits."""
     global calls
     calls += 1
     B = input_ids.shape[0]
@@ -68,7 +71,7 @@ def decode_step(model: torch.nn.Module, input_ids: torch.Tensor, caches: list[St
             x, norms1, norms2, eps, weights, formats, biases, cos, sin, [c.key for c in caches],
             [c.value for c in caches], [c.start for c in caches], [c.cursor for c in caches],
             1.0 / math.sqrt(backbone.layers[0].self_attn.head_dim), backbone.norm.weight, backbone.norm.eps,
-            head, head_format,
+            head, head_format, greedy,
         )  # fmt: skip
         return logits.view(B, 1, -1)
     for layer, cache in zip(backbone.layers, caches, strict=True):
@@ -89,7 +92,10 @@ def decode_step(model: torch.nn.Module, input_ids: torch.Tensor, caches: list[St
         gate, up = linears(h, (mlp.gate_proj, mlp.up_proj))  # (B, F) each
         x = x + mlp.down_proj(torch.ops.gqa.silu_mul(gate, up))
     x = torch.ops.gqa.rms_norm(x, backbone.norm.weight, backbone.norm.eps)
-    return model.lm_head(x).view(B, 1, -1)
+    logits = model.lm_head(x)
+    if greedy is not None:
+        greedy.copy_(logits.float().argmax(-1))
+    return logits.view(B, 1, -1)
 
 
 _ARGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (modules, dtype, _model_args(...))

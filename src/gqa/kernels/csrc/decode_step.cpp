@@ -16,7 +16,9 @@
 //                     formats [7 per layer: -1 float, else the block format], qkv_biases [3 per layer, or None],
 //                     cos (B, D), sin (B, D), key_caches [(B, H_kv, C, D)], value_caches [(B, H_kv, C, Dv)],
 //                     starts [(B,) int64], cursors [() int64], scale, final_norm (E,), final_eps, head (V, E) or
-//                     blocks, head_format) -> logits (B, V); each cache gets the new K/V at its cursor, cursor += 1.
+//                     blocks, head_format, greedy (B,) int64?) -> logits (B, V); each cache gets the new K/V at its
+//                     cursor, cursor += 1; greedy, when given, gets each row's argmax (torch.argmax's, on the logits
+//                     as returned: the first of equal maxima, NaN as the largest), found chunk by chunk in lm_head.
 
 #include "attention.h"
 #include "gemv.h"
@@ -46,6 +48,17 @@ int64_t chunk_rows(const Matrix& m, int64_t elem) {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A row's largest logit in a range and its first index; NaN counts as larger than any number (as torch.argmax has
+// it), the first NaN winning.
+struct Best {
+  float value = -std::numeric_limits<float>::infinity();
+  int64_t index = -1;
+
+  void offer(float v, int64_t i) {
+    if (index < 0 || (std::isnan(v) && !std::isnan(value)) || v > value) value = v, index = i;
+  }
+};
 
 enum Phase : int { QKV = 0, ATTENTION = 1, O_PROJ = 2, GATE_UP = 3, DOWN = 4, PHASES_PER_LAYER = 5 };
 
@@ -80,6 +93,7 @@ struct Step {
   T* qr;          // (B, Hq * D) roped queries
   T* m;           // (B, F) silu(gate) * up
   T* logits;      // (B, V)
+  Best* best = nullptr;  // (B, lm_head chunks): each chunk's greedy pick per row, when asked for
   const float *cos, *sin;
   std::vector<Layer<T>> layers;
   const T* final_norm;
@@ -190,8 +204,13 @@ struct Step {
       const int64_t m0 = c * head_rows, rows = std::min(head_rows, V - m0);
       gemv(s, head, m0, rows, s.sums);
       round_out(s.sums, head, m0, rows, s.rounded);
-      for (int64_t b = 0; b < B; ++b)
-        std::copy(s.rounded.data() + b * rows, s.rounded.data() + (b + 1) * rows, logits + b * V + m0);
+      for (int64_t b = 0; b < B; ++b) {
+        const T* r = s.rounded.data() + b * rows;
+        std::copy(r, r + rows, logits + b * V + m0);
+        if (best == nullptr) continue;
+        Best& pick = best[b * ceil_div(V, head_rows) + c];
+        for (int64_t i = 0; i < rows; ++i) pick.offer(to_float(r[i]), m0 + i);
+      }
       return;
     }
     const Layer<T>& l = layers[phase / PHASES_PER_LAYER];
@@ -264,7 +283,7 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
                              const at::Tensor& sin, at::TensorList key_caches, at::TensorList value_caches,
                              at::TensorList starts, at::TensorList cursors, double scale,
                              const at::Tensor& final_norm, double final_eps, const at::Tensor& head,
-                             int64_t head_format) {
+                             int64_t head_format, const c10::optional<at::Tensor>& greedy) {
   const at::ScalarType dtype = x.scalar_type();
   const int64_t elem = static_cast<int64_t>(sizeof(T));
   Step<T> st;
@@ -341,6 +360,12 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   st.final_norm = final_norm.const_data_ptr<T>();
   st.head = matrix(head, head_format, st.E, c10::nullopt, dtype, "lm_head", -1);
   st.head_rows = chunk_rows(st.head, elem);
+  if (greedy.has_value())
+    TORCH_CHECK(greedy->scalar_type() == at::kLong && greedy->is_contiguous() &&
+                    greedy->sizes() == at::IntArrayRef({st.B}),
+                "gqa::decode_model: greedy must be a contiguous int64 (B,) tensor, got ", greedy->sizes());
+  std::vector<Best> best(greedy.has_value() ? st.B * ceil_div(st.V, st.head_rows) : 0);
+  st.best = greedy.has_value() ? best.data() : nullptr;
 
   at::Tensor h = x.clone();
   at::Tensor qr = at::empty({st.B, st.Hq * st.D}, x.options());
@@ -358,6 +383,15 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   work.run<ThreadState<T>>(
       [&](ThreadState<T>& s, size_t phase, int64_t c, bool first) { st.run_chunk(s, phase, c, first); });
   for (const at::Tensor& cursor : cursors) const_cast<at::Tensor&>(cursor).add_(1);
+  if (greedy.has_value()) {  // the chunks in order: the first of equal maxima wins, as in torch.argmax
+    const int64_t chunks = ceil_div(st.V, st.head_rows);
+    int64_t* out = greedy->mutable_data_ptr<int64_t>();
+    for (int64_t b = 0; b < st.B; ++b) {
+      Best pick;
+      for (int64_t c = 0; c < chunks; ++c) pick.offer(best[b * chunks + c].value, best[b * chunks + c].index);
+      out[b] = pick.index;
+    }
+  }
   return logits;
 }
 
@@ -366,7 +400,8 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
                         const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
                         const at::Tensor& sin, at::TensorList key_caches, at::TensorList value_caches,
                         at::TensorList starts, at::TensorList cursors, double scale, const at::Tensor& final_norm,
-                        double final_eps, const at::Tensor& head, int64_t head_format) {
+                        double final_eps, const at::Tensor& head, int64_t head_format,
+                        const c10::optional<at::Tensor>& greedy) {
   const size_t L = norms1.size();
   TORCH_CHECK(L >= 1 && norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
                   qkv_biases.size() == 3 * L && key_caches.size() == L && value_caches.size() == L &&
@@ -376,11 +411,12 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gqa::decode_model: x must be contiguous (B, E), got ", x.sizes());
   if (x.scalar_type() == at::kFloat)
     return decode_model_impl<float>(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_caches,
-                                    value_caches, starts, cursors, scale, final_norm, final_eps, head, head_format);
+                                    value_caches, starts, cursors, scale, final_norm, final_eps, head, head_format,
+                                    greedy);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gqa::decode_model: float32 or bfloat16 only, got ", x.scalar_type());
   return decode_model_impl<at::BFloat16>(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_caches,
                                          value_caches, starts, cursors, scale, final_norm, final_eps, head,
-                                         head_format);
+                                         head_format, greedy);
 }
 
 }  // namespace
@@ -390,7 +426,7 @@ TORCH_LIBRARY_FRAGMENT(gqa, m) {
       "decode_model(Tensor x, Tensor[] norms1, Tensor[] norms2, float eps, Tensor[] weights, int[] formats, "
       "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
       "Tensor[] starts, Tensor(c!)[] cursors, float scale, Tensor final_norm, float final_eps, Tensor head, "
-      "int head_format) -> Tensor");
+      "int head_format, Tensor(d!)? greedy=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gqa, CPU, m) { m.impl("decode_model", &decode_model); }
