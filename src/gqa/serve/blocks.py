@@ -1,0 +1,162 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks handed out to sequences, reference counts, and prefix caching.
+
+The cache itself is one preallocated pool of ``num_blocks`` blocks of ``block_size`` token slots per layer (holding
+the model's ``H_kv`` heads only); a sequence owns a *block table*, the list of block ids its tokens live in, in order.
+``BlockManager`` decides which blocks those are. It never touches tensors.
+
+Prefix caching: a *full* block is identified by a hash of its token ids chained with the hash of the block before it,
+so equal hashes mean equal whole prefixes. A new sequence whose prompt starts with blocks already in the cache shares
+them (their reference count goes up) and only the rest is computed; a chat template's system prompt is then read once.
+A block whose last user leaves stays cached while it is free: it is reused for a new prefix hit, or reclaimed (least
+recently freed first) when fresh blocks run out.
+
+    manager = BlockManager(num_blocks=1024, block_size=16)
+    table = manager.allocate(prompt_ids)      # BlockTable: .blocks, .cached_tokens (a prefix-cache hit)
+    manager.computed(table, len(prompt_ids))  # after the step wrote their K/V: full blocks become shareable
+    manager.append(table, next_id)            # one more token; a new block when the last one is full
+    manager.free(table)                       # blocks go back (full ones stay cached until reclaimed)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+__all__ = ["BlockManager", "BlockTable", "OutOfBlocks"]
+
+
+class OutOfBlocks(RuntimeError):
+    """No free block is left: the scheduler preempts a sequence (recomputed later) or waits."""
+
+
+@dataclass
+class BlockTable:
+    """One sequence's blocks in order, its tokens, and how many leading tokens came from the prefix cache."""
+
+    blocks: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block, in order
+
+    def slot(self, position: int, block_size: int) -> tuple[int, int]:
+        """``(block id, offset)`` of token ``position``."""
+        return self.blocks[position // block_size], position % block_size
+
+
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    """The identity of a full block: its token ids and everything before it (through ``parent``)."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(b"".join(t.to_bytes(8, "little", signed=True) for t in tokens))
+    return digest.digest()
+
+
+class BlockManager:
+    """Hands out ``num_blocks`` blocks of ``block_size`` slots; counts references; caches full blocks by prefix."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.refs = [0] * num_blocks
+        self._fresh = list(range(num_blocks - 1, -1, -1))  # never used or reclaimed: popped from the end
+        self._cached: dict[bytes, int] = {}  # full block hash -> block id
+        self._hash_of: dict[int, bytes] = {}  # block id -> its hash, for blocks in _cached
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody uses, least recently freed first
+        self.prefix_hits = 0  # blocks shared from the prefix cache since creation
+        self.prefix_queries = 0  # full prompt blocks looked up
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a new sequence can get: never used, or cached but unused (reclaimable)."""
+        return len(self._fresh) + len(self._idle)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, tokens: list[int]) -> BlockTable:
+        """A table for a new sequence holding ``tokens`` (its prompt), sharing the cached blocks of its longest cached
+        prefix of full blocks. At least the last prompt token is left uncached (its logits are needed), so a prompt
+        of whole cached blocks recomputes its last block. Raises ``OutOfBlocks`` (and takes nothing) if the rest does
+        not fit."""
+        if not tokens:
+            raise ValueError("a sequence needs at least one token")
+        size = self.block_size
+        table = BlockTable(tokens=list(tokens))
+        parent, shared = b"", []
+        for start in range(0, len(tokens) - 1 - (len(tokens) - 1) % size, size):  # full blocks before the last token
+            h = block_hash(parent, tokens[start : start + size])
+            self.prefix_queries += 1
+            block = self._cached.get(h)
+            if block is None:
+                break
+            shared.append((block, h))
+            parent = h
+        needed = self.blocks_needed(len(tokens)) - len(shared)
+        reclaimable = len(self._idle) - sum(1 for block, _ in shared if block in self._idle)
+        if needed > len(self._fresh) + reclaimable:
+            raise OutOfBlocks(f"{needed} blocks needed, {len(self._fresh) + reclaimable} free")
+        for block, h in shared:
+            self._take(block)
+            table.blocks.append(block)
+            table.hashes.append(h)
+        self.prefix_hits += len(shared)
+        table.cached_tokens = len(shared) * size
+        for _ in range(needed):
+            table.blocks.append(self._new_block())
+        return table
+
+    def append(self, table: BlockTable, token: int) -> None:
+        """One more token for ``table``'s sequence: a new block when its last one is full (``OutOfBlocks`` if none
+        is left; the table is then unchanged)."""
+        if len(table.tokens) == len(table.blocks) * self.block_size:
+            table.blocks.append(self._new_block())
+        table.tokens.append(token)
+
+    def free(self, table: BlockTable) -> None:
+        """Gives ``table``'s blocks back: unused cached blocks stay reusable until reclaimed."""
+        for block in reversed(table.blocks):
+            self.refs[block] -= 1
+            if self.refs[block] < 0:
+                raise RuntimeError(f"block {block} freed more often than taken")
+            if self.refs[block] == 0:
+                if block in self._hash_of:
+                    self._idle[block] = None
+                else:
+                    self._fresh.append(block)
+        table.blocks.clear()
+        table.hashes.clear()
+
+    def _take(self, block: int) -> None:
+        if self.refs[block] == 0:
+            self._idle.pop(block, None)
+        self.refs[block] += 1
+
+    def _new_block(self) -> int:
+        if self._fresh:
+            block = self._fresh.pop()
+        elif self._idle:
+            block, _ = self._idle.popitem(last=False)  # reclaim the least recently freed cached block
+            del self._cached[self._hash_of.pop(block)]
+        else:
+            raise OutOfBlocks("no free block")
+        self.refs[block] = 1
+        return block
+
+    def computed(self, table: BlockTable, num_tokens: int) -> None:
+        """The K/V of ``table``'s first ``num_tokens`` tokens are written: its full blocks among them enter the prefix
+        cache (before that another sequence must not share them)."""
+        if not 0 <= num_tokens <= len(table.tokens):
+            raise ValueError(f"num_tokens must be in [0, {len(table.tokens)}], got {num_tokens}")
+        size = self.block_size
+        while (len(table.hashes) + 1) * size <= num_tokens:
+            i = len(table.hashes)
+            parent = table.hashes[-1] if table.hashes else b""
+            h = block_hash(parent, table.tokens[i * size : (i + 1) * size])
+            table.hashes.append(h)
+            block = table.blocks[i]
+            if h not in self._cached and block not in self._hash_of:
+                self._cached[h] = block
+                self._hash_of[block] = h
