@@ -104,23 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
         MODEL_DESCRIPTION,
     )
     add_model_bench_arguments(model)
-    startup = _subcommand(
-        benchmarks,
-        "startup",
-        "process wall time of import gqa, gqa info, a first token and load_model, beside llama.cpp's",
-        lambda ns, argv: bench_startup.run(startup, ns),
-        bench_startup.DESCRIPTION,
-    )
-    bench_startup.add_arguments(startup)
-    shared = _subcommand(
-        benchmarks,
-        "shared",
-        "decode tok/s alone and beside busy processes: the share of its alone speed each engine keeps",
-        lambda ns, argv: bench_shared.run(shared, ns),
-        bench_shared.DESCRIPTION,
-    )
-    bench_shared.add_arguments(shared)
+    for name, summary, module in (
+        ("startup", "process wall time of import gqa, gqa info, a first token and load_model, beside llama.cpp's",
+         bench_startup),
+        ("shared", "decode tok/s alone and beside busy processes: the share of its alone speed each engine keeps",
+         bench_shared),
+    ):  # fmt: skip
+        _flag_only_benchmark(benchmarks, name, summary, module)
     return parser
+
+
+def _flag_only_benchmark(benchmarks: argparse._SubParsersAction, name: str, summary: str, module: ModuleType) -> None:
+    """``gqa bench NAME`` for a benchmark module that imports no torch at import: its ``DESCRIPTION``,
+    ``add_arguments`` and ``run(parser, ns)``."""
+    parser = _subcommand(benchmarks, name, summary, lambda ns, argv: module.run(parser, ns), module.DESCRIPTION)
+    module.add_arguments(parser)
 
 
 def _ns(command: str) -> Handler:

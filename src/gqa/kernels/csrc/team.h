@@ -30,6 +30,13 @@
 
 namespace gqa_cpu {
 
+// A spin-wait iteration: tells the core (and its hyper-thread sibling) that this thread only waits.
+inline void spin_pause() {
+#if defined(__SSE2__)
+  _mm_pause();
+#endif
+}
+
 // Threads kept for PhasedWork between calls: at::get_num_threads() - 1 workers that wait for a job, spinning a little
 // and then asleep, and join a job whenever they get a core; the calling thread works on the job too. Unlike a
 // parallel region (OpenMP's, at::parallel_for's), a call does not wait for every thread to arrive and leave: a worker
@@ -127,7 +134,7 @@ class WorkerPool {
     for (;;) {
       for (int spins = 0; generation_.load() == seen; ++spins) {
         if (spins < IDLE_SPINS) {
-          pause();
+          spin_pause();
         } else {
           std::unique_lock<std::mutex> lock(sleep_mutex_);
           sleepers_.fetch_add(1);
@@ -147,12 +154,6 @@ class WorkerPool {
       }
       active_.fetch_sub(1);
     }
-  }
-
-  static void pause() {
-#if defined(__SSE2__)
-    _mm_pause();
-#endif
   }
 
   std::mutex run_mutex_, sleep_mutex_;
@@ -216,9 +217,7 @@ class PhasedWork : public WorkerPool::Job {
       for (int spins = 0; c.done.value.load(std::memory_order_acquire) < chunks_[p]; ++spins) {
         if (failed_.load(std::memory_order_relaxed)) return;
         if (spins < SPINS) {
-#if defined(__SSE2__)
-          _mm_pause();
-#endif
+          spin_pause();
         } else {
           std::this_thread::yield();
         }
