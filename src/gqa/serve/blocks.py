@@ -115,6 +115,12 @@ class BlockManager:
             table.blocks.append(self._new_block())
         table.tokens.append(token)
 
+    def reserve(self, table: BlockTable, num_tokens: int) -> None:
+        """Blocks for ``num_tokens`` slots in ``table``, new ones appended; ``OutOfBlocks`` when none is left (the
+        table keeps the blocks it got)."""
+        while len(table.blocks) * self.block_size < num_tokens:
+            table.blocks.append(self._new_block())
+
     def free(self, table: BlockTable) -> None:
         """Gives ``table``'s blocks back: unused cached blocks stay reusable until reclaimed."""
         for block in reversed(table.blocks):

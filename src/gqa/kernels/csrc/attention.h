@@ -13,6 +13,7 @@ using namespace gqa_simd;
 constexpr int64_t CHUNK = 64;  // keys per online-softmax step: the chunk's K/V rows stay in L1
 constexpr int64_t ROW_TILE = 4;         // query rows that share each loaded value row
 constexpr int64_t PREFETCH_CHUNKS = 2;  // K/V rows this many chunks ahead are prefetched
+constexpr int64_t PAGED_SPAN = 256;     // keys per split of a paged cache
 
 inline void to_float_row(const BFloat16* x, float* y, int64_t n) {
   int64_t i = 0;
@@ -174,11 +175,24 @@ struct GroupedAttention {
   bool causal;
   MaskView mask;
   const int64_t* start;  // (B,) first visible slot per row (left padding), or nullptr
+  // A paged cache: k and v are pools of blocks, dims 0..2 of ks/vs striding (block, head, slot in block); slot j of
+  // row b is slot j % block of block table[b * table_stride + j / block]. Row b sees its first lengths[b] slots
+  // (lengths may be set without a table too).
+  const int64_t* table = nullptr;
+  int64_t table_stride = 0, block = 0;
+  const int64_t* lengths = nullptr;
   int64_t splits, span;
   float *part_m, *part_l, *part_acc;  // (B * H_kv * splits, R), the same, (B * H_kv * splits, R, Dv)
 
-  // Split the context so that there are a few tasks per thread, each at least 256 keys long.
+  // Split the context so that there are a few tasks per thread, each at least 256 keys long. A paged cache is split
+  // every PAGED_SPAN keys (rounded up to whole blocks) whatever the batch and the thread count: a row's result then
+  // does not depend on the other rows of the batch.
   void plan(int64_t threads) {
+    if (table != nullptr) {
+      span = (PAGED_SPAN + block - 1) / block * block;
+      splits = std::max<int64_t>(1, (S + span - 1) / span);
+      return;
+    }
     const int64_t heads = B * H;
     splits = std::max<int64_t>(1, std::min<int64_t>((S + 255) / 256, (4 * threads + heads - 1) / heads));
     span = (S + splits - 1) / splits;
@@ -220,10 +234,17 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
   float* qf = sc.qf.data();
   float* alpha = sc.alpha.data();
   const int64_t head = task / splits, split = task % splits, b = head / H, h = head % H;
-  const int64_t j_begin = split * span, j_end = std::min(S, j_begin + span);
+  const int64_t S_b = lengths ? std::min(S, lengths[b]) : S;
+  const int64_t j_begin = split * span, j_end = std::min(S_b, j_begin + span);
   const T* qh = q + b * qs[0] + h * qs[1];
-  const T* kh = k + b * ks[0] + h * ks[1];
-  const T* vh = v + b * vs[0] + h * vs[1];
+  const int64_t* blocks = table ? table + b * table_stride : nullptr;
+  // The key (value) row of slot j.
+  auto row_of = [&](const T* base, const int64_t* st, int64_t j) -> const T* {
+    if (blocks) return base + blocks[j / block] * st[0] + h * st[1] + (j % block) * st[2];
+    return base + b * st[0] + h * st[1] + j * st[2];
+  };
+  auto key_row = [&](int64_t j) { return row_of(k, ks, j); };
+  auto value_row = [&](int64_t j) { return row_of(v, vs, j); };
   const int64_t sk = ks[2], sv = vs[2];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(qh[r * qs[2] + d]) * scale;
@@ -235,75 +256,78 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
   std::fill(acc, acc + R * Dv, 0.0f);
   const int64_t first = start ? std::max(j_begin, start[b]) : j_begin;  // left padding: slots before start[b]
 
-        for (int64_t c0 = first; c0 < j_end; c0 += CHUNK) {
-          const int64_t n = std::min(CHUNK, j_end - c0);
-  #if GQA_SIMD > 1
-          // Prefetch the K/V rows PREFETCH_CHUNKS chunks ahead: the hardware prefetcher alone leaves bandwidth unused.
-          for (int64_t c = c0 + PREFETCH_CHUNKS * CHUNK; c < std::min(j_end, c0 + (PREFETCH_CHUNKS + 1) * CHUNK); ++c) {
-            for (int64_t d = 0; d < D; d += 64 / int64_t(sizeof(T)))
-              _mm_prefetch(reinterpret_cast<const char*>(kh + c * sk + d), _MM_HINT_T0);
-            for (int64_t d = 0; d < Dv; d += 64 / int64_t(sizeof(T)))
-              _mm_prefetch(reinterpret_cast<const char*>(vh + c * sv + d), _MM_HINT_T0);
-          }
-  #endif
-          const float* kc = nullptr;  // the chunk's keys as float32 rows, stride kstride
-          int64_t kstride = 0;
-          if (use_dpbf16) {
-            // scores straight from the bf16 rows, below
-          } else if constexpr (std::is_same_v<T, float>) {
-            kc = kh + c0 * sk;
-            kstride = sk;
-          } else {
-            for (int64_t c = 0; c < n; ++c) to_float_row(kh + (c0 + c) * sk, sc.kbuf.data() + c * D, D);
-            kc = sc.kbuf.data();
-            kstride = D;
-          }
-          for (int64_t r = 0; r < R; ++r) {
-            const int64_t g = r / L, lr = r % L;
-            // Keys this row may see in the chunk: [c0, c0 + visible).
-            int64_t visible = n;
-            if (causal) visible = std::max<int64_t>(0, std::min(n, S - L + lr + 1 - c0));
-            float* s = sc.scores.data() + r * CHUNK;
-  #if defined(__AVX512BF16__)
-            if constexpr (std::is_same_v<T, BFloat16>) {
-              if (use_dpbf16) chunk_scores_bf16(qh + r * qs[2], kh + c0 * sk, sk, visible, D, scale, s);
-            }
-  #endif
-            if (!use_dpbf16) chunk_scores(qf + r * D, kc, kstride, visible, D, s);
-            for (int64_t c = visible; c < n; ++c) s[c] = NEG_INF;
-            if (mask.data) {
-              const int64_t off = b * mask.sb + h * mask.sh + g * mask.sg + lr * mask.sl;
-              if (mask.is_bool) {
-                const bool* mp = static_cast<const bool*>(mask.data) + off;
-                for (int64_t c = 0; c < visible; ++c)
-                  if (!mp[(c0 + c) * mask.ss]) s[c] = NEG_INF;
-              } else {
-                const float* mp = static_cast<const float*>(mask.data) + off;
-                for (int64_t c = 0; c < visible; ++c) s[c] += mp[(c0 + c) * mask.ss];
-              }
-            }
-            const float mx = max_of(s, visible);
-            if (mx == NEG_INF) {  // nothing visible in this chunk for this row: weights 0, accumulator unchanged
-              std::fill(s, s + n, 0.0f);
-              alpha[r] = 1.0f;
-              continue;
-            }
-            const float m_new = max_nan(m[r], mx);  // NaN stays: the row's output is NaN, as in torch
-            alpha[r] = (m[r] == NEG_INF) ? 0.0f : std::exp(m[r] - m_new);
-            const float psum = exp_shifted(s, m_new, visible);
-            std::fill(s + visible, s + n, 0.0f);
-            l[r] = l[r] * alpha[r] + psum;
-            m[r] = m_new;
-          }
-          const T* vc = vh + c0 * sv;
-          int64_t r = 0;
-          for (; r + ROW_TILE <= R; r += ROW_TILE)
-            accumulate_values<T, ROW_TILE>(acc + r * Dv, Dv, alpha + r, sc.scores.data() + r * CHUNK, CHUNK, vc,
-                                           sv, n, Dv);
-          for (; r < R; ++r)
-            accumulate_values<T, 1>(acc + r * Dv, Dv, alpha + r, sc.scores.data() + r * CHUNK, CHUNK, vc, sv, n,
-                                    Dv);
+  for (int64_t c0 = first, n; c0 < j_end; c0 += n) {
+    n = std::min(CHUNK, j_end - c0);
+    if (blocks) n = std::min(n, block - c0 % block);  // a chunk's rows are in one block
+    const T* kh = key_row(c0);  // the chunk's rows: kh + c * sk, vh + c * sv
+    const T* vh = value_row(c0);
+#if GQA_SIMD > 1
+    // Prefetch the K/V rows PREFETCH_CHUNKS chunks ahead: the hardware prefetcher alone leaves bandwidth unused.
+    for (int64_t c = c0 + PREFETCH_CHUNKS * CHUNK; c < std::min(j_end, c0 + (PREFETCH_CHUNKS + 1) * CHUNK); ++c) {
+      for (int64_t d = 0; d < D; d += 64 / int64_t(sizeof(T)))
+        _mm_prefetch(reinterpret_cast<const char*>(key_row(c) + d), _MM_HINT_T0);
+      for (int64_t d = 0; d < Dv; d += 64 / int64_t(sizeof(T)))
+        _mm_prefetch(reinterpret_cast<const char*>(value_row(c) + d), _MM_HINT_T0);
+    }
+#endif
+    const float* kc = nullptr;  // the chunk's keys as float32 rows, stride kstride
+    int64_t kstride = 0;
+    if (use_dpbf16) {
+      // scores straight from the bf16 rows, below
+    } else if constexpr (std::is_same_v<T, float>) {
+      kc = kh;
+      kstride = sk;
+    } else {
+      for (int64_t c = 0; c < n; ++c) to_float_row(kh + c * sk, sc.kbuf.data() + c * D, D);
+      kc = sc.kbuf.data();
+      kstride = D;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t g = r / L, lr = r % L;
+      // Keys this row may see in the chunk: [c0, c0 + visible).
+      int64_t visible = n;
+      if (causal) visible = std::max<int64_t>(0, std::min(n, S - L + lr + 1 - c0));
+      float* s = sc.scores.data() + r * CHUNK;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, BFloat16>) {
+        if (use_dpbf16) chunk_scores_bf16(qh + r * qs[2], kh, sk, visible, D, scale, s);
+      }
+#endif
+      if (!use_dpbf16) chunk_scores(qf + r * D, kc, kstride, visible, D, s);
+      for (int64_t c = visible; c < n; ++c) s[c] = NEG_INF;
+      if (mask.data) {
+        const int64_t off = b * mask.sb + h * mask.sh + g * mask.sg + lr * mask.sl;
+        if (mask.is_bool) {
+          const bool* mp = static_cast<const bool*>(mask.data) + off;
+          for (int64_t c = 0; c < visible; ++c)
+            if (!mp[(c0 + c) * mask.ss]) s[c] = NEG_INF;
+        } else {
+          const float* mp = static_cast<const float*>(mask.data) + off;
+          for (int64_t c = 0; c < visible; ++c) s[c] += mp[(c0 + c) * mask.ss];
         }
+      }
+      const float mx = max_of(s, visible);
+      if (mx == NEG_INF) {  // nothing visible in this chunk for this row: weights 0, accumulator unchanged
+        std::fill(s, s + n, 0.0f);
+        alpha[r] = 1.0f;
+        continue;
+      }
+      const float m_new = max_nan(m[r], mx);  // NaN stays: the row's output is NaN, as in torch
+      alpha[r] = (m[r] == NEG_INF) ? 0.0f : std::exp(m[r] - m_new);
+      const float psum = exp_shifted(s, m_new, visible);
+      std::fill(s + visible, s + n, 0.0f);
+      l[r] = l[r] * alpha[r] + psum;
+      m[r] = m_new;
+    }
+    const T* vc = vh;
+    int64_t r = 0;
+    for (; r + ROW_TILE <= R; r += ROW_TILE)
+      accumulate_values<T, ROW_TILE>(acc + r * Dv, Dv, alpha + r, sc.scores.data() + r * CHUNK, CHUNK, vc,
+                                     sv, n, Dv);
+    for (; r < R; ++r)
+      accumulate_values<T, 1>(acc + r * Dv, Dv, alpha + r, sc.scores.data() + r * CHUNK, CHUNK, vc, sv, n,
+                              Dv);
+  }
 }
 
 template <typename T>

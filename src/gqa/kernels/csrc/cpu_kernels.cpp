@@ -28,6 +28,7 @@
 #include "attention.h"
 #include "gemv.h"
 #include "layer_ops.h"
+#include "paged.h"
 #include "quantized.h"
 #include "simd.h"
 
@@ -135,10 +136,9 @@ GroupedAttention<T> grouped_attention(const at::Tensor& q, const at::Tensor& k, 
   return a;
 }
 
+// a's tasks over at::parallel_for, then its rows combined into out (B * H_kv * R, Dv).
 template <typename T>
-void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const MaskView& mask,
-                           float scale, int64_t L, bool causal, at::Tensor& out, const int64_t* start = nullptr) {
-  GroupedAttention<T> a = grouped_attention<T>(q, k, v, mask, scale, L, causal, start);
+void run_attention(GroupedAttention<T>& a, T* out) {
   a.plan(at::get_num_threads());
   std::vector<float> parts(a.part_floats());
   a.set_parts(parts.data());
@@ -146,13 +146,18 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     typename GroupedAttention<T>::Scratch scratch;
     for (int64_t t = t0; t < t1; ++t) a.task(t, scratch);
   });
-  T* op = out.mutable_data_ptr<T>();
   at::parallel_for(0, a.B * a.H * a.R, 64, [&](int64_t i0, int64_t i1) {
     std::vector<float> row(a.Dv);
-    for (int64_t i = i0; i < i1; ++i) a.combine(i, row.data(), op + i * a.Dv);
+    for (int64_t i = i0; i < i1; ++i) a.combine(i, row.data(), out + i * a.Dv);
   });
 }
 
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const MaskView& mask,
+                           float scale, int64_t L, bool causal, at::Tensor& out, const int64_t* start = nullptr) {
+  GroupedAttention<T> a = grouped_attention<T>(q, k, v, mask, scale, L, causal, start);
+  run_attention(a, out.mutable_data_ptr<T>());
+}
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, double scale, int64_t query_len, bool causal) {
@@ -188,6 +193,48 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     decode_attention_impl<BFloat16>(q, k, v, mv, static_cast<float>(scale), query_len, causal, out);
   } else {
     TORCH_CHECK(false, "gqa::decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// paged_attention: decode attention over a paged cache (serving): row b's keys are the first lengths[b] slots of the
+// blocks block_table[b] lists, in order, in a pool of blocks shared by every row.
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_pool, const at::Tensor& value_pool,
+                           const at::Tensor& block_table, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "gqa::paged_attention: q must be (B, H_q, D) with contiguous rows");
+  TORCH_CHECK(key_pool.dim() == 4 && value_pool.dim() == 4 && key_pool.stride(3) == 1 && value_pool.stride(3) == 1,
+              "gqa::paged_attention: the pools must be (blocks, H_kv, block_size, D) with contiguous rows");
+  TORCH_CHECK(q.scalar_type() == key_pool.scalar_type() && q.scalar_type() == value_pool.scalar_type(),
+              "gqa::paged_attention: q and the pools must share a dtype");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), N = key_pool.size(0), Hkv = key_pool.size(1),
+                bs = key_pool.size(2);
+  TORCH_CHECK(key_pool.size(3) == D && value_pool.sizes().slice(0, 3) == key_pool.sizes().slice(0, 3),
+              "gqa::paged_attention: shapes disagree: q ", q.sizes(), ", key_pool ", key_pool.sizes(),
+              ", value_pool ", value_pool.sizes());
+  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "gqa::paged_attention: H_q = ", Hq, " is not a multiple of H_kv = ", Hkv);
+  check_block_table(block_table, lengths, B, N, bs, "gqa::paged_attention");
+  at::Tensor out = at::empty({B, Hq, value_pool.size(3)}, q.options());
+  if (B * Hq == 0) return out;
+  const auto paged = [&](auto zero) {
+    using T = decltype(zero);
+    GroupedAttention<T> a;
+    a.q = q.const_data_ptr<T>(), a.k = key_pool.const_data_ptr<T>(), a.v = value_pool.const_data_ptr<T>();
+    a.qs[0] = q.stride(0), a.qs[1] = Hq / Hkv * q.stride(1), a.qs[2] = q.stride(1);  // q as (B, H_kv, G, D)
+    for (int d = 0; d < 3; ++d) a.ks[d] = key_pool.stride(d), a.vs[d] = value_pool.stride(d);
+    a.B = B, a.H = Hkv, a.R = Hq / Hkv, a.D = D, a.S = block_table.size(1) * bs, a.Dv = value_pool.size(3), a.L = 1;
+    a.scale = static_cast<float>(scale), a.causal = false, a.mask = MaskView{}, a.start = nullptr;
+    a.table = block_table.const_data_ptr<int64_t>(), a.table_stride = block_table.size(1), a.block = bs;
+    a.lengths = lengths.const_data_ptr<int64_t>();
+    run_attention(a, out.mutable_data_ptr<T>());
+  };
+  if (q.scalar_type() == at::kFloat) {
+    paged(float{});
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "gqa::paged_attention: float32 or bfloat16 only, got ",
+                q.scalar_type());
+    paged(BFloat16{});
   }
   return out;
 }
@@ -357,6 +404,9 @@ TORCH_LIBRARY(gqa, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int query_len, bool causal) "
       "-> Tensor");
+  m.def(
+      "paged_attention(Tensor q, Tensor key_pool, Tensor value_pool, Tensor block_table, Tensor lengths, "
+      "float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def(
@@ -372,6 +422,7 @@ TORCH_LIBRARY_IMPL(gqa, CPU, m) {
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_rows_n", &linear_rows_n);
   m.impl("decode_attention", &decode_attention);
+  m.impl("paged_attention", &paged_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attend", &decode_attend);

@@ -23,6 +23,7 @@
 #include "attention.h"
 #include "gemv.h"
 #include "layer_ops.h"
+#include "paged.h"
 #include "quantized.h"
 #include "simd.h"
 #include "team.h"
@@ -67,9 +68,21 @@ struct Layer {
   const T *norm1, *norm2;
   Matrix q, k, v, o, gate, up, down;
   T *key_cache, *value_cache;
-  int64_t kc_stride[3], vc_stride[3];  // (B, H_kv, C) strides of the caches
+  int64_t kc_stride[3], vc_stride[3];  // (B, H_kv, C) strides of the caches; paged: (block, H_kv, slot) of the pools
   const int64_t* start;
   int64_t pos;  // the slot this token's K/V go to
+  const int64_t* table = nullptr;  // paged: (B, table_stride) block ids, and each row's slot for this token
+  int64_t table_stride = 0, block = 0;
+  const int64_t* positions = nullptr;
+
+  // Where row b's new K (or V) of head h goes.
+  T* slot(bool key, int64_t b, int64_t h) const {
+    const int64_t* st = key ? kc_stride : vc_stride;
+    T* base = key ? key_cache : value_cache;
+    if (table == nullptr) return base + b * st[0] + h * st[1] + pos * st[2];
+    const int64_t p = positions[b];
+    return base + table[b * table_stride + p / block] * st[0] + h * st[1] + (p % block) * st[2];
+  }
   GroupedAttention<T> attention;
   int64_t o_rows, f_rows, down_rows;  // rows per chunk
 };
@@ -158,8 +171,7 @@ struct Step {
       if (is_q) {
         rope_row(r, cos + b * D, sin + b * D, qr + (b * Hq + h) * D, D);
       } else {
-        const int64_t* st = is_k ? l.kc_stride : l.vc_stride;
-        T* slot = (is_k ? l.key_cache : l.value_cache) + b * st[0] + h * st[1] + l.pos * st[2];
+        T* slot = l.slot(is_k, b, h);
         if (is_k) {
           rope_row(r, cos + b * D, sin + b * D, slot, D);
         } else {
@@ -276,14 +288,25 @@ Matrix matrix(const at::Tensor& w, int64_t format, int64_t K, const c10::optiona
   return m;
 }
 
+// Where the step's K/V are: per-row caches with a start and a cursor per layer (decode_model), or per-layer pools of
+// blocks with a block table and a position per row (decode_paged).
+struct Caches {
+  at::TensorList keys, values;
+  at::TensorList starts, cursors;                  // dense
+  const at::Tensor* table = nullptr;               // paged: (B, max_blocks) int64
+  const at::Tensor* positions = nullptr;           // paged: (B,) int64, the new token's slot per row
+  at::Tensor lengths;                              // paged: positions + 1
+};
+
 template <typename T>
 at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
                              at::TensorList weights, at::IntArrayRef formats,
                              const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
-                             const at::Tensor& sin, at::TensorList key_caches, at::TensorList value_caches,
-                             at::TensorList starts, at::TensorList cursors, double scale,
-                             const at::Tensor& final_norm, double final_eps, const at::Tensor& head,
-                             int64_t head_format, const c10::optional<at::Tensor>& greedy) {
+                             const at::Tensor& sin, Caches& caches, double scale, const at::Tensor& final_norm,
+                             double final_eps, const at::Tensor& head, int64_t head_format,
+                             const c10::optional<at::Tensor>& greedy) {
+  at::TensorList key_caches = caches.keys, value_caches = caches.values;
+  const bool paged = caches.table != nullptr;
   const at::ScalarType dtype = x.scalar_type();
   const int64_t elem = static_cast<int64_t>(sizeof(T));
   Step<T> st;
@@ -301,21 +324,35 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
                   sin.is_contiguous() && cos.sizes() == at::IntArrayRef({st.B, st.D}) && sin.sizes() == cos.sizes(),
               "gqa::decode_model: cos and sin must be contiguous float32 (B, D), got ", cos.sizes());
   const int64_t threads = at::get_num_threads();
-  int64_t part_floats = 0;
+  int64_t part_floats = 0, max_length = 0;
+  if (paged) {
+    const at::Tensor& pos = *caches.positions;
+    TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.sizes() == at::IntArrayRef({st.B}) &&
+                    (st.B == 0 || pos.min().item<int64_t>() >= 0),
+                "gqa::decode_paged: positions must be a contiguous int64 (B,) tensor of slots >= 0, got ",
+                pos.sizes(), " ", pos.scalar_type());
+    check_block_table(*caches.table, caches.lengths = *caches.positions + 1, st.B, kc0.size(0), kc0.size(2),
+                      "gqa::decode_paged");
+    for (int64_t b = 0; b < st.B; ++b) max_length = std::max(max_length, caches.lengths.data_ptr<int64_t>()[b]);
+  }
   for (size_t i = 0; i < norms1.size(); ++i) {
     const int64_t li = static_cast<int64_t>(i);
     const at::Tensor &kc = key_caches[i], &vc = value_caches[i];
-    TORCH_CHECK(kc.dim() == 4 && vc.dim() == 4 && kc.stride(3) == 1 && vc.stride(3) == 1 && kc.size(0) == st.B &&
-                    vc.size(0) == st.B && kc.size(1) == st.Hkv && vc.size(1) == st.Hkv && kc.size(3) == st.D &&
-                    vc.size(3) == st.Dv && vc.size(2) == kc.size(2) && kc.scalar_type() == dtype &&
-                    vc.scalar_type() == dtype,
-                "gqa::decode_model: layer ", li, "'s caches must be (B, H_kv, C, D) of x's dtype with contiguous "
-                "rows, like layer 0's; got ", kc.sizes(), " and ", vc.sizes());
-    const at::Tensor &start = starts[i], &cursor = cursors[i];
-    TORCH_CHECK(start.scalar_type() == at::kLong && start.is_contiguous() &&
-                    start.sizes() == at::IntArrayRef({st.B}) && cursor.scalar_type() == at::kLong &&
-                    cursor.dim() == 0,
-                "gqa::decode_model: start must be int64 (B,) and cursor an int64 scalar");
+    const int64_t rows = paged ? kc0.size(0) : st.B;  // dim 0: blocks or batch rows
+    TORCH_CHECK(kc.dim() == 4 && vc.dim() == 4 && kc.stride(3) == 1 && vc.stride(3) == 1 && kc.size(0) == rows &&
+                    vc.size(0) == rows && kc.size(1) == st.Hkv && vc.size(1) == st.Hkv && kc.size(3) == st.D &&
+                    vc.size(3) == st.Dv && vc.size(2) == kc.size(2) && kc.size(2) == kc0.size(2) &&
+                    kc.scalar_type() == dtype && vc.scalar_type() == dtype,
+                "gqa::", paged ? "decode_paged" : "decode_model", ": layer ", li, "'s caches must be ",
+                paged ? "(blocks, H_kv, block_size, D)" : "(B, H_kv, C, D)",
+                " of x's dtype with contiguous rows, like layer 0's; got ", kc.sizes(), " and ", vc.sizes());
+    if (!paged) {
+      const at::Tensor &start = caches.starts[i], &cursor = caches.cursors[i];
+      TORCH_CHECK(start.scalar_type() == at::kLong && start.is_contiguous() &&
+                      start.sizes() == at::IntArrayRef({st.B}) && cursor.scalar_type() == at::kLong &&
+                      cursor.dim() == 0,
+                  "gqa::decode_model: start must be int64 (B,) and cursor an int64 scalar");
+    }
     for (const at::Tensor& n : {norms1[i], norms2[i]})
       TORCH_CHECK(n.dim() == 1 && n.size(0) == st.E && n.is_contiguous() && n.scalar_type() == dtype,
                   "gqa::decode_model: layer ", li, "'s norms must be contiguous (E,) of x's dtype");
@@ -336,10 +373,16 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
                 "gqa::decode_model: layer ", li, "'s projections disagree with layer 0's shapes");
     l.key_cache = kc.mutable_data_ptr<T>(), l.value_cache = vc.mutable_data_ptr<T>();
     for (int d = 0; d < 3; ++d) l.kc_stride[d] = kc.stride(d), l.vc_stride[d] = vc.stride(d);
-    l.start = start.const_data_ptr<int64_t>();
-    l.pos = cursor.item<int64_t>();
-    TORCH_CHECK(l.pos >= 0 && l.pos < kc.size(2), "gqa::decode_model: layer ", li, "'s cache is full (",
-                kc.size(2), " slots)");
+    if (paged) {
+      l.start = nullptr, l.pos = -1;
+      l.table = caches.table->const_data_ptr<int64_t>(), l.table_stride = caches.table->size(1);
+      l.block = kc.size(2), l.positions = caches.positions->const_data_ptr<int64_t>();
+    } else {
+      l.start = caches.starts[i].const_data_ptr<int64_t>();
+      l.pos = caches.cursors[i].item<int64_t>();
+      TORCH_CHECK(l.pos >= 0 && l.pos < kc.size(2), "gqa::decode_model: layer ", li, "'s cache is full (",
+                  kc.size(2), " slots)");
+    }
     l.o_rows = chunk_rows(l.o, elem);
     l.f_rows = std::max<int64_t>(16, chunk_rows(l.gate, elem) / 32 * 16);  // gate and up rows: about the same bytes
     l.down_rows = chunk_rows(l.down, elem);
@@ -348,8 +391,13 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
     a.q = nullptr, a.k = l.key_cache, a.v = l.value_cache;
     a.qs[0] = st.Hq * st.D, a.qs[1] = st.Hq / st.Hkv * st.D, a.qs[2] = st.D;
     for (int d = 0; d < 3; ++d) a.ks[d] = l.kc_stride[d], a.vs[d] = l.vc_stride[d];
-    a.B = st.B, a.H = st.Hkv, a.R = st.Hq / st.Hkv, a.D = st.D, a.S = l.pos + 1, a.Dv = st.Dv, a.L = 1;
-    a.scale = static_cast<float>(scale), a.causal = false, a.mask = MaskView{}, a.start = l.start;
+    a.B = st.B, a.H = st.Hkv, a.R = st.Hq / st.Hkv, a.D = st.D, a.S = paged ? max_length : l.pos + 1;
+    a.Dv = st.Dv, a.L = 1, a.scale = static_cast<float>(scale), a.causal = false, a.mask = MaskView{};
+    a.start = l.start;
+    if (paged) {
+      a.table = l.table, a.table_stride = l.table_stride, a.block = l.block;
+      a.lengths = caches.lengths.const_data_ptr<int64_t>();
+    }
     a.plan(threads);
     part_floats = std::max(part_floats, a.part_floats());
     st.layers.push_back(l);
@@ -382,7 +430,7 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   PhasedWork work(st.chunks());
   work.run<ThreadState<T>>(
       [&](ThreadState<T>& s, size_t phase, int64_t c, bool first) { st.run_chunk(s, phase, c, first); });
-  for (const at::Tensor& cursor : cursors) const_cast<at::Tensor&>(cursor).add_(1);
+  for (const at::Tensor& cursor : caches.cursors) const_cast<at::Tensor&>(cursor).add_(1);
   if (greedy.has_value()) {  // the chunks in order: the first of equal maxima wins, as in torch.argmax
     const int64_t chunks = ceil_div(st.V, st.head_rows);
     int64_t* out = greedy->mutable_data_ptr<int64_t>();
@@ -393,6 +441,21 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
     }
   }
   return logits;
+}
+
+at::Tensor dispatch(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
+                    at::TensorList weights, at::IntArrayRef formats,
+                    const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
+                    const at::Tensor& sin, Caches& caches, double scale, const at::Tensor& final_norm,
+                    double final_eps, const at::Tensor& head, int64_t head_format,
+                    const c10::optional<at::Tensor>& greedy) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gqa::decode_model: x must be contiguous (B, E), got ", x.sizes());
+  if (x.scalar_type() == at::kFloat)
+    return decode_model_impl<float>(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale,
+                                    final_norm, final_eps, head, head_format, greedy);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gqa::decode_model: float32 or bfloat16 only, got ", x.scalar_type());
+  return decode_model_impl<at::BFloat16>(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches,
+                                         scale, final_norm, final_eps, head, head_format, greedy);
 }
 
 at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
@@ -408,15 +471,30 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
                   starts.size() == L && cursors.size() == L,
               "gqa::decode_model: per layer 2 norms, 7 weights and formats, 3 q/k/v biases, K and V caches, a start "
               "and a cursor; got ", L, " layers' norms1 and ", weights.size(), " weights");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gqa::decode_model: x must be contiguous (B, E), got ", x.sizes());
-  if (x.scalar_type() == at::kFloat)
-    return decode_model_impl<float>(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_caches,
-                                    value_caches, starts, cursors, scale, final_norm, final_eps, head, head_format,
-                                    greedy);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gqa::decode_model: float32 or bfloat16 only, got ", x.scalar_type());
-  return decode_model_impl<at::BFloat16>(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_caches,
-                                         value_caches, starts, cursors, scale, final_norm, final_eps, head,
-                                         head_format, greedy);
+  Caches caches{key_caches, value_caches, starts, cursors};
+  return dispatch(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale, final_norm,
+                  final_eps, head, head_format, greedy);
+}
+
+// decode_model over paged caches: key_pools / value_pools [(blocks, H_kv, block_size, D)] per layer, block_table
+// (B, max_blocks) int64 shared by the layers, positions (B,) int64: row b's new K/V go to its slot positions[b] and
+// its attention reads slots [0, positions[b]]. Ragged rows, any batch size; a row's result does not depend on the
+// other rows.
+at::Tensor decode_paged(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
+                        at::TensorList weights, at::IntArrayRef formats,
+                        const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
+                        const at::Tensor& sin, at::TensorList key_pools, at::TensorList value_pools,
+                        const at::Tensor& block_table, const at::Tensor& positions, double scale,
+                        const at::Tensor& final_norm, double final_eps, const at::Tensor& head, int64_t head_format,
+                        const c10::optional<at::Tensor>& greedy) {
+  const size_t L = norms1.size();
+  TORCH_CHECK(L >= 1 && norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
+                  qkv_biases.size() == 3 * L && key_pools.size() == L && value_pools.size() == L,
+              "gqa::decode_paged: per layer 2 norms, 7 weights and formats, 3 q/k/v biases, a K and a V pool; got ",
+              L, " layers' norms1 and ", weights.size(), " weights");
+  Caches caches{key_pools, value_pools, {}, {}, &block_table, &positions};
+  return dispatch(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale, final_norm,
+                  final_eps, head, head_format, greedy);
 }
 
 }  // namespace
@@ -427,6 +505,14 @@ TORCH_LIBRARY_FRAGMENT(gqa, m) {
       "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
       "Tensor[] starts, Tensor(c!)[] cursors, float scale, Tensor final_norm, float final_eps, Tensor head, "
       "int head_format, Tensor(d!)? greedy=None) -> Tensor");
+  m.def(
+      "decode_paged(Tensor x, Tensor[] norms1, Tensor[] norms2, float eps, Tensor[] weights, int[] formats, "
+      "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_pools, Tensor(b!)[] value_pools, "
+      "Tensor block_table, Tensor positions, float scale, Tensor final_norm, float final_eps, Tensor head, "
+      "int head_format, Tensor(d!)? greedy=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(gqa, CPU, m) { m.impl("decode_model", &decode_model); }
+TORCH_LIBRARY_IMPL(gqa, CPU, m) {
+  m.impl("decode_model", &decode_model);
+  m.impl("decode_paged", &decode_paged);
+}

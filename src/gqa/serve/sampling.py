@@ -1,0 +1,74 @@
+"""Per-request sampling settings (OpenAI's names) and the incremental text of a request's output with stop strings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..generation import check_sampling
+
+__all__ = ["SamplingParams", "TextStream"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded: greedy when ``temperature == 0``, else sampled from a generator seeded with
+    ``seed`` (fresh randomness without one); ``stop``: strings that end the output (not included in it);
+    ``max_tokens``: new tokens at most; ``ignore_eos``: go on past the end-of-sequence token."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.top_p is not None and self.top_p >= 1.0:
+            object.__setattr__(self, "top_p", None)  # 1.0 keeps every token
+        check_sampling(float(self.temperature), self.top_k, self.top_p)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class TextStream:
+    """The text of a growing list of token ids, handed out in pieces: a piece never ends in an incomplete UTF-8
+    character or in what may be the start of a stop string, and the text ends before the first stop string."""
+
+    def __init__(self, decode, stop: tuple[str, ...]) -> None:
+        self.decode, self.stop = decode, stop
+        self.sent = 0  # characters handed out
+        self.text = ""
+        self.stopped = False
+
+    def update(self, ids: list[int], final: bool = False) -> str:
+        """The next piece for output ids ``ids`` (all of them so far); ``final``: nothing more will come."""
+        text = self.decode(ids)
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0:
+                text, self.stopped, final = text[:at], True, True
+        self.text = text
+        end = len(text)
+        if not final:
+            if text.endswith("\ufffd"):  # a character whose bytes have not all arrived
+                end -= 1
+            for s in self.stop:  # hold back what could be the start of a stop string
+                for k in range(min(len(s) - 1, end), 0, -1):
+                    if text[:end].endswith(s[:k]):
+                        end -= k
+                        break
+        piece = text[self.sent : max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return piece
