@@ -1,7 +1,7 @@
 """The ``gqa`` command line: the parser and dispatch here, a file per command (``generate``, ``info``, ``eval``,
-``convert``, ``demo``) and one for its flags where the command imports torch (``generate_args``, ``eval_args``,
-``convert_args``), so that ``gqa --help`` and ``gqa COMMAND --help`` run without torch; ``bench``'s benchmarks live
-in ``gqa.bench``."""
+``convert``, ``serve``, ``demo``) and one for its flags where the command imports torch (``generate_args``,
+``eval_args``, ``convert_args``, ``serve_args``), so that ``gqa --help`` and ``gqa COMMAND --help`` run without
+torch; ``bench``'s benchmarks live in ``gqa.bench``."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .dtypes import SPELLINGS
     from .eval_args import add_eval_arguments
     from .generate_args import add_generate_arguments
+    from .serve_args import add_serve_arguments
 
     parser = argparse.ArgumentParser(
         prog="gqa",
@@ -78,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         _subcommand(sub, "eval", "perplexity on a text, and mean KL divergence from a reference", _ns("eval"))
     )
     _subcommand(sub, "demo", "MHA vs GQA vs MQA: cache size, cached decoding checked against a full forward", _demo)
+    add_serve_arguments(
+        _subcommand(sub, "serve", "serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV "
+                    "cache)", _ns("serve"))
+    )  # fmt: skip
     add_convert_arguments(
         _subcommand(sub, "convert", "change a model's number of KV heads; writes an HF folder", _ns("convert"))
     )

@@ -129,12 +129,10 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------------------------
 
-    def add(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
-        """Queue a request for token ids ``prompt``; it joins the running batch at the next ``step``. Raises
-        ``EngineError`` (before any work) for a prompt that does not fit the context or the cache with ``max_tokens``
-        more tokens."""
-        params = params or SamplingParams()
-        prompt = [int(t) for t in prompt]
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise ``EngineError`` for a request that cannot be served: empty, token ids outside the vocabulary, or a
+        prompt that does not fit the context or the whole cache with ``max_tokens`` more tokens. Reads only
+        settings (safe from any thread)."""
         if not prompt:
             raise EngineError("the prompt is empty")
         V = self.config.vocab_size
@@ -151,6 +149,13 @@ class Engine:
                 f"the prompt's {len(prompt)} tokens plus max_tokens={params.max_tokens} need more than the KV cache's "
                 f"{self.blocks.num_blocks * self.block_size} token slots"
             )
+
+    def add(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Queue a request for token ids ``prompt``; it joins the running batch at the next ``step``. Raises
+        ``EngineError`` (before any work) where ``check`` does."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt]
+        self.check(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise EngineError(f"request id {request_id!r} is already in use")
@@ -170,6 +175,13 @@ class Engine:
         if r is None or r.state == FINISHED:
             return None
         return self._finish(r, "abort")
+
+    def fail(self, request_id: str, error: str) -> RequestOutput | None:
+        """End a request with an error (its blocks go back); ``None`` if it is unknown or already done."""
+        r = self.requests.get(request_id)
+        if r is None or r.state == FINISHED:
+            return None
+        return self._finish(r, "error", error=error)
 
     @property
     def has_work(self) -> bool:

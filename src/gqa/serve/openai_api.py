@@ -1,0 +1,189 @@
+"""OpenAI's request and response shapes for ``/v1/completions`` and ``/v1/chat/completions``: fields read and checked
+(a bad one is an ``ApiError`` naming it, answered as a 4xx in OpenAI's error shape), responses and stream chunks
+built. No HTTP here (``server`` does that)."""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from .sampling import SamplingParams
+
+__all__ = ["ApiError", "ParsedRequest", "error_body", "parse_chat", "parse_completion"]
+
+
+class ApiError(Exception):
+    """A request the API refuses: HTTP ``status`` with OpenAI's error body."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.kind = kind or {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": None}}
+
+
+@dataclass
+class ParsedRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+JSON_TYPES = {
+    "a string": lambda v: isinstance(v, str),
+    "a boolean": lambda v: isinstance(v, bool),
+    "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    "an array": lambda v: isinstance(v, list),
+    "an object": lambda v: isinstance(v, dict),
+}
+
+
+def _get(body: dict, name: str, kind: str, default: Any = None, *, required: bool = False) -> Any:
+    """``body[name]`` if it is ``kind`` (a key of ``JSON_TYPES``); ``default`` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise ApiError(f"'{name}' is required", param=name)
+        return default
+    if not JSON_TYPES[kind](value):
+        raise ApiError(f"'{name}' must be {kind}, got {json_type(value)}", param=name)
+    return value
+
+
+def json_type(value: object) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(value), type(value).__name__)  # fmt: skip
+
+
+def _common(body: object, models: list[str], context_left: int, default_max_tokens: int | None) -> dict[str, Any]:
+    """The fields both endpoints share, checked."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    model = _get(body, "model", "a string", required=True)
+    if model not in models:
+        raise ApiError(f"the model '{model}' does not exist; this server has {models}", 404, "model",
+                       "model_not_found")  # fmt: skip
+    n = _get(body, "n", "an integer", 1)
+    if n != 1:
+        raise ApiError("only n=1 is supported", param="n")
+    max_tokens = _get(body, "max_completion_tokens", "an integer", None)
+    max_tokens = _get(body, "max_tokens", "an integer", max_tokens)
+    if max_tokens is None:
+        max_tokens = default_max_tokens if default_max_tokens is not None else context_left
+    if max_tokens < 1:
+        raise ApiError(f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)) or len(stop) > 4:
+        raise ApiError("'stop' must be a string or an array of up to 4 non-empty strings", param="stop")
+    temperature = float(_get(body, "temperature", "a number", 1.0))
+    top_p = _get(body, "top_p", "a number", None)
+    top_k = _get(body, "top_k", "an integer", None)
+    if not 0 <= temperature <= 2:
+        raise ApiError(f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ApiError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    if top_k is not None and top_k < 1 and top_k != -1:
+        raise ApiError(f"'top_k' must be >= 1 (or -1: off), got {top_k}", param="top_k")
+    seed = _get(body, "seed", "an integer", None)
+    stream = _get(body, "stream", "a boolean", False)
+    options = _get(body, "stream_options", "an object", {})
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=None if top_p is None else float(top_p),
+        top_k=None if top_k in (None, -1) else top_k, stop=tuple(stop), seed=seed,
+        ignore_eos=bool(_get(body, "ignore_eos", "a boolean", False)),
+    )  # fmt: skip
+    return {"params": params, "stream": stream, "include_usage": bool(options.get("include_usage")), "model": model}
+
+
+def parse_completion(body: object, tokenizer, models: list[str], context: int) -> ParsedRequest:
+    """``/v1/completions``: ``prompt`` is a string or token ids (one prompt); ``max_tokens`` defaults to 16."""
+    if isinstance(body, dict):
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(JSON_TYPES["an integer"](t) for t in prompt):
+            ids = list(prompt)
+        elif prompt is None:
+            raise ApiError("'prompt' is required", param="prompt")
+        else:
+            raise ApiError("'prompt' must be a string or an array of token ids (one prompt)", param="prompt")
+        if not ids:
+            raise ApiError("'prompt' is empty", param="prompt")
+    else:
+        ids = []
+    fields = _common(body, models, context - len(ids), 16)
+    return ParsedRequest(ids, **fields)
+
+
+def parse_chat(body: object, tokenizer, models: list[str], context: int) -> ParsedRequest:
+    """``/v1/chat/completions``: ``messages`` rendered with the model's chat template; ``max_tokens`` defaults to
+    what is left of the context."""
+    ids: list[int] = []
+    if isinstance(body, dict):
+        messages = _get(body, "messages", "an array", required=True)
+        if not messages:
+            raise ApiError("'messages' must not be empty", param="messages")
+        plain = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(f"messages[{i}] must be an object with a 'role'", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: the text ones
+                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                    raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
+                content = "".join(str(p.get("text", "")) for p in content)
+            if not isinstance(content, str):
+                raise ApiError(f"messages[{i}].content must be a string", param="messages")
+            plain.append({"role": m["role"], "content": content})
+        try:
+            ids = tokenizer.apply_chat(plain)
+        except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
+            raise ApiError(f"the chat template refused the messages: {e}", param="messages") from e
+    fields = _common(body, models, context - len(ids), None)
+    return ParsedRequest(ids, **fields)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def completion_body(rid: str, model: str, text: str, reason: str | None, use: dict | None, chat: bool) -> dict:
+    """A whole response (``use`` given) or one stream chunk (``use`` None; ``text`` the new piece)."""
+    created = int(time.time())
+    if chat:
+        if use is not None:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "delta": {"content": text} if text or reason is None else {}, "finish_reason": reason}
+        kind = "chat.completion" if use is not None else "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        kind = "text_completion"
+    body = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
+    if use is not None:
+        body["usage"] = use
+    return body

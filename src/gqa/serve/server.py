@@ -1,0 +1,169 @@
+"""``gqa serve``'s HTTP side: an OpenAI-compatible API on starlette, served by uvicorn.
+
+    POST /v1/chat/completions, POST /v1/completions   (``"stream": true``: server-sent events, ``data: [DONE]`` last)
+    GET  /v1/models, GET /health, GET /metrics          (Prometheus text)
+
+Errors come in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status: malformed
+JSON, a missing or wrongly typed field, an unknown model, a prompt that does not fit (before any work); 429 with
+``Retry-After`` when the queue is full; 401 without the ``--api-key`` bearer token. A client that disconnects
+mid-stream has its request aborted. On SIGTERM uvicorn stops accepting connections and lets running responses
+finish (up to ``graceful_seconds``; what is left is cancelled), then the engine thread stops.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .async_engine import AsyncEngine, QueueFull
+from .engine import EngineError, RequestOutput
+from .openai_api import ApiError, completion_body, error_body, new_id, parse_chat, parse_completion, usage
+
+__all__ = ["build_app"]
+
+
+def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None) -> Starlette:
+    """The ASGI app serving ``engine`` (started and stopped with the app's lifespan) as model ``model_name``."""
+    context = engine.engine.config.max_position_embeddings
+    started = int(time.time())
+
+    def fail(e: ApiError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+        return JSONResponse(error_body(e), status_code=e.status, headers=headers)
+
+    def authorized(request: Request) -> bool:
+        if api_key is None:
+            return True
+        given = request.headers.get("authorization", "")
+        return secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
+    async def health(request: Request) -> Response:
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def models(request: Request) -> Response:
+        if not authorized(request):
+            return fail(ApiError("a valid API key is required (Authorization: Bearer KEY)", 401))
+        card = {"id": model_name, "object": "model", "created": started, "owned_by": "gqa"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def metrics(request: Request) -> Response:
+        e = engine.engine
+        blocks = e.blocks
+        lines = []
+        for name, kind, help_, value in (
+            ("gqa_requests_waiting", "gauge", "requests waiting for a batch slot or blocks", len(e.waiting)),
+            ("gqa_requests_running", "gauge", "requests in the running batch", len(e.running)),
+            ("gqa_requests_in_flight", "gauge", "requests accepted and not finished", engine.in_flight),
+            ("gqa_kv_blocks_free", "gauge", "KV cache blocks free (cached idle blocks included)", blocks.num_free),
+            ("gqa_kv_blocks_used", "gauge", "KV cache blocks in use", blocks.num_blocks - blocks.num_free),
+            ("gqa_kv_block_size", "gauge", "token slots per KV block", blocks.block_size),
+            ("gqa_prefix_cache_hits_total", "counter", "prompt blocks served from the prefix cache",
+             blocks.prefix_hits),
+            ("gqa_prefix_cache_queries_total", "counter", "full prompt blocks looked up", blocks.prefix_queries),
+            ("gqa_prompt_tokens_total", "counter", "prompt tokens prefilled", e.stats["prompt_tokens"]),
+            ("gqa_generation_tokens_total", "counter", "tokens generated", e.stats["generation_tokens"]),
+            ("gqa_preemptions_total", "counter", "requests preempted for blocks", e.stats["preemptions"]),
+            ("gqa_engine_errors_total", "counter", "engine steps that raised", engine.errors),
+            ("gqa_generation_tokens_per_second", "gauge", "tokens generated per second over the last 10 s",
+             round(engine.tokens_per_second(), 3)),
+        ):  # fmt: skip
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def completions(request: Request, chat: bool) -> Response:
+        if not authorized(request):
+            return fail(ApiError("a valid API key is required (Authorization: Bearer KEY)", 401))
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return fail(ApiError(f"the request body is not valid JSON: {e}"))
+        try:
+            parsed = (parse_chat if chat else parse_completion)(body, tokenizer, [model_name], context)
+            outputs = engine.generate(parsed.prompt_ids, parsed.params)
+            first = await anext(outputs)  # raises here, before any response, for a request the engine refuses
+        except ApiError as e:
+            return fail(e)
+        except EngineError as e:
+            return fail(ApiError(str(e), param="messages" if chat else "prompt"))
+        except QueueFull as e:
+            return fail(ApiError(f"the server is busy ({e}); retry later", 429))
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if parsed.stream:
+            return StreamingResponse(
+                stream(rid, parsed.model, first, outputs, chat, parsed.include_usage), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )  # fmt: skip
+        text, last = first.text, first
+        async for out in outputs:
+            text, last = text + out.text, out
+        if last.finish_reason == "error":
+            return fail(ApiError(f"the request failed in the engine: {last.error}", 500))
+        use = usage(last.prompt_tokens, last.completion_tokens)
+        return JSONResponse(completion_body(rid, parsed.model, text, last.finish_reason, use, chat))
+
+    async def stream(
+        rid: str, model: str, first: RequestOutput, outputs: AsyncIterator[RequestOutput], chat: bool, with_usage: bool
+    ) -> AsyncIterator[str]:
+        def event(body: dict) -> str:
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        try:
+            if chat:
+                head = completion_body(rid, model, "", None, None, chat)
+                head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield event(head)
+            out = first
+            while True:
+                if out.finish_reason == "error":
+                    yield event(error_body(ApiError(f"the request failed in the engine: {out.error}", 500)))
+                    break
+                if out.text or out.finished:
+                    yield event(completion_body(rid, model, out.text, out.finish_reason, None, chat))
+                if out.finished:
+                    if with_usage:
+                        body = completion_body(rid, model, "", None, None, chat)
+                        body["choices"], body["usage"] = [], usage(out.prompt_tokens, out.completion_tokens)
+                        yield event(body)
+                    break
+                out = await anext(outputs)
+            yield "data: [DONE]\n\n"
+        finally:
+            await outputs.aclose()  # a client that left: the request is aborted, its blocks freed
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    async def completion(request: Request) -> Response:
+        return await completions(request, chat=False)
+
+    async def chat_completion(request: Request) -> Response:
+        return await completions(request, chat=True)
+
+    routes = [
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/v1/models", models),
+        Route("/v1/completions", completion, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completion, methods=["POST"]),
+    ]
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return fail(ApiError(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code))
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
