@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -50,5 +51,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=30)  # fmt: skip
     server = uvicorn.Server(config)
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT and then raises the signal again to the handler it found:
+    # one that does nothing makes a graceful stop exit 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda number, frame: None)
     server.run()
     return 0 if server.started else 1

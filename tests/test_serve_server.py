@@ -1,0 +1,254 @@
+"""``gqa serve`` as its users meet it: a process on 127.0.0.1 serving the embedded SmolLM2, talked to with the
+official ``openai`` client and with raw HTTP for what a client library would not send."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import closing
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from gqa import kernels  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernels.vectorized(), reason="native SIMD kernels not built on this machine")
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``gqa serve`` in a child process on a free port; ready once ``/health`` answers."""
+
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gqa", "serve", "--port", str(self.port), "--kv-cache-mib", "64", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"},
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gqa serve exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            try:
+                if get(self.url + "/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("gqa serve did not start in 120 s")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        text = get(self.url + "/metrics")[1]
+        return {k: float(v) for k, v in (line.split() for line in text.splitlines() if not line.startswith("#"))}
+
+
+def get(url: str, headers: dict | None = None) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def post(url: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-running", "8")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def wait_idle(server: Server) -> dict[str, float]:
+    """Metrics once nothing is in flight (bounded wait)."""
+    for _ in range(200):
+        m = server.metrics()
+        if m["gqa_requests_in_flight"] == 0 and m["gqa_requests_running"] == 0:
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"requests still in flight: {m}")
+
+
+def test_chat_completion_answers_as_the_model_does_offline(client, server):
+    """The chat endpoint's greedy answer is the model's own greedy answer (``gqa.generate`` on the same weights and
+    chat template, the dense decode path), with OpenAI's usage counts."""
+    import gqa
+    from gqa.generation import generate
+
+    messages = [{"role": "user", "content": "Name three colours."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    model = gqa.load_model(None, dtype="auto")
+    ids = model.tokenizer.apply_chat(messages)
+    expected = generate(model, ids, max_new_tokens=24)
+    expected = expected[0] if isinstance(expected[0], list) else expected
+    eos = set(model.tokenizer.eos_token_ids)
+    if eos & set(expected):
+        expected = expected[: min(expected.index(t) for t in eos & set(expected))]
+    assert r.choices[0].message.content == model.tokenizer.decode(expected)
+    assert r.choices[0].message.role == "assistant" and r.model == MODEL
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens >= len(expected)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streamed_completion_equals_the_whole_one(client):
+    prompt = "The three primary colours are"
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text and text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 20
+
+
+def test_chat_stream_stop_string_and_seeded_sampling(client):
+    messages = [{"role": "user", "content": "Count from one to ten in words."}]
+    free = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    text = free.choices[0].message.content
+    stop = text.split()[2]  # a word the answer reaches
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                            stop=[stop], stream=True)  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed == text[: text.index(stop)] and chunks[-1].choices[0].finish_reason == "stop"
+
+    def sample(seed: int) -> str:
+        r = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=16, temperature=0.9, top_p=0.95, seed=seed
+        )
+        return r.choices[0].message.content
+
+    sampled = [sample(s) for s in (3, 3, 4)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert json.loads(get(server.url + "/health")[1]) == {"status": "ok"}
+    m = wait_idle(server)
+    assert m["gqa_kv_blocks_used"] == 0 and m["gqa_kv_blocks_free"] > 0 and m["gqa_generation_tokens_total"] > 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "message"),
+    [
+        ("chat/completions", b"{not json", 400, None, "not valid JSON"),
+        ("chat/completions", b"[1, 2]", 400, None, "must be a JSON object"),
+        ("chat/completions", {"model": MODEL}, 400, "messages", "'messages' is required"),
+        ("chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", "must be an array, got a string"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages",
+         "content must be a string"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens",
+         "must be an integer, got a string"),
+        ("completions", {"model": MODEL, "prompt": "hi", "temperature": 7}, 400, "temperature", r"in [0, 2]"),
+        ("completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", "only n=1"),
+        ("completions", {"prompt": "hi"}, 400, "model", "'model' is required"),
+        ("completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model", "does not exist"),
+        ("completions", {"model": MODEL, "prompt": [1, "a"]}, 400, "prompt", "token ids"),
+        ("completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "token ids must be in"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 9000}, 400, "prompt", "exceed the model's"),
+        ("completions", {"model": MODEL, "prompt": "word " * 9000}, 400, "prompt", "exceed the model's context"),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_openai_errors_before_any_work(server, path, body, status, param, message):
+    code, answer, _ = post(f"{server.url}/v1/{path}", body)
+    assert code == status
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert answer["error"]["param"] == param and message in answer["error"]["message"]
+    assert server.metrics()["gqa_requests_in_flight"] == 0
+
+
+def test_the_openai_client_raises_its_own_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="exceed the model's context"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    free = wait_idle(server)["gqa_kv_blocks_free"]
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0,
+                       "stream": True, "ignore_eos": True}).encode()  # fmt: skip
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        received = b""
+        for _ in range(100):
+            chunk = s.recv(4096)
+            received += chunk
+            if not chunk or received.count(b"data: ") >= 3:
+                break
+        assert received.startswith(b"HTTP/1.1 200") and received.count(b"data: ") >= 3, received[:300]
+        assert server.metrics()["gqa_requests_running"] == 1
+    m = wait_idle(server)  # the request was aborted long before its 1,000 tokens
+    assert m["gqa_kv_blocks_free"] == free and m["gqa_generation_tokens_total"] < 800
+
+
+def test_api_key_full_queue_and_sigterm():
+    """With --api-key: 401 without the key. One running slot and no queue: a second request gets 429 with
+    Retry-After. SIGTERM during a stream: the stream ends cleanly and the process exits 0."""
+    s = Server("--api-key", "sekret", "--max-running", "1", "--max-queue", "0")
+    try:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+        code, answer, _ = post(s.url + "/v1/completions", body)
+        assert code == 401 and answer["error"]["type"] == "authentication_error"
+        assert get(s.url + "/v1/models")[0] == 401
+        auth = {"Authorization": "Bearer sekret"}
+        assert post(s.url + "/v1/completions", body, auth)[0] == 200
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", timeout=60, max_retries=0)
+        stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        first = next(iter(stream))
+        assert first.choices[0].text is not None
+        code, answer, headers = post(s.url + "/v1/completions", body, auth)
+        assert (
+            code == 429
+            and {k.lower(): v for k, v in headers.items()}.get("retry-after") == "1"
+            and answer["error"]["type"] == "rate_limit_error"
+        )
+        s.proc.send_signal(signal.SIGTERM)
+        rest = list(stream)  # finished (or cancelled at the graceful timeout): the iteration ends, no hang
+        assert len(rest) < 300
+    finally:
+        code = s.stop()
+    assert code == 0
