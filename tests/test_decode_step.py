@@ -370,23 +370,35 @@ def _small_step_args(g: torch.Generator, dtype=torch.float32):
 
 
 def _step_in_child(queue) -> None:
-    args, _, _ = _small_step_args(torch.Generator().manual_seed(0))
-    queue.put(torch.ops.gqa.decode_model(*args).sum().item())
+    import time
+
+    sums = []
+    for _ in range(4):  # the child's workers go to sleep between steps, and each step wakes them
+        args, _, _ = _small_step_args(torch.Generator().manual_seed(0))
+        sums.append(torch.ops.gqa.decode_model(*args).sum().item())
+        time.sleep(0.05)
+    queue.put(sums)
 
 
 def test_the_step_works_in_a_forked_child_and_after_a_thread_count_change():
-    """The step's worker pool is made again where its threads are gone (a forked child) and when the thread count
-    changes: the same logits, no hang."""
+    """The step's worker pool is made again where its threads are gone (a forked child, whose parent's workers were
+    asleep, running several steps) and when the thread count changes: the same logits, no hang."""
     import multiprocessing
+
+    import time
 
     args, _, _ = _small_step_args(torch.Generator().manual_seed(0))
     here = torch.ops.gqa.decode_model(*args).sum().item()  # the pool exists in this process now
+    time.sleep(0.1)  # its workers are asleep on the condition variable when the process forks
     queue = multiprocessing.get_context("fork").Queue()
-    child = multiprocessing.get_context("fork").Process(target=_step_in_child, args=(queue,))
+    child = multiprocessing.get_context("fork").Process(target=_step_in_child, args=(queue,), daemon=True)
     child.start()
-    child.join(timeout=120)
+    child.join(timeout=60)
+    if child.exitcode is None:  # hung (the parent's condition variable, copied with its sleepers, once did that)
+        child.kill()
+        child.join(10)
     assert child.exitcode == 0
-    assert queue.get(timeout=5) == here
+    assert queue.get(timeout=5) == [here] * 4
     previous = torch.get_num_threads()
     try:
         for threads in (3, 1, 2):

@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -51,13 +52,11 @@ class WorkerPool {
 
   static WorkerPool& get() {
     static WorkerPool* pool = [] {
-      // A fork waits for a running job, and the child starts with its locks free and no workers (they are not
-      // copied): its first job starts new ones.
+      // A fork waits for a running job. The child has none of the parent's threads, so it starts over: new locks,
+      // a new condition variable (the parent's may list waiters the child will never have, and a notify would wait
+      // for them forever) and no workers; its first job starts new ones.
       pthread_atfork([] { instance()->lock_all(); }, [] { instance()->unlock_all(); },
-                     [] {
-                       instance()->unlock_all();
-                       instance()->forked_ = true;
-                     });
+                     [] { instance()->start_over(); });
       return instance();
     }();
     return *pool;
@@ -104,26 +103,34 @@ class WorkerPool {
     run_mutex_.unlock();
   }
 
+  // In a forked child: the same pool, empty. The parent's threads are not here, so their std::thread objects are
+  // dropped without a join or detach (the vector's old buffer is leaked), and the locks and condition variable are
+  // constructed anew rather than unlocked.
+  void start_over() {
+    new (&workers_) std::vector<std::thread>();
+    new (&run_mutex_) std::mutex();
+    new (&sleep_mutex_) std::mutex();
+    new (&wake_) std::condition_variable();
+    job_.store(nullptr);
+    active_.store(0);
+    sleepers_.store(0);
+    stop_.store(false);
+  }
+
   void retire() {
     job_.store(nullptr);
     while (active_.load() > 0) std::this_thread::yield();  // workers inside the job finish their last chunk
   }
 
   void resize(int64_t workers) {
-    if (static_cast<int64_t>(workers_.size()) == workers && !forked_) return;
-    if (forked_) {
-      for (std::thread& t : workers_) t.detach();  // a forked child: the parent's threads do not exist here
-      sleepers_.store(0);
-      forked_ = false;
-    } else {
-      stop_.store(true);
-      {
-        std::lock_guard<std::mutex> lock(sleep_mutex_);
-        generation_.fetch_add(1);
-        wake_.notify_all();
-      }
-      for (std::thread& t : workers_) t.join();
+    if (static_cast<int64_t>(workers_.size()) == workers) return;
+    stop_.store(true);
+    {
+      std::lock_guard<std::mutex> lock(sleep_mutex_);
+      generation_.fetch_add(1);
+      wake_.notify_all();
     }
+    for (std::thread& t : workers_) t.join();
     workers_.clear();
     stop_.store(false);
     for (int64_t i = 0; i < workers; ++i) workers_.emplace_back([this] { loop(); });
@@ -159,7 +166,6 @@ class WorkerPool {
   std::mutex run_mutex_, sleep_mutex_;
   std::condition_variable wake_;
   std::vector<std::thread> workers_;
-  bool forked_ = false;  // set in a forked child, under run_mutex_'s protection once the child runs a job
   std::atomic<Job*> job_{nullptr};
   std::atomic<uint64_t> generation_{0};
   std::atomic<int64_t> active_{0}, sleepers_{0};
