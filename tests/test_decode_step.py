@@ -384,7 +384,6 @@ def test_the_step_works_in_a_forked_child_and_after_a_thread_count_change():
     """The step's worker pool is made again where its threads are gone (a forked child, whose parent's workers were
     asleep, running several steps) and when the thread count changes: the same logits, no hang."""
     import multiprocessing
-
     import time
 
     args, _, _ = _small_step_args(torch.Generator().manual_seed(0))
