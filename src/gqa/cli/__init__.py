@@ -47,6 +47,7 @@ def _subcommand(
 def build_parser() -> argparse.ArgumentParser:
     """The ``gqa`` parser: a subcommand each, ``bench`` with a subcommand per benchmark. Built from the commands'
     flags alone (``*_args``, ``bench.*arguments``, ``bench.startup``): no torch is imported until a command runs."""
+    from ..bench import serve as bench_serve
     from ..bench import shared_cpu as bench_shared
     from ..bench import startup as bench_startup
     from ..bench.arguments import DESCRIPTION as ATTENTION_DESCRIPTION
@@ -114,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
          bench_startup),
         ("shared", "decode tok/s alone and beside busy processes: the share of its alone speed each engine keeps",
          bench_shared),
+        ("serve", "OpenAI-compatible servers under 1-64 concurrent streaming clients: tok/s, TTFT, ITL, memory",
+         bench_serve),
     ):  # fmt: skip
         _flag_only_benchmark(benchmarks, name, summary, module)
     return parser

@@ -15,8 +15,10 @@ and it waits at the front of the queue, to be recomputed from its prompt and the
 its client already has).
 
 A row's decode result does not depend on the other rows of the batch (``gqa::decode_paged`` splits each context at
-fixed positions and streams every row through the same kernels), and a prompt is prefilled alone in chunks that end
-at fixed positions: a greedy response does not depend on what else is being served.
+fixed positions and streams every row through the same kernels), and a prompt is prefilled alone in chunks at fixed
+positions (multiples of ``prefill_chunk``; a prefix-cache hit is used in whole chunks only, since a matrix product's
+rows may round differently with a different number of rows): a greedy response does not depend on what else is being
+served or was served before.
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ class Engine:
         for name, n in (("block_size", block_size), ("max_running", max_running), ("prefill_chunk", prefill_chunk)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a positive integer, got {n!r}")
+        if prefill_chunk % block_size:
+            raise ValueError(f"prefill_chunk ({prefill_chunk}) must be a multiple of block_size ({block_size})")
         self.model, self.tokenizer, self.config = model, tokenizer, cfg
         self.block_size, self.max_running, self.prefill_chunk = block_size, max_running, prefill_chunk
         if kv_cache_mib is None:
@@ -205,7 +209,7 @@ class Engine:
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting[0]
             try:
-                r.table = self.blocks.allocate(r.tokens)
+                r.table = self.blocks.allocate(r.tokens, align=self.prefill_chunk // self.block_size)
             except OutOfBlocks:
                 return  # blocks come back as running requests finish
             self.waiting.popleft()
