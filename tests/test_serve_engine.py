@@ -167,3 +167,16 @@ def test_abort_and_a_failing_request_release_their_blocks(tiny, monkeypatch):
     while engine.has_work:
         step()
     assert len(kept) == 50 and engine.blocks.num_free == free
+
+
+def test_offline_llm_generates_a_batch_in_order(tiny):
+    from gqa.serve import LLM
+
+    path, ref = tiny
+    llm = LLM(path, dtype=torch.float32, kv_cache_mib=1)
+    params = [SamplingParams(max_tokens=5, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)]
+    done = llm.generate([[5, 9, 17], [11, 12]], params)
+    assert [c.token_ids for c in done] == [hf_greedy(ref, [5, 9, 17], 5), hf_greedy(ref, [11, 12], 3)]
+    assert [c.finish_reason for c in done] == ["length", "length"]
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate([[5]], params)

@@ -155,8 +155,17 @@ class QuantizedLinear(nn.Module):
             rows = x.reshape(-1, x.shape[-1]).contiguous()
             out = torch.ops.gqa.qlinear_rows_n(rows, [self.blocks], [self.format.code], [bias])[0]
             return out.view(*x.shape[:-1], self.out_features)
+        kept = getattr(self, "_dequantized", None)
+        if kept is not None and kept.dtype == x.dtype:
+            return F.linear(x, kept, bias)
         weight = dequantize(self.blocks, self.format, self.in_features, x.dtype)
         return F.linear(x, weight, bias)
+
+    def keep_dequantized(self, dtype: torch.dtype | None) -> None:
+        """Keep the weight dequantized in ``dtype`` (``None``: drop it) for inputs of more rows than the kernel
+        takes (a prompt): ``F.linear`` on the copy instead of dequantizing every block at every call. Memory for
+        speed: a server prefilling prompt after prompt wants it. Not part of the ``state_dict``."""
+        self._dequantized = None if dtype is None else dequantize(self.blocks, self.format, self.in_features, dtype)
 
 
 def quantized_linears(x: torch.Tensor, layers: list[QuantizedLinear]) -> list[torch.Tensor]:

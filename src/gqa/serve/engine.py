@@ -34,6 +34,7 @@ import torch
 from .. import kernels
 from ..generation import sample_next
 from ..models import decode_step
+from ..quantized import QuantizedLinear
 from .blocks import BlockManager, BlockTable, OutOfBlocks
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
 from .sampling import SamplingParams, TextStream
@@ -85,7 +86,9 @@ class Engine:
 
     ``kv_cache_mib``: the KV pool's size (default: a quarter of the available memory, at most what ``max_running``
     full contexts need); ``block_size``: token slots per block; ``max_running``: requests decoded together at most;
-    ``prefill_chunk``: prompt tokens per step and request while others decode.
+    ``prefill_chunk``: prompt tokens per step and request while others decode. ``dequantized_prefill``: block-quantized
+    layers keep a dequantized copy of their weights for prompts (``QuantizedLinear.keep_dequantized``: the float
+    weights' memory, and a prompt chunk no longer dequantizes every block); decoding reads the blocks.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class Engine:
         block_size: int = 16,
         max_running: int = 64,
         prefill_chunk: int = 64,
+        dequantized_prefill: bool = True,
     ) -> None:
         cfg = model.config
         if model.device.type != "cpu" or model.dtype not in decode_step.DTYPES or not kernels.vectorized():
@@ -121,6 +125,10 @@ class Engine:
                                       model.dtype)  # fmt: skip
         if num_blocks < 1:
             raise ValueError(f"kv_cache_mib={kv_cache_mib} holds no block of {block_size} tokens")
+        if dequantized_prefill:
+            for module in model.modules():
+                if isinstance(module, QuantizedLinear):
+                    module.keep_dequantized(model.dtype)
         self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, model.dtype)
         self.blocks = BlockManager(num_blocks, block_size)
         eos = tokenizer.eos_token_ids if tokenizer is not None else cfg.eos_token_id
