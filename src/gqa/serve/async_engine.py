@@ -35,7 +35,8 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stop = False
-        self.in_flight = 0
+        self.in_flight = 0  # accepted and not finished; changed by both threads, under _count_lock
+        self._count_lock = threading.Lock()
         self.errors = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps, for tokens/s
         self._thread = threading.Thread(target=self._loop, name="gqa-engine", daemon=True)
@@ -67,7 +68,8 @@ class AsyncEngine:
         request_id = f"req-{next(self._ids)}"
         outputs: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), outputs)
-        self.in_flight += 1
+        with self._count_lock:
+            self.in_flight += 1
         self._commands.put(("add", request_id, prompt, params))
         self._wake.set()
         finished = False
@@ -93,7 +95,8 @@ class AsyncEngine:
         final = isinstance(item, BaseException) or item.finished
         if final:
             del self._queues[request_id]
-            self.in_flight -= 1
+            with self._count_lock:
+                self.in_flight -= 1
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
             loop.call_soon_threadsafe(q.put_nowait, item)
 
@@ -126,10 +129,12 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
-            except Exception as e:  # a fault of the step itself: its requests fail, the engine serves on
+            except Exception as e:  # a fault of the decode step: the batch's requests fail, the engine serves on
                 traceback.print_exc()
                 self.errors += 1
-                outputs = [o for rid in list(engine.requests) if (o := engine.fail(rid, f"{type(e).__name__}: {e}"))]
+                message = f"{type(e).__name__}: {e}"
+                batch = [r.request_id for r in engine.running if r.state == "decode"]
+                outputs = [o for rid in batch if (o := engine.fail(rid, message)) is not None]
             tokens = sum(len(o.token_ids) for o in outputs)
             self._recent.append((time.monotonic(), tokens))
             while self._recent and time.monotonic() - self._recent[0][0] > 60:
