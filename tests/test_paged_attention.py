@@ -108,18 +108,21 @@ def test_paged_attention_refuses_bad_tables_clearly(change, message):
         torch.ops.gqa.paged_attention(args["q"], kp, vp, args["table"], args["lengths"], 1.0)
 
 
+@pytest.mark.parametrize("formats", [(None, "q8_0"), ("q4_1", "q4_0")], ids=["float-q8_0", "q4_1-q4_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_paged_equals_the_dense_step_on_ragged_rows(dtype):
-    """``gqa::decode_paged`` against ``gqa::decode_model`` on the same weights and tokens: rows of 5, 17 and 300
-    cached tokens in shuffled blocks of 7 slots vs left-padded dense caches; logits and the new K/V agree (to the
-    rounding of a differently split softmax), and the paged row results do not depend on the batch."""
+def test_decode_paged_equals_the_dense_step_on_ragged_rows(dtype, formats):
+    """``gqa::decode_paged`` against ``gqa::decode_model`` on the same weights and tokens: rows of 5 to 300
+    cached tokens in shuffled blocks of 7 slots vs left-padded dense caches, float and q8_0/q4_1/q4_0 layers; logits
+    and the new K/V agree (to the rounding of a differently split softmax), and the paged row results do not depend on
+    the batch (each row alone gives the same bits: a compiler that fuses a multiply-add in one batch width's loop and
+    not in another's once broke that for q4_1)."""
     from test_decode_step import _random_layers
 
     g = torch.Generator().manual_seed(3)
-    E, F, Hq, Hkv, D, V, block = 64, 96, 6, 2, 16, 300, 7
-    lengths = [5, 17, 300]
+    E, F, Hq, Hkv, D, V, block = 192, 288, 6, 2, 16, 300, 7
+    lengths = [5, 17, 300, 40, 9, 2]  # 4 + 2 rows: the GEMVs' 4-row and 2-row loops
     B, C = len(lengths), max(lengths) + 1
-    layers = _random_layers(g, dtype, [None, "q8_0"], E, F, Hq, Hkv, D, biases=True)
+    layers = _random_layers(g, dtype, list(formats), E, F, Hq, Hkv, D, biases=True)
     M = -(-C // block)
     ids = torch.randperm(B * M + 3, generator=g)[: B * M].view(B, M).contiguous()
     pools, dense = [], []

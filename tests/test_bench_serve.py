@@ -1,0 +1,36 @@
+"""``gqa bench serve``: a real ``gqa serve`` under 1 and 3 concurrent streaming clients, responses compared with the
+1-client pass, results written; bad flags are exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gqa import kernels
+from gqa.bench import serve as bench_serve
+from gqa.cli import main
+
+pytestmark = pytest.mark.skipif(not kernels.vectorized(), reason="native SIMD kernels not built on this machine")
+
+
+def test_the_cli_serves_the_embedded_model_to_concurrent_clients(tmp_path, capsys):
+    code = main(["bench", "serve", "--engines", "gqa", "--clients", "1", "3", "--prompts", "3", "--max-tokens", "6",
+                 "--kv-cache-mib", "64", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    (row,) = result["rows"]
+    assert [x["clients"] for x in row["loads"]] == [1, 3]
+    for x in row["loads"]:
+        assert x["errors"] == [] and x["tokens"] == 3 * 6 and x["tok_s"] > 0 and x["differ_from_alone"] == 0
+        assert 0 < x["ttft_p50_ms"] <= x["ttft_p99_ms"] and 0 < x["itl_p50_ms"] <= x["itl_p99_ms"]
+    assert row["kv_blocks_used_after"] == 0 and row["peak_rss_mib"] > 100
+    assert "| gqa | 3 |" in (tmp_path / "results.md").read_text()
+
+
+def test_prompts_are_distinct_and_bad_flags_exit_2(tmp_path, capsys):
+    assert len(set(bench_serve.prompts(48))) == 48
+    for flags in (["--prompts", "0"], ["--clients", "0"], ["--max-tokens", "1"], ["--model", str(tmp_path / "x")]):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "serve", *flags, "--out", str(tmp_path)])
+        assert e.value.code == 2
