@@ -166,7 +166,8 @@ def server_argv(engine: str, model_path: str | None, ns: argparse.Namespace, por
     from ..loaders import default_model_path
 
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path or default_model_path()), "--port",
-            str(port), "--n_threads", str(ns.threads), "--n_ctx", "4096"]  # fmt: skip
+            str(port), "--n_threads", str(ns.threads), "--n_ctx", "4096",
+            "--interrupt_requests", "False"]  # fmt: skip  # by default a new request cuts the running one short
 
 
 def bench_engine(engine: str, model_path: str | None, ns: argparse.Namespace, kv_mib: float, tag: str) -> dict:
@@ -177,14 +178,16 @@ def bench_engine(engine: str, model_path: str | None, ns: argparse.Namespace, kv
     try:
         texts = prompts(ns.prompts)
         stream_chat(port, server.model, texts[0], 4)  # warm-up
-        alone = None
+        alone = None  # the 1-client pass: each request served alone
         for clients in ns.clients:
             result = load(port, server.model, texts, clients, ns.max_tokens)
-            if alone is None:
+            if clients == 1:
                 alone = result["texts"]
-            result["differ_from_alone"] = sum(a != b for a, b in zip(alone, result["texts"], strict=True))
+            result["differ_from_alone"] = None
+            if alone is not None:
+                result["differ_from_alone"] = sum(a != b for a, b in zip(alone, result["texts"], strict=True))
             summary = f"{result['tok_s']:.1f} tok/s, TTFT p99 {result['ttft_p99_ms']:.0f} ms"
-            print(f"[bench serve] {tag}: {clients} clients {summary}, {result['differ_from_alone']} differ",
+            print(f"[bench serve] {tag}: {clients} clients {summary}, differ from alone: {result['differ_from_alone']}",
                   file=sys.stderr, flush=True)  # fmt: skip
             del result["texts"]
             row["loads"].append(result)
@@ -213,9 +216,10 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         for x in r["loads"]:
+            differ = "—" if x["differ_from_alone"] is None else x["differ_from_alone"]
             lines.append(
                 f"| {r['tag']} | {x['clients']} | {x['tok_s']:.1f} | {x['ttft_p50_ms']:.0f} / {x['ttft_p99_ms']:.0f} | "
-                f"{x['itl_p50_ms']:.0f} / {x['itl_p99_ms']:.0f} | {x['differ_from_alone']} | {len(x['errors'])} |"
+                f"{x['itl_p50_ms']:.0f} / {x['itl_p99_ms']:.0f} | {differ} | {len(x['errors'])} |"
             )
     lines.append("")
     lines.append("| server | peak RSS (MiB) | KV token slots | sequences of the context that fit | blocks used after |")
