@@ -163,7 +163,7 @@ def test_help_texts(capsys, args, shown):
 
 def test_bench_is_a_group_of_benchmarks(capsys):
     code, out, _ = run_cli(capsys, "bench", "--help")
-    assert code == 0 and out.startswith("usage: gqa bench [-h] {attention,model,startup,shared} ...")
+    assert code == 0 and out.startswith("usage: gqa bench [-h] {attention,model,startup,shared,serve} ...")
     lines = " ".join(out.split())
     assert "attention time gqa's attention backends" in lines and "model KV-cache size, prefill and decode" in lines
     assert "startup process wall time of import gqa" in lines and "shared decode tok/s alone and beside busy" in lines
