@@ -400,10 +400,11 @@ def test_the_step_works_in_a_forked_child_and_after_a_thread_count_change():
     assert queue.get(timeout=5) == [here] * 4
     previous = torch.get_num_threads()
     try:
-        for threads in (3, 1, 2):
-            torch.set_num_threads(threads)
-            args, _, _ = _small_step_args(torch.Generator().manual_seed(0))
-            assert torch.ops.gqa.decode_model(*args).sum().item() == here
+        for _ in range(100):  # workers made and stopped again before their threads first ran once hung the stop
+            for threads in (3, 1, 2, 4):
+                torch.set_num_threads(threads)
+                args, _, _ = _small_step_args(torch.Generator().manual_seed(0))
+                assert torch.ops.gqa.decode_model(*args).sum().item() == here
     finally:
         torch.set_num_threads(previous)
 

@@ -133,19 +133,21 @@ class WorkerPool {
     for (std::thread& t : workers_) t.join();
     workers_.clear();
     stop_.store(false);
-    for (int64_t i = 0; i < workers; ++i) workers_.emplace_back([this] { loop(); });
+    // A worker starts from the generation current when it was made, not when its thread first runs: one that gets
+    // its first time slice only after a later resize's stop signal still sees that signal (and returns).
+    const uint64_t now = generation_.load();
+    for (int64_t i = 0; i < workers; ++i) workers_.emplace_back([this, now] { loop(now); });
   }
 
-  void loop() {
-    uint64_t seen = generation_.load();
+  void loop(uint64_t seen) {
     for (;;) {
-      for (int spins = 0; generation_.load() == seen; ++spins) {
+      for (int spins = 0; generation_.load() == seen && !stop_.load(); ++spins) {
         if (spins < IDLE_SPINS) {
           spin_pause();
         } else {
           std::unique_lock<std::mutex> lock(sleep_mutex_);
           sleepers_.fetch_add(1);
-          wake_.wait(lock, [&] { return generation_.load() != seen; });
+          wake_.wait(lock, [&] { return generation_.load() != seen || stop_.load(); });
           sleepers_.fetch_sub(1);
         }
       }
