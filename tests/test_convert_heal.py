@@ -336,6 +336,7 @@ def test_convert_healing_arguments(src, tmp_path):
         (["--heal-steps", "5", "--heal-text", "stdlib", "--heal-lr", "0"], "heal lr must be a positive number"),
         (["--heal-steps", "5", "--heal-text", "stdlib", "--heal-batch", "0"], "heal batch_size must be >= 1"),
         (["--heal-steps", "5", "--heal-text", "/nonexistent/heal.txt"], "No such file"),
+        (["--heal-steps", "5", "--heal-text", "stdlib", "--heal-local-share", "1"], "heal local_share must be a"),
     ],
 )
 def test_cli_heal_flag_errors(src, tmp_path, capsys, flags, message):
@@ -365,9 +366,24 @@ def test_cli_heals(src, tmp_path, capsys):
     log = json.loads((dst / "heal_log.json").read_text())
     assert log["config"] == {"steps": 6, "lr": 1e-3, "seq_len": 16, "batch_size": 1, "train": "attention",
                              "warmup": None, "seed": 0, "precision": "fp32", "minutes": None,
-                             "sharding": "auto"}  # fmt: skip
+                             "sharding": "auto", "local_share": 0.0}  # fmt: skip
     assert log["precision"] == "fp32"  # what the passes ran in
     assert (log["processes"], log["sharding"], log["device"]) == (1, "none", "cpu")  # one process: nothing shared
+    assert log["local"] is None
+
+
+def test_cli_heals_layer_local_first(src, tmp_path, capsys):
+    text = tmp_path / "heal.txt"
+    text.write_text(HEAL_TEXT)
+    dst = tmp_path / "out"
+    flags = ["--heal-steps", "8", "--heal-text", str(text), "--heal-seq-len", "16", "--heal-local-share", "0.5",
+             "--heal-precision", "fp32"]  # fmt: skip
+    assert cli(["convert", str(src), str(dst), "--kv-heads", "2", "--method", "first", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "healed       4 steps x 16 tokens" in out and "layer-local  4 steps in " in out, out
+    log = json.loads((dst / "heal_log.json").read_text())
+    assert log["config"]["local_share"] == 0.5 and len(log["local"]["losses"]) == 4 and len(log["losses"]) == 4
+    assert len(log["local"]["errors_before"]) == len(log["local"]["errors_after"]) > 0
 
 
 def test_the_callbacks_time_is_not_healing_time(monkeypatch):

@@ -92,6 +92,7 @@ class HealConfig:
     precision: str = "auto"
     minutes: float | None = None
     sharding: str = "auto"
+    local_share: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "batch_size", "seed"):
@@ -119,3 +120,7 @@ class HealConfig:
             raise ValueError(f"heal minutes must be a positive number or None, got {self.minutes!r}")
         if self.warmup is not None and not (isinstance(self.warmup, int) and 0 <= self.warmup <= self.steps):
             raise ValueError(f"heal warmup must be an int in [0, steps={self.steps}], got {self.warmup!r}")
+        if isinstance(self.local_share, bool) or not (
+            isinstance(self.local_share, (int, float)) and 0 <= self.local_share < 1
+        ):
+            raise ValueError(f"heal local_share must be a number in [0, 1), got {self.local_share!r}")

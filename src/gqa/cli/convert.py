@@ -44,7 +44,7 @@ def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None
     steps = ns.heal_steps or UNLIMITED_STEPS  # --heal-minutes alone: the time is the limit
     config = HealConfig(
         steps, ns.heal_lr, ns.heal_seq_len, ns.heal_batch, ns.heal_train, None, ns.heal_seed, ns.heal_precision,
-        ns.heal_minutes, ns.heal_sharding,
+        ns.heal_minutes, ns.heal_sharding, ns.heal_local_share,
     )  # fmt: skip
     if ns.heal_text is None:
         return config, None
@@ -194,6 +194,13 @@ def run_convert(ns: argparse.Namespace) -> int:
             f"KL(source || model) on the healing text {first:.3f} -> {last:.3f} nats/token "
             f"(mean of first / last {k} steps)"
         )
+        if log.get("local"):
+            local = log["local"]
+            before, after = (sum(local[k]) / len(local[k]) for k in ("errors_before", "errors_after"))
+            print(
+                f"layer-local  {len(local['losses'])} steps in {local['seconds'] + local['capture_seconds']:.0f} s "
+                f"first; attention-block error on held-out windows {before:.3f} -> {after:.3f} (mean per layer)"
+            )
         print(f"loss curve   {out / HEAL_PLOT_NAME}")
     elif n < h_kv:
         print("note         merged K/V heads change the model's outputs; heal with --heal-steps N or --heal-minutes M")

@@ -95,6 +95,11 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "--heal-train", choices=TRAINABLE, default=d.train,
         help="which parameters train: the q/k/v/o projections or all",
     )  # fmt: skip
+    heal.add_argument(
+        "--heal-local-share", type=float, default=d.local_share, metavar="F",
+        help="share of the budget (of --heal-minutes, else of --heal-steps) spent first on layer-local healing: each "
+        "merged attention block trained alone to reproduce SRC's block on SRC's hidden states (default: %(default)s)",
+    )  # fmt: skip
     heal.add_argument("--heal-seed", type=int, default=d.seed, metavar="S", help="seed of the window order")
     heal.add_argument(
         "--heal-sharding", choices=SHARDINGS, default=d.sharding,

@@ -499,6 +499,7 @@ def _write_extras(folder: Path, plan: ConversionPlan, data: _Converted, result: 
         "trained_parameters": result.trained_parameters,
         "losses": result.losses,
         "lrs": result.lrs,
+        "local": None if result.local is None else dataclasses.asdict(result.local),
     }
     (folder / HEAL_LOG_NAME).write_text(json.dumps(log, indent=1) + "\n", encoding="utf-8")
 

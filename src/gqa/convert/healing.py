@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._atomic import atomic_path
 from .._options import PRECISIONS, SHARDINGS, TRAINABLE, HealConfig
 from ..hardware import available_memory, fast_bf16
+from .layer_local import LOCAL_WINDOWS, LocalResult, heal_blocks
 
 __all__ = [
     "PRECISIONS",
@@ -81,6 +82,8 @@ class HealResult:
     config : the ``HealConfig`` used.
     precision : what the passes ran in, ``"bf16"`` or ``"fp32"`` (``config.precision`` may say ``"auto"``).
     sharding : across processes, ``"ddp"`` or ``"fsdp"`` as it ran; ``"none"`` in one process.
+    local : the layer-local phase (``local_share > 0``), or ``None``; ``losses`` and ``lrs`` are the end-to-end
+        phase's, ``seconds`` covers both.
     """
 
     losses: list[float]
@@ -92,6 +95,7 @@ class HealResult:
     cpu_seconds: float = 0.0
     precision: str = "fp32"
     sharding: str = "none"
+    local: LocalResult | None = None
 
     @property
     def seconds_per_step(self) -> float:
@@ -228,6 +232,7 @@ def heal(
     callback: Callable[[int, float], None] | None = None,
     weights: Sequence[float] | torch.Tensor | None = None,
     starts: Sequence[int] | None = None,
+    local_share: float = 0.0,
 ) -> HealResult:
     """Distil ``student`` from ``teacher`` in place: ``steps`` AdamW steps on ``KL(teacher || student)`` of the logits.
 
@@ -255,6 +260,10 @@ def heal(
         tokens of a conversation, 0 where a window would predict across a document boundary); default all 1.
     starts : offsets in ``token_ids`` where windows may begin (e.g. each conversation's first token; a start too close
         to the end is moved back to fit); default every ``seq_len`` tokens (non-overlapping chunks).
+    local_share : the share of the budget (of ``minutes`` when given, else of ``steps``) spent first on the
+        layer-local phase (``gqa.convert.layer_local.heal_blocks``: every merged attention block trained alone to
+        reproduce the teacher's block on the teacher's hidden states, ``LOCAL_WINDOWS`` windows captured once); the
+        end-to-end KL gets the rest. 0 (default): end-to-end only.
     sharding : ``"auto"``, ``"ddp"`` or ``"fsdp"``: how several processes share the work (below); ignored alone.
     device : where the passes run; default the student's. With DDP or alone the models are moved there.
     callback : called as ``callback(step, loss)`` after every step. Its own time (e.g. scoring the student on an
@@ -277,7 +286,7 @@ def heal(
     -------
     HealResult : per-step losses and learning rates, wall time.
     """
-    cfg = HealConfig(steps, lr, seq_len, batch_size, train, warmup, seed, precision, minutes, sharding)  # validates
+    cfg = HealConfig(steps, lr, seq_len, batch_size, train, warmup, seed, precision, minutes, sharding, local_share)
     budget = None if minutes is None else 60.0 * minutes
     warmup = min(20, steps // 10) if warmup is None else warmup
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
@@ -309,6 +318,25 @@ def heal(
     train_ids = {id(p) for p in params}
     for p in student.parameters():
         p.requires_grad_(id(p) in train_ids)
+    start, cpu_start = _clock(), time.process_time()
+    local = None
+    local_steps = min(round(steps * local_share), steps - 1) if budget is None else steps
+    if local_share > 0 and local_steps > 0:
+        teacher.eval()
+        try:
+            local = _local_phase(student, teacher, ids, offsets, seq_len, local_steps, minutes, local_share, seed,
+                                 device, progress and rank == 0)  # fmt: skip
+        except BaseException:
+            for p in student.parameters():
+                p.requires_grad_(was[id(p)])
+            raise
+        if world > 1:  # every rank ran the same phase; rank 0's weights are the ones to go on from
+            for p in params:
+                dist.broadcast(p.data, 0)
+        if budget is None:
+            steps -= local_steps
+            warmup = min(warmup, steps)
+    local_seconds = _clock() - start
     sharded = world > 1 and (sharding == "fsdp" or (sharding == "auto" and fsdp_needed(student, teacher, params,
                                                                                         device, world)))  # fmt: skip
     if sharded:  # copies, sharded onto ``device``; the healed weights come back into ``student`` at the end
@@ -330,10 +358,10 @@ def heal(
         from tqdm.auto import tqdm
 
         total = steps if budget is None else None  # under a time budget the step count is not known ahead
-        bar = tqdm(total=total, desc="healing", unit="step", file=sys.stderr, dynamic_ncols=True)
+        desc = "healing" if local is None else "healing 2/2: end-to-end"
+        bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
     teacher.eval()
     model.train()
-    start, cpu_start = _clock(), time.process_time()
     paused = paused_cpu = 0.0  # wall and CPU seconds spent in ``callback``, left out of the budget and the result
 
     def healing_time() -> float:  # wall seconds since the start, less the callback's
@@ -364,7 +392,8 @@ def heal(
                     target = teacher(batch)  # (B, L, vocab)
                 logits = model(batch)
             loss = kl_loss(logits, target, w, total)  # float32 softmax either way
-            step_lr = _lr_at(step, steps, warmup, lr, 0.0 if budget is None else elapsed / budget)
+            done = 0.0 if budget is None else (elapsed - local_seconds) / max(budget - local_seconds, 1e-9)
+            step_lr = _lr_at(step, steps, warmup, lr, done)  # the end-to-end phase's own share of the budget
             for group in opt.param_groups:
                 group["lr"] = step_lr
             opt.zero_grad(set_to_none=True)
@@ -400,7 +429,32 @@ def heal(
     seconds, cpu_seconds = slowest(healing_time()), time.process_time() - cpu_start - paused_cpu
     n = sum(p.numel() for p in params)
     how = "fsdp" if sharded else "ddp" if world > 1 else "none"
-    return HealResult(losses, lrs, seconds, batch_size * seq_len, cfg, n, cpu_seconds, precision, how)
+    return HealResult(losses, lrs, seconds, batch_size * seq_len, cfg, n, cpu_seconds, precision, how, local)
+
+
+def _local_phase(
+    student: nn.Module,
+    teacher: nn.Module,
+    ids: torch.Tensor,
+    offsets: list[int],
+    seq_len: int,
+    steps: int,
+    minutes: float | None,
+    share: float,
+    seed: int,
+    device: torch.device,
+    progress: bool,
+) -> LocalResult:
+    """``heal``'s layer-local phase on ``LOCAL_WINDOWS`` windows drawn (with ``seed``) from ``offsets``."""
+    student.to(device)
+    teacher.to(device)
+    pick = torch.randperm(len(offsets), generator=torch.Generator().manual_seed(seed))[:LOCAL_WINDOWS].tolist()
+    windows = torch.stack([ids[offsets[j] : offsets[j] + seq_len] for j in pick])  # (N, L)
+    return heal_blocks(
+        student, teacher, windows, trainable_parameters(student, "attention"), steps=steps,
+        minutes=None if minutes is None else minutes * share, seed=seed, progress=progress,
+        label="healing 1/2: layer-local",
+    )  # fmt: skip
 
 
 def save_loss_curve(result: HealResult, path: str | Path, title: str | None = None) -> Path:

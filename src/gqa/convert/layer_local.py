@@ -1,0 +1,244 @@
+"""Layer-local healing: each converted attention block learns to reproduce the source block's output on its own.
+
+End-to-end healing (``gqa.convert.healing``) pays, per step, a forward pass of two whole models and a backward pass
+of one, lm_head included, for a signal that reaches each merged attention block only through every layer above it.
+But the conversion changed nothing except the attention blocks, and each block's job is known exactly: given the
+source model's hidden states ``X_l (L, E)`` (after ``input_layernorm``) it should return the source block's output
+``Y_l (L, E)``. So, as LoLCATs' "attention transfer" (arXiv 2410.10254) does before its short end-to-end pass:
+
+1. ``capture``: run the teacher once over ``windows`` and keep, for every layer, its attention input and output
+   (bfloat16, ``2 * layers * tokens * E`` values).
+2. ``train_blocks``: AdamW on the student's q/k/v/o projections, each step a batch of windows through **every**
+   layer's attention block alone (layers are independent, so one backward serves them all), minimising the sum over
+   layers of the block's relative squared error ``||attn_l(X_l) - Y_l||^2 / ||Y_l||^2`` (each layer counts alike,
+   whatever the scale of its output). A step costs the attention projections of every layer, not the MLPs nor
+   the 49k-row lm_head: many more tokens per second than an end-to-end step.
+
+Shapes: ``windows (N, L)`` token ids; per layer ``inputs``/``outputs`` ``(N, L, E)``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["BlockTargets", "LocalResult", "block_errors", "capture", "heal_blocks", "train_blocks"]
+
+STORE_DTYPE = torch.bfloat16  # captured activations: half the memory of float32, ~3 significant digits
+LOCAL_WINDOWS = 96  # windows captured from the teacher (x seq_len tokens; 8 of them held out to measure the error)
+HELD_OUT_WINDOWS = 8
+LOCAL_LR = 3e-4  # peak AdamW learning rate of the layer-local phase
+LOCAL_BATCH = 4  # windows per layer-local step
+
+
+@dataclass
+class BlockTargets:
+    """The source model's attention inputs and outputs on some windows, per layer.
+
+    Attributes
+    ----------
+    inputs, outputs : per layer ``(N, L, E)`` in ``STORE_DTYPE``: the block's input (after ``input_layernorm``) and
+        its output (before the residual sum).
+    energy : per layer, the mean squared value of ``outputs`` (the relative error's denominator).
+    """
+
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    energy: list[float] = field(default_factory=list)
+
+    @property
+    def windows(self) -> int:
+        return self.inputs[0].shape[0]
+
+    def split(self, held_out: int) -> tuple[BlockTargets, BlockTargets]:
+        """``(train, held_out)``: the last ``held_out`` windows apart."""
+        n = self.windows - held_out
+        first = BlockTargets([x[:n] for x in self.inputs], [y[:n] for y in self.outputs], self.energy)
+        last = BlockTargets([x[n:] for x in self.inputs], [y[n:] for y in self.outputs], self.energy)
+        return first, last
+
+
+def _layers(model: nn.Module) -> nn.ModuleList:
+    return model.model.layers
+
+
+@torch.no_grad()
+def capture(teacher: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> BlockTargets:
+    """Run ``teacher`` (a ``gqa.models.CausalLM``) over ``windows (N, L)`` and keep every layer's attention input and
+    output."""
+    if windows.dim() != 2 or windows.shape[0] < 1:
+        raise ValueError(f"windows must be token ids (N, L) with N >= 1, got shape {tuple(windows.shape)}")
+    layers = _layers(teacher)
+    n, length = windows.shape
+    e = teacher.config.hidden_size
+    inputs = [torch.empty(n, length, e, dtype=STORE_DTYPE) for _ in layers]
+    outputs = [torch.empty(n, length, e, dtype=STORE_DTYPE) for _ in layers]
+    rows = slice(0, 0)
+
+    def keep(i: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+            inputs[i][rows] = args[0].to(STORE_DTYPE).cpu()
+            outputs[i][rows] = out.to(STORE_DTYPE).cpu()
+
+        return hook
+
+    handles = [layer.self_attn.register_forward_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    device = next(teacher.parameters()).device
+    try:
+        for start in range(0, n, batch_size):
+            rows = slice(start, min(start + batch_size, n))
+            teacher(windows[rows].to(device))
+    finally:
+        for h in handles:
+            h.remove()
+    energy = [float(y.float().pow(2).mean()) for y in outputs]
+    return BlockTargets(inputs, outputs, energy)
+
+
+def _block_losses(model: nn.Module, targets: BlockTargets, rows: torch.Tensor | slice) -> list[torch.Tensor]:
+    """Per layer, the relative squared error of ``model``'s attention block on ``targets``' windows ``rows``."""
+    layers = _layers(model)
+    device = next(model.parameters()).device
+    length = targets.inputs[0].shape[1]
+    cos_sin = model.model.rope.cos_sin(torch.arange(length, device=device))
+    losses = []
+    for i, layer in enumerate(layers):
+        x = targets.inputs[i][rows].to(device, torch.float32)
+        y = targets.outputs[i][rows].to(device, torch.float32)
+        out = layer.self_attn(x, is_causal=True, rope_cos_sin=cos_sin)
+        losses.append((out - y).pow(2).mean() / max(targets.energy[i], 1e-30))
+    return losses
+
+
+@torch.no_grad()
+def block_errors(model: nn.Module, targets: BlockTargets, batch_size: int = 8) -> list[float]:
+    """Per layer, ``||attn_l(X_l) - Y_l||^2 / ||Y_l||^2`` of ``model``'s blocks over all of ``targets``' windows."""
+    sums = [0.0] * len(targets.inputs)
+    for start in range(0, targets.windows, batch_size):
+        rows = slice(start, min(start + batch_size, targets.windows))
+        for i, loss in enumerate(_block_losses(model, targets, rows)):
+            sums[i] += float(loss) * (rows.stop - rows.start)
+    return [s / targets.windows for s in sums]
+
+
+@dataclass
+class LocalResult:
+    """What ``train_blocks`` (and ``heal_blocks``) did: per step the summed relative error over the layers (before the
+    step's update) and the learning rate; the wall time of the loop. ``heal_blocks`` adds the capture's seconds and
+    each layer's error on the held-out windows before and after."""
+
+    losses: list[float]
+    lrs: list[float]
+    seconds: float
+    capture_seconds: float = 0.0
+    errors_before: list[float] = field(default_factory=list)
+    errors_after: list[float] = field(default_factory=list)
+
+
+def train_blocks(
+    student: nn.Module,
+    targets: BlockTargets,
+    params: list[nn.Parameter],
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int = 4,
+    seed: int = 0,
+    minutes: float | None = None,
+    progress: Callable[[int, float, float], None] | None = None,
+) -> LocalResult:
+    """AdamW on ``params`` (the student's attention projections) for ``steps`` steps or ``minutes``, whichever ends
+    first; each step reads ``batch_size`` random windows of ``targets`` through every layer's block. The learning
+    rate follows a cosine from ``lr`` to a tenth over whichever of steps and time is further along.
+    ``progress(step, loss, seconds_left)`` is called after every step."""
+    if steps < 1 or batch_size < 1 or not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"train_blocks needs steps >= 1, batch_size >= 1 and lr > 0; got {steps}, {batch_size}, {lr}")
+    budget = math.inf if minutes is None else 60.0 * minutes
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    losses, lrs = [], []
+    start = time.perf_counter()
+    student.train()
+    try:
+        for step in range(steps):
+            elapsed = time.perf_counter() - start
+            if elapsed >= budget:
+                break
+            done = max(step / steps, elapsed / budget)
+            step_lr = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
+            for group in opt.param_groups:
+                group["lr"] = step_lr
+            rows = torch.randint(targets.windows, (batch_size,), generator=gen)
+            loss = sum(_block_losses(student, targets, rows))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            value = loss.item()
+            if not math.isfinite(value):
+                raise FloatingPointError(f"layer-local healing diverged at step {step}: loss {value}; try a smaller lr")
+            losses.append(value)
+            lrs.append(step_lr)
+            if progress is not None:
+                seconds = time.perf_counter() - start
+                left = (budget - seconds) if minutes is not None else seconds / (step + 1) * (steps - step - 1)
+                progress(step, value, max(min(left, seconds / (step + 1) * (steps - step - 1)), 0.0))
+    finally:
+        student.eval()
+        for p in params:
+            p.grad = None
+    return LocalResult(losses, lrs, time.perf_counter() - start)
+
+
+def heal_blocks(
+    student: nn.Module,
+    teacher: nn.Module,
+    windows: torch.Tensor,
+    params: list[nn.Parameter],
+    *,
+    steps: int,
+    minutes: float | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    label: str = "healing, layer-local",
+) -> LocalResult:
+    """Healing's layer-local phase: ``capture`` the teacher on ``windows (N, L)`` (the last ``HELD_OUT_WINDOWS`` kept
+    apart when ``N`` allows), then ``train_blocks`` for ``steps`` steps or what is left of ``minutes`` (the capture
+    counts), with a progress bar showing the mean error per layer and the time left."""
+    start = time.perf_counter()
+    targets = capture(teacher, windows)
+    held = HELD_OUT_WINDOWS if targets.windows > 2 * HELD_OUT_WINDOWS else 0
+    train, test = targets.split(held) if held else (targets, targets)
+    captured = time.perf_counter() - start
+    before = block_errors(student, test)
+    left = None if minutes is None else max(minutes - (time.perf_counter() - start) / 60, 0.0)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps if minutes is None else None, desc=label, unit="step", file=sys.stderr,
+                   dynamic_ncols=True)  # fmt: skip
+    layers = len(targets.inputs)
+
+    def show(step: int, loss: float, seconds_left: float) -> None:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(error=f"{loss / layers:.3f}", left=f"{seconds_left / 60:.1f} min")
+
+    try:
+        if left is not None and left <= 0:
+            result = LocalResult([], [], 0.0)
+        else:
+            result = train_blocks(student, train, params, steps=steps, lr=LOCAL_LR, batch_size=LOCAL_BATCH, seed=seed,
+                                  minutes=left, progress=show)  # fmt: skip
+    finally:
+        if bar is not None:
+            bar.close()
+    result.capture_seconds = captured
+    result.errors_before, result.errors_after = before, block_errors(student, test)
+    return result

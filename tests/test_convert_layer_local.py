@@ -1,0 +1,94 @@
+"""Layer-local healing (``gqa.convert.layer_local``): the captured activations are the teacher's attention inputs and
+outputs, a layer-local step lowers each block's error on windows it never trained on, and ``heal(local_share=)``
+splits the budget between the phases without overrunning it."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from test_convert_heal import TRAIN_IDS, tiny_pair
+
+from gqa.convert import HealConfig, heal
+from gqa.convert import layer_local as ll
+from gqa.convert.healing import trainable_parameters
+
+WINDOWS = TRAIN_IDS[: 24 * 24].reshape(24, 24)  # (N, L)
+
+
+def _rms_norm64(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return weight.double() * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_capture_keeps_each_layers_attention_input_and_output():
+    """Layer 0's input is RMSNorm(embedding) (float64 by hand), and every captured output is what that layer's
+    block returns for its captured input (to bf16 storage); the teacher's own blocks have ~zero error on them."""
+    teacher, _ = tiny_pair()
+    t = ll.capture(teacher, WINDOWS, batch_size=5)  # batches that do not divide N
+    assert len(t.inputs) == len(t.outputs) == 2 and t.inputs[0].shape == (24, 24, 48)
+    layer0 = teacher.model.layers[0]
+    x0 = _rms_norm64(teacher.model.embed_tokens(WINDOWS), layer0.input_layernorm.weight, layer0.input_layernorm.eps)
+    torch.testing.assert_close(t.inputs[0].double(), x0, rtol=1e-2, atol=1e-2)
+    assert not torch.allclose(t.inputs[1].float(), t.inputs[0].float(), atol=0.1)  # the next layer's, not a copy
+    errors = ll.block_errors(teacher, t)
+    assert all(e < 1e-4 for e in errors), errors  # bf16 rounding only
+    assert all(e > 0 for e in t.energy)
+
+
+def test_a_layer_local_step_lowers_each_blocks_error_on_held_out_windows():
+    teacher, student = tiny_pair()
+    train, held = ll.capture(teacher, WINDOWS).split(6)
+    assert (train.windows, held.windows) == (18, 6)
+    before = ll.block_errors(student, held)
+    assert all(e > 0.05 for e in before), before  # the merge really changed the blocks
+    params = trainable_parameters(student, "attention")
+    res = ll.train_blocks(student, train, params, steps=40, lr=3e-3, batch_size=4)
+    after = ll.block_errors(student, held)
+    assert all(a < 0.8 * b for a, b in zip(after, before, strict=True)), (before, after)
+    assert len(res.losses) == len(res.lrs) == 40 and res.lrs[0] == pytest.approx(3e-3)
+    assert res.lrs[-1] == pytest.approx(3e-4, rel=0.1)  # the cosine ends near a tenth
+    assert not student.training and all(p.grad is None for p in params)
+    # only the attention projections moved
+    _, fresh = tiny_pair()
+    moved = {n for n, p in student.state_dict().items() if not torch.equal(p, fresh.state_dict()[n])}
+    assert moved and all(any(k in n for k in ("q_proj", "k_proj", "v_proj", "o_proj")) for n in moved), moved
+
+
+def test_heal_with_a_local_share_of_the_steps():
+    """``local_share=0.25`` of 20 steps: 5 layer-local steps first, then 15 end-to-end; the held-out block error
+    falls in the first phase and the KL in the second."""
+    teacher, student = tiny_pair()
+    res = heal(student, teacher, TRAIN_IDS, steps=20, lr=3e-3, seq_len=24, batch_size=2, local_share=0.25,
+               progress=False)  # fmt: skip
+    assert res.local is not None and len(res.local.losses) == 5 and len(res.losses) == 15
+    assert sum(res.local.errors_after) < sum(res.local.errors_before)
+    assert res.config.local_share == 0.25
+    assert res.lrs[-1] == pytest.approx(3e-4)  # the end-to-end schedule runs over its own 15 steps
+    none = heal(*tiny_pair(), TRAIN_IDS, steps=20, lr=3e-3, seq_len=24, batch_size=2, progress=False)
+    assert none.local is None and len(none.losses) == 20
+
+
+def test_a_time_budget_covers_both_phases():
+    """``minutes`` bounds the capture, the layer-local steps and the end-to-end steps together; the layer-local phase
+    takes about its share."""
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its first use imports torch._dynamo (seconds)
+    teacher, student = tiny_pair()
+    budget = 3.0  # seconds
+    start = time.perf_counter()
+    res = heal(student, teacher, TRAIN_IDS, steps=10**9, lr=1e-3, seq_len=24, minutes=budget / 60, local_share=0.5,
+               progress=False)  # fmt: skip
+    wall = time.perf_counter() - start
+    assert res.local is not None and len(res.local.losses) > 5 and len(res.losses) > 5
+    assert wall < budget + 1.0, wall  # one step of either kind past the budget at most, plus setup
+    local = res.local.seconds + res.local.capture_seconds
+    assert 0.3 * budget < local < 0.5 * budget + 0.5, local
+    assert res.lrs[-1] < 0.2e-3  # the end-to-end cosine ran on its own part of the time
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.0, 1.5, math.nan, True, "0.5"])
+def test_bad_local_shares(share):
+    with pytest.raises(ValueError, match="local_share"):
+        HealConfig(steps=10, local_share=share)
