@@ -108,6 +108,38 @@ def test_a_corrupt_cache_file_is_generated_again(chat_model):
     assert again.train == first.train and json.loads(first.path.read_text())["format"] == conv.CACHE_FORMAT
 
 
+def test_an_interrupted_generation_resumes_and_loses_at_most_one_batch(chat_model, cache_root, monkeypatch):
+    """Interrupted in its 5th batch (the 3 user-turn batches and 1 answer batch are done), a run leaves a journal of
+    the finished batches; the next run generates only the rest (a last line cut short by the interruption costs that
+    batch again), gives the set an uninterrupted run gives, and deletes the journal."""
+    import gqa.generation
+
+    whole = generated(chat_model, cache=False)
+    real = gqa.generation.generate
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gqa.generation, "generate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        generated(chat_model)
+    (journal,) = cache_root.rglob("*.partial.jsonl")
+    lines = journal.read_bytes().splitlines(keepends=True)
+    assert [json.loads(line)["phase"] for line in lines] == ["user turns"] * 3 + ["answers"]
+    journal.write_bytes(b"".join(lines) + lines[-1][:20])  # as if cut while writing a 5th line
+    calls.clear()
+    monkeypatch.setattr(gqa.generation, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    resumed = generated(chat_model)
+    batches = -(-len(whole) // SMALL.batch_size)  # answer batches
+    assert len(calls) == batches - 1  # the 3 user-turn batches and the first answer batch came from the journal
+    assert resumed.train == whole.train and resumed.held_out == whole.held_out
+    assert not journal.exists() and resumed.path.is_file()
+
+
 def test_no_chat_template_is_an_error(tmp_path):
     folder = tiny_dir(tmp_path / "plain")
     model = gqa.load_model(folder)

@@ -16,7 +16,9 @@ Generation is batched (rows of similar length together) and seeded: the same mod
 conversations. A fixed share of them, chosen by a hash of the user turn (``is_held_out``), is **held out**:
 calibration and healing read only ``ConversationSet.train``; ``gqa eval --suite`` scores ``held_out``.
 The set is cached as JSON under ``cache_dir()`` in a file named by the source model's content hash and the settings
-(``cache_key``), so the next conversion of the same model reads it instead of generating again.
+(``cache_key``), so the next conversion of the same model reads it instead of generating again. While it is made,
+each finished batch goes to a journal beside it (``gqa.convert.batch_journal``): an interrupted run loses at most the
+batch in progress, and the next run continues from there.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._atomic import write_json_atomic
+from .batch_journal import BatchJournal
 
 if TYPE_CHECKING:
     from ..models import CausalLM
@@ -212,15 +215,25 @@ def generate_batched(
     top_p: float | None = None,
     seed: int | None = None,
     bar: Any = None,
+    journal: BatchJournal | None = None,
+    phase: str = "",
 ) -> list[list[int]]:
     """Continuations of ``prompts`` (greedy, or sampled with one seed per batch), in the prompts' order; rows of
-    similar length are batched together."""
+    similar length are batched together. With ``journal``, each finished batch is recorded under ``phase`` and the
+    batches it already holds are not generated again (each batch's rows and seed depend only on the prompts)."""
     from ..generation import generate
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
+    done = {} if journal is None else journal.finished(phase)
     for b, start in enumerate(range(0, len(order), batch_size)):
         rows = order[start : start + batch_size]
+        if b in done and len(done[b]) == len(rows):  # finished by an earlier, interrupted run
+            for i, ids in zip(rows, done[b], strict=True):
+                out[i] = ids
+            if bar is not None:
+                bar.update(len(rows))
+            continue
         room = model.config.max_position_embeddings - max(len(prompts[i]) for i in rows)  # left in the context
         if room < 1:
             raise ValueError(f"a prompt of {len(prompts[rows[-1]])} tokens leaves no room in the model's context")
@@ -231,13 +244,15 @@ def generate_batched(
         )  # fmt: skip
         for i, ids in zip(rows, got, strict=True):
             out[i] = ids
+        if journal is not None:
+            journal.add(phase, b, got)
         if bar is not None:
             bar.update(len(rows))
     return out
 
 
 def _generate(
-    model: CausalLM, tok: Tokenizer, settings: GenerationSettings, progress: bool
+    model: CausalLM, tok: Tokenizer, settings: GenerationSettings, progress: bool, journal: BatchJournal | None
 ) -> tuple[list[Conversation], dict[str, int]]:
     from tqdm.auto import tqdm
 
@@ -250,7 +265,8 @@ def _generate(
     with tqdm(total=len(prompts), desc="user turns", unit="turn", **kw) as bar:
         turns = generate_batched(
             model, prompts, max_new_tokens=QUESTION_TOKENS, end_ids=end_ids, batch_size=settings.batch_size,
-            temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed, bar=bar,
+            temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed, bar=bar, journal=journal,
+            phase="user turns",
         )  # fmt: skip
     questions, seen = [], set()
     for opener, ids in zip(openers, turns, strict=True):
@@ -266,8 +282,9 @@ def _generate(
     chats = [tok.apply_chat(q) for q in questions]
     with tqdm(total=len(chats), desc="answers", unit="answer", **kw) as bar:
         answers = generate_batched(
-            model, chats, max_new_tokens=ANSWER_TOKENS, end_ids=end_ids, batch_size=settings.batch_size, bar=bar
-        )
+            model, chats, max_new_tokens=ANSWER_TOKENS, end_ids=end_ids, batch_size=settings.batch_size, bar=bar,
+            journal=journal, phase="answers",
+        )  # fmt: skip
     convs = [
         Conversation(q, tok.decode([t for t in a if t not in end_ids]).strip(), p, a)
         for q, p, a in zip(questions, chats, answers, strict=True)
@@ -311,8 +328,9 @@ def self_generated_conversations(
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable: generate again and replace it
     start = time.perf_counter()
+    journal = BatchJournal(path.with_suffix(".partial.jsonl")) if cache else None  # an interrupted run's batches
     with torch.random.fork_rng(devices=[]):
-        convs, stats = _generate(model, tok, settings, progress)
+        convs, stats = _generate(model, tok, settings, progress, journal)
     seconds = time.perf_counter() - start
     result = ConversationSet(*_split(convs), settings, model_hash, seconds, path if cache else None)
     if cache:
@@ -321,6 +339,7 @@ def self_generated_conversations(
             "format": CACHE_FORMAT, "model_hash": model_hash, "settings": dataclasses.asdict(settings),
             "seconds": seconds, "stats": stats, "conversations": [dataclasses.asdict(c) for c in convs],
         })  # fmt: skip
+        journal.remove()
     return result
 
 
