@@ -44,6 +44,7 @@ from .methods import (
     with_bias_column,
     with_ones_column,
 )
+from .query_refit import refit_queries
 from .value_refit import VALUE_STEPS, ValueGrams, refit_values_and_output, solve_output
 
 __all__ = [
@@ -67,6 +68,7 @@ CALIBRATION_WINDOW = 512  # tokens per long calibration window (positions 0..511
 # 28,229 perplexity; with half the tokens in 32-token windows 788, and LICENSE.txt 48.0 instead of 45.9).
 SHORT_WINDOW = 32
 BATCH_TOKENS = 4096  # calibration tokens per batch of windows (bounds the (B, H_q, L, L) attention weights' memory)
+QUERY_REFIT = False  # whether refit_layer also refits q_proj (query_refit.py) before the values
 
 
 def refit_output(heads: Tensor, Y: Tensor, W0: Tensor, ridge: float = RIDGE) -> Tensor:
@@ -182,6 +184,12 @@ def refit_layer(
     X = [layer.input_layernorm(h) for h in hidden]
     acts = torch.cat([x.flatten(0, 1) for x in X]).cpu()  # the merge's small eigen problems run on the CPU
     merged = convert_layer(w.to("cpu"), cfg, kv_heads, method, acts).to(w.q.device)
+    if QUERY_REFIT:
+
+        def probabilities(x: Tensor) -> Tensor:  # the source layer's attention on x: (B, H_q, L, L)
+            return layer.self_attn(x, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), need_weights=True)[1]
+
+        merged = refit_queries(cfg, w, merged, X, probabilities, ridge)
     attn = _attention(cfg, kv_heads, merged, rope)
     targets = [layer.self_attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
                .flatten(0, 1) for x in X]  # fmt: skip
