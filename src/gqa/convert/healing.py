@@ -336,7 +336,7 @@ def heal(
         if budget is None:
             steps -= local_steps
             warmup = min(warmup, steps)
-    local_seconds = _clock() - start
+    local_seconds = 0.0 if local is None else _clock() - start  # (no clock reading without the phase)
     sharded = world > 1 and (sharding == "fsdp" or (sharding == "auto" and fsdp_needed(student, teacher, params,
                                                                                         device, world)))  # fmt: skip
     if sharded:  # copies, sharded onto ``device``; the healed weights come back into ``student`` at the end
