@@ -185,9 +185,8 @@ def train_blocks(
             losses.append(value)
             lrs.append(step_lr)
             if progress is not None:
-                seconds = time.perf_counter() - start
-                left = (budget - seconds) if minutes is not None else seconds / (step + 1) * (steps - step - 1)
-                progress(step, value, max(min(left, seconds / (step + 1) * (steps - step - 1)), 0.0))
+                seconds = time.perf_counter() - start  # left: whichever of the time and the steps ends first
+                progress(step, value, max(min(budget - seconds, seconds / (step + 1) * (steps - step - 1)), 0.0))
     finally:
         student.eval()
         for p in params:
