@@ -280,8 +280,9 @@ def test_big_bf16_checkpoint_streams_under_a_memory_bound_and_equals_the_in_memo
 # Healing across processes equals healing in one
 
 
-@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
-def test_heal_on_two_gloo_processes_equals_one_process(sharding):
+@pytest.mark.parametrize(("sharding", "train"), [("ddp", "attention"), ("fsdp", "attention"),
+                                                 ("fsdp", "attention+mlp-lora")])  # fmt: skip
+def test_heal_on_two_gloo_processes_equals_one_process(sharding, train):
     import heal_workers
     from test_convert_heal import tiny_pair
 
@@ -291,7 +292,7 @@ def test_heal_on_two_gloo_processes_equals_one_process(sharding):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 64, (400,), generator=g)
     weights = torch.rand(400, generator=g) * 2  # the ranks' windows weigh differently: the global denominator counts
-    kwargs = dict(steps=5, lr=3e-3, seq_len=16, batch_size=4, seed=1, precision="fp32")
+    kwargs = dict(steps=5, lr=3e-3, seq_len=16, batch_size=4, seed=1, precision="fp32", train=train)
     cfgs = (teacher.config, student.config)
     states = [{k: v.clone() for k, v in m.state_dict().items()} for m in (teacher, student)]
     one = heal_workers.heal_tiny(*states, cfgs, ids, weights, kwargs)
@@ -304,6 +305,10 @@ def test_heal_on_two_gloo_processes_equals_one_process(sharding):
             torch.testing.assert_close(two[rank]["state"][name], t, atol=1e-4, rtol=1e-4)  # shows, scaled to lr
     moved = max((one["state"][n] - states[1][n]).abs().max().item() for n in states[1])
     assert moved > 5e-3, moved  # 5 steps of lr 3e-3 moved the weights: agreeing to 1e-4 is not trivial
+    if train != "attention":  # the adapters were folded into the MLP weights on every rank
+        assert not torch.equal(one["state"]["model.layers.0.mlp.down_proj.weight"],
+                               states[1]["model.layers.0.mlp.down_proj.weight"])  # fmt: skip
+        assert set(two[0]["state"]) == set(states[1])
     if sharding == "ddp":
         with pytest.raises(Exception, match=r"batch_size \(3\) must be a multiple of the number of processes \(2\)"):
             launch_local(2, heal_workers.heal_tiny, *states, cfgs, ids, weights, kwargs | {"batch_size": 3})

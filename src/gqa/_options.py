@@ -41,7 +41,7 @@ HEAL_PLOT_NAME = "heal_loss.png"  # written inside DST when healing: the loss cu
 HEAL_LOG_NAME = "heal_log.json"  # and the per-step losses, learning rates, settings and timing
 
 # gqa.convert.healing
-TRAINABLE = ("attention", "all")
+TRAINABLE = ("attention", "attention+mlp-lora", "all")  # attention+mlp-lora: and LoRA adapters on the MLP
 PRECISIONS = ("auto", "bf16", "fp32")  # bf16: the passes under bfloat16 autocast, float32 weights and optimizer
 SHARDINGS = ("auto", "ddp", "fsdp")  # across processes: replicated models (DDP) or sharded ones (FSDP)
 

@@ -51,7 +51,10 @@ def linears(x: torch.Tensor, layers: Sequence[nn.Linear]) -> list[torch.Tensor]:
     layers (``gqa.quantized.QuantizedLinear``) through the quantized kernel."""
     if all(isinstance(layer, QuantizedLinear) for layer in layers):
         return quantized_linears(x, list(layers))
-    if not all(isinstance(layer, nn.Linear) and uses_kernel(x, layer.weight, layer.bias) for layer in layers):
+    if not all(
+        isinstance(layer, nn.Linear) and not layer._forward_hooks and uses_kernel(x, layer.weight, layer.bias)
+        for layer in layers
+    ):  # a module with hooks (e.g. a LoRA adapter, ``gqa.convert.lora``) is called as a module
         return [layer(x) for layer in layers]
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (N, in)
     outs = torch.ops.gqa.linear_rows_n(rows, [m.weight for m in layers], [m.bias for m in layers])  # [(N, out_i)]

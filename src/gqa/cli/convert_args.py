@@ -93,7 +93,8 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     heal.add_argument("--heal-batch", type=int, default=d.batch_size, metavar="B", help="windows per step")
     heal.add_argument(
         "--heal-train", choices=TRAINABLE, default=d.train,
-        help="which parameters train: the q/k/v/o projections or all",
+        help="which parameters train: the q/k/v/o projections; those and LoRA adapters on the MLP (folded in at the "
+        "end); or all",
     )  # fmt: skip
     heal.add_argument(
         "--heal-local-share", type=float, default=d.local_share, metavar="F",

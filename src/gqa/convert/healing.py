@@ -38,6 +38,7 @@ from .._atomic import atomic_path
 from .._options import PRECISIONS, SHARDINGS, TRAINABLE, HealConfig
 from ..hardware import available_memory, fast_bf16
 from .layer_local import LOCAL_WINDOWS, LocalResult, heal_blocks
+from .lora import add_lora, fold_lora
 
 __all__ = [
     "PRECISIONS",
@@ -171,7 +172,9 @@ def _gather_into(student: nn.Module, sharded: nn.Module) -> None:
 
 
 def trainable_parameters(model: nn.Module, train: str) -> list[nn.Parameter]:
-    """The parameters ``train`` names: ``"attention"`` (q/k/v/o projection weights and biases) or ``"all"``."""
+    """The parameters ``train`` names: ``"attention"`` (q/k/v/o projection weights and biases),
+    ``"attention+mlp-lora"`` (those and the LoRA adapters ``gqa.convert.lora.add_lora`` put on the model) or
+    ``"all"``."""
     if train not in TRAINABLE:
         raise ValueError(f"train must be one of {', '.join(TRAINABLE)}; got {train!r}")
     params, seen = [], set()
@@ -179,7 +182,8 @@ def trainable_parameters(model: nn.Module, train: str) -> list[nn.Parameter]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        if train == "all" or any(f".{proj}." in name for proj in _ATTENTION):
+        adapter = train == "attention+mlp-lora" and name.rsplit(".", 1)[-1] in ("lora_a", "lora_b")
+        if train == "all" or adapter or any(f".{proj}." in name for proj in _ATTENTION):
             params.append(p)
     return params
 
@@ -246,7 +250,9 @@ def heal(
     lr : peak learning rate (AdamW, no weight decay).
     seq_len : tokens per window (at most the models' context).
     batch_size : windows per step.
-    train : ``"attention"`` (q/k/v/o projections only) or ``"all"`` (every parameter, embeddings included).
+    train : ``"attention"`` (q/k/v/o projections only), ``"attention+mlp-lora"`` (and rank-``MLP_LORA_RANK`` LoRA
+        adapters on every MLP projection, folded into the weights at the end: ``gqa.convert.lora``) or ``"all"``
+        (every parameter, embeddings included).
     warmup : warm-up steps; default ``min(20, steps // 10)``.
     seed : seeds the window order (same seed, same data and the same result on the same machine).
     precision : ``"bf16"`` runs the teacher's and the student's passes under bfloat16 autocast (weights, gradients,
@@ -313,6 +319,8 @@ def heal(
             f"takes batch_size / {world} windows of every step"
         )
     per_rank = batch_size // world
+    if train == "attention+mlp-lora":
+        add_lora(student, seed=seed)  # folded into the MLP weights when healing ends, however it ends
     params = trainable_parameters(student, train)
     was = {id(p): p.requires_grad for p in student.parameters()}
     train_ids = {id(p) for p in params}
@@ -329,6 +337,7 @@ def heal(
         except BaseException:
             for p in student.parameters():
                 p.requires_grad_(was[id(p)])
+            fold_lora(student)
             raise
         if world > 1:  # every rank ran the same phase; rank 0's weights are the ones to go on from
             for p in params:
@@ -374,6 +383,7 @@ def heal(
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
+    failed = True
     try:
         for step in range(steps):
             elapsed = healing_time() if budget is None else slowest(healing_time())
@@ -417,6 +427,7 @@ def heal(
                 callback(step, value)
                 paused += _clock() - called
                 paused_cpu += time.process_time() - called_cpu
+        failed = False
     finally:
         if bar is not None:
             bar.close()
@@ -424,8 +435,9 @@ def heal(
         for p in student.parameters():
             p.requires_grad_(was[id(p)])
             p.grad = None
-    if sharded:
-        _gather_into(student, model)
+        if sharded and not failed:
+            _gather_into(student, model)  # a collective: not after a failure
+        fold_lora(student)
     seconds, cpu_seconds = slowest(healing_time()), time.process_time() - cpu_start - paused_cpu
     n = sum(p.numel() for p in params)
     how = "fsdp" if sharded else "ddp" if world > 1 else "none"
