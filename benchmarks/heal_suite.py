@@ -1,8 +1,9 @@
 """One healing recipe, judged by ``gqa eval --suite``: heal a saved ``gqa convert`` output (a merge without healing)
 from the original for ``--minutes`` with the data and defaults ``gqa convert --heal-minutes`` uses (the source's
 self-generated conversations and docstrings, answer tokens weighted), with ``--local-share`` of the budget spent on
-layer-local healing first and ``--lr`` as the end-to-end peak rate; write the healed model to OUT and run the suite
-on it. Each recipe then costs its healing and the suite (~7 minutes on a 2-core CPU), not another conversion.
+layer-local healing first, ``--lr`` as the end-to-end peak rate and ``--train`` what trains; write the healed model to
+OUT and run the suite on it. Each recipe then costs its healing and the suite (~7 minutes on a 2-core CPU), not another
+conversion.
 
     .venv/bin/gqa convert results/mqa --kv-heads 1                                    # once
     .venv/bin/python benchmarks/heal_suite.py results/mqa-h10 --student results/mqa --minutes 10
@@ -36,6 +37,7 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--local-share", type=float, default=0.0)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--train", default="attention", help="what trains (gqa convert --heal-train)")
     p.add_argument("--precision", default="auto")
     p.add_argument("--json", type=Path, default=None, help="append the summary as one JSON line")
     a = p.parse_args()
@@ -48,7 +50,7 @@ def main() -> None:
     del ref
     student = CausalLM.from_state(*read_model(a.student), assign=True)
     res = heal(student, teacher, data.ids, weights=data.weights, starts=data.starts, steps=10**9, minutes=a.minutes,
-               local_share=a.local_share, lr=a.lr, precision=a.precision)  # fmt: skip
+               local_share=a.local_share, lr=a.lr, train=a.train, precision=a.precision)  # fmt: skip
     shutil.copytree(a.student, a.out)
     save_file(student.state_dict(), a.out / "model.safetensors", metadata={"format": "pt"})
     del student, teacher
@@ -56,7 +58,8 @@ def main() -> None:
     r = run_suite(a.out)
     local = res.local
     summary = {
-        "out": str(a.out), "minutes": a.minutes, "local_share": a.local_share, "lr": a.lr, "precision": res.precision,
+        "out": str(a.out), "minutes": a.minutes, "local_share": a.local_share, "lr": a.lr, "train": a.train,
+        "precision": res.precision,
         "end_to_end_steps": len(res.losses), "local_steps": None if local is None else len(local.losses),
         "local_block_error": None if local is None else [sum(e) / len(e) for e in (local.errors_before,
                                                                                   local.errors_after)],
