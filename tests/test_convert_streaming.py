@@ -280,8 +280,7 @@ def test_big_bf16_checkpoint_streams_under_a_memory_bound_and_equals_the_in_memo
 # Healing across processes equals healing in one
 
 
-@pytest.mark.parametrize(("sharding", "train"), [("ddp", "attention"), ("fsdp", "attention"),
-                                                 ("fsdp", "attention+mlp-lora")])  # fmt: skip
+@pytest.mark.parametrize(("sharding", "train"), [("ddp", "attention"), ("fsdp", "attention+mlp-lora")])
 def test_heal_on_two_gloo_processes_equals_one_process(sharding, train):
     import heal_workers
     from test_convert_heal import tiny_pair
