@@ -95,6 +95,31 @@ def test_decoded_logits_match_hf_with_left_padding(tmp_path, counted, arch, head
         torch.testing.assert_close(a.float(), b, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_large_ragged_batch_decodes_natively_and_matches_hf(tmp_path, counted, quantized):
+    """37 rows (more than a GEMV tile's 4, not a multiple of it) of prompts of 1-9 tokens: every step native, each
+    row's logits as HF computes that row alone (quantized: as the float64 model on the dequantized weights)."""
+    ref = hf_model(tmp_path, "qwen2", 18, 6, 4)
+    model = gqa.load_model(tmp_path, dtype=torch.float32, tokenizer=False)
+    if quantized:
+        from gqa.quantized import quantize_model
+
+        quantize_model(model, "q8_0")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, 128, (1 + i % 9,), generator=g).tolist() for i in range(37)]
+    steps = [torch.randint(4, 128, (37,), generator=g).tolist() for _ in range(3)]
+    ours = decode_logits(model, prompts, steps)
+    assert counted == [(37, 1)] * 3
+    if quantized:
+        ref = gqa.load_model(tmp_path, dtype=torch.float64, tokenizer=False)
+        ref.load_state_dict(dequantized_state(model), strict=False)
+        for a, b in zip(ours, decode_logits(ref, prompts, steps), strict=True):
+            assert (a.double() - b).abs().max() < 0.02 * b.abs().max()
+        return
+    for a, b in zip(ours, hf_logits(ref, prompts, steps), strict=True):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
 def test_native_step_equals_the_eager_step(tmp_path, monkeypatch):
     """Both paths round where the other does: float32 results agree to float32 precision, bf16 up to the order of
     float32 sums."""
@@ -199,8 +224,9 @@ def test_cases_left_to_the_eager_path(tmp_path, counted):
     hf_model(tmp_path, "llama", 4, 2, 16)
     model = gqa.load_model(tmp_path, tokenizer=False)
     with torch.inference_mode():
-        caches = model.new_caches(9, 4)
-        model(torch.ones(9, 1, dtype=torch.long), caches=caches)  # 9 rows: more than the GEMV handles at once
+        rows = decode_step.MAX_ROWS + 1
+        caches = model.new_caches(rows, 4)
+        model(torch.ones(rows, 1, dtype=torch.long), caches=caches)  # more rows than the native step takes
         caches = model.new_caches(1, 4)
         model(torch.ones(1, 2, dtype=torch.long), caches=caches)  # two tokens: a prefill
     caches = model.new_caches(1, 4)
