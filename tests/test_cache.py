@@ -63,6 +63,33 @@ def test_left_padded_batch_equals_rows_alone(kind):
     assert torch.isfinite(out_prompt).all()  # padding queries see no key: zeros, not NaN
 
 
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_kept_rows_decode_as_they_would_have_in_the_whole_batch(kind):
+    """Rows 2 and 0 of a left-padded batch of 3, kept after the prompt (in that order), decode the next tokens as
+    those rows alone; bad row lists are refused."""
+    attn = module(2)
+    lengths, new = [5, 3, 1], 3
+    T = max(lengths)
+    seqs = [torch.randn(n + new, E) for n in lengths]
+    prompt = torch.zeros(3, T, E)
+    for b, n in enumerate(lengths):
+        prompt[b, T - n :] = seqs[b][:n]
+    cache = make_cache(kind, 3)
+    cache.set_left_padding([T - n for n in lengths])
+    attn(prompt, is_causal=True, cache=cache)
+    cache.keep_rows([2, 0])
+    assert cache.key.shape[0] == 2 and torch.equal(cache.start, torch.tensor([T - 1, 0])) and cache.seq_len == T
+    for i in range(new):
+        token = torch.stack([seqs[2][1 + i], seqs[0][5 + i]])[:, None]  # (2, 1, E)
+        out = attn(token, is_causal=True, cache=cache)
+        for r, (b, n) in enumerate(((2, 1), (0, 5))):
+            alone = attn(seqs[b][None, : n + i + 1], is_causal=True)[0, -1]
+            torch.testing.assert_close(out[r, 0], alone, atol=1e-5, rtol=1e-5)
+    for bad in ([], [2], [-1], [[0]]):
+        with pytest.raises(ValueError, match="rows must be a non-empty 1-D list of rows in"):
+            cache.keep_rows(bad)
+
+
 def test_static_cache_overflow_raises_and_leaves_cache_unchanged():
     attn = module()
     cache = gqa.StaticKVCache(1, H_kv, D, 6)

@@ -105,6 +105,18 @@ class _KVCache(nn.Module):
         self.start.copy_(pad)
         self.padded = bool((pad > 0).any())
 
+    def keep_rows(self, rows: torch.Tensor | Sequence[int]) -> None:
+        """Keep batch rows ``rows`` only, in that order (e.g. the sequences of a batch that have not finished): the
+        buffers become ``(len(rows), ...)`` copies of those rows; the cursor and each kept row's padding stay."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.start.device)
+        B = self.start.shape[0]
+        if rows.dim() != 1 or rows.numel() == 0 or bool(((rows < 0) | (rows >= B)).any()):
+            raise ValueError(f"rows must be a non-empty 1-D list of rows in [0, {B}), got {rows.tolist()}")
+        self.key = self.key.index_select(0, rows)
+        self.value = self.value.index_select(0, rows)
+        self.start = self.start.index_select(0, rows)
+        self.padded = bool((self.start > 0).any())
+
     def positions(self, L: int) -> torch.Tensor:
         """RoPE positions ``(B, L)`` of the next ``L`` tokens: slot index minus the row's padding (0 on padding)."""
         slots = self.cursor + torch.arange(L, device=self.cursor.device)  # (L,)

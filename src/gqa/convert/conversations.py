@@ -66,7 +66,7 @@ QUESTION_TOKENS = 48  # a user turn that has not ended by then is dropped
 MIN_QUESTION_WORDS = 3
 ANSWER_TOKENS = 128  # answers are cut here, as gqa generate cuts them by default
 HELD_OUT_PER_MILLE = 100  # 10% of the conversations, by a hash of the user turn
-CACHE_FORMAT = 1  # bump when the file's layout or the generation changes
+CACHE_FORMAT = 2  # bump when the file's layout or the generation changes (2: inverse-CDF sampling, native decode)
 _BYTES = 1 << 20
 
 
@@ -79,7 +79,7 @@ class GenerationSettings:
     count : user turns sampled (fewer conversations remain after dropping unfinished turns and duplicates).
     seed : seeds the sampling of the user turns.
     temperature, top_p : sampling of the user turns (answers are greedy).
-    batch_size : rows generated together (does not change the result beyond float rounding).
+    batch_size : rows generated together (the sampled user turns depend on it: one number per row and step).
     """
 
     count: int = 1400

@@ -35,7 +35,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def applies(model: torch.nn.Module, input_ids: torch.Tensor, caches: list | None) -> bool:
-    """Whether ``decode_step`` runs this call: one token per row (B <= MAX_ROWS = 64) into static caches on CPU, float32 or
+    """Whether ``decode_step`` runs this call: one token per row (B <= MAX_ROWS) into static caches on CPU, float32 or
     bfloat16, native kernels built, no autograd, eval mode, full half-rotation RoPE, not under ``torch.compile``,
     and room left in the caches (a full cache goes the eager way, which says so)."""
     if caches is None or input_ids.shape[1] != 1 or input_ids.shape[0] > MAX_ROWS or torch.compiler.is_compiling():
