@@ -1,0 +1,64 @@
+"""How long a chat model takes to write its self-generated conversations (``gqa.convert.conversations``), the wait
+before the first conversion of a model: the default set of the embedded SmolLM2-135M-Instruct, generated from scratch
+into a temporary cache folder (the user's cache is neither read nor written), each phase timed.
+
+    .venv/bin/python benchmarks/conversation_generation.py [--count 1400] [--json FILE]    # ~20 min on machine G
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gqa.api import load_model
+from gqa.bench import write_json_atomic
+from gqa.convert import conversations
+from gqa.loaders import resolve_model_path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--count", type=int, default=conversations.GenerationSettings.count, help="user turns sampled")
+    ap.add_argument("--json", type=Path, help="write the result here")
+    args = ap.parse_args()
+    path = resolve_model_path(None)
+    model = load_model(None, dtype=torch.float32)
+    phases: dict[str, float] = {}
+    real = conversations.generate_batched
+
+    def timed(*a, phase: str = "", **kw):  # each phase's wall time
+        start = time.perf_counter()
+        out = real(*a, phase=phase, **kw)
+        phases[phase] = time.perf_counter() - start
+        phases[f"{phase} tokens"] = sum(len(row) for row in out)
+        return out
+
+    conversations.generate_batched = timed
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["GQA_CACHE_DIR"] = cache
+        settings = conversations.GenerationSettings(count=args.count)
+        start = time.perf_counter()
+        made = conversations.self_generated_conversations(
+            model, model.tokenizer, conversations.model_content_hash(path), settings
+        )
+        seconds = time.perf_counter() - start
+    result = {
+        "count": args.count, "conversations": len(made), "train": len(made.train), "held_out": len(made.held_out),
+        "seconds": round(seconds, 1), "threads": torch.get_num_threads(),
+        **{k: round(v, 1) if isinstance(v, float) else v for k, v in phases.items()},
+    }  # fmt: skip
+    for phase in ("user turns", "answers"):
+        result[f"{phase} tok/s"] = round(phases[f"{phase} tokens"] / phases[phase], 1)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        write_json_atomic(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
