@@ -71,7 +71,10 @@ def sample_next(
     return (picked if order is None else order.gather(-1, picked)).squeeze(-1)
 
 
-NUCLEUS_CANDIDATES = 64  # the most likely tokens looked at first; doubled until they hold every row's nucleus
+# The most likely tokens looked at first, doubled until they hold every row's nucleus. SmolLM2 writing user turns
+# (64 rows, temperature 0.9, top-p 0.95): nuclei of 17 tokens (median), 589 (p90), 5,503 (max); sampling took 42 ms
+# per step starting from 64, 28 ms from 1,024 (one topk where a few doublings were needed).
+NUCLEUS_CANDIDATES = 1024
 
 
 def _nucleus(logits: torch.Tensor, top_p: float, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
