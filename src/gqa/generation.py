@@ -86,11 +86,11 @@ def _nucleus(logits: torch.Tensor, top_p: float, limit: int) -> tuple[torch.Tens
     nucleus ends among them: the set a sort of the whole vocabulary gives, at a fraction of its cost (sorting 64 x
     49,152 logits took as long as a decode step of SmolLM2).
     """
-    V = logits.shape[-1]
-    log_total = (logits if limit == V else logits.topk(limit, dim=-1).values).logsumexp(-1, keepdim=True)  # (B, 1)
+    top = logits.topk(limit, dim=-1) if limit < logits.shape[-1] else None  # top-k first: sorted once, sliced below
+    log_total = (logits if top is None else top.values).logsumexp(-1, keepdim=True)  # (B, 1)
     n = min(NUCLEUS_CANDIDATES, limit)
     while True:
-        values, order = logits.topk(n, dim=-1)
+        values, order = logits.topk(n, dim=-1) if top is None else (top.values[..., :n], top.indices[..., :n])
         probs = (values - log_total).exp()
         reached = probs.cumsum(-1)
         if n == limit or bool((reached[..., -1] >= top_p).all()):
@@ -132,6 +132,13 @@ def _prompt_batch(prompts: object) -> tuple[list[list[int]], bool]:
             raise ValueError("each prompt of a batch must be one sequence of token ids (a list or a 1-D tensor)")
         batch += rows
     return batch, False
+
+
+# Finished rows stop being computed once no more than this share of the computed rows is still running: the caches
+# are cut to the running rows (a copy). A row's tokens do not depend on it: the native step computes each row the
+# same way whatever rows are beside it (the eager GEMMs up to float rounding), and a sampled row draws its own number
+# per step. Not with a step_fn (compiled or CUDA-graph steps have their batch size baked in).
+DROP_FINISHED_AT = 0.75
 
 
 @torch.inference_mode()
@@ -223,13 +230,6 @@ def generate_stream(
             logits = decode_step.decode_step(model, new, caches, greedy=picked)[:, -1]
         else:
             logits = step(new, caches)[:, -1]  # (rows, vocab)
-
-
-# Finished rows stop being computed once no more than this share of the computed rows is still running: the caches
-# are cut to the running rows (a copy). A row's tokens do not depend on it: the native step computes each row the
-# same way whatever rows are beside it (the eager GEMMs up to float rounding), and a sampled row draws its own number
-# per step. Not with a step_fn (compiled or CUDA-graph steps have their batch size baked in).
-DROP_FINISHED_AT = 0.75
 
 
 def _plain(model: CausalLM) -> bool:
