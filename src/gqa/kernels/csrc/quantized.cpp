@@ -73,7 +73,9 @@ using gqa::QuantizedRows;
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   const int64_t nb = K / QK;
-  QuantizedRows r{std::vector<int8_t>(N * K), std::vector<float>(N * nb), std::vector<float>(N * nb), {}};
+  const int64_t n4 = (N + 3) / 4 * 4;
+  QuantizedRows r{std::vector<int8_t>(N * K), std::vector<float>(N * nb), std::vector<float>(N * nb), {},
+                  std::vector<float>(nb * n4), std::vector<float>(nb * n4), n4};
   std::vector<float> xf(QK);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
@@ -104,6 +106,8 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
       r.d[n * nb + b] = d;
       r.ds[n * nb + b] = d * static_cast<float>(sum);
     }
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b) r.dt[b * n4 + n] = r.d[n * nb + b], r.dst[b * n4 + n] = r.ds[n * nb + b];
   return r;
 }
 
@@ -144,13 +148,6 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #endif
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // The 32 weights of a 4-bit block as unsigned bytes in order 0..31.
 inline __m256i nibbles(const uint8_t* qs) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -159,95 +156,153 @@ inline __m256i nibbles(const uint8_t* qs) {
 }
 #endif
 
-// out[n] = sum over blocks of w_row . x_n for one weight row and NR rows of quantized x (at xq, stride K).
-template <int F, int NR>
-inline void qdot_row(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t n0, int64_t K, float* out) {
-  constexpr int64_t BYTES = F == Q8_0 ? 34 : F == Q4_0 ? 18 : 20;
-  const int64_t nbx = K / QK;
+constexpr int64_t block_bytes_of(int F) { return F == Q8_0 ? 34 : F == Q4_0 ? 18 : 20; }
+
+// The constant term a weight block adds per unit of the input block's sum: m (q4_1), -8 d (q4_0), 0 (q8_0).
+template <int F>
+inline float block_min(const uint8_t* blk, float dw) {
+  return F == Q4_1 ? half_at(blk + 2) : F == Q4_0 ? -8.0f * dw : 0.0f;
+}
+
+// Every kernel below gives row n of x and weight row w the same float sum, whatever the other rows: per block b,
+// the exact integer dot product s_b of the weights' q with x's q, then in four chains c = b % 4 (ascending b)
+//   acc_c = fma(float(s_b), d_w,b * d_x,b, acc_c)      min_c = fma(min_w,b, ds_x,b, min_c)
+// and out = ((acc_0 + acc_2) + (acc_1 + acc_3)) + ((min_0 + min_2) + (min_1 + min_3)). dot4 runs four rows of x
+// (a row per lane), dot1 one row (four blocks per step, a block per lane); the serving engine's batch invariance
+// rests on both giving the same bits (tested through the op).
 #if defined(__AVX2__)
-  // U blocks per iteration, each into its own accumulator: one FMA chain per accumulator would wait on the FMA
-  // latency every block (measured: ~5 cycles per block with one chain).
-  constexpr int U = 4;
-  __m256 acc[NR][U];
-  float mins[NR][U] = {};
-  for (int n = 0; n < NR; ++n)
-    for (int u = 0; u < U; ++u) acc[n][u] = _mm256_setzero_ps();
-  int64_t b = 0;
-  auto block = [&](int64_t bi, int u) {
-    const uint8_t* blk = w + bi * BYTES;
-    const float dw = half_at(blk);
-    __m256i wq;
-    if constexpr (F == Q8_0) {
-      wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    } else {
-      wq = nibbles(blk + (F == Q4_1 ? 4 : 2));
-    }
-    // q8_0: signed weights; |w| as unsigned bytes times sign(w) * x keeps the u8 x s8 form (llama.cpp's trick).
-    const __m256i wu = F == Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;
-    for (int n = 0; n < NR; ++n) {
-      const int64_t xi = (n0 + n) * nbx + bi;
-      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr.q.data() + (n0 + n) * K + bi * QK));
-      if constexpr (F == Q8_0) xq = _mm256_sign_epi8(xq, wq);
-      acc[n][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(wu, xq)), _mm256_set1_ps(dw * xr.d[xi]), acc[n][u]);
-      if constexpr (F == Q4_0) mins[n][u] -= 8.0f * dw * xr.ds[xi];
-      if constexpr (F == Q4_1) mins[n][u] += half_at(blk + 2) * xr.ds[xi];
-    }
-  };
-  for (; b + U <= nb; b += U) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (b + 8) * BYTES), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (b + 8) * BYTES + 64), _MM_HINT_T0);
-    for (int u = 0; u < U; ++u) block(b + u, u);
+// The 8 int32 lanes of a weight block's products with 32 int8 inputs (q8_0: |w| as unsigned times sign(w) * x).
+template <int F>
+inline __m256i block_dot(const uint8_t* blk, const int8_t* xq) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  if constexpr (F == Q8_0) {
+    const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    return dot_u8s8(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(x, wq));
+  } else {
+    return dot_u8s8(nibbles(blk + (F == Q4_1 ? 4 : 2)), x);
   }
-  for (; b < nb; ++b) block(b, 0);
-  for (int n = 0; n < NR; ++n) {
-    __m256 a = _mm256_add_ps(_mm256_add_ps(acc[n][0], acc[n][1]), _mm256_add_ps(acc[n][2], acc[n][3]));
-    out[n] = hsum(a) + (mins[n][0] + mins[n][1]) + (mins[n][2] + mins[n][3]);
-  }
-#else
-  float scalar[NR] = {};
+}
+
+// The full sums of four vectors of 8 int32 lanes (exact: |sum| <= 32 * 255 * 127).
+inline __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+
+inline __m128 halves4(const uint8_t* p, int64_t stride) {  // four fp16 values `stride` bytes apart, as floats
+  uint16_t h[4];
+  for (int j = 0; j < 4; ++j) std::memcpy(&h[j], p + j * stride, 2);
+  __m128i v;
+  std::memcpy(&v, h, 8);
+  return _mm_cvtph_ps(v);
+}
+
+// out[n * stride] for rows n0 .. n0 + 3 of x and one weight row w (xr.dt / xr.dst: the scales block-major).
+template <int F>
+inline void dot4(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t n0, int64_t K, float* out,
+                 int64_t stride) {
+  constexpr int64_t BYTES = block_bytes_of(F);
+  __m128 acc[4], mins[4];
+  for (int c = 0; c < 4; ++c) acc[c] = _mm_setzero_ps(), mins[c] = _mm_setzero_ps();
+  const int8_t* x = xr.q.data() + n0 * K;
+  const float *dt = xr.dt.data() + n0, *dst = xr.dst.data() + n0;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * BYTES;
     const float dw = half_at(blk);
-    for (int n = 0; n < NR; ++n) {
-      const int64_t xi = (n0 + n) * nbx + b;
-      const int8_t* xq = xr.q.data() + (n0 + n) * K + b * QK;
-      int32_t dot = 0;
-      for (int64_t i = 0; i < QK; ++i) {
-        int32_t q;
-        if constexpr (F == Q8_0) {
-          q = static_cast<int8_t>(blk[2 + i]);
-        } else {
-          const uint8_t byte = blk[(F == Q4_1 ? 4 : 2) + (i % 16)];
-          q = i < 16 ? (byte & 0x0F) : (byte >> 4);
-        }
-        dot += q * xq[i];
-      }
-      scalar[n] += dw * xr.d[xi] * static_cast<float>(dot);
-      if constexpr (F == Q4_0) scalar[n] -= 8.0f * dw * xr.ds[xi];
-      if constexpr (F == Q4_1) scalar[n] += half_at(blk + 2) * xr.ds[xi];
-    }
+    const int8_t* xb = x + b * QK;
+    const __m128i s = sum4(block_dot<F>(blk, xb), block_dot<F>(blk, xb + K), block_dot<F>(blk, xb + 2 * K),
+                           block_dot<F>(blk, xb + 3 * K));
+    const __m128 scale = _mm_mul_ps(_mm_set1_ps(dw), _mm_loadu_ps(dt + b * xr.n4));
+    acc[b & 3] = _mm_fmadd_ps(_mm_cvtepi32_ps(s), scale, acc[b & 3]);
+    if constexpr (F != Q8_0)
+      mins[b & 3] = _mm_fmadd_ps(_mm_set1_ps(block_min<F>(blk, dw)), _mm_loadu_ps(dst + b * xr.n4), mins[b & 3]);
   }
-  for (int n = 0; n < NR; ++n) out[n] = scalar[n];
-#endif
+  const __m128 a = _mm_add_ps(_mm_add_ps(acc[0], acc[2]), _mm_add_ps(acc[1], acc[3]));
+  const __m128 m = _mm_add_ps(_mm_add_ps(mins[0], mins[2]), _mm_add_ps(mins[1], mins[3]));
+  float o[4];
+  _mm_storeu_ps(o, _mm_add_ps(a, m));
+  for (int n = 0; n < 4; ++n) out[n * stride] = o[n];
 }
+
+// Row n of x and one weight row w, four blocks per step.
+template <int F>
+inline float dot1(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t n, int64_t K) {
+  constexpr int64_t BYTES = block_bytes_of(F);
+  const int8_t* x = xr.q.data() + n * K;
+  const float *d = xr.d.data() + n * (K / QK), *ds = xr.ds.data() + n * (K / QK);
+  __m128 acc = _mm_setzero_ps(), mins = _mm_setzero_ps();
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    const uint8_t* blk = w + b * BYTES;
+    const int8_t* xb = x + b * QK;
+    const __m128i s = sum4(block_dot<F>(blk, xb), block_dot<F>(blk + BYTES, xb + QK),
+                           block_dot<F>(blk + 2 * BYTES, xb + 2 * QK), block_dot<F>(blk + 3 * BYTES, xb + 3 * QK));
+    const __m128 dw = halves4(blk, BYTES);
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(dw, _mm_loadu_ps(d + b)), acc);
+    if constexpr (F == Q4_1) mins = _mm_fmadd_ps(halves4(blk + 2, BYTES), _mm_loadu_ps(ds + b), mins);
+    if constexpr (F == Q4_0) mins = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(-8.0f), dw), _mm_loadu_ps(ds + b), mins);
+  }
+  if (b < nb) {  // the last 1-3 blocks; the other lanes add 0 * 0
+    __m256i dots[4];
+    alignas(16) float dw[4] = {}, mw[4] = {}, xd[4] = {}, xs[4] = {};
+    for (int j = 0; j < 4; ++j) {
+      dots[j] = _mm256_setzero_si256();
+      if (b + j >= nb) continue;
+      const uint8_t* blk = w + (b + j) * BYTES;
+      dw[j] = half_at(blk), mw[j] = block_min<F>(blk, dw[j]), xd[j] = d[b + j], xs[j] = ds[b + j];
+      dots[j] = block_dot<F>(blk, x + (b + j) * QK);
+    }
+    const __m128i s = sum4(dots[0], dots[1], dots[2], dots[3]);
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(_mm_load_ps(dw), _mm_load_ps(xd)), acc);
+    if constexpr (F != Q8_0) mins = _mm_fmadd_ps(_mm_load_ps(mw), _mm_load_ps(xs), mins);
+  }
+  const __m128 a = _mm_add_ps(acc, _mm_movehl_ps(acc, acc)), m = _mm_add_ps(mins, _mm_movehl_ps(mins, mins));
+  return (_mm_cvtss_f32(a) + _mm_cvtss_f32(_mm_movehdup_ps(a))) +
+         (_mm_cvtss_f32(m) + _mm_cvtss_f32(_mm_movehdup_ps(m)));
+}
+#else
+// The same sums in scalar code.
+template <int F>
+inline float dot1(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t n, int64_t K) {
+  constexpr int64_t BYTES = block_bytes_of(F);
+  const int8_t* x = xr.q.data() + n * K;
+  const float *d = xr.d.data() + n * (K / QK), *ds = xr.ds.data() + n * (K / QK);
+  float acc[4] = {}, mins[4] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * BYTES;
+    const float dw = half_at(blk);
+    int32_t dot = 0;
+    for (int64_t i = 0; i < QK; ++i) {
+      int32_t q;
+      if constexpr (F == Q8_0) {
+        q = static_cast<int8_t>(blk[2 + i]);
+      } else {
+        const uint8_t byte = blk[(F == Q4_1 ? 4 : 2) + (i % 16)];
+        q = i < 16 ? (byte & 0x0F) : (byte >> 4);
+      }
+      dot += q * x[b * QK + i];
+    }
+    acc[b & 3] = std::fma(static_cast<float>(dot), dw * d[b], acc[b & 3]);
+    if constexpr (F != Q8_0) mins[b & 3] = std::fma(block_min<F>(blk, dw), ds[b], mins[b & 3]);
+  }
+  return ((acc[0] + acc[2]) + (acc[1] + acc[3])) + ((mins[0] + mins[2]) + (mins[1] + mins[3]));
+}
+#endif
 
 template <int F>
 void qdot_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const QuantizedRows& xr, int64_t N, int64_t K,
                float* buf) {  // buf (N, rows)
   const int64_t nb = K / QK;
-  float out[4];
-  for (int64_t i = 0; i < rows; ++i) {
-    const uint8_t* wr = w + i * row_bytes;
-    for (int64_t n0 = 0; n0 < N; n0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, N - n0);
-      switch (nr) {
-        case 1: qdot_row<F, 1>(wr, nb, xr, n0, K, out); break;
-        case 2: qdot_row<F, 2>(wr, nb, xr, n0, K, out); break;
-        case 3: qdot_row<F, 3>(wr, nb, xr, n0, K, out); break;
-        default: qdot_row<F, 4>(wr, nb, xr, n0, K, out); break;
-      }
-      for (int64_t n = 0; n < nr; ++n) buf[(n0 + n) * rows + i] = out[n];
-    }
+  constexpr int64_t ROW_BLOCK = 16;  // weight rows run against every group of x rows while they are in L1
+  for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK) {
+    const int64_t i1 = std::min(rows, i0 + ROW_BLOCK);
+    int64_t n0 = 0;
+#if defined(__AVX2__)
+    for (; n0 + 4 <= N; n0 += 4)
+      for (int64_t i = i0; i < i1; ++i) dot4<F>(w + i * row_bytes, nb, xr, n0, K, buf + n0 * rows + i, rows);
+#endif
+    for (; n0 < N; ++n0)
+      for (int64_t i = i0; i < i1; ++i) buf[n0 * rows + i] = dot1<F>(w + i * row_bytes, nb, xr, n0, K);
   }
 }
 
