@@ -167,3 +167,58 @@ def test_decode_paged_equals_the_dense_step_on_ragged_rows(dtype, formats):
             [k for k, _ in pools], [v for _, v in pools], ids[b : b + 1], positions[b : b + 1], *tail,
         )  # fmt: skip
         assert torch.equal(alone[0], got[b])
+
+
+@pytest.mark.parametrize("formats", [(None, "q8_0"), ("q4_1", "q4_0")], ids=["float-q8_0", "q4_1-q4_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_paged_takes_a_prompt_as_rows_and_gives_logits_for_the_rows_asked(dtype, formats):
+    """A prompt of 13 tokens fed as 13 rows of one call (its block table row repeated, positions 0..12), beside a
+    decode row of another sequence: every prompt row sees the rows before it, so the call leaves the same K/V bits
+    and the same last-row logits as feeding the prompt a token per call; ``logit_rows`` gives those rows' logits
+    (bit for bit the rows of the full result) and greedy picks, in the order asked; bad rows are refused."""
+    from test_decode_step import _random_layers
+
+    g = torch.Generator().manual_seed(5)
+    E, F, Hq, Hkv, D, V, block, L = 160, 224, 6, 2, 16, 257, 5, 13
+    layers = _random_layers(g, dtype, list(formats), E, F, Hq, Hkv, D, biases=True)
+    weights = [w for _, ws, _, _ in layers for w in ws]
+    formats_ = [c for _, _, cs, _ in layers for c in cs]
+    biases = [bb for *_, bs in layers for bb in bs]
+    norms1, norms2 = [n[0] for n, *_ in layers], [n[1] for n, *_ in layers]
+    final, head = torch.ones(E, dtype=dtype), torch.randn(V, E, generator=g).to(dtype)
+    tail = (D**-0.5, final, 1e-5, head, -1)
+    prompt = torch.randn(L, E, generator=g).to(dtype)
+    other = torch.randn(1, E, generator=g).to(dtype)  # a decode row at position 30 of a second sequence
+    table = torch.tensor([[7, 2, 9, 0, 4, 11, 1], [3, 5, 6, 8, 10, 12, 13]])
+    fresh = [tuple(torch.randn(14, Hkv, block, D, generator=g).to(dtype) for _ in "kv") for _ in layers]
+
+    def rope(positions):
+        angle = positions.float()[:, None] * torch.linspace(0.01, 1.0, D // 2)[None]
+        return angle.cos().repeat(1, 2).contiguous(), angle.sin().repeat(1, 2).contiguous()
+
+    def call(x, rows, positions, pools, **kw):
+        return torch.ops.gqa.decode_paged(x, norms1, norms2, 1e-5, weights, formats_, biases, *rope(positions),
+                                          [k for k, _ in pools], [v for _, v in pools], table[rows].contiguous(),
+                                          positions, *tail, **kw)  # fmt: skip
+
+    one = [(k.clone(), v.clone()) for k, v in fresh]
+    steps = [call(prompt[i : i + 1], [0], torch.tensor([i]), one) for i in range(L)]
+    call(other, [1], torch.tensor([30]), one)
+    batch = [(k.clone(), v.clone()) for k, v in fresh]
+    x = torch.cat([other, prompt])
+    rows, positions = [1] + [0] * L, torch.tensor([30, *range(L)])
+    full = call(x, rows, positions, batch)
+    for (k1, v1), (kb, vb) in zip(one, batch, strict=True):
+        assert torch.equal(k1, kb) and torch.equal(v1, vb)
+    assert torch.equal(full[L], steps[-1][0]) and torch.equal(full[5], steps[4][0])
+    assert not torch.equal(full[L], full[L - 1])
+    again = [(k.clone(), v.clone()) for k, v in fresh]
+    greedy = torch.empty(3, dtype=torch.long)
+    picked = call(x, rows, positions, again, greedy=greedy, logit_rows=torch.tensor([L, 0, 5]))
+    assert picked.shape == (3, V) and torch.equal(picked, full[[L, 0, 5]])
+    assert torch.equal(greedy, full[[L, 0, 5]].argmax(-1))
+    for bad, message in (([L + 1], "is not a row of x"), ([-1], "is not a row of x")):
+        with pytest.raises(RuntimeError, match=message):
+            call(x, rows, positions, again, logit_rows=torch.tensor(bad))
+    with pytest.raises(RuntimeError, match="greedy must be"):
+        call(x, rows, positions, again, greedy=torch.empty(L + 1, dtype=torch.long), logit_rows=torch.tensor([0]))

@@ -153,14 +153,14 @@ def test_abort_and_a_failing_request_release_their_blocks(tiny, monkeypatch):
     assert engine.blocks.num_free < free
     out = engine.abort(gone.request_id)
     assert out.finished and out.finish_reason == "abort"
-    real = engine._prefill_chunk
+    real = engine._forward
 
-    def broken(r, start, end):
-        if r.prompt == [99, 98]:
+    def broken(work):  # a call that holds the bad request's rows raises: the others are served, it fails alone
+        if any(r.prompt == [99, 98] for r, _, _ in work):
             raise RuntimeError("boom")
-        return real(r, start, end)
+        return real(work)
 
-    monkeypatch.setattr(engine, "_prefill_chunk", broken)
+    monkeypatch.setattr(engine, "_forward", broken)
     bad = engine.add([99, 98], params)
     failed = [o for o in step() if o.request_id == bad.request_id]
     assert failed[0].finish_reason == "error" and "boom" in failed[0].error

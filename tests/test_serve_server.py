@@ -15,6 +15,7 @@ import urllib.request
 from contextlib import closing
 
 import pytest
+import torch
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -118,14 +119,19 @@ def test_chat_completion_answers_as_the_model_does_offline(client, server):
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
     model = gqa.load_model(None, dtype="auto")
     ids = model.tokenizer.apply_chat(messages)
-    expected = generate(model, ids, max_new_tokens=8)  # 8: later tokens may flip on a near-tie (paged vs dense splits)
+    expected = generate(model, ids, max_new_tokens=8)
     expected = expected[0] if isinstance(expected[0], list) else expected
     eos = set(model.tokenizer.eos_token_ids)
     if eos & set(expected):
         expected = expected[: min(expected.index(t) for t in eos & set(expected))]
-    assert r.choices[0].message.content == model.tokenizer.decode(expected)
+    content, decode = r.choices[0].message.content, model.tokenizer.decode
+    same = max(k for k in range(len(expected) + 1) if content.startswith(decode(expected[:k])))
+    if same < len(expected):  # the two paths round differently (int8 prompt rows, paged splits): they may part
+        with torch.no_grad():  # only where the model's top two next tokens are within a rounding of each other
+            top = model(torch.tensor([ids + expected[:same]]))[0, -1].float().topk(2).values
+        assert same >= 3 and top[0] - top[1] < 0.25, (content, decode(expected), same, top)
     assert r.choices[0].message.role == "assistant" and r.model == MODEL
-    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens >= len(expected)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens >= same
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 

@@ -30,7 +30,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--prefill-chunk", type=int, default=64, metavar="N",
-        help="prompt tokens per step and request while others decode (a long prompt delays streams by one chunk)",
+        help="prompt tokens per step while others decode (4x while none does; a long prompt delays streams a chunk)",
     )  # fmt: skip
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: open)")
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: from --model)")

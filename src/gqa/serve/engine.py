@@ -4,21 +4,22 @@ Each ``step()`` runs, in this order:
 
 1. *admission* — waiting requests get block tables (sharing the cached blocks of their longest cached prefix) while
    blocks and batch slots last;
-2. *decode* — every request that has a token to feed runs it through one native call for the whole batch
-   (``gqa::decode_paged``: every layer, each row reading its own blocks, any batch size, ragged lengths);
-3. *prefill* — requests still reading their prompt run the next chunk of it (at most ``prefill_chunk`` tokens per
-   step while others decode, so a long prompt delays running streams by one chunk per step, not by the whole prompt).
+2. *one native call for the whole batch* (``gqa::decode_paged``: every layer, each row reading its own blocks, any
+   batch size, ragged lengths): a row for every request that has a token to feed (*decode*), and the next rows of
+   the prompts still being read (*prefill*: at most ``prefill_chunk`` prompt tokens per step while others decode, so
+   a long prompt delays running streams by a chunk per step, not by the whole prompt). A prompt's rows attend to the
+   rows before them in the same call (their K/V are written first); only the rows whose next token is wanted get
+   logits.
 
 Requests join at the next step and leave the step they finish, and their blocks go back to the pool. When a
 request needs a new block and none is free, the most recently admitted request is *preempted*: its blocks are freed
 and it waits at the front of the queue, to be recomputed from its prompt and the tokens it already produced (which
 its client already has).
 
-A row's decode result does not depend on the other rows of the batch (``gqa::decode_paged`` splits each context at
-fixed positions and streams every row through the same kernels), and a prompt is prefilled alone in chunks at fixed
-positions (multiples of ``prefill_chunk``; a prefix-cache hit is used in whole chunks only, since a matrix product's
-rows may round differently with a different number of rows): a greedy response does not depend on what else is being
-served or was served before.
+A row's result does not depend on the other rows of the call (``gqa::decode_paged`` splits each context at fixed
+positions and streams every row through the same kernels, prompt rows and decode rows alike), so a token's K/V and a
+greedy response do not depend on what else is being served, on how a prompt was cut into chunks, or on which of its
+blocks came from the prefix cache.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import torch
 from .. import kernels
 from ..generation import sample_next
 from ..models import decode_step
-from ..quantized import QuantizedLinear
 from .blocks import BlockManager, BlockTable, OutOfBlocks
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
 from .sampling import SamplingParams, TextStream
@@ -74,7 +74,6 @@ class Request:
     state: str = WAITING
     table: BlockTable | None = None
     computed: int = 0  # leading tokens whose K/V are in the pool
-    prefill_caches: list | None = None
     generator: torch.Generator | None = None
     text: TextStream | None = None
     finish_reason: str | None = None
@@ -86,9 +85,8 @@ class Engine:
 
     ``kv_cache_mib``: the KV pool's size (default: a quarter of the available memory, at most what ``max_running``
     full contexts need); ``block_size``: token slots per block; ``max_running``: requests decoded together at most;
-    ``prefill_chunk``: prompt tokens per step and request while others decode. ``dequantized_prefill``: block-quantized
-    layers keep a dequantized copy of their weights for prompts (``QuantizedLinear.keep_dequantized``: the float
-    weights' memory, and a prompt chunk no longer dequantizes every block); decoding reads the blocks.
+    ``prefill_chunk``: prompt tokens per step while others decode (four times as many while none does). Prompts and
+    decoding read block-quantized weights as blocks (no float copy).
     """
 
     def __init__(
@@ -100,7 +98,6 @@ class Engine:
         block_size: int = 16,
         max_running: int = 64,
         prefill_chunk: int = 64,
-        dequantized_prefill: bool = True,
     ) -> None:
         cfg = model.config
         if model.device.type != "cpu" or model.dtype not in decode_step.DTYPES or not kernels.vectorized():
@@ -113,8 +110,6 @@ class Engine:
         for name, n in (("block_size", block_size), ("max_running", max_running), ("prefill_chunk", prefill_chunk)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a positive integer, got {n!r}")
-        if prefill_chunk % block_size:
-            raise ValueError(f"prefill_chunk ({prefill_chunk}) must be a multiple of block_size ({block_size})")
         self.model, self.tokenizer, self.config = model, tokenizer, cfg
         self.block_size, self.max_running, self.prefill_chunk = block_size, max_running, prefill_chunk
         if kv_cache_mib is None:
@@ -125,10 +120,6 @@ class Engine:
                                       model.dtype)  # fmt: skip
         if num_blocks < 1:
             raise ValueError(f"kv_cache_mib={kv_cache_mib} holds no block of {block_size} tokens")
-        if dequantized_prefill:
-            for module in model.modules():
-                if isinstance(module, QuantizedLinear):
-                    module.keep_dequantized(model.dtype)
         self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, model.dtype)
         self.blocks = BlockManager(num_blocks, block_size)
         eos = tokenizer.eos_token_ids if tokenizer is not None else cfg.eos_token_id
@@ -203,89 +194,89 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One iteration: admit, decode the running batch, prefill a chunk; the outputs it produced."""
+        """One iteration: admit, then one call for the decode rows and the next prompt rows; the outputs it
+        produced."""
         self.stats["steps"] += 1
         self._admit()
-        outputs: list[RequestOutput] = []
-        decoding = [r for r in self.running if r.state == DECODE]
-        if decoding:
-            outputs += self._decode(decoding)
-        outputs += self._prefill(budget=self.prefill_chunk if decoding else 4 * self.prefill_chunk)
-        return outputs
+        work = [(r, r.computed, len(r.tokens)) for r in self.running if r.state == DECODE]
+        budget = self.prefill_chunk if work else 4 * self.prefill_chunk
+        for r in self.running:
+            if r.state == PREFILL and budget > 0:
+                end = min(len(r.tokens), r.computed + budget)
+                work.append((r, r.computed, end))
+                budget -= end - r.computed
+        return self._run(work) if work else []
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting[0]
             try:
-                r.table = self.blocks.allocate(r.tokens, align=self.prefill_chunk // self.block_size)
+                r.table = self.blocks.allocate(r.tokens)
             except OutOfBlocks:
                 return  # blocks come back as running requests finish
             self.waiting.popleft()
             r.table.tokens = r.tokens  # one list: the table hashes the tokens its full blocks hold
-            r.state, r.computed, r.prefill_caches = PREFILL, r.table.cached_tokens, None
+            r.state, r.computed = PREFILL, r.table.cached_tokens
             self.running.append(r)
 
-    def _prefill(self, budget: int) -> list[RequestOutput]:
-        outputs = []
-        for r in [r for r in self.running if r.state == PREFILL]:
-            if budget <= 0:
-                break
-            chunk = self.prefill_chunk
-            end = min(len(r.tokens), (r.computed // chunk + 1) * chunk)  # chunks end at fixed positions
-            try:
-                logits = self._prefill_chunk(r, r.computed, end)
-            except Exception as e:  # the request fails alone; the engine serves on
-                outputs.append(self._finish(r, "error", error=f"{type(e).__name__}: {e}"))
-                continue
-            budget -= end - r.computed
-            r.computed = end
-            self.blocks.computed(r.table, end)
+    def _run(self, work: list[tuple[Request, int, int]]) -> list[RequestOutput]:
+        """Feed each request's tokens ``[start, end)``; sample for those fed up to their last token. If the call
+        raises, each request runs alone, and the ones that still raise fail alone."""
+        outputs: list[RequestOutput] = []
+        try:
+            groups = [(work, self._forward(work))]
+        except Exception:
+            groups = []
+            for item in work:
+                try:
+                    groups.append(([item], self._forward([item])))
+                except Exception as e:  # the request fails alone; the engine serves on
+                    outputs.append(self._finish(item[0], "error", error=f"{type(e).__name__}: {e}"))
+        sampled, tokens = [], []
+        for items, (logits, greedy) in groups:
+            row = 0
+            for r, _, end in items:
+                r.computed = end
+                self.blocks.computed(r.table, end)
+                if end < len(r.tokens):
+                    continue  # a prompt chunk that does not reach the prompt's end: no logits
+                if r.state == PREFILL:
+                    r.state = DECODE
+                    self.stats["prompt_tokens"] += len(r.prompt) if not r.preemptions else 0
+                try:
+                    tokens.append(int(greedy[row]) if r.params.greedy else self._sample(r, logits[row]))
+                    sampled.append(r)
+                except Exception as e:
+                    outputs.append(self._finish(r, "error", error=f"{type(e).__name__}: {e}"))
+                row += 1
+        return outputs + self._sampled(sampled, tokens)
+
+    def _forward(self, work: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ``gqa::decode_paged`` call over every request's rows ``[start, end)`` (their K/V into the pool):
+        the logits ``(N, vocab)`` and greedy tokens ``(N,)`` of the requests fed up to their last token, in order."""
+        model, backbone = self.model, self.model.model
+        ids, positions, tables, wanted = [], [], [], []
+        for r, start, end in work:
+            ids += r.tokens[start:end]
+            positions += range(start, end)
+            tables += [r.table.blocks] * (end - start)
             if end == len(r.tokens):
-                r.prefill_caches, r.state = None, DECODE
-                self.stats["prompt_tokens"] += len(r.prompt) if not r.preemptions else 0
-                outputs += self._sampled([r], [self._sample(r, logits)])
-        return outputs
-
-    def _prefill_chunk(self, r: Request, start: int, end: int) -> torch.Tensor:
-        """Run tokens ``[start, end)`` of ``r`` (its earlier tokens' K/V are in the pool or in its prefill caches),
-        store their K/V in its blocks; the last token's logits ``(vocab,)``."""
-        if r.prefill_caches is None:  # a dense cache for the prompt, filled with what the pool already has
-            r.prefill_caches = self.model.new_caches(1, len(r.tokens))
-            for layer, c in enumerate(r.prefill_caches):
-                if start:
-                    k, v = self.cache.read(layer, r.table.blocks, start)
-                    c.key[0, :, :start], c.value[0, :, :start] = k, v
-                c.cursor.fill_(start)
-        ids = torch.tensor([r.tokens[start:end]], dtype=torch.long)
-        logits = self.model(ids, caches=r.prefill_caches, last_only=True)[0, -1]
-        for layer, c in enumerate(r.prefill_caches):
-            self.cache.write(layer, r.table.blocks, start, c.key[0, :, start:end], c.value[0, :, start:end])
-        return logits
-
-    def _decode(self, batch: list[Request]) -> list[RequestOutput]:
-        model, B = self.model, len(batch)
-        backbone = model.model
-        ids = torch.tensor([[r.tokens[-1]] for r in batch], dtype=torch.long)
-        positions = torch.tensor([len(r.tokens) - 1 for r in batch], dtype=torch.long)
+                wanted.append(len(ids) - 1)
+        B = len(ids)
+        positions = torch.tensor(positions, dtype=torch.long)
         cos, sin = backbone.rope.cos_sin(positions.view(B, 1))  # (B, 1, D) each
-        x = backbone.embed_tokens(ids).view(B, -1)
+        x = backbone.embed_tokens(torch.tensor(ids, dtype=torch.long).view(B, 1)).view(B, -1)
         norms1, norms2, eps, weights, formats, biases, head, head_format = decode_step._cached_model_args(
             model, model.dtype
         )
-        greedy = torch.empty(B, dtype=torch.long)
-        table = table_tensor([r.table.blocks for r in batch])
+        greedy = torch.empty(len(wanted), dtype=torch.long)
         logits = torch.ops.gqa.decode_paged(
             x, norms1, norms2, eps, weights, formats, biases, cos.view(B, -1).contiguous(),
-            sin.view(B, -1).contiguous(), self.cache.key, self.cache.value, table, positions,
+            sin.view(B, -1).contiguous(), self.cache.key, self.cache.value, table_tensor(tables), positions,
             1.0 / math.sqrt(backbone.layers[0].self_attn.head_dim), backbone.norm.weight, backbone.norm.eps, head,
-            head_format, greedy,
+            head_format, greedy, torch.tensor(wanted, dtype=torch.long),
         )  # fmt: skip
-        tokens = []
-        for i, r in enumerate(batch):
-            r.computed += 1
-            self.blocks.computed(r.table, r.computed)
-            tokens.append(int(greedy[i]) if r.params.greedy else self._sample(r, logits[i]))
-        return self._sampled(batch, tokens)
+        return logits, greedy
 
     def _sample(self, r: Request, logits: torch.Tensor) -> int:
         p = r.params
@@ -335,7 +326,7 @@ class Engine:
     def _preempt(self, r: Request) -> None:
         self.blocks.free(r.table)
         self.running.remove(r)
-        r.state, r.table, r.computed, r.prefill_caches = WAITING, None, 0, None
+        r.state, r.table, r.computed = WAITING, None, 0
         r.preemptions += 1
         self.stats["preemptions"] += 1
         self.waiting.appendleft(r)
@@ -353,7 +344,7 @@ class Engine:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
-        r.state, r.finish_reason, r.table, r.prefill_caches = FINISHED, reason, None, None
+        r.state, r.finish_reason, r.table = FINISHED, reason, None
         del self.requests[r.request_id]
         return self._output(r, [] if token is None else [token], piece, error)
 

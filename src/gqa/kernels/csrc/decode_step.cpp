@@ -105,8 +105,10 @@ struct Step {
   T* x;           // (B, E) the residual stream, updated in place
   T* qr;          // (B, Hq * D) roped queries
   T* m;           // (B, F) silu(gate) * up
-  T* logits;      // (B, V)
-  Best* best = nullptr;  // (B, lm_head chunks): each chunk's greedy pick per row, when asked for
+  T* logits;      // (NL, V)
+  int64_t NL;     // rows that get logits: all B, or those listed in logit_rows
+  const int64_t* logit_rows = nullptr;  // (NL,) rows of x, or nullptr for all
+  Best* best = nullptr;  // (NL, lm_head chunks): each chunk's greedy pick per row, when asked for
   const float *cos, *sin;
   std::vector<Layer<T>> layers;
   const T* final_norm;
@@ -135,23 +137,27 @@ struct Step {
   }
 
   // sums (B, rows) = input @ W[m0 : m0 + rows]^T.
-  void gemv(ThreadState<T>& s, const Matrix& w, int64_t m0, int64_t rows, std::vector<float>& sums) const {
-    sums.resize(B * rows);
+  // (n rows of input: B, or NL for lm_head)
+  void gemv(ThreadState<T>& s, const Matrix& w, int64_t m0, int64_t rows, std::vector<float>& sums,
+            int64_t n = -1) const {
+    if (n < 0) n = B;
+    sums.resize(n * rows);
     if (w.format < 0) {
-      gemv_rows<T>(static_cast<const T*>(w.w) + m0 * w.K, w.K, s.input, B, rows, sums.data());
+      gemv_rows<T>(static_cast<const T*>(w.w) + m0 * w.K, w.K, s.input, n, rows, sums.data());
     } else {
       const int64_t rb = gqa::quantized_row_bytes(w.format, w.K);
       gqa::quantized_rows_dot(static_cast<const uint8_t*>(w.w) + m0 * rb, w.format, rows, w.K, s.quantized, s.input,
-                              B, sums.data());
+                              n, sums.data());
     }
   }
 
   // rounded (B, rows) = T(sums + bias), as the op-by-op GEMV writes its output.
-  void round_out(const std::vector<float>& sums, const Matrix& w, int64_t m0, int64_t rows,
-                 std::vector<T>& rounded) const {
-    rounded.resize(B * rows);
+  void round_out(const std::vector<float>& sums, const Matrix& w, int64_t m0, int64_t rows, std::vector<T>& rounded,
+                 int64_t n = -1) const {
+    if (n < 0) n = B;
+    rounded.resize(n * rows);
     const T* bias = static_cast<const T*>(w.bias);
-    for (int64_t b = 0; b < B; ++b)
+    for (int64_t b = 0; b < n; ++b)
       for (int64_t i = 0; i < rows; ++i) {
         float v = sums[b * rows + i];
         if (bias) v += to_float(bias[m0 + i]);
@@ -211,12 +217,18 @@ struct Step {
   }
 
   void run_chunk(ThreadState<T>& s, size_t phase, int64_t c, bool first) const {
-    if (phase == layers.size() * PHASES_PER_LAYER) {  // lm_head
-      if (first) prepare_norm(s, final_norm, final_eps, head.format >= 0);
+    if (phase == layers.size() * PHASES_PER_LAYER) {  // lm_head, for the NL rows asked for
+      if (first) {
+        s.in.resize(NL * E);
+        for (int64_t j = 0; j < NL; ++j)
+          rms_norm_impl<T>(x + (logit_rows ? logit_rows[j] : j) * E, final_norm, s.in.data() + j * E, 1, E, final_eps);
+        s.input = s.in.data();
+        if (head.format >= 0) s.quantized = gqa::quantize_input(s.input, NL, E);
+      }
       const int64_t m0 = c * head_rows, rows = std::min(head_rows, V - m0);
-      gemv(s, head, m0, rows, s.sums);
-      round_out(s.sums, head, m0, rows, s.rounded);
-      for (int64_t b = 0; b < B; ++b) {
+      gemv(s, head, m0, rows, s.sums, NL);
+      round_out(s.sums, head, m0, rows, s.rounded, NL);
+      for (int64_t b = 0; b < NL; ++b) {
         const T* r = s.rounded.data() + b * rows;
         std::copy(r, r + rows, logits + b * V + m0);
         if (best == nullptr) continue;
@@ -304,7 +316,7 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
                              const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
                              const at::Tensor& sin, Caches& caches, double scale, const at::Tensor& final_norm,
                              double final_eps, const at::Tensor& head, int64_t head_format,
-                             const c10::optional<at::Tensor>& greedy) {
+                             const c10::optional<at::Tensor>& greedy, const c10::optional<at::Tensor>& logit_rows) {
   at::TensorList key_caches = caches.keys, value_caches = caches.values;
   const bool paged = caches.table != nullptr;
   const at::ScalarType dtype = x.scalar_type();
@@ -408,17 +420,29 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   st.final_norm = final_norm.const_data_ptr<T>();
   st.head = matrix(head, head_format, st.E, c10::nullopt, dtype, "lm_head", -1);
   st.head_rows = chunk_rows(st.head, elem);
+  st.NL = st.B;
+  if (logit_rows.has_value()) {
+    const at::Tensor& lr = *logit_rows;
+    TORCH_CHECK(lr.scalar_type() == at::kLong && lr.dim() == 1 && lr.is_contiguous(),
+                "gqa::decode_paged: logit_rows must be a contiguous int64 (N,) tensor, got ", lr.sizes(), " ",
+                lr.scalar_type());
+    st.NL = lr.size(0), st.logit_rows = lr.const_data_ptr<int64_t>();
+    for (int64_t j = 0; j < st.NL; ++j)
+      TORCH_CHECK(st.logit_rows[j] >= 0 && st.logit_rows[j] < st.B, "gqa::decode_paged: logit_rows[", j, "] = ",
+                  st.logit_rows[j], " is not a row of x (B = ", st.B, ")");
+  }
   if (greedy.has_value())
     TORCH_CHECK(greedy->scalar_type() == at::kLong && greedy->is_contiguous() &&
-                    greedy->sizes() == at::IntArrayRef({st.B}),
-                "gqa::decode_model: greedy must be a contiguous int64 (B,) tensor, got ", greedy->sizes());
-  std::vector<Best> best(greedy.has_value() ? st.B * ceil_div(st.V, st.head_rows) : 0);
+                    greedy->sizes() == at::IntArrayRef({st.NL}),
+                "gqa::decode_model: greedy must be a contiguous int64 tensor of a value per row with logits (",
+                st.NL, ",), got ", greedy->sizes());
+  std::vector<Best> best(greedy.has_value() ? st.NL * ceil_div(st.V, st.head_rows) : 0);
   st.best = greedy.has_value() ? best.data() : nullptr;
 
   at::Tensor h = x.clone();
   at::Tensor qr = at::empty({st.B, st.Hq * st.D}, x.options());
   at::Tensor m = at::empty({st.B, st.F}, x.options());
-  at::Tensor logits = at::empty({st.B, st.V}, x.options());
+  at::Tensor logits = at::empty({st.NL, st.V}, x.options());
   std::vector<float> parts(part_floats);
   st.x = h.mutable_data_ptr<T>(), st.qr = qr.mutable_data_ptr<T>(), st.m = m.mutable_data_ptr<T>();
   st.logits = logits.mutable_data_ptr<T>();
@@ -434,7 +458,7 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   if (greedy.has_value()) {  // the chunks in order: the first of equal maxima wins, as in torch.argmax
     const int64_t chunks = ceil_div(st.V, st.head_rows);
     int64_t* out = greedy->mutable_data_ptr<int64_t>();
-    for (int64_t b = 0; b < st.B; ++b) {
+    for (int64_t b = 0; b < st.NL; ++b) {
       Best pick;
       for (int64_t c = 0; c < chunks; ++c) pick.offer(best[b * chunks + c].value, best[b * chunks + c].index);
       out[b] = pick.index;
@@ -448,14 +472,14 @@ at::Tensor dispatch(const at::Tensor& x, at::TensorList norms1, at::TensorList n
                     const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
                     const at::Tensor& sin, Caches& caches, double scale, const at::Tensor& final_norm,
                     double final_eps, const at::Tensor& head, int64_t head_format,
-                    const c10::optional<at::Tensor>& greedy) {
+                    const c10::optional<at::Tensor>& greedy, const c10::optional<at::Tensor>& logit_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gqa::decode_model: x must be contiguous (B, E), got ", x.sizes());
   if (x.scalar_type() == at::kFloat)
     return decode_model_impl<float>(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale,
-                                    final_norm, final_eps, head, head_format, greedy);
+                                    final_norm, final_eps, head, head_format, greedy, logit_rows);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gqa::decode_model: float32 or bfloat16 only, got ", x.scalar_type());
   return decode_model_impl<at::BFloat16>(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches,
-                                         scale, final_norm, final_eps, head, head_format, greedy);
+                                         scale, final_norm, final_eps, head, head_format, greedy, logit_rows);
 }
 
 at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
@@ -473,20 +497,23 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
               "and a cursor; got ", L, " layers' norms1 and ", weights.size(), " weights");
   Caches caches{key_caches, value_caches, starts, cursors};
   return dispatch(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale, final_norm,
-                  final_eps, head, head_format, greedy);
+                  final_eps, head, head_format, greedy, c10::nullopt);
 }
 
 // decode_model over paged caches: key_pools / value_pools [(blocks, H_kv, block_size, D)] per layer, block_table
 // (B, max_blocks) int64 shared by the layers, positions (B,) int64: row b's new K/V go to its slot positions[b] and
 // its attention reads slots [0, positions[b]]. Ragged rows, any batch size; a row's result does not depend on the
-// other rows.
+// other rows. Rows may share a sequence (its block table row repeated) at consecutive positions — a prompt chunk:
+// every row's K/V are written before any row's attention reads them, so row b sees the rows before it (causal
+// prefill in the same call as decode rows). logit_rows (N,) int64, when given: only those rows get logits (and
+// greedy picks), in that order: the result is (N, V).
 at::Tensor decode_paged(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
                         at::TensorList weights, at::IntArrayRef formats,
                         const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
                         const at::Tensor& sin, at::TensorList key_pools, at::TensorList value_pools,
                         const at::Tensor& block_table, const at::Tensor& positions, double scale,
                         const at::Tensor& final_norm, double final_eps, const at::Tensor& head, int64_t head_format,
-                        const c10::optional<at::Tensor>& greedy) {
+                        const c10::optional<at::Tensor>& greedy, const c10::optional<at::Tensor>& logit_rows) {
   const size_t L = norms1.size();
   TORCH_CHECK(L >= 1 && norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
                   qkv_biases.size() == 3 * L && key_pools.size() == L && value_pools.size() == L,
@@ -494,7 +521,7 @@ at::Tensor decode_paged(const at::Tensor& x, at::TensorList norms1, at::TensorLi
               L, " layers' norms1 and ", weights.size(), " weights");
   Caches caches{key_pools, value_pools, {}, {}, &block_table, &positions};
   return dispatch(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale, final_norm,
-                  final_eps, head, head_format, greedy);
+                  final_eps, head, head_format, greedy, logit_rows);
 }
 
 }  // namespace
@@ -509,7 +536,7 @@ TORCH_LIBRARY_FRAGMENT(gqa, m) {
       "decode_paged(Tensor x, Tensor[] norms1, Tensor[] norms2, float eps, Tensor[] weights, int[] formats, "
       "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_pools, Tensor(b!)[] value_pools, "
       "Tensor block_table, Tensor positions, float scale, Tensor final_norm, float final_eps, Tensor head, "
-      "int head_format, Tensor(d!)? greedy=None) -> Tensor");
+      "int head_format, Tensor(d!)? greedy=None, Tensor? logit_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gqa, CPU, m) {
