@@ -24,13 +24,14 @@ def test_the_cli_serves_the_embedded_model_to_concurrent_clients(tmp_path, capsy
     for x in row["loads"]:
         assert x["errors"] == [] and x["tokens"] == 3 * 6 and x["tok_s"] > 0 and x["differ_from_alone"] == 0
         assert 0 < x["ttft_p50_ms"] <= x["ttft_p99_ms"] and 0 < x["itl_p50_ms"] <= x["itl_p99_ms"]
-    assert row["kv_blocks_used_after"] == 0 and row["peak_rss_mib"] > 100
+    assert row["kv_blocks_used_after"] == 0 and row["preemptions"] == 0 and row["peak_rss_mib"] > 100
     assert "| gqa | 3 |" in (tmp_path / "results.md").read_text()
 
 
 def test_prompts_are_distinct_and_bad_flags_exit_2(tmp_path, capsys):
     assert len(set(bench_serve.prompts(48))) == 48
-    for flags in (["--prompts", "0"], ["--clients", "0"], ["--max-tokens", "1"], ["--model", str(tmp_path / "x")]):
+    for flags in (["--prompts", "0"], ["--clients", "0"], ["--max-tokens", "1"], ["--kv-max-tokens", "1"],
+                  ["--model", str(tmp_path / "x")]):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             main(["bench", "serve", *flags, "--out", str(tmp_path)])
         assert e.value.code == 2

@@ -7,7 +7,8 @@ concurrent clients (``--clients``), each request streamed with ``--max-tokens`` 
 server's peak resident memory. Every response under load is compared with the same request served alone (the
 1-client pass): batching must change nothing. ``--kv-heads 9 3 1`` also serves the model converted to those KV head
 counts (``gqa convert --method mean``, written once under ``--out``) under one KV budget (``--kv-budget-mib``): the
-concurrent ``--kv-context``-token sequences that fit, and the throughput at the largest client count.
+concurrent ``--kv-context``-token sequences that fit, and the throughput at the largest client count with responses
+of ``--kv-max-tokens`` tokens (the preemptions the pool forced are counted).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--kv-budget-mib", type=float, default=256, help="KV pool of the --kv-heads comparison")
     parser.add_argument("--kv-context", type=int, default=2048, help="context per sequence in that comparison")
+    parser.add_argument(
+        "--kv-max-tokens", type=int, nargs="+", default=None, metavar="N",
+        help="greedy tokens per response in that comparison, one pass per value (default: --max-tokens; longer "
+        "responses are where the budget binds)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-serve"), help="folder for results.json and .md")
 
 
@@ -195,6 +201,7 @@ def bench_engine(engine: str, model_path: str | None, ns: argparse.Namespace, kv
         if engine == "gqa":
             m = server.metrics()
             row["kv_blocks_used_after"] = m["gqa_kv_blocks_used"]
+            row["preemptions"] = m["gqa_preemptions_total"]
             row["kv_slots"] = (m["gqa_kv_blocks_free"] + m["gqa_kv_blocks_used"]) * m["gqa_kv_block_size"]
     finally:
         server.stop()
@@ -222,12 +229,14 @@ def table(rows: list[dict]) -> str:
                 f"{x['itl_p50_ms']:.0f} / {x['itl_p99_ms']:.0f} | {differ} | {len(x['errors'])} |"
             )
     lines.append("")
-    lines.append("| server | peak RSS (MiB) | KV token slots | sequences of the context that fit | blocks used after |")
-    lines.append("|---|---:|---:|---:|---:|")
+    lines.append("| server | peak RSS (MiB) | KV token slots | sequences of the context that fit | preemptions | "
+                 "blocks used after |")  # fmt: skip
+    lines.append("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         slots = r.get("kv_slots")
         fit = f"{int(slots // r['context'])}" if slots and r.get("context") else "—"
         lines.append(f"| {r['tag']} | {r['peak_rss_mib']:.0f} | {int(slots) if slots else '—'} | {fit} | "
+                     f"{int(r['preemptions']) if 'preemptions' in r else '—'} | "
                      f"{int(r['kv_blocks_used_after']) if 'kv_blocks_used_after' in r else '—'} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -237,6 +246,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
 
     if ns.prompts < 1 or ns.max_tokens < 2 or min(ns.clients) < 1 or ns.threads < 1:
         parser.error("--prompts and --clients must be >= 1, --max-tokens >= 2, --threads >= 1")
+    if ns.kv_max_tokens is not None and min(ns.kv_max_tokens) < 2:
+        parser.error("--kv-max-tokens must be >= 2")
     if ns.model is not None and not Path(ns.model).is_file():
         parser.error(f"--model {ns.model}: no such file (a .gguf file)")
     engines = list(dict.fromkeys(ns.engines))
@@ -250,11 +261,13 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     rows = [bench_engine(e, ns.model, ns, ns.kv_cache_mib, e) for e in engines]
     for r in rows:
         r["context"] = ns.kv_context
-    for heads in ns.kv_heads:
-        path = converted(ns.model, heads, ns.out)
-        row = bench_engine("gqa", path, argparse.Namespace(**{**vars(ns), "clients": [max(ns.clients)]}),
-                           ns.kv_budget_mib, f"gqa, {heads} KV heads, {ns.kv_budget_mib:g} MiB")  # fmt: skip
-        row["context"] = ns.kv_context
-        rows.append(row)
+    for tokens in ns.kv_max_tokens or [ns.max_tokens]:
+        for heads in ns.kv_heads:
+            path = converted(ns.model, heads, ns.out)
+            settings = argparse.Namespace(**{**vars(ns), "clients": [max(ns.clients)], "max_tokens": tokens})
+            row = bench_engine("gqa", path, settings, ns.kv_budget_mib,
+                               f"gqa, {heads} KV heads, {ns.kv_budget_mib:g} MiB, {tokens} tokens")  # fmt: skip
+            row["context"] = ns.kv_context
+            rows.append(row)
     write_results(ns.out, "serve", {"rows": rows}, table(rows))
     return 0
