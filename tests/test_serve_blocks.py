@@ -127,10 +127,11 @@ def test_the_pool_always_balances(ops):
     assert m.num_free == 12 and sum(m.refs) == 0
 
 
-def test_a_cached_prefix_is_shared_in_whole_multiples_of_align():
+def test_a_cached_prefix_is_shared_in_whole_blocks():
     m = BlockManager(num_blocks=32, block_size=4)
     first = m.allocate(list(range(23)))
     m.computed(first, 23)  # 5 full blocks cached
-    assert m.allocate([*range(23), 99], align=1).cached_tokens == 20
-    assert m.allocate([*range(23), 99], align=2).cached_tokens == 16
-    assert m.allocate([*range(23), 99], align=8).cached_tokens == 0
+    assert m.allocate([*range(23), 99]).cached_tokens == 20
+    assert m.allocate([*range(22), 99]).cached_tokens == 20
+    assert m.allocate([*range(21), 99]).cached_tokens == 20
+    assert m.allocate([*range(6), 99]).cached_tokens == 4

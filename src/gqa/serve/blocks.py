@@ -76,12 +76,11 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, tokens: list[int], align: int = 1) -> BlockTable:
+    def allocate(self, tokens: list[int]) -> BlockTable:
         """A table for a new sequence holding ``tokens`` (its prompt), sharing the cached blocks of its longest cached
-        prefix of full blocks, cut to a multiple of ``align`` blocks (so that what is left to compute starts where
-        the caller's chunks start). At least the last prompt token is left uncached (its logits are needed), so a
-        prompt of whole cached blocks recomputes its last block. Raises ``OutOfBlocks`` (and takes nothing) if the
-        rest does not fit."""
+        prefix of full blocks. At least the last prompt token is left uncached (its logits are needed), so a prompt of
+        whole cached blocks recomputes its last block. Raises ``OutOfBlocks`` (and takes nothing) if the rest does not
+        fit."""
         if not tokens:
             raise ValueError("a sequence needs at least one token")
         size = self.block_size
@@ -95,7 +94,6 @@ class BlockManager:
                 break
             shared.append((block, h))
             parent = h
-        del shared[len(shared) // align * align :]
         needed = self.blocks_needed(len(tokens)) - len(shared)
         reclaimable = len(self._idle) - sum(1 for block, _ in shared if block in self._idle)
         if needed > len(self._fresh) + reclaimable:
