@@ -129,11 +129,18 @@ struct Step {
   }
 
   // The thread's copy of the phase input: rms_norm(x, w), quantized too if `quantize`.
-  void prepare_norm(ThreadState<T>& s, const T* w, float e, bool quantize) const {
-    s.in.resize(B * E);
-    rms_norm_impl<T>(x, w, s.in.data(), B, E, e);
+  // With `rows`, only those n rows of x, in that order (lm_head's logit_rows).
+  void prepare_norm(ThreadState<T>& s, const T* w, float e, bool quantize, const int64_t* rows = nullptr,
+                    int64_t n = -1) const {
+    if (n < 0) n = B;
+    s.in.resize(n * E);
+    if (rows == nullptr) {
+      rms_norm_impl<T>(x, w, s.in.data(), n, E, e);
+    } else {
+      for (int64_t j = 0; j < n; ++j) rms_norm_impl<T>(x + rows[j] * E, w, s.in.data() + j * E, 1, E, e);
+    }
     s.input = s.in.data();
-    if (quantize) s.quantized = gqa::quantize_input(s.input, B, E);
+    if (quantize) s.quantized = gqa::quantize_input(s.input, n, E);
   }
 
   // sums (B, rows) = input @ W[m0 : m0 + rows]^T.
@@ -218,13 +225,7 @@ struct Step {
 
   void run_chunk(ThreadState<T>& s, size_t phase, int64_t c, bool first) const {
     if (phase == layers.size() * PHASES_PER_LAYER) {  // lm_head, for the NL rows asked for
-      if (first) {
-        s.in.resize(NL * E);
-        for (int64_t j = 0; j < NL; ++j)
-          rms_norm_impl<T>(x + (logit_rows ? logit_rows[j] : j) * E, final_norm, s.in.data() + j * E, 1, E, final_eps);
-        s.input = s.in.data();
-        if (head.format >= 0) s.quantized = gqa::quantize_input(s.input, NL, E);
-      }
+      if (first) prepare_norm(s, final_norm, final_eps, head.format >= 0, logit_rows, NL);
       const int64_t m0 = c * head_rows, rows = std::min(head_rows, V - m0);
       gemv(s, head, m0, rows, s.sums, NL);
       round_out(s.sums, head, m0, rows, s.rounded, NL);

@@ -73,7 +73,7 @@ using gqa::QuantizedRows;
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   const int64_t nb = K / QK;
-  const int64_t n4 = (N + 3) / 4 * 4;
+  const int64_t n4 = N / 4 * 4;  // the rows dot4 reads, in groups of four
   QuantizedRows r{std::vector<int8_t>(N * K), std::vector<float>(N * nb), std::vector<float>(N * nb), {},
                   std::vector<float>(nb * n4), std::vector<float>(nb * n4), n4};
   std::vector<float> xf(QK);
@@ -106,7 +106,7 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
       r.d[n * nb + b] = d;
       r.ds[n * nb + b] = d * static_cast<float>(sum);
     }
-  for (int64_t n = 0; n < N; ++n)
+  for (int64_t n = 0; n < n4; ++n)
     for (int64_t b = 0; b < nb; ++b) r.dt[b * n4 + n] = r.d[n * nb + b], r.dst[b * n4 + n] = r.ds[n * nb + b];
   return r;
 }

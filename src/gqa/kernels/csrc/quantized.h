@@ -19,7 +19,7 @@ struct QuantizedRows {
   std::vector<float> d;
   std::vector<float> ds;  // d * (sum of the block's q): the block's sum of x, as the kernel sees it
   std::vector<int64_t> nonfinite;
-  std::vector<float> dt, dst;  // d and ds block-major: (K / 32, n4), n4 = N rounded up to 4 (the rest 0)
+  std::vector<float> dt, dst;  // d and ds of the first n4 = N / 4 * 4 rows, block-major: (K / 32, n4)
   int64_t n4 = 0;
 };
 
