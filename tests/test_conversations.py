@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
     "{% if add_generation_prompt %}<s> assistant {% endif %}"
 )
-SMALL = GenerationSettings(count=48, batch_size=16, seed=3)
+SMALL = GenerationSettings(count=48, batch_size=16, seed=5)
 
 
 def chat_dir(folder: Path) -> Path:
@@ -58,9 +58,11 @@ def generated(folder: Path, settings: GenerationSettings = SMALL, cache: bool = 
 
 def test_generation_is_deterministic_with_a_seed(chat_model):
     a, b = generated(chat_model, cache=False), generated(chat_model, cache=False)
-    other = generated(chat_model, GenerationSettings(count=48, batch_size=16, seed=4), cache=False)
+    other = generated(chat_model, GenerationSettings(count=48, batch_size=16, seed=6), cache=False)
     assert len(a) > 10 and a.train == b.train and a.held_out == b.held_out
     assert [c.question for c in other.train] != [c.question for c in a.train]
+    narrow = generated(chat_model, GenerationSettings(count=48, batch_size=5, seed=5), cache=False)
+    assert narrow.train == a.train and narrow.held_out == a.held_out  # a row does not depend on the rows beside it
     questions = [c.question for c in a.train + a.held_out]
     assert len(set(questions)) == len(questions)  # deduplicated
     assert all(len(q.split()) >= conv.MIN_QUESTION_WORDS for q in questions)
@@ -96,9 +98,9 @@ def test_cache_is_keyed_by_the_model_content(chat_model, tmp_path, monkeypatch):
     assert model_content_hash(copy) != model_content_hash(chat_model)
     with pytest.raises(AssertionError, match="generated again"):
         generated(copy)
-    assert generated(chat_model, GenerationSettings(count=48, batch_size=16, seed=3)).train == first.train
+    assert generated(chat_model, GenerationSettings(count=48, batch_size=16, seed=5)).train == first.train
     with pytest.raises(AssertionError, match="generated again"):  # other settings: another key
-        generated(chat_model, GenerationSettings(count=47, batch_size=16, seed=3))
+        generated(chat_model, GenerationSettings(count=47, batch_size=16, seed=5))
 
 
 def test_a_corrupt_cache_file_is_generated_again(chat_model):
@@ -108,36 +110,75 @@ def test_a_corrupt_cache_file_is_generated_again(chat_model):
     assert again.train == first.train and json.loads(first.path.read_text())["format"] == conv.CACHE_FORMAT
 
 
-def test_an_interrupted_generation_resumes_and_loses_at_most_one_batch(chat_model, cache_root, monkeypatch):
-    """Interrupted in its 5th batch (the 3 user-turn batches and 1 answer batch are done), a run leaves a journal of
-    the finished batches; the next run generates only the rest (a last line cut short by the interruption costs that
-    batch again), gives the set an uninterrupted run gives, and deletes the journal."""
-    import gqa.generation
+def test_an_interrupted_generation_resumes_with_the_rows_it_lacks(chat_model, cache_root, monkeypatch):
+    """Interrupted while answering (just after the first answers were recorded), a run leaves a journal of the rows
+    finished so far; the next run generates exactly the rows the journal lacks and gives the set an uninterrupted run
+    gives. The journal is deleted once the set is written."""
+    from gqa.convert.batch_journal import BatchJournal
+    from gqa.serve.engine import Engine
 
     whole = generated(chat_model, cache=False)
-    real = gqa.generation.generate
-    calls = []
+    real_record, real_add = BatchJournal.add, Engine.add
 
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:
+    def interrupted(self, phase, rows):
+        real_record(self, phase, rows)
+        if phase == "answers":
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
 
-    monkeypatch.setattr(gqa.generation, "generate", interrupted)
+    monkeypatch.setattr(BatchJournal, "add", interrupted)
     with pytest.raises(KeyboardInterrupt):
         generated(chat_model)
     (journal,) = cache_root.rglob("*.partial.jsonl")
-    lines = journal.read_bytes().splitlines(keepends=True)
-    assert [json.loads(line)["phase"] for line in lines] == ["user turns"] * 3 + ["answers"]
-    journal.write_bytes(b"".join(lines) + lines[-1][:20])  # as if cut while writing a 5th line
-    calls.clear()
-    monkeypatch.setattr(gqa.generation, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    entries = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert [e["phase"] for e in entries][-2:] == ["user turns", "answers"]
+    kept = len(entries[-1]["rows"])
+    assert 0 < kept < len(whole)  # else this test could not fail
+    added = []
+    monkeypatch.setattr(BatchJournal, "add", real_record)
+    monkeypatch.setattr(Engine, "add", lambda self, *a, **k: added.append(1) or real_add(self, *a, **k))
     resumed = generated(chat_model)
-    batches = -(-len(whole) // SMALL.batch_size)  # answer batches
-    assert len(calls) == batches - 1  # the 3 user-turn batches and the first answer batch came from the journal
+    assert len(added) == len(whole) - kept  # no user turn and no recorded answer again
     assert resumed.train == whole.train and resumed.held_out == whole.held_out
     assert not journal.exists() and resumed.path.is_file()
+
+
+def test_the_journal_drops_a_line_cut_short_and_goes_on(tmp_path):
+    from gqa.convert.batch_journal import BatchJournal
+
+    path = tmp_path / "j.partial.jsonl"
+    journal = BatchJournal(path)
+    journal.add("a", {0: [1, 2], 5: [3]})
+    journal.add("b", {1: [4]})
+    whole = path.read_bytes()
+    journal.add("a", {2: [6, 7]})
+    path.write_bytes(path.read_bytes()[:-5])  # the last line cut while written
+    again = BatchJournal(path)
+    assert again.finished("a") == {0: [1, 2], 5: [3]} and again.finished("b") == {1: [4]}
+    assert path.read_bytes() == whole  # truncated to the whole lines
+    again.add("a", {2: [6, 7]})
+    assert BatchJournal(path).finished("a") == {0: [1, 2], 5: [3], 2: [6, 7]} and again.finished("c") == {}
+
+
+def test_a_model_the_engine_does_not_take_is_generated_in_batches(chat_model, monkeypatch):
+    """Without the serving engine (a GPU, float16, no native kernels), the set comes from fixed batches through
+    ``gqa.generation.generate``; its greedy answers are the ones the engine gives to the same prompts."""
+    from gqa.convert.bulk_generation import generate_continuous
+    from gqa.serve.engine import Engine, EngineError
+
+    def refuse(model):
+        raise EngineError("not this one")
+
+    monkeypatch.setattr(Engine, "check_model", staticmethod(refuse))
+    batched = generated(chat_model, cache=False)
+    assert len(batched) > 10
+    monkeypatch.undo()
+    model = gqa.load_model(chat_model)
+    convs = batched.train + batched.held_out
+    again = generate_continuous(
+        model, [c.prompt_ids for c in convs], max_new_tokens=conv.ANSWER_TOKENS,
+        end_ids=conv.end_of_turn_ids(model.tokenizer, model), batch_size=7,
+    )  # fmt: skip
+    assert again == [c.answer_ids for c in convs]
 
 
 def test_no_chat_template_is_an_error(tmp_path):

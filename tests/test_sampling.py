@@ -25,15 +25,24 @@ def reference_allowed(logits: torch.Tensor, temperature: float, top_k: int | Non
     return allowed, x.masked_fill(~allowed, -torch.inf).softmax(-1)
 
 
-@pytest.mark.parametrize("scale", [0.3, 2.0, 4.0, 12.0])  # nuclei of ~4,000, ~1,000, ~100 and a few tokens
+# nuclei of ~4,000, ~1,000, ~100 and a few tokens; all four in one batch ("mixed": some rows need more candidates)
+@pytest.mark.parametrize("scale", [0.3, 2.0, 4.0, 12.0, "mixed"])
 @pytest.mark.parametrize(("top_k", "top_p"), [(None, 0.95), (None, 0.5), (40, 0.9), (3000, 0.99)])
 def test_nucleus_is_the_set_a_full_sort_gives(scale, top_k, top_p):
     """Exactly the float64 set where no token's preceding mass lies within float32 rounding of ``top_p`` (summing
     thousands of probabilities); elsewhere a prefix of the tokens by probability that ends within that rounding."""
-    g = torch.Generator().manual_seed(int(scale * 10))
+    mixed = scale == "mixed"
+    scale = torch.tensor([0.3, 12.0, 2.0, 4.0] * 4)[:, None] if mixed else scale
+    g = torch.Generator().manual_seed(7 if mixed else int(scale * 10))
     logits = torch.randn(16, 5003, generator=g) * scale
     allowed, _ = reference_allowed(logits, 0.9, top_k, top_p)
-    values, order = generation._nucleus(logits / 0.9, top_p, 5003 if top_k is None else top_k)
+    limit = 5003 if top_k is None else top_k
+    values, order = generation._nucleus(logits / 0.9, top_p, limit)
+    if mixed:  # each row as it is alone: its candidates, padded with -inf to the batch's
+        for i in range(16):
+            v, o = generation._nucleus(logits[i : i + 1] / 0.9, top_p, limit)
+            assert torch.equal(values[i, : v.shape[1]], v[0]) and torch.equal(order[i, : o.shape[1]], o[0])
+            assert bool((values[i, v.shape[1] :] == -torch.inf).all())
     ours = torch.zeros_like(allowed).scatter(-1, order, values > -torch.inf)
     x = logits.double() / 0.9
     if top_k is not None:
@@ -48,7 +57,7 @@ def test_nucleus_is_the_set_a_full_sort_gives(scale, top_k, top_p):
     assert torch.equal(ours_sorted.cummin(-1).values, ours_sorted)  # a prefix in order of probability
     assert bool((before.gather(-1, n[:, None] - 1) < top_p + tol).all())
     assert bool((before.gather(-1, n[:, None].clamp_max(5002)) >= top_p - tol).all())
-    if scale == 12.0:
+    if not mixed and scale == 12.0:
         assert (~close).sum() >= 12  # nuclei of a few tokens: most rows checked exactly
 
 

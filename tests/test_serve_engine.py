@@ -114,6 +114,49 @@ def test_seeded_sampling_is_reproducible_per_request(tiny):
     assert run(engine, [[5, 6, 7]], b)[0] != first[0]
 
 
+def test_sampled_rows_are_drawn_in_one_call_per_setting_and_each_gets_its_own_token(tiny, monkeypatch):
+    """Rows sampled with the same settings share one ``sample_next`` call, each inverting its own request's next
+    uniform number: every request gets the tokens it gets served alone. A row whose logits cannot be sampled (NaN)
+    fails alone."""
+    from gqa.serve import engine as engine_module
+
+    path, _ = tiny
+    model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
+    engine = Engine(model, kv_cache_mib=1)
+    nucleus = dict(max_tokens=10, temperature=1.0, top_p=0.9, ignore_eos=True)
+    settings = [
+        SamplingParams(**nucleus, seed=7), SamplingParams(max_tokens=10, temperature=0.7, top_k=20, seed=9,
+        ignore_eos=True), SamplingParams(**nucleus, seed=8), SamplingParams(max_tokens=10, ignore_eos=True),
+    ]  # fmt: skip
+    prompts = [[5, 6, 7], [9, 10], [5, 6, 7], [11]]
+    alone = [run(engine, [p], sp)[0] for p, sp in zip(prompts, settings, strict=True)]
+    assert alone[0] != alone[2]  # same prompt, another seed: else the per-request numbers were not tested
+    real, calls = engine_module.sample_next, []
+    monkeypatch.setattr(engine_module, "sample_next", lambda x, **kw: calls.append(len(x)) or real(x, **kw))
+    requests = [engine.add(p, sp) for p, sp in zip(prompts, settings, strict=True)]
+    engine.step()
+    assert sorted(calls) == [1, 2]  # the two nucleus rows together, the top-k row; the greedy row needs none
+    while engine.has_work:
+        engine.step()
+    assert [r.outputs for r in requests] == alone
+
+    real_forward = engine._forward
+
+    def nan_row(work):  # the first request's logits turn NaN
+        logits, greedy = real_forward(work)
+        logits[0] = float("nan")
+        return logits, greedy
+
+    monkeypatch.setattr(engine, "_forward", nan_row)
+    requests = [engine.add(p, sp) for p, sp in zip(prompts[:3], settings[:3], strict=True)]
+    failed = [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in failed] == [requests[0].request_id] and "finite" in failed[0].error
+    monkeypatch.setattr(engine, "_forward", real_forward)
+    while engine.has_work:
+        engine.step()
+    assert [r.outputs for r in requests[1:]] == alone[1:3]
+
+
 def test_bad_requests_are_refused_before_any_work(tiny):
     path, _ = tiny
     model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)

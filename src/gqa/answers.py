@@ -93,19 +93,22 @@ def chat_answers(
     prompts: Sequence[str] | Sequence[list[int]],
     *,
     max_new_tokens: int = QUESTION_ANSWER_TOKENS,
-    batch_size: int = 32,
+    batch_size: int = 64,
     progress: bool = False,
     desc: str = "answering",
 ) -> list[list[int]]:
     """Greedy answers (token ids, end-of-turn token included when it came) to user turns: strings are rendered with
-    the chat template; token lists are used as they are (e.g. ``Conversation.prompt_ids``)."""
-    from .convert.conversations import end_of_turn_ids, generate_batched
+    the chat template; token lists are used as they are (e.g. ``Conversation.prompt_ids``). Generated as the
+    self-generated conversations are (``gqa.convert.bulk_generation.generate_many``: the serving engine where it
+    takes the model), so the original model answers its held-out turns exactly as it wrote them."""
+    from .convert.bulk_generation import generate_many
+    from .convert.conversations import end_of_turn_ids
 
     chats = [tok.apply_chat(p) if isinstance(p, str) else list(p) for p in prompts]
     from tqdm.auto import tqdm
 
     with tqdm(total=len(chats), desc=desc, unit="answer", disable=not progress, dynamic_ncols=True) as bar:
-        return generate_batched(
+        return generate_many(
             model, chats, max_new_tokens=max_new_tokens, end_ids=end_of_turn_ids(tok, model),
             batch_size=batch_size, bar=bar,
         )  # fmt: skip

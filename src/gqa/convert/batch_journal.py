@@ -1,10 +1,10 @@
-"""A journal of finished generation batches, so that an interrupted run of a long batched job resumes where it
-stopped instead of starting over.
+"""A journal of finished rows of a long generation job, so that an interrupted run resumes where it stopped instead of
+starting over.
 
-Each finished batch is appended to a JSON-lines file as one line ``{"phase": ..., "batch": b, "outputs": [...]}``,
-flushed and fsynced: an interruption loses at most the batch in progress. Opening the journal again reads the finished
-batches back (a last line cut short by the interruption is dropped and the file truncated before it). The job
-deletes the journal once its result is safely written elsewhere.
+Each call to ``add`` appends one JSON line ``{"phase": ..., "rows": {"17": outputs, ...}}`` (the rows finished
+together: a step's, a batch's), flushed and fsynced: an interruption loses at most the rows in progress. Opening the
+journal again reads the finished rows back (a last line cut short by the interruption is dropped and the file
+truncated before it). The job deletes the journal once its result is safely written elsewhere.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ __all__ = ["BatchJournal"]
 
 
 class BatchJournal:
-    """Finished batches by phase, kept in ``path`` (JSON lines)."""
+    """Finished rows by phase, kept in ``path`` (JSON lines)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -30,30 +30,30 @@ class BatchJournal:
             for line in fh:
                 try:
                     entry = json.loads(line)
-                    phase, batch, outputs = entry["phase"], int(entry["batch"]), entry["outputs"]
-                except (ValueError, KeyError, TypeError):
+                    phase, rows = entry["phase"], {int(i): out for i, out in entry["rows"].items()}
+                except (ValueError, KeyError, TypeError, AttributeError):
                     break  # a line cut short (or damaged): keep what came before it
                 if not line.endswith(b"\n"):
                     break
-                self.done.setdefault(phase, {})[batch] = outputs
+                self.done.setdefault(phase, {}).update(rows)
                 good += len(line)
         if good < self.path.stat().st_size:
             with self.path.open("r+b") as fh:
                 fh.truncate(good)
 
     def finished(self, phase: str) -> dict[int, Any]:
-        """``{batch: outputs}`` of ``phase``'s batches written so far."""
+        """``{row: outputs}`` of ``phase``'s rows written so far."""
         return self.done.get(phase, {})
 
-    def add(self, phase: str, batch: int, outputs: Any) -> None:
-        """Append one finished batch (durably: flushed and fsynced)."""
+    def add(self, phase: str, rows: dict[int, Any]) -> None:
+        """Append finished rows ``{row: outputs}`` as one line (durably: flushed and fsynced)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({"phase": phase, "batch": batch, "outputs": outputs}, separators=(",", ":")) + "\n"
+        entry = {"phase": phase, "rows": {str(i): out for i, out in rows.items()}}
         with self.path.open("ab") as fh:
-            fh.write(line.encode())
+            fh.write((json.dumps(entry, separators=(",", ":")) + "\n").encode())
             fh.flush()
             os.fsync(fh.fileno())
-        self.done.setdefault(phase, {})[batch] = outputs
+        self.done.setdefault(phase, {}).update(rows)
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)

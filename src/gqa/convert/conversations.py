@@ -12,13 +12,14 @@ it answers that request through the template as it would answer a person. ``self
 2. **Answers**, greedy (as ``gqa generate`` answers by default), to each user turn rendered with the chat template,
    up to ``ANSWER_TOKENS`` tokens.
 
-Generation is batched (rows of similar length together) and seeded: the same model, settings and seed give the same
-conversations. A fixed share of them, chosen by a hash of the user turn (``is_held_out``), is **held out**:
-calibration and healing read only ``ConversationSet.train``; ``gqa eval --suite`` scores ``held_out``.
+Generation runs through the serving engine (``gqa.convert.bulk_generation``: continuous batching, the shared system
+prompt read once) and is seeded per row: the same model, settings and seed give the same conversations. A fixed
+share of them, chosen by a hash of the user turn (``is_held_out``), is **held out**: calibration and healing read only
+``ConversationSet.train``; ``gqa eval --suite`` scores ``held_out``.
 The set is cached as JSON under ``cache_dir()`` in a file named by the source model's content hash and the settings
 (``cache_key``), so the next conversion of the same model reads it instead of generating again. While it is made,
-each finished batch goes to a journal beside it (``gqa.convert.batch_journal``): an interrupted run loses at most the
-batch in progress, and the next run continues from there.
+each step's finished rows go to a journal beside it (``gqa.convert.batch_journal``): an interrupted run loses at most
+the rows in flight (one batch), and the next run continues from there.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .._atomic import write_json_atomic
 from .batch_journal import BatchJournal
+from .bulk_generation import generate_many
 
 if TYPE_CHECKING:
     from ..models import CausalLM
@@ -52,7 +54,6 @@ __all__ = [
     "cache_key",
     "chat_stream",
     "end_of_turn_ids",
-    "generate_batched",
     "has_chat_template",
     "is_held_out",
     "model_content_hash",
@@ -66,7 +67,7 @@ QUESTION_TOKENS = 48  # a user turn that has not ended by then is dropped
 MIN_QUESTION_WORDS = 3
 ANSWER_TOKENS = 128  # answers are cut here, as gqa generate cuts them by default
 HELD_OUT_PER_MILLE = 100  # 10% of the conversations, by a hash of the user turn
-CACHE_FORMAT = 2  # bump when the file's layout or the generation changes (2: inverse-CDF sampling, native decode)
+CACHE_FORMAT = 3  # bump when the file's layout or the generation changes (3: the serving engine, a seed per row)
 _BYTES = 1 << 20
 
 
@@ -79,14 +80,15 @@ class GenerationSettings:
     count : user turns sampled (fewer conversations remain after dropping unfinished turns and duplicates).
     seed : seeds the sampling of the user turns.
     temperature, top_p : sampling of the user turns (answers are greedy).
-    batch_size : rows generated together (the sampled user turns depend on it: one number per row and step).
+    batch_size : rows decoded together at most (the set does not depend on it, except through the fallback for models
+        the serving engine does not take: ``gqa.convert.bulk_generation``).
     """
 
     count: int = 1400
     seed: int = 0
     temperature: float = 0.9
     top_p: float = 0.95
-    batch_size: int = 64
+    batch_size: int = 128
 
     def __post_init__(self) -> None:
         for name in ("count", "seed", "batch_size"):
@@ -204,53 +206,6 @@ def end_of_turn_ids(tok: Tokenizer, model: CausalLM) -> set[int]:
     return ids
 
 
-def generate_batched(
-    model: CausalLM,
-    prompts: Sequence[list[int]],
-    *,
-    max_new_tokens: int,
-    end_ids: set[int],
-    batch_size: int,
-    temperature: float = 0.0,
-    top_p: float | None = None,
-    seed: int | None = None,
-    bar: Any = None,
-    journal: BatchJournal | None = None,
-    phase: str = "",
-) -> list[list[int]]:
-    """Continuations of ``prompts`` (greedy, or sampled with one seed per batch), in the prompts' order; rows of
-    similar length are batched together. With ``journal``, each finished batch is recorded under ``phase`` and the
-    batches it already holds are not generated again (each batch's rows and seed depend only on the prompts)."""
-    from ..generation import generate
-
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out: list[list[int]] = [[] for _ in prompts]
-    done = {} if journal is None else journal.finished(phase)
-    for b, start in enumerate(range(0, len(order), batch_size)):
-        rows = order[start : start + batch_size]
-        if b in done and len(done[b]) == len(rows):  # finished by an earlier, interrupted run
-            for i, ids in zip(rows, done[b], strict=True):
-                out[i] = ids
-            if bar is not None:
-                bar.update(len(rows))
-            continue
-        room = model.config.max_position_embeddings - max(len(prompts[i]) for i in rows)  # left in the context
-        if room < 1:
-            raise ValueError(f"a prompt of {len(prompts[rows[-1]])} tokens leaves no room in the model's context")
-        got = generate(
-            model, [prompts[i] for i in rows], max_new_tokens=min(max_new_tokens, room), temperature=temperature,
-            top_p=top_p,
-            seed=None if seed is None else seed * 1_000_003 + b, eos_token_ids=sorted(end_ids),
-        )  # fmt: skip
-        for i, ids in zip(rows, got, strict=True):
-            out[i] = ids
-        if journal is not None:
-            journal.add(phase, b, got)
-        if bar is not None:
-            bar.update(len(rows))
-    return out
-
-
 def _generate(
     model: CausalLM, tok: Tokenizer, settings: GenerationSettings, progress: bool, journal: BatchJournal | None
 ) -> tuple[list[Conversation], dict[str, int]]:
@@ -263,7 +218,7 @@ def _generate(
     stats = {"sampled": settings.count}
     kw = {"file": sys.stderr, "dynamic_ncols": True, "disable": not progress}
     with tqdm(total=len(prompts), desc="user turns", unit="turn", **kw) as bar:
-        turns = generate_batched(
+        turns = generate_many(
             model, prompts, max_new_tokens=QUESTION_TOKENS, end_ids=end_ids, batch_size=settings.batch_size,
             temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed, bar=bar, journal=journal,
             phase="user turns",
@@ -281,7 +236,7 @@ def _generate(
     stats["kept"] = len(questions)
     chats = [tok.apply_chat(q) for q in questions]
     with tqdm(total=len(chats), desc="answers", unit="answer", **kw) as bar:
-        answers = generate_batched(
+        answers = generate_many(
             model, chats, max_new_tokens=ANSWER_TOKENS, end_ids=end_ids, batch_size=settings.batch_size, bar=bar,
             journal=journal, phase="answers",
         )  # fmt: skip

@@ -28,6 +28,7 @@ import itertools
 import math
 import os
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -85,7 +86,8 @@ class Engine:
 
     ``kv_cache_mib``: the KV pool's size (default: a quarter of the available memory, at most what ``max_running``
     full contexts need); ``block_size``: token slots per block; ``max_running``: requests decoded together at most;
-    ``prefill_chunk``: prompt tokens per step while others decode (four times as many while none does). Prompts and
+    ``prefill_chunk``: prompt tokens per step while others decode (four times as many while none does);
+    ``eos_token_ids``: the tokens that end a response (default: the tokenizer's, else the model config's). Prompts and
     decoding read block-quantized weights as blocks (no float copy).
     """
 
@@ -98,15 +100,10 @@ class Engine:
         block_size: int = 16,
         max_running: int = 64,
         prefill_chunk: int = 64,
+        eos_token_ids: Iterable[int] | None = None,
     ) -> None:
+        self.check_model(model)
         cfg = model.config
-        if model.device.type != "cpu" or model.dtype not in decode_step.DTYPES or not kernels.vectorized():
-            raise EngineError("the engine runs float32 or bfloat16 models on CPU with the native kernels built")
-        if decode_step._cached_model_args(model, model.dtype) is None:
-            raise EngineError("the model's layers are not all ones the native step takes (see models.decode_step)")
-        rope = model.model.rope
-        if rope.interleaved or rope.rotary_dim != rope.head_dim:
-            raise EngineError("the engine needs full half-rotation RoPE")
         for name, n in (("block_size", block_size), ("max_running", max_running), ("prefill_chunk", prefill_chunk)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"{name} must be a positive integer, got {n!r}")
@@ -122,13 +119,26 @@ class Engine:
             raise ValueError(f"kv_cache_mib={kv_cache_mib} holds no block of {block_size} tokens")
         self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, model.dtype)
         self.blocks = BlockManager(num_blocks, block_size)
-        eos = tokenizer.eos_token_ids if tokenizer is not None else cfg.eos_token_id
-        self.eos = set(eos or [])
+        if eos_token_ids is None:
+            eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else cfg.eos_token_id
+        self.eos = {int(t) for t in eos_token_ids or []}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+
+    @staticmethod
+    def check_model(model: torch.nn.Module) -> None:
+        """Raise ``EngineError`` unless the engine takes ``model``: float32 or bfloat16 on CPU with the native kernels
+        built, layers the native step takes, full half-rotation RoPE."""
+        if model.device.type != "cpu" or model.dtype not in decode_step.DTYPES or not kernels.vectorized():
+            raise EngineError("the engine runs float32 or bfloat16 models on CPU with the native kernels built")
+        if decode_step._cached_model_args(model, model.dtype) is None:
+            raise EngineError("the model's layers are not all ones the native step takes (see models.decode_step)")
+        rope = model.model.rope
+        if rope.interleaved or rope.rotary_dim != rope.head_dim:
+            raise EngineError("the engine needs full half-rotation RoPE")
 
     # -- requests --------------------------------------------------------------------------------------------------
 
@@ -232,7 +242,7 @@ class Engine:
                     groups.append(([item], self._forward([item])))
                 except Exception as e:  # the request fails alone; the engine serves on
                     outputs.append(self._finish(item[0], "error", error=f"{type(e).__name__}: {e}"))
-        sampled, tokens = [], []
+        picked = []  # (request, its greedy token or None when sampled, its logits row), in row order
         for items, (logits, greedy) in groups:
             row = 0
             for r, _, end in items:
@@ -243,12 +253,17 @@ class Engine:
                 if r.state == PREFILL:
                     r.state = DECODE
                     self.stats["prompt_tokens"] += len(r.prompt) if not r.preemptions else 0
-                try:
-                    tokens.append(int(greedy[row]) if r.params.greedy else self._sample(r, logits[row]))
-                    sampled.append(r)
-                except Exception as e:
-                    outputs.append(self._finish(r, "error", error=f"{type(e).__name__}: {e}"))
+                picked.append((r, int(greedy[row]) if r.params.greedy else None, logits[row]))
                 row += 1
+        drawn = iter(self._sample([(r, x) for r, token, x in picked if token is None]))
+        sampled, tokens = [], []
+        for r, token, _ in picked:
+            token = next(drawn) if token is None else token
+            if isinstance(token, Exception):
+                outputs.append(self._finish(r, "error", error=f"{type(token).__name__}: {token}"))
+            else:
+                sampled.append(r)
+                tokens.append(token)
         return outputs + self._sampled(sampled, tokens)
 
     def _forward(self, work: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,12 +293,30 @@ class Engine:
         )  # fmt: skip
         return logits, greedy
 
-    def _sample(self, r: Request, logits: torch.Tensor) -> int:
-        p = r.params
-        if p.greedy:
-            return int(logits.float().argmax())
-        row = logits.view(1, -1)
-        return int(sample_next(row, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=r.generator))
+    def _sample(self, rows: list[tuple[Request, torch.Tensor]]) -> list[int | Exception]:
+        """A token for each ``(request, logits (vocab,))`` row: one ``sample_next`` call per distinct setting, each
+        row inverting its own request's next uniform number, so a row gets the token it would get alone. A row that
+        cannot be sampled (NaN logits) gets its exception instead; the others are sampled."""
+        out: list[int | Exception] = [0] * len(rows)
+        settings: dict[tuple, list[int]] = {}
+        for i, (r, _) in enumerate(rows):
+            settings.setdefault((r.params.temperature, r.params.top_k, r.params.top_p), []).append(i)
+        for (temperature, top_k, top_p), idx in settings.items():
+            u = torch.cat([torch.rand(1, generator=rows[i][0].generator) for i in idx])  # (n,)
+            x = torch.stack([rows[i][1] for i in idx])  # (n, vocab)
+            how = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+            try:
+                got: list[int | Exception] = sample_next(x, uniforms=u, **how).tolist()
+            except Exception:  # a bad row: sample each alone, so only the bad ones fail
+                got = []
+                for k in range(len(idx)):
+                    try:
+                        got.append(int(sample_next(x[k : k + 1], uniforms=u[k : k + 1], **how)))
+                    except Exception as e:
+                        got.append(e)
+            for i, token in zip(idx, got, strict=True):
+                out[i] = token
+        return out
 
     def _sampled(self, batch: list[Request], tokens: list[int | None]) -> list[RequestOutput]:
         """Each request's new token: outputs, finished requests released, a block for the next slot of the rest
