@@ -92,21 +92,25 @@ def _nucleus(logits: torch.Tensor, top_p: float, limit: int) -> tuple[torch.Tens
     """
     top = logits.topk(limit, dim=-1) if limit < logits.shape[-1] else None  # top-k first: sorted once, sliced below
     log_total = (logits if top is None else top.values).logsumexp(-1, keepdim=True)  # (B, 1)
-    rows = torch.arange(logits.shape[0])
+    rows = torch.arange(logits.shape[0], device=logits.device)
     n = min(NUCLEUS_CANDIDATES, limit)
     parts = []  # (rows, values, order) of the rows settled with n candidates
     while True:
+        every = not parts  # the first pass reads every row as it is, without gathering them
         if top is None:
-            values, order = logits[rows].topk(n, dim=-1)
+            values, order = (logits if every else logits[rows]).topk(n, dim=-1)
         else:
-            values, order = top.values[rows, :n], top.indices[rows, :n]
-        probs = (values - log_total[rows]).exp()
+            values, order = (
+                (top.values[:, :n], top.indices[:, :n]) if every else (top.values[rows, :n], top.indices[rows, :n])
+            )
+        probs = (values - (log_total if every else log_total[rows])).exp()
         reached = probs.cumsum(-1)
         values = values.masked_fill(reached - probs >= top_p, float("-inf"))
-        short = reached[:, -1] < top_p if n < limit else torch.zeros(len(rows), dtype=torch.bool)
-        parts.append((rows[~short], values[~short], order[~short]))
+        short = (reached[:, -1] < top_p) & (n < limit)  # (rows,) whose nucleus goes on past the n candidates
         if not bool(short.any()):
+            parts.append((rows, values, order))
             break
+        parts.append((rows[~short], values[~short], order[~short]))
         rows, n = rows[short], min(NUCLEUS_GROWTH * n, limit)
     if len(parts) == 1:
         return parts[0][1], parts[0][2]
