@@ -3,6 +3,8 @@ in an importable module): heal a tiny model and return the losses and the healed
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from gqa.convert import heal
@@ -13,7 +15,11 @@ def heal_tiny(teacher_state: dict, student_state: dict, cfgs: tuple, ids: torch.
     """Heal ``student`` from ``teacher`` (``CausalLM`` states with configs ``cfgs``) on ``ids`` with loss weights."""
     from gqa.models import CausalLM
 
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its first use imports torch._dynamo (seconds): not
+    # inside a time budget
     teacher = CausalLM.from_state(cfgs[0], teacher_state)
     student = CausalLM.from_state(cfgs[1], student_state)
     result = heal(student, teacher, ids, weights=weights, progress=False, **kwargs)
-    return {"losses": result.losses, "lrs": result.lrs, "state": student.state_dict(), "sharding": result.sharding}
+    local = None if result.local is None else dataclasses.asdict(result.local)
+    return {"losses": result.losses, "lrs": result.lrs, "state": student.state_dict(), "sharding": result.sharding,
+            "local": local}  # fmt: skip

@@ -38,6 +38,19 @@ def test_capture_keeps_each_layers_attention_input_and_output():
     assert all(e > 0 for e in t.energy)
 
 
+def test_capture_of_some_layers():
+    """``layers=`` keeps those layers' activations only (what a rank sharing the phase holds), the same as the whole
+    capture's; bad indices are a ValueError naming ``layers``."""
+    teacher, student = tiny_pair()
+    whole, part = ll.capture(teacher, WINDOWS), ll.capture(teacher, WINDOWS, layers=[1])
+    assert part.layers == [1] and len(part.inputs) == len(part.outputs) == 1 and whole.layers == [0, 1]
+    assert torch.equal(part.inputs[0], whole.inputs[1]) and torch.equal(part.outputs[0], whole.outputs[1])
+    assert ll.block_errors(student, part) == pytest.approx(ll.block_errors(student, whole)[1:])
+    for bad in ([], [2], [-1]):
+        with pytest.raises(ValueError, match="layers"):
+            ll.capture(teacher, WINDOWS, layers=bad)
+
+
 def test_a_layer_local_step_lowers_each_blocks_error_on_held_out_windows():
     teacher, student = tiny_pair()
     train, held = ll.capture(teacher, WINDOWS).split(6)
@@ -92,3 +105,48 @@ def test_a_time_budget_covers_both_phases():
 def test_bad_local_shares(share):
     with pytest.raises(ValueError, match="local_share"):
         HealConfig(steps=10, local_share=share)
+
+
+def _tiny_heal_across(ranks: int, **kwargs) -> tuple[dict, list[dict], dict]:
+    """``heal`` of ``tiny_pair`` (2 layers) in one process and across ``ranks`` gloo processes with the same
+    arguments: ``(one, per rank, the student's weights before)``."""
+    import heal_workers
+
+    from gqa.distributed import launch_local
+
+    teacher, student = tiny_pair()
+    ids = TRAIN_IDS[:400]
+    weights = torch.ones(len(ids))
+    cfgs = (teacher.config, student.config)
+    states = [{k: v.clone() for k, v in m.state_dict().items()} for m in (teacher, student)]
+    kwargs = dict(lr=3e-3, seq_len=24, batch_size=6, seed=1, precision="fp32", local_share=0.5) | kwargs
+    one = heal_workers.heal_tiny(*states, cfgs, ids, weights, kwargs)
+    return one, launch_local(ranks, heal_workers.heal_tiny, *states, cfgs, ids, weights, kwargs), states[1]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_share_the_layers_and_end_like_one_process(ranks):
+    """Across 2 ranks each trains one of the 2 layers, across 3 the third trains a copy it does not keep: the layers'
+    weights come from the rank that trained them, and the losses, the per-layer errors and the healed weights are one
+    process's (up to float summation order) on every rank."""
+    one, many, before = _tiny_heal_across(ranks, steps=12)
+    assert len(one["local"]["losses"]) == 6 and len(one["losses"]) == 6
+    moved = {n for n in before if not torch.equal(one["state"][n], before[n])}
+    assert any(n.startswith("model.layers.0.") for n in moved) and any(n.startswith("model.layers.1.") for n in moved)
+    for got in many.values():
+        for key in ("losses", "errors_before", "errors_after"):
+            torch.testing.assert_close(got["local"][key], one["local"][key], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(got["losses"], one["losses"], atol=1e-6, rtol=1e-5)
+        for name, t in one["state"].items():
+            torch.testing.assert_close(got["state"][name], t, atol=1e-4, rtol=1e-4)
+
+
+def test_ranks_sharing_the_layers_stop_together_under_a_time_budget():
+    """With ``minutes``, every rank takes as many layer-local steps as the others (the slowest clock decides) and
+    ends with the same weights."""
+    _, many, _ = _tiny_heal_across(2, steps=10**9, minutes=4 / 60)
+    assert len(many[0]["local"]["losses"]) > 2
+    assert len(many[0]["local"]["losses"]) == len(many[1]["local"]["losses"])
+    assert len(many[0]["losses"]) == len(many[1]["losses"]) > 2
+    for name, t in many[0]["state"].items():
+        torch.testing.assert_close(many[1]["state"][name], t, atol=1e-4, rtol=1e-4)

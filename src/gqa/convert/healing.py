@@ -287,7 +287,9 @@ def heal(
     ``1 / N`` per rank, on ``device``), for a student that does not fit one device; the same steps again, and the
     healed weights are gathered back into ``student`` (which, like ``teacher``, can stay on the CPU). ``"auto"``
     (default): FSDP where the replicated models and the optimizer would take more than ``FSDP_SHARE`` of the
-    device's memory (``fsdp_needed``), else DDP.
+    device's memory (``fsdp_needed``), else DDP. The layer-local phase deals the layers out instead (rank ``r``
+    trains layers ``r, r + N, ...`` and broadcasts them; the same training as one process's in ``~1 / N`` of its
+    step time), so it gets through ``~N`` times the steps of a time budget.
 
     Returns
     -------
@@ -327,6 +329,14 @@ def heal(
     train_ids = {id(p) for p in params}
     for p in student.parameters():
         p.requires_grad_(id(p) in train_ids)
+
+    def slowest(seconds: float) -> float:  # the same value on every rank: the largest
+        if world == 1:
+            return seconds
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
     start, cpu_start = _clock(), time.process_time()
     local = None
     local_steps = min(round(steps * local_share), steps - 1) if budget is None else steps
@@ -334,19 +344,17 @@ def heal(
         teacher.eval()
         try:
             local = _local_phase(student, teacher, ids, offsets, seq_len, local_steps, minutes, local_share, seed,
-                                 device, progress and rank == 0)  # fmt: skip
+                                 device, progress and rank == 0, world > 1)  # fmt: skip
         except BaseException:
             for p in student.parameters():
                 p.requires_grad_(was[id(p)])
             fold_lora(student)
             raise
-        if world > 1:  # every rank ran the same phase; rank 0's weights are the ones to go on from
-            for p in params:
-                dist.broadcast(p.data, 0)
         if budget is None:
             steps -= local_steps
             warmup = min(warmup, steps)
-    local_seconds = 0.0 if local is None else _clock() - start  # (no clock reading without the phase)
+    # the same on every rank (the end-to-end schedule runs on the time after it); no clock reading without the phase
+    local_seconds = 0.0 if local is None else slowest(_clock() - start)
     sharded = world > 1 and (sharding == "fsdp" or (sharding == "auto" and fsdp_needed(student, teacher, params,
                                                                                         device, world)))  # fmt: skip
     if sharded:  # copies, sharded onto ``device``; the healed weights come back into ``student`` at the end
@@ -376,13 +384,6 @@ def heal(
 
     def healing_time() -> float:  # wall seconds since the start, less the callback's
         return _clock() - start - paused
-
-    def slowest(seconds: float) -> float:  # the same value on every rank: the largest
-        if world == 1:
-            return seconds
-        t = torch.tensor([seconds], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
 
     failed = True
     try:
@@ -457,8 +458,10 @@ def _local_phase(
     seed: int,
     device: torch.device,
     progress: bool,
+    distributed: bool,
 ) -> LocalResult:
-    """``heal``'s layer-local phase on ``LOCAL_WINDOWS`` windows drawn (with ``seed``) from ``offsets``."""
+    """``heal``'s layer-local phase on ``LOCAL_WINDOWS`` windows drawn (with ``seed``) from ``offsets``; with
+    ``distributed``, the ranks share the layers (``gqa.convert.layer_local``)."""
     student.to(device)
     teacher.to(device)
     pick = torch.randperm(len(offsets), generator=torch.Generator().manual_seed(seed))[:LOCAL_WINDOWS].tolist()
@@ -466,7 +469,7 @@ def _local_phase(
     return heal_blocks(
         student, teacher, windows, trainable_parameters(student, "attention"), steps=steps,
         minutes=None if minutes is None else minutes * share, seed=seed, progress=progress,
-        label="healing 1/2: layer-local",
+        label="healing 1/2: layer-local", distributed=distributed,
     )  # fmt: skip
 
 

@@ -14,6 +14,11 @@ source model's hidden states ``X_l (L, E)`` (after ``input_layernorm``) it shoul
    whatever the scale of its output). A step costs the attention projections of every layer, not the MLPs nor
    the 49k-row lm_head: many more tokens per second than an end-to-end step.
 
+Across processes (a torch.distributed process group of ``N > 1`` ranks, e.g. under torchrun) the layers are dealt
+out: rank ``r`` captures and trains layers ``r, r + N, ...`` only, and each layer's weights are then broadcast from
+the rank that trained it. Layers do not interact in this phase, so that is the same training as one process's, in
+about ``1 / N`` of the step time and memory (the teacher's forward for the capture still runs on every rank).
+
 Shapes: ``windows (N, L)`` token ids; per layer ``inputs``/``outputs`` ``(N, L, E)``.
 """
 
@@ -26,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = ["BlockTargets", "LocalResult", "block_errors", "capture", "heal_blocks", "train_blocks"]
@@ -43,14 +49,20 @@ class BlockTargets:
 
     Attributes
     ----------
-    inputs, outputs : per layer ``(N, L, E)`` in ``STORE_DTYPE``: the block's input (after ``input_layernorm``) and
-        its output (before the residual sum).
-    energy : per layer, the mean squared value of ``outputs`` (the relative error's denominator).
+    inputs, outputs : per captured layer ``(N, L, E)`` in ``STORE_DTYPE``: the block's input (after
+        ``input_layernorm``) and its output (before the residual sum).
+    energy : per captured layer, the mean squared value of ``outputs`` (the relative error's denominator).
+    layers : the model's layer index of each entry (default: all of them, in order).
     """
 
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
     energy: list[float] = field(default_factory=list)
+    layers: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            self.layers = list(range(len(self.inputs)))
 
     @property
     def windows(self) -> int:
@@ -59,8 +71,8 @@ class BlockTargets:
     def split(self, held_out: int) -> tuple[BlockTargets, BlockTargets]:
         """``(train, held_out)``: the last ``held_out`` windows apart."""
         n = self.windows - held_out
-        first = BlockTargets([x[:n] for x in self.inputs], [y[:n] for y in self.outputs], self.energy)
-        last = BlockTargets([x[n:] for x in self.inputs], [y[n:] for y in self.outputs], self.energy)
+        first = BlockTargets([x[:n] for x in self.inputs], [y[:n] for y in self.outputs], self.energy, self.layers)
+        last = BlockTargets([x[n:] for x in self.inputs], [y[n:] for y in self.outputs], self.energy, self.layers)
         return first, last
 
 
@@ -68,13 +80,38 @@ def _layers(model: nn.Module) -> nn.ModuleList:
     return model.model.layers
 
 
+def _owner(layer: int, world: int) -> int:
+    """The rank that trains ``layer`` (and broadcasts its weights) when ``world`` ranks share the phase."""
+    return layer % world
+
+
+def _own_layers(count: int, rank: int, world: int) -> list[int]:
+    """The layers ``rank`` captures and trains: its own (``_owner``), or, with more ranks than layers, a copy of one it
+    trains only to keep in step with the others (its weights are not kept)."""
+    return list(range(rank, count, world)) or [rank % count]
+
+
+def _slowest(seconds: float, device: torch.device, distributed: bool) -> float:
+    """``seconds``, or with ``distributed`` the largest of every rank's (the same on all of them)."""
+    if not distributed:
+        return seconds
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 @torch.no_grad()
-def capture(teacher: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> BlockTargets:
-    """Run ``teacher`` (a ``gqa.models.CausalLM``) over ``windows (N, L)`` and keep every layer's attention input and
-    output."""
+def capture(
+    teacher: nn.Module, windows: torch.Tensor, batch_size: int = 8, layers: list[int] | None = None
+) -> BlockTargets:
+    """Run ``teacher`` (a ``gqa.models.CausalLM``) over ``windows (N, L)`` and keep the attention input and output of
+    ``layers`` (indices; default every layer)."""
     if windows.dim() != 2 or windows.shape[0] < 1:
         raise ValueError(f"windows must be token ids (N, L) with N >= 1, got shape {tuple(windows.shape)}")
-    layers = _layers(teacher)
+    count = len(_layers(teacher))
+    layers = list(range(count)) if layers is None else list(layers)
+    if not layers or not all(0 <= i < count for i in layers):
+        raise ValueError(f"layers must be a non-empty list of indices below {count}, got {layers}")
     n, length = windows.shape
     e = teacher.config.hidden_size
     inputs = [torch.empty(n, length, e, dtype=STORE_DTYPE) for _ in layers]
@@ -88,7 +125,8 @@ def capture(teacher: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> B
 
         return hook
 
-    handles = [layer.self_attn.register_forward_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    modules = _layers(teacher)
+    handles = [modules[i].self_attn.register_forward_hook(keep(j), with_kwargs=True) for j, i in enumerate(layers)]
     device = next(teacher.parameters()).device
     try:
         for start in range(0, n, batch_size):
@@ -98,27 +136,29 @@ def capture(teacher: nn.Module, windows: torch.Tensor, batch_size: int = 8) -> B
         for h in handles:
             h.remove()
     energy = [float(y.float().pow(2).mean()) for y in outputs]
-    return BlockTargets(inputs, outputs, energy)
+    return BlockTargets(inputs, outputs, energy, layers)
 
 
 def _block_losses(model: nn.Module, targets: BlockTargets, rows: torch.Tensor | slice) -> list[torch.Tensor]:
-    """Per layer, the relative squared error of ``model``'s attention block on ``targets``' windows ``rows``."""
+    """Per captured layer, the relative squared error of ``model``'s attention block on ``targets``' windows
+    ``rows``."""
     layers = _layers(model)
     device = next(model.parameters()).device
     length = targets.inputs[0].shape[1]
     cos_sin = model.model.rope.cos_sin(torch.arange(length, device=device))
     losses = []
-    for i, layer in enumerate(layers):
-        x = targets.inputs[i][rows].to(device, torch.float32)
-        y = targets.outputs[i][rows].to(device, torch.float32)
-        out = layer.self_attn(x, is_causal=True, rope_cos_sin=cos_sin)
-        losses.append((out - y).pow(2).mean() / max(targets.energy[i], 1e-30))
+    for j, i in enumerate(targets.layers):
+        x = targets.inputs[j][rows].to(device, torch.float32)
+        y = targets.outputs[j][rows].to(device, torch.float32)
+        out = layers[i].self_attn(x, is_causal=True, rope_cos_sin=cos_sin)
+        losses.append((out - y).pow(2).mean() / max(targets.energy[j], 1e-30))
     return losses
 
 
 @torch.no_grad()
 def block_errors(model: nn.Module, targets: BlockTargets, batch_size: int = 8) -> list[float]:
-    """Per layer, ``||attn_l(X_l) - Y_l||^2 / ||Y_l||^2`` of ``model``'s blocks over all of ``targets``' windows."""
+    """Per captured layer, ``||attn_l(X_l) - Y_l||^2 / ||Y_l||^2`` of ``model``'s blocks over all of ``targets``'
+    windows."""
     sums = [0.0] * len(targets.inputs)
     for start in range(0, targets.windows, batch_size):
         rows = slice(start, min(start + batch_size, targets.windows))
@@ -152,11 +192,16 @@ def train_blocks(
     seed: int = 0,
     minutes: float | None = None,
     progress: Callable[[int, float, float], None] | None = None,
+    distributed: bool = False,
 ) -> LocalResult:
     """AdamW on ``params`` (the student's attention projections) for ``steps`` steps or ``minutes``, whichever ends
-    first; each step reads ``batch_size`` random windows of ``targets`` through every layer's block. The learning
-    rate follows a cosine from ``lr`` to a tenth over whichever of steps and time is further along.
-    ``progress(step, loss, seconds_left)`` is called after every step."""
+    first; each step reads ``batch_size`` random windows of ``targets`` through every captured layer's block. The
+    learning rate follows a cosine from ``lr`` to a tenth over whichever of steps and time is further along.
+    ``progress(step, loss, seconds_left)`` is called after every step.
+
+    ``distributed``: this rank is one of the default process group's, each training its own layers (the ones
+    ``_owner`` gives it) with the same ``seed``: the ranks stop at the same step (the slowest rank's clock) and the
+    reported loss is the sum over every rank's own layers."""
     if steps < 1 or batch_size < 1 or not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"train_blocks needs steps >= 1, batch_size >= 1 and lr > 0; got {steps}, {batch_size}, {lr}")
     budget = math.inf if minutes is None else 60.0 * minutes
@@ -164,10 +209,14 @@ def train_blocks(
     gen = torch.Generator().manual_seed(seed)
     losses, lrs = [], []
     start = time.perf_counter()
+    device = next(student.parameters()).device
+    world = dist.get_world_size() if distributed else 1
+    rank = dist.get_rank() if distributed else 0
+    counted = torch.tensor([_owner(i, world) == rank for i in targets.layers], device=device)  # (layers here,)
     student.train()
     try:
         for step in range(steps):
-            elapsed = time.perf_counter() - start
+            elapsed = _slowest(time.perf_counter() - start, device, distributed)
             if elapsed >= budget:
                 break
             done = max(step / steps, elapsed / budget)
@@ -175,10 +224,13 @@ def train_blocks(
             for group in opt.param_groups:
                 group["lr"] = step_lr
             rows = torch.randint(targets.windows, (batch_size,), generator=gen)
-            loss = sum(_block_losses(student, targets, rows))
+            per_layer = torch.stack(_block_losses(student, targets, rows))  # (layers here,)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            per_layer.sum().backward()
             opt.step()
+            loss = (per_layer.detach() * counted).sum()  # a layer another rank owns is not counted twice
+            if distributed:
+                dist.all_reduce(loss)
             value = loss.item()
             if not math.isfinite(value):
                 raise FloatingPointError(f"layer-local healing diverged at step {step}: loss {value}; try a smaller lr")
@@ -205,39 +257,72 @@ def heal_blocks(
     seed: int = 0,
     progress: bool = True,
     label: str = "healing, layer-local",
+    distributed: bool = False,
 ) -> LocalResult:
     """Healing's layer-local phase: ``capture`` the teacher on ``windows (N, L)`` (the last ``HELD_OUT_WINDOWS`` kept
     apart when ``N`` allows), then ``train_blocks`` for ``steps`` steps or what is left of ``minutes`` (the capture
-    counts), with a progress bar showing the mean error per layer and the time left."""
+    counts), with a progress bar showing the mean error per layer and the time left.
+
+    ``distributed``: every rank of the default process group calls this with the same arguments; each captures and
+    trains its own layers, then every layer's ``params`` are broadcast from the rank that trained it, so all ranks
+    end with the same weights and result (errors of every layer)."""
     start = time.perf_counter()
-    targets = capture(teacher, windows)
+    count = len(_layers(student))
+    world = dist.get_world_size() if distributed else 1
+    rank = dist.get_rank() if distributed else 0
+    mine = _own_layers(count, rank, world)
+    targets = capture(teacher, windows, layers=mine)
     held = HELD_OUT_WINDOWS if targets.windows > 2 * HELD_OUT_WINDOWS else 0
     train, test = targets.split(held) if held else (targets, targets)
     captured = time.perf_counter() - start
-    before = block_errors(student, test)
-    left = None if minutes is None else max(minutes - (time.perf_counter() - start) / 60, 0.0)
+    layer_of = {id(p): i for i, layer in enumerate(_layers(student)) for p in layer.parameters()}
+    trained = [p for p in params if layer_of.get(id(p)) in mine] if distributed else params
+    device = next(student.parameters()).device
+    before = _all_layers(block_errors(student, test), test.layers, count, device, distributed)
+    left = None
+    if minutes is not None:  # the same on every rank: what the slowest capture left
+        left = max(minutes - _slowest(time.perf_counter() - start, device, distributed) / 60, 0.0)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=steps if minutes is None else None, desc=label, unit="step", file=sys.stderr,
                    dynamic_ncols=True)  # fmt: skip
-    layers = len(targets.inputs)
 
     def show(step: int, loss: float, seconds_left: float) -> None:
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(error=f"{loss / layers:.3f}", left=f"{seconds_left / 60:.1f} min")
+            bar.set_postfix(error=f"{loss / count:.3f}", left=f"{seconds_left / 60:.1f} min")
 
     try:
         if left is not None and left <= 0:
             result = LocalResult([], [], 0.0)
         else:
-            result = train_blocks(student, train, params, steps=steps, lr=LOCAL_LR, batch_size=LOCAL_BATCH, seed=seed,
-                                  minutes=left, progress=show)  # fmt: skip
+            result = train_blocks(student, train, trained, steps=steps, lr=LOCAL_LR, batch_size=LOCAL_BATCH,
+                                  seed=seed, minutes=left, progress=show, distributed=distributed)  # fmt: skip
     finally:
         if bar is not None:
             bar.close()
-    result.capture_seconds = captured
-    result.errors_before, result.errors_after = before, block_errors(student, test)
+    after = _all_layers(block_errors(student, test), test.layers, count, device, distributed)
+    if distributed:  # every layer's weights from the rank that trained it, in the same order on every rank
+        for p in params:
+            if id(p) in layer_of:
+                dist.broadcast(p.data, _owner(layer_of[id(p)], world))
+    result.capture_seconds = _slowest(captured, device, distributed)
+    result.errors_before, result.errors_after = before, after
     return result
+
+
+def _all_layers(
+    errors: list[float], layers: list[int], count: int, device: torch.device, distributed: bool
+) -> list[float]:
+    """Per-layer ``errors`` of ``layers`` as a list over all ``count`` layers, with every rank's own layers."""
+    if not distributed:
+        return errors
+    full = torch.zeros(count, dtype=torch.float64, device=device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for e, i in zip(errors, layers, strict=True):
+        if _owner(i, world) == rank:
+            full[i] = e
+    dist.all_reduce(full)
+    return full.tolist()
