@@ -2,8 +2,8 @@
 before the first conversion of a model: the default set of the embedded SmolLM2-135M-Instruct, generated from scratch
 into a temporary cache folder (the user's cache is neither read nor written), each phase timed.
 
-    .venv/bin/python benchmarks/conversation_generation.py [--count 1400] [--batch-size 64] [--json FILE]
-    # ~11 minutes on machine G
+    .venv/bin/python benchmarks/conversation_generation.py [--count 1400] [--batch-size 128] [--json FILE]
+    # 8.4 minutes on docs/conversion.md's machine H (2-core Intel Xeon VM, AVX-512, AMX)
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ def run_variant(name: str, out: Path, redo: bool) -> dict:
     if heal_log.is_file():
         log = json.loads(heal_log.read_text())
         data["heal_seconds"], data["heal_steps"] = log["seconds"], len(log["losses"])
+        data["heal_local_steps"] = len(log["local"]["losses"]) if log.get("local") else 0
     result.write_text(json.dumps(data, indent=1) + "\n")
     return data
 
@@ -58,7 +59,9 @@ def table(results: dict[str, dict]) -> str:
     for name, r in results.items():
         time_ = f"{r['convert_seconds'] / 60:.1f} min"
         if "heal_seconds" in r:
-            time_ += f" ({r['heal_seconds'] / 60:.1f} min, {r['heal_steps']} steps)"
+            local = f"{r['heal_local_steps']} layer-local + " if r.get("heal_local_steps") else ""
+            kind = "end-to-end " if local else ""
+            time_ += f" ({r['heal_seconds'] / 60:.1f} min, {local}{r['heal_steps']} {kind}steps)"
         ppl = [f"{r['perplexity'][g][1]:.2f} ({r['perplexity'][g][1] / r['perplexity'][g][0]:.2f}x)" for g in genres]
         rows.append([name, time_, f"{r['answer_kl']:.3f}", f"{r['prefix_tokens']:.1f} / {r['token_f1']:.3f}",
                      f"{r['correct_model']}/{r['questions']}", f"{r['kept']:.0%}", *ppl])  # fmt: skip

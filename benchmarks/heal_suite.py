@@ -35,8 +35,11 @@ def main() -> None:
     p.add_argument("out", type=Path, help="where the healed model is written (an HF folder)")
     p.add_argument("--student", type=Path, required=True, help="a gqa convert output without healing")
     p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--steps", type=int, default=None,
+                   help="heal for this many steps (both phases) instead of --minutes: the same result however busy "
+                        "the machine is")  # fmt: skip
     p.add_argument("--local-share", type=float, default=0.0)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=None, help="end-to-end peak rate (default: gqa convert's)")
     p.add_argument("--train", default="attention", help="what trains (gqa convert --heal-train)")
     p.add_argument("--precision", default="auto")
     p.add_argument("--json", type=Path, default=None, help="append the summary as one JSON line")
@@ -49,7 +52,8 @@ def main() -> None:
     data = heal_data(ref.tokenizer, chats.train, 256)
     del ref
     student = CausalLM.from_state(*read_model(a.student), assign=True)
-    res = heal(student, teacher, data.ids, weights=data.weights, starts=data.starts, steps=10**9, minutes=a.minutes,
+    res = heal(student, teacher, data.ids, weights=data.weights, starts=data.starts, steps=a.steps or 10**9,
+               minutes=None if a.steps else a.minutes,
                local_share=a.local_share, lr=a.lr, train=a.train, precision=a.precision)  # fmt: skip
     shutil.copytree(a.student, a.out)
     save_file(student.state_dict(), a.out / "model.safetensors", metadata={"format": "pt"})
@@ -58,7 +62,8 @@ def main() -> None:
     r = run_suite(a.out)
     local = res.local
     summary = {
-        "out": str(a.out), "minutes": a.minutes, "local_share": a.local_share, "lr": a.lr, "train": a.train,
+        "out": str(a.out), "minutes": None if a.steps else a.minutes, "steps": a.steps, "local_share": a.local_share,
+        "lr": a.lr, "train": a.train,
         "precision": res.precision,
         "end_to_end_steps": len(res.losses), "local_steps": None if local is None else len(local.losses),
         "local_block_error": None if local is None else [sum(e) / len(e) for e in (local.errors_before,

@@ -381,9 +381,11 @@ def test_cli_heals_layer_local_first(src, tmp_path, capsys):
     flags = ["--heal-steps", "8", "--heal-text", str(text), "--heal-seq-len", "16", "--heal-precision", "fp32"]
     assert cli(["convert", str(src), str(dst), "--kv-heads", "2", "--method", "first", *flags]) == 0
     out = capsys.readouterr().out
-    assert "healed       4 steps x 16 tokens" in out and "layer-local  4 steps in " in out, out
+    assert "healed       4 steps x 16 tokens (attention, lr 2e-05, fp32)" in out, out  # the rate after the phase
+    assert "layer-local  4 steps in " in out, out
     log = json.loads((dst / "heal_log.json").read_text())
     assert log["config"]["local_share"] == 0.5 and len(log["local"]["losses"]) == 4 and len(log["losses"]) == 4
+    assert max(log["lrs"]) == pytest.approx(2e-5)
     assert len(log["local"]["errors_before"]) == len(log["local"]["errors_after"]) > 0
 
 
@@ -416,3 +418,19 @@ def test_the_callbacks_time_is_not_healing_time(monkeypatch):
     assert res.seconds == pytest.approx(32.0)  # not 7 x 102 s more
     assert res.lrs[-1] < 0.2e-3  # the schedule ran on healing time too
     assert res.cpu_seconds < 0.3 * len(calls) / 2, res.cpu_seconds  # 2.1 s were burnt in the callback
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "lr"),
+    [({}, 2e-5), ({"local_share": 0.0}, 1e-4), ({"local_share": 0.25}, 2e-5), ({"lr": 3e-4}, 3e-4),
+     ({"lr": 3e-4, "local_share": 0.0}, 3e-4)],
+)  # fmt: skip
+def test_the_default_rate_follows_the_phases(kwargs, lr):
+    """Without ``lr``, end-to-end healing from the merge peaks at 1e-4 and after a layer-local phase at 2e-5; a given
+    ``lr`` is kept."""
+    assert HealConfig(steps=10, **kwargs).lr == lr
+
+
+def test_heal_defaults_to_end_to_end_at_the_merge_rate():
+    res = heal(*tiny_pair(), TRAIN_IDS, steps=30, seq_len=24, progress=False)
+    assert res.config.lr == 1e-4 and max(res.lrs) == pytest.approx(1e-4) and res.local is None

@@ -80,6 +80,9 @@ def test_heal_with_a_local_share_of_the_steps():
     assert sum(res.local.errors_after) < sum(res.local.errors_before)
     assert res.config.local_share == 0.25
     assert res.lrs[-1] == pytest.approx(3e-4)  # the end-to-end schedule runs over its own 15 steps
+    # the time per end-to-end step leaves the layer-local phase out
+    e2e = res.seconds_per_step * len(res.losses)
+    assert 0 < e2e < res.seconds and e2e == pytest.approx(res.seconds - res.local.seconds - res.local.capture_seconds)
     none = heal(*tiny_pair(), TRAIN_IDS, steps=20, lr=3e-3, seq_len=24, batch_size=2, progress=False)
     assert none.local is None and len(none.losses) == 20
 

@@ -190,7 +190,7 @@ def run_convert(ns: argparse.Namespace) -> int:
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
         print(
             f"healed       {len(losses)} steps x {log['tokens_per_step']} tokens ({heal.train}, lr {heal.lr:g}, "
-            f"{log['precision']}) in {log['seconds']:.0f} s ({log['seconds_per_step']:.2f} s/step); "
+            f"{log['precision']}) in {log['seconds']:.0f} s ({log['seconds_per_step']:.2f} s per end-to-end step); "
             f"KL(source || model) on the healing text {first:.3f} -> {last:.3f} nats/token "
             f"(mean of first / last {k} steps)"
         )

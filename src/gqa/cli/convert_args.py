@@ -7,9 +7,11 @@ import sys
 from pathlib import Path
 
 from .._options import (
+    AFTER_LOCAL_LR,
     BUILTIN_METHODS,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_METHOD,
+    END_TO_END_LR,
     HEAL_LOG_NAME,
     HEAL_PLOT_NAME,
     PRECISIONS,
@@ -88,7 +90,9 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
         "of standard-library docstrings (disjoint from gqa eval's default text)",
     )  # fmt: skip
     d = HealConfig(steps=1)
-    heal.add_argument("--heal-lr", type=float, default=d.lr, metavar="LR", help="peak learning rate")
+    heal.add_argument("--heal-lr", type=float, default=None, metavar="LR",
+                      help=f"peak learning rate of the end-to-end phase (default {END_TO_END_LR:g}, or "
+                           f"{AFTER_LOCAL_LR:g} after a layer-local phase)")  # fmt: skip
     heal.add_argument("--heal-seq-len", type=int, default=d.seq_len, metavar="L", help="tokens per window")
     heal.add_argument("--heal-batch", type=int, default=d.batch_size, metavar="B", help="windows per step")
     heal.add_argument(

@@ -100,7 +100,9 @@ class HealResult:
 
     @property
     def seconds_per_step(self) -> float:
-        return self.seconds / max(len(self.losses), 1)
+        """Wall seconds per end-to-end step: ``seconds`` less the layer-local phase's capture and steps."""
+        local = 0.0 if self.local is None else self.local.seconds + self.local.capture_seconds
+        return max(self.seconds - local, 0.0) / max(len(self.losses), 1)
 
 
 def kl_loss(
@@ -222,7 +224,7 @@ def heal(
     token_ids: Sequence[int] | torch.Tensor,
     *,
     steps: int,
-    lr: float = 1e-4,
+    lr: float | None = None,
     seq_len: int = 256,
     batch_size: int = 1,
     train: str = "attention",
@@ -247,7 +249,9 @@ def heal(
     teacher : the source model (same vocabulary); only read, without gradients.
     token_ids : ``(N,)`` the healing text's token ids, ``N >= seq_len`` (never the evaluation text).
     steps : optimizer steps, ``>= 1``.
-    lr : peak learning rate (AdamW, no weight decay).
+    lr : peak learning rate of the end-to-end phase (AdamW, no weight decay); ``None``: 1e-4 (``END_TO_END_LR``)
+        without a layer-local phase, 2e-5 (``AFTER_LOCAL_LR``) after one, where a rate that moves a merge fast
+        undoes what the phase did (docs/conversion.md). The layer-local phase has its own (``LOCAL_LR``).
     seq_len : tokens per window (at most the models' context).
     batch_size : windows per step.
     train : ``"attention"`` (q/k/v/o projections only), ``"attention+mlp-lora"`` (and rank-``MLP_LORA_RANK`` LoRA
@@ -296,6 +300,7 @@ def heal(
     HealResult : per-step losses and learning rates, wall time.
     """
     cfg = HealConfig(steps, lr, seq_len, batch_size, train, warmup, seed, precision, minutes, sharding, local_share)
+    lr = cfg.lr  # (None: the default for the phases that run)
     budget = None if minutes is None else 60.0 * minutes
     warmup = min(20, steps // 10) if warmup is None else warmup
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
