@@ -91,7 +91,7 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     d = HealConfig(steps=1)
     heal.add_argument("--heal-lr", type=float, default=None, metavar="LR",
-                      help=f"peak learning rate of the end-to-end phase (default {END_TO_END_LR:g}, or "
+                      help=f"peak learning rate of the end-to-end phase (default: {END_TO_END_LR:g}, or "
                            f"{AFTER_LOCAL_LR:g} after a layer-local phase)")  # fmt: skip
     heal.add_argument("--heal-seq-len", type=int, default=d.seq_len, metavar="L", help="tokens per window")
     heal.add_argument("--heal-batch", type=int, default=d.batch_size, metavar="B", help="windows per step")
