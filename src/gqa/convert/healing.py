@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._atomic import atomic_path
 from .._options import PRECISIONS, SHARDINGS, TRAINABLE, HealConfig
 from ..hardware import available_memory, fast_bf16
-from .layer_local import LOCAL_WINDOWS, LocalResult, heal_blocks
+from .layer_local import LOCAL_WINDOWS, LocalResult, heal_blocks, slowest_seconds
 from .lora import add_lora, fold_lora
 
 __all__ = [
@@ -336,11 +336,7 @@ def heal(
         p.requires_grad_(id(p) in train_ids)
 
     def slowest(seconds: float) -> float:  # the same value on every rank: the largest
-        if world == 1:
-            return seconds
-        t = torch.tensor([seconds], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+        return slowest_seconds(seconds, device, world > 1)
 
     start, cpu_start = _clock(), time.process_time()
     local = None

@@ -91,7 +91,7 @@ def _own_layers(count: int, rank: int, world: int) -> list[int]:
     return list(range(rank, count, world)) or [rank % count]
 
 
-def _slowest(seconds: float, device: torch.device, distributed: bool) -> float:
+def slowest_seconds(seconds: float, device: torch.device, distributed: bool) -> float:
     """``seconds``, or with ``distributed`` the largest of every rank's (the same on all of them)."""
     if not distributed:
         return seconds
@@ -216,7 +216,7 @@ def train_blocks(
     student.train()
     try:
         for step in range(steps):
-            elapsed = _slowest(time.perf_counter() - start, device, distributed)
+            elapsed = slowest_seconds(time.perf_counter() - start, device, distributed)
             if elapsed >= budget:
                 break
             done = max(step / steps, elapsed / budget)
@@ -281,7 +281,7 @@ def heal_blocks(
     before = _all_layers(block_errors(student, test), test.layers, count, device, distributed)
     left = None
     if minutes is not None:  # the same on every rank: what the slowest capture left
-        left = max(minutes - _slowest(time.perf_counter() - start, device, distributed) / 60, 0.0)
+        left = max(minutes - slowest_seconds(time.perf_counter() - start, device, distributed) / 60, 0.0)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -308,7 +308,7 @@ def heal_blocks(
         for p in params:
             if id(p) in layer_of:
                 dist.broadcast(p.data, _owner(layer_of[id(p)], world))
-    result.capture_seconds = _slowest(captured, device, distributed)
+    result.capture_seconds = slowest_seconds(captured, device, distributed)
     result.errors_before, result.errors_after = before, after
     return result
 
