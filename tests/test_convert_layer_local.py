@@ -70,6 +70,57 @@ def test_a_layer_local_step_lowers_each_blocks_error_on_held_out_windows():
     assert moved and all(any(k in n for k in ("q_proj", "k_proj", "v_proj", "o_proj")) for n in moved), moved
 
 
+MANY = TRAIN_IDS[: 48 * 12].reshape(48, 12)  # (N, L): more windows than MIN_WINDOWS
+
+
+def test_a_capture_under_a_time_budget_keeps_the_first_windows_and_at_least_min_windows():
+    """``seconds=0`` stops after the batch that reaches ``MIN_WINDOWS``; the windows kept are the whole capture's
+    first ones, bit for bit."""
+    teacher, _ = tiny_pair()
+    whole, cut = ll.capture(teacher, MANY), ll.capture(teacher, MANY, seconds=0.0)
+    assert whole.windows == 48 and cut.windows == ll.MIN_WINDOWS == 32
+    for a, b in zip(cut.inputs + cut.outputs, whole.inputs + whole.outputs, strict=True):
+        assert torch.equal(a, b[:32])
+    assert ll.capture(teacher, MANY[:20], seconds=0.0).windows == 20  # fewer than MIN_WINDOWS: all of them
+    assert ll.capture(teacher, MANY, seconds=60.0).windows == 48
+
+
+def test_windows_that_fit_scale_with_the_memory_they_take():
+    one = ll.windows_that_fit(1, 256, 576)
+    if one is None:
+        pytest.skip("no /proc/meminfo here")
+    assert one > 0 and ll.windows_that_fit(2, 256, 576) == pytest.approx(one / 2, abs=1)
+    assert ll.windows_that_fit(1, 256, 576, share=0.25) == pytest.approx(one / 2, abs=1)
+
+
+@pytest.mark.parametrize(("fit", "kept"), [(None, 48), (40, 40), (10, ll.MIN_WINDOWS), (100, 48)])
+def test_heal_blocks_captures_what_fits_in_memory(monkeypatch, fit, kept):
+    """The phase captures no more windows than ``windows_that_fit`` allows (but ``MIN_WINDOWS``), and reports the
+    count."""
+    monkeypatch.setattr(ll, "windows_that_fit", lambda *args, **kwargs: fit)
+    teacher, student = tiny_pair()
+    res = ll.heal_blocks(student, teacher, MANY, trainable_parameters(student, "attention"), steps=2, progress=False)
+    assert res.windows == kept and len(res.losses) == 2
+
+
+def test_bf16_layer_local_steps_lower_each_blocks_error_like_fp32():
+    """``precision="bf16"`` (autocast on the blocks' forward; the errors measured in float32): the same training
+    lowers every block's held-out error, to within a tenth of fp32's; a bad precision is a ValueError."""
+    train, held = ll.capture(tiny_pair()[0], WINDOWS).split(6)
+    after = {}
+    for precision in ("fp32", "bf16"):
+        _, student = tiny_pair()
+        before = ll.block_errors(student, held)
+        res = ll.train_blocks(student, train, trainable_parameters(student, "attention"), steps=40, lr=3e-3,
+                              precision=precision)  # fmt: skip
+        after[precision] = ll.block_errors(student, held)
+        assert all(a < 0.8 * b for a, b in zip(after[precision], before, strict=True)), (precision, before, after)
+        assert all(math.isfinite(x) for x in res.losses)
+    assert after["bf16"] == pytest.approx(after["fp32"], rel=0.1)
+    with pytest.raises(ValueError, match="precision"):
+        ll.train_blocks(student, train, trainable_parameters(student, "attention"), steps=1, lr=1e-3, precision="fp16")
+
+
 def test_heal_with_a_local_share_of_the_steps():
     """``local_share=0.25`` of 20 steps: 5 layer-local steps first, then 15 end-to-end; the held-out block error
     falls in the first phase and the KL in the second."""

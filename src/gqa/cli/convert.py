@@ -199,7 +199,8 @@ def run_convert(ns: argparse.Namespace) -> int:
             before, after = (sum(local[k]) / len(local[k]) for k in ("errors_before", "errors_after"))
             print(
                 f"layer-local  {len(local['losses'])} steps in {local['seconds'] + local['capture_seconds']:.0f} s "
-                f"first; attention-block error on held-out windows {before:.3f} -> {after:.3f} (mean per layer)"
+                f"first ({local.get('windows', 0)} windows captured); attention-block error on held-out windows "
+                f"{before:.3f} -> {after:.3f} (mean per layer)"
             )
         print(f"loss curve   {out / HEAL_PLOT_NAME}")
     elif n < h_kv:

@@ -272,9 +272,10 @@ def heal(
         to the end is moved back to fit); default every ``seq_len`` tokens (non-overlapping chunks).
     local_share : the share of the budget (of ``minutes`` when given, else of ``steps``) spent first on the
         layer-local phase (``gqa.convert.layer_local.heal_blocks``: every merged attention block trained alone to
-        reproduce the teacher's block on the teacher's hidden states, ``LOCAL_WINDOWS`` windows captured once); the
-        end-to-end KL gets the rest. 0 (default here): end-to-end only; ``gqa convert`` and ``HealConfig`` default
-        to 0.5 (docs/conversion.md: answer KL 0.323 -> 0.300 after 30 minutes on SmolLM2 3 -> 1).
+        reproduce the teacher's block on the teacher's hidden states, up to ``LOCAL_WINDOWS`` windows captured
+        once); the end-to-end KL gets the rest. 0 (default here): end-to-end only; ``gqa convert`` and
+        ``HealConfig`` default to 0.5 (docs/conversion.md: answer KL 0.323 -> 0.300 after 30 minutes on SmolLM2
+        3 -> 1).
     sharding : ``"auto"``, ``"ddp"`` or ``"fsdp"``: how several processes share the work (below); ignored alone.
     device : where the passes run; default the student's. With DDP or alone the models are moved there.
     callback : called as ``callback(step, loss)`` after every step. Its own time (e.g. scoring the student on an
@@ -345,7 +346,7 @@ def heal(
         teacher.eval()
         try:
             local = _local_phase(student, teacher, ids, offsets, seq_len, local_steps, minutes, local_share, seed,
-                                 device, progress and rank == 0, world > 1)  # fmt: skip
+                                 device, progress and rank == 0, world > 1, precision)  # fmt: skip
         except BaseException:
             for p in student.parameters():
                 p.requires_grad_(was[id(p)])
@@ -460,9 +461,10 @@ def _local_phase(
     device: torch.device,
     progress: bool,
     distributed: bool,
+    precision: str,
 ) -> LocalResult:
-    """``heal``'s layer-local phase on ``LOCAL_WINDOWS`` windows drawn (with ``seed``) from ``offsets``; with
-    ``distributed``, the ranks share the layers (``gqa.convert.layer_local``)."""
+    """``heal``'s layer-local phase on up to ``LOCAL_WINDOWS`` windows drawn (with ``seed``) from ``offsets``, in
+    ``precision``; with ``distributed``, the ranks share the layers (``gqa.convert.layer_local``)."""
     student.to(device)
     teacher.to(device)
     pick = torch.randperm(len(offsets), generator=torch.Generator().manual_seed(seed))[:LOCAL_WINDOWS].tolist()
@@ -470,7 +472,7 @@ def _local_phase(
     return heal_blocks(
         student, teacher, windows, trainable_parameters(student, "attention"), steps=steps,
         minutes=None if minutes is None else minutes * share, seed=seed, progress=progress,
-        label="healing 1/2: layer-local", distributed=distributed,
+        label="healing 1/2: layer-local", distributed=distributed, precision=precision,
     )  # fmt: skip
 
 

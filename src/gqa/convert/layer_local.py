@@ -34,11 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["BlockTargets", "LocalResult", "block_errors", "capture", "heal_blocks", "train_blocks"]
+__all__ = ["BlockTargets", "LocalResult", "block_errors", "capture", "heal_blocks", "train_blocks", "windows_that_fit"]
 
 STORE_DTYPE = torch.bfloat16  # captured activations: half the memory of float32, ~3 significant digits
-LOCAL_WINDOWS = 96  # windows captured from the teacher (x seq_len tokens; 8 of them held out to measure the error)
+LOCAL_WINDOWS = 384  # windows captured from the teacher at most (x seq_len tokens; 8 held out to measure the error)
 HELD_OUT_WINDOWS = 8
+MIN_WINDOWS = 32  # captured whatever the time budget says
+CAPTURE_SHARE = 0.25  # of the phase's time budget the capture may take (then it stops at fewer windows)
+MEMORY_SHARE = 0.5  # of the memory available when the phase starts the captured activations may take
 LOCAL_LR = 3e-4  # peak AdamW learning rate of the layer-local phase
 LOCAL_BATCH = 4  # windows per layer-local step
 
@@ -102,10 +105,20 @@ def slowest_seconds(seconds: float, device: torch.device, distributed: bool) -> 
 
 @torch.no_grad()
 def capture(
-    teacher: nn.Module, windows: torch.Tensor, batch_size: int = 8, layers: list[int] | None = None
+    teacher: nn.Module,
+    windows: torch.Tensor,
+    batch_size: int = 8,
+    layers: list[int] | None = None,
+    *,
+    seconds: float | None = None,
+    distributed: bool = False,
 ) -> BlockTargets:
     """Run ``teacher`` (a ``gqa.models.CausalLM``) over ``windows (N, L)`` and keep the attention input and output of
-    ``layers`` (indices; default every layer)."""
+    ``layers`` (indices; default every layer).
+
+    ``seconds``: stop after the batch that reaches this wall time (at least ``MIN_WINDOWS`` windows are captured), so
+    the targets hold the first ``n <= N`` windows; with ``distributed``, on the slowest rank's clock, so that every
+    rank stops at the same window. The teacher runs under whatever autocast the caller set."""
     if windows.dim() != 2 or windows.shape[0] < 1:
         raise ValueError(f"windows must be token ids (N, L) with N >= 1, got shape {tuple(windows.shape)}")
     count = len(_layers(teacher))
@@ -128,15 +141,33 @@ def capture(
     modules = _layers(teacher)
     handles = [modules[i].self_attn.register_forward_hook(keep(j), with_kwargs=True) for j, i in enumerate(layers)]
     device = next(teacher.parameters()).device
+    begin = time.perf_counter()
     try:
         for start in range(0, n, batch_size):
             rows = slice(start, min(start + batch_size, n))
             teacher(windows[rows].to(device))
+            enough = seconds is not None and rows.stop >= min(MIN_WINDOWS, n)  # the same on every rank
+            if enough and slowest_seconds(time.perf_counter() - begin, device, distributed) >= seconds:
+                break
     finally:
         for h in handles:
             h.remove()
+    if rows.stop < n:  # stopped early: views of the first windows (pages never written were never allocated)
+        inputs, outputs = [x[: rows.stop] for x in inputs], [y[: rows.stop] for y in outputs]
     energy = [float(y.float().pow(2).mean()) for y in outputs]
     return BlockTargets(inputs, outputs, energy, layers)
+
+
+def windows_that_fit(layers: int, length: int, hidden: int, share: float = MEMORY_SHARE) -> int | None:
+    """How many windows of ``length`` tokens ``capture`` may keep for ``layers`` layers of width ``hidden`` in
+    ``share`` of the memory available now (Linux ``MemAvailable``); ``None`` where that is not known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            available = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    per_window = 2 * layers * length * hidden * torch.tensor([], dtype=STORE_DTYPE).element_size()
+    return int(share * available // per_window)
 
 
 def _block_losses(model: nn.Module, targets: BlockTargets, rows: torch.Tensor | slice) -> list[torch.Tensor]:
@@ -151,7 +182,7 @@ def _block_losses(model: nn.Module, targets: BlockTargets, rows: torch.Tensor | 
         x = targets.inputs[j][rows].to(device, torch.float32)
         y = targets.outputs[j][rows].to(device, torch.float32)
         out = layers[i].self_attn(x, is_causal=True, rope_cos_sin=cos_sin)
-        losses.append((out - y).pow(2).mean() / max(targets.energy[j], 1e-30))
+        losses.append((out.float() - y).pow(2).mean() / max(targets.energy[j], 1e-30))
     return losses
 
 
@@ -170,13 +201,14 @@ def block_errors(model: nn.Module, targets: BlockTargets, batch_size: int = 8) -
 @dataclass
 class LocalResult:
     """What ``train_blocks`` (and ``heal_blocks``) did: per step the summed relative error over the layers (before the
-    step's update) and the learning rate; the wall time of the loop. ``heal_blocks`` adds the capture's seconds and
-    each layer's error on the held-out windows before and after."""
+    step's update) and the learning rate; the wall time of the loop. ``heal_blocks`` adds the capture's seconds, the
+    windows it captured (held-out ones included) and each layer's error on the held-out windows before and after."""
 
     losses: list[float]
     lrs: list[float]
     seconds: float
     capture_seconds: float = 0.0
+    windows: int = 0
     errors_before: list[float] = field(default_factory=list)
     errors_after: list[float] = field(default_factory=list)
 
@@ -193,17 +225,21 @@ def train_blocks(
     minutes: float | None = None,
     progress: Callable[[int, float, float], None] | None = None,
     distributed: bool = False,
+    precision: str = "fp32",
 ) -> LocalResult:
     """AdamW on ``params`` (the student's attention projections) for ``steps`` steps or ``minutes``, whichever ends
-    first; each step reads ``batch_size`` random windows of ``targets`` through every captured layer's block. The
-    learning rate follows a cosine from ``lr`` to a tenth over whichever of steps and time is further along.
-    ``progress(step, loss, seconds_left)`` is called after every step.
+    first; each step reads ``batch_size`` random windows of ``targets`` through every captured layer's block (its
+    forward under bfloat16 autocast with ``precision="bf16"``). The learning rate follows a cosine from ``lr`` to a
+    tenth over whichever of steps and time is further along. ``progress(step, loss, seconds_left)`` is called after
+    every step.
 
     ``distributed``: this rank is one of the default process group's, each training its own layers (the ones
     ``_owner`` gives it) with the same ``seed``: the ranks stop at the same step (the slowest rank's clock) and the
     reported loss is the sum over every rank's own layers."""
     if steps < 1 or batch_size < 1 or not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"train_blocks needs steps >= 1, batch_size >= 1 and lr > 0; got {steps}, {batch_size}, {lr}")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"train_blocks precision must be 'fp32' or 'bf16'; got {precision!r}")
     budget = math.inf if minutes is None else 60.0 * minutes
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
@@ -224,7 +260,8 @@ def train_blocks(
             for group in opt.param_groups:
                 group["lr"] = step_lr
             rows = torch.randint(targets.windows, (batch_size,), generator=gen)
-            per_layer = torch.stack(_block_losses(student, targets, rows))  # (layers here,)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                per_layer = torch.stack(_block_losses(student, targets, rows)).float()  # (layers here,)
             opt.zero_grad(set_to_none=True)
             per_layer.sum().backward()
             opt.step()
@@ -258,10 +295,16 @@ def heal_blocks(
     progress: bool = True,
     label: str = "healing, layer-local",
     distributed: bool = False,
+    precision: str = "fp32",
 ) -> LocalResult:
-    """Healing's layer-local phase: ``capture`` the teacher on ``windows (N, L)`` (the last ``HELD_OUT_WINDOWS`` kept
-    apart when ``N`` allows), then ``train_blocks`` for ``steps`` steps or what is left of ``minutes`` (the capture
-    counts), with a progress bar showing the mean error per layer and the time left.
+    """Healing's layer-local phase: ``capture`` the teacher on ``windows (N, L)`` (the last ``HELD_OUT_WINDOWS`` of
+    those captured kept apart when there are enough), then ``train_blocks`` for ``steps`` steps or what is left of
+    ``minutes`` (the capture counts), with a progress bar showing the mean error per layer and the time left.
+
+    The capture keeps fewer windows than ``N`` where they would take more than ``MEMORY_SHARE`` of the available
+    memory or, with ``minutes``, more than ``CAPTURE_SHARE`` of the time (never fewer than ``MIN_WINDOWS``).
+    ``precision="bf16"`` runs the teacher's capture and the blocks' forward under bfloat16 autocast (the held-out
+    errors are measured in float32 either way).
 
     ``distributed``: every rank of the default process group calls this with the same arguments; each captures and
     trains its own layers, then every layer's ``params`` are broadcast from the rank that trained it, so all ranks
@@ -271,13 +314,22 @@ def heal_blocks(
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
     mine = _own_layers(count, rank, world)
-    targets = capture(teacher, windows, layers=mine)
+    device = next(student.parameters()).device
+    fit = windows_that_fit(len(mine), windows.shape[1], teacher.config.hidden_size)
+    if distributed:  # every rank the same count: the smallest (-1: not known)
+        t = torch.tensor([-1 if fit is None else fit], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        fit = None if int(t) < 0 else int(t)
+    if fit is not None and fit < len(windows):
+        windows = windows[: max(fit, MIN_WINDOWS)]
+    seconds = None if minutes is None else 60.0 * minutes * CAPTURE_SHARE
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        targets = capture(teacher, windows, layers=mine, seconds=seconds, distributed=distributed)
     held = HELD_OUT_WINDOWS if targets.windows > 2 * HELD_OUT_WINDOWS else 0
     train, test = targets.split(held) if held else (targets, targets)
     captured = time.perf_counter() - start
     layer_of = {id(p): i for i, layer in enumerate(_layers(student)) for p in layer.parameters()}
     trained = [p for p in params if layer_of.get(id(p)) in mine] if distributed else params
-    device = next(student.parameters()).device
     before = _all_layers(block_errors(student, test), test.layers, count, device, distributed)
     left = None
     if minutes is not None:  # the same on every rank: what the slowest capture left
@@ -299,7 +351,8 @@ def heal_blocks(
             result = LocalResult([], [], 0.0)
         else:
             result = train_blocks(student, train, trained, steps=steps, lr=LOCAL_LR, batch_size=LOCAL_BATCH,
-                                  seed=seed, minutes=left, progress=show, distributed=distributed)  # fmt: skip
+                                  seed=seed, minutes=left, progress=show, distributed=distributed,
+                                  precision=precision)  # fmt: skip
     finally:
         if bar is not None:
             bar.close()
@@ -309,6 +362,7 @@ def heal_blocks(
             if id(p) in layer_of:
                 dist.broadcast(p.data, _owner(layer_of[id(p)], world))
     result.capture_seconds = slowest_seconds(captured, device, distributed)
+    result.windows = targets.windows
     result.errors_before, result.errors_after = before, after
     return result
 
