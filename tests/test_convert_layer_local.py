@@ -97,10 +97,12 @@ def test_windows_that_fit_scale_with_the_memory_they_take():
 def test_heal_blocks_captures_what_fits_in_memory(monkeypatch, fit, kept):
     """The phase captures no more windows than ``windows_that_fit`` allows (but ``MIN_WINDOWS``), and reports the
     count."""
-    monkeypatch.setattr(ll, "windows_that_fit", lambda *args, **kwargs: fit)
+    asked = []
+    monkeypatch.setattr(ll, "windows_that_fit", lambda *args: asked.append(args) or fit)
     teacher, student = tiny_pair()
     res = ll.heal_blocks(student, teacher, MANY, trainable_parameters(student, "attention"), steps=2, progress=False)
     assert res.windows == kept and len(res.losses) == 2
+    assert asked == [(2, 12, 48, ll.MEMORY_SHARE)]  # both layers, 12 tokens of width 48, one process's share
 
 
 def test_bf16_layer_local_steps_lower_each_blocks_error_like_fp32():

@@ -25,6 +25,7 @@ Shapes: ``windows (N, L)`` token ids; per layer ``inputs``/``outputs`` ``(N, L, 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -302,7 +303,8 @@ def heal_blocks(
     ``minutes`` (the capture counts), with a progress bar showing the mean error per layer and the time left.
 
     The capture keeps fewer windows than ``N`` where they would take more than ``MEMORY_SHARE`` of the available
-    memory or, with ``minutes``, more than ``CAPTURE_SHARE`` of the time (never fewer than ``MIN_WINDOWS``).
+    memory (shared by the ranks on one machine, ``LOCAL_WORLD_SIZE``) or, with ``minutes``, more than
+    ``CAPTURE_SHARE`` of the time (never fewer than ``MIN_WINDOWS``).
     ``precision="bf16"`` runs the teacher's capture and the blocks' forward under bfloat16 autocast (the held-out
     errors are measured in float32 either way).
 
@@ -315,7 +317,8 @@ def heal_blocks(
     rank = dist.get_rank() if distributed else 0
     mine = _own_layers(count, rank, world)
     device = next(student.parameters()).device
-    fit = windows_that_fit(len(mine), windows.shape[1], teacher.config.hidden_size)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if distributed else 1  # (torchrun: per machine)
+    fit = windows_that_fit(len(mine), windows.shape[1], teacher.config.hidden_size, MEMORY_SHARE / local_ranks)
     if distributed:  # every rank the same count: the smallest (-1: not known)
         t = torch.tensor([-1 if fit is None else fit], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
