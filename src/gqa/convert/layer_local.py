@@ -167,7 +167,7 @@ def windows_that_fit(layers: int, length: int, hidden: int, share: float = MEMOR
             available = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return None
-    per_window = 2 * layers * length * hidden * torch.tensor([], dtype=STORE_DTYPE).element_size()
+    per_window = 2 * layers * length * hidden * STORE_DTYPE.itemsize
     return int(share * available // per_window)
 
 
@@ -178,9 +178,12 @@ def _block_losses(model: nn.Module, targets: BlockTargets, rows: torch.Tensor | 
     device = next(model.parameters()).device
     length = targets.inputs[0].shape[1]
     cos_sin = model.model.rope.cos_sin(torch.arange(length, device=device))
+    # the stored bf16 inputs only feed the q/k/v projections: under bf16 autocast they go in as they are
+    bf16 = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type) == torch.bfloat16
+    x_dtype = torch.bfloat16 if bf16 else torch.float32
     losses = []
     for j, i in enumerate(targets.layers):
-        x = targets.inputs[j][rows].to(device, torch.float32)
+        x = targets.inputs[j][rows].to(device, x_dtype)
         y = targets.outputs[j][rows].to(device, torch.float32)
         out = layers[i].self_attn(x, is_causal=True, rope_cos_sin=cos_sin)
         losses.append((out.float() - y).pow(2).mean() / max(targets.energy[j], 1e-30))
