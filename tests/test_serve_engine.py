@@ -173,6 +173,9 @@ def test_bad_requests_are_refused_before_any_work(tiny):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingParams(top_p=0.0)
+    for seed in (2**64, -(2**63) - 1, 1.5, True):  # what torch.Generator.manual_seed cannot take, or not an integer
+        with pytest.raises(ValueError, match="seed must be an integer in"):
+            SamplingParams(temperature=1.0, seed=seed)
     assert not engine.has_work
 
 
@@ -223,3 +226,155 @@ def test_offline_llm_generates_a_batch_in_order(tiny):
     assert [c.finish_reason for c in done] == ["length", "length"]
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate([[5]], params)
+
+
+# -- the engine thread: never dies of a request, never leaves one waiting ---------------------------------------------
+
+
+def serve_async(async_engine, jobs, timeout: float = 60.0) -> list:
+    """Run ``(prompt, params)`` jobs through ``async_engine`` concurrently: per job its outputs, or the exception it
+    raised. A job still waiting after ``timeout`` seconds fails the test (a hang, not an answer)."""
+    import asyncio
+
+    async def one(prompt, params):
+        outs = []
+        try:
+            async for o in async_engine.generate(prompt, params):
+                outs.append(o)
+        except Exception as e:
+            return e
+        return outs
+
+    async def every():
+        return await asyncio.wait_for(asyncio.gather(*(one(p, sp) for p, sp in jobs)), timeout)
+
+    return asyncio.run(every())
+
+
+@pytest.fixture
+def async_engine(tiny):
+    from gqa.serve.async_engine import AsyncEngine
+
+    path, _ = tiny
+    engine = Engine(gqa.load_model(path, dtype=torch.float32, tokenizer=False), kv_cache_mib=1, max_running=1)
+    ae = AsyncEngine(engine)
+    ae.start()
+    yield ae
+    ae.stop()
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(async_engine, monkeypatch):
+    """An arbitrary exception in a step (here a ``KeyError`` while the first request decodes, the second waiting for
+    the one running slot) fails the running request; the waiting one is then served in full, and so is a later one."""
+    engine = async_engine.engine
+    real, calls = engine._sampled, []
+
+    def flaky(batch, tokens):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyError("boom")
+        return real(batch, tokens)
+
+    monkeypatch.setattr(engine, "_sampled", flaky)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    first, second = serve_async(async_engine, [([5, 6, 7], params), ([8, 9], params)])
+    assert first[-1].finish_reason == "error" and "KeyError" in first[-1].error and len(first) == 3
+    assert second[-1].finish_reason == "length" and sum(len(o.token_ids) for o in second) == 6
+    assert serve_async(async_engine, [([10, 11], params)])[0][-1].finish_reason == "length"
+    assert async_engine.alive and async_engine.errors == 1 and engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_step_that_raises_while_admitting_fails_that_request_alone(async_engine, monkeypatch):
+    """A fault in admission (the block manager raising something other than 'out of blocks' for one prompt) fails
+    that request; it does not stay at the head of the queue failing every step, and the next request is served."""
+    blocks = async_engine.engine.blocks
+    real = blocks.allocate
+
+    def allocate(tokens):
+        if tokens[:2] == [99, 98]:
+            raise IndexError("bad table")
+        return real(tokens)
+
+    monkeypatch.setattr(blocks, "allocate", allocate)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    bad, good = serve_async(async_engine, [([99, 98, 5], params), ([8, 9], params)])
+    assert bad[-1].finish_reason == "error" and "IndexError" in bad[-1].error
+    assert good[-1].finish_reason == "length"
+    assert async_engine.alive and async_engine.errors == 1
+
+
+def test_a_request_the_engine_cannot_add_gets_its_error_and_the_next_is_served(async_engine, monkeypatch):
+    """Any exception from ``Engine.add`` (the overflowing seed's ``ValueError`` once killed the thread) goes to that
+    request alone."""
+    engine = async_engine.engine
+    real = engine.add
+
+    def add(prompt, params=None, request_id=None):
+        if prompt == [42]:
+            raise ValueError("Overflow when unpacking long long")
+        return real(prompt, params, request_id)
+
+    monkeypatch.setattr(engine, "add", add)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    bad, good = serve_async(async_engine, [([42], params), ([8, 9], params)])
+    assert isinstance(bad, ValueError) and "Overflow" in str(bad)
+    assert good[-1].finish_reason == "length" and async_engine.alive
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_requests_get_engine_stopped_at_once_when_the_thread_is_gone(async_engine, monkeypatch):
+    """The thread ended by something no handler catches: the request in flight gets ``EngineStopped`` (not a wait
+    forever), and so does every later one, before any work."""
+    from gqa.serve.async_engine import EngineStopped
+
+    def die():
+        raise SystemExit("the thread ends")
+
+    monkeypatch.setattr(async_engine.engine, "step", die)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    [got] = serve_async(async_engine, [([5, 6], params)], timeout=30)
+    assert isinstance(got, EngineStopped)
+    async_engine._thread.join(10)
+    assert not async_engine.alive
+    [later] = serve_async(async_engine, [([5, 6], params)], timeout=5)
+    assert isinstance(later, EngineStopped) and async_engine.in_flight == 0
+
+
+def test_the_http_app_answers_503_while_the_engine_is_not_running(tiny):
+    """The app's engine thread not running (here: never started): 503 in OpenAI's error shape with Retry-After, and
+    /health says so."""
+    import asyncio
+    import json
+
+    from gqa.serve.async_engine import AsyncEngine
+    from gqa.serve.server import build_app
+
+    path, _ = tiny
+    model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
+    app = build_app(AsyncEngine(Engine(model, kv_cache_mib=1)), None, "tiny")
+
+    async def call(method: str, route: str, body: dict | None = None) -> tuple[int, dict, dict]:
+        scope = {"type": "http", "method": method, "path": route, "raw_path": route.encode(), "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
+                 "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "root_path": ""}  # fmt: skip
+        incoming = [{"type": "http.request", "body": json.dumps(body).encode() if body else b"", "more_body": False}]
+        sent = []
+
+        async def receive():
+            return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        await app(scope, receive, send)
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        return start["status"], json.loads(text), {k.decode(): v.decode() for k, v in start["headers"]}
+
+    def bounded(coroutine):  # an answer within 30 s, or the test fails (a request must never wait on no thread)
+        return asyncio.run(asyncio.wait_for(coroutine, 30))
+
+    status, body, headers = bounded(call("POST", "/v1/completions", {"model": "tiny", "prompt": [5, 6]}))
+    assert status == 503 and body["error"]["type"] == "server_error" and "not running" in body["error"]["message"]
+    assert headers["retry-after"] == "1"
+    assert bounded(call("GET", "/health"))[0] == 503

@@ -204,6 +204,20 @@ def test_bad_requests_get_openai_errors_before_any_work(server, path, body, stat
     assert server.metrics()["gqa_requests_in_flight"] == 0
 
 
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_seed_torch_cannot_take_gets_a_400_and_the_server_serves_on(server, client, seed):
+    """A seed outside [-2**63, 2**64) (once: the engine thread died in ``manual_seed`` and every request hung) is
+    refused before any work, and the next seeded request, at the range's edge, is served."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 1.0, "seed": seed}
+    code, answer, _ = post(f"{server.url}/v1/completions", body)
+    assert code == 400 and answer["error"]["param"] == "seed" and "'seed' must be in" in answer["error"]["message"]
+    edge = 2**64 - 1 if seed > 0 else -(2**63)
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=1.0, seed=edge,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    assert get(server.url + "/health")[0] == 200
+
+
 def test_the_openai_client_raises_its_own_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi")

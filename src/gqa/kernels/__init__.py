@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import sys
+import warnings
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -31,6 +32,9 @@ HEADERS = tuple(sorted(CSRC.glob("*.h")))
 # (template instance) runs it — a row's result does not depend on its batch (tested)
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-DNDEBUG")
 LDFLAGS = ("-fopenmp",)
+# GQA_KERNELS_SANITIZE=1: an AddressSanitizer + UBSan build (its own folder; `make test-sanitized` loads it with the
+# sanitizer runtimes preloaded)
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all", "-g")
 
 _loaded: bool | None = None  # None: not tried yet
 _simd = 0  # gqa::simd_width() of the loaded library, read once: vectorized() runs inside torch.compile'd code too
@@ -39,10 +43,23 @@ _simd = 0  # gqa::simd_width() of the loaded library, read once: vectorized() ru
 def _key() -> str:
     digest = hashlib.sha256()
     sources = [path.read_bytes() for path in SOURCES + HEADERS]
-    for part in (*sources, " ".join(CFLAGS + LDFLAGS).encode(), _torch_version().encode()):
+    cflags, ldflags = _flags()
+    for part in (*sources, " ".join(cflags + ldflags).encode(), _torch_version().encode()):
         digest.update(part)
     digest.update((platform.machine() + platform.processor() + _cpu_flags()).encode())
     return digest.hexdigest()[:16]
+
+
+def sanitized() -> bool:
+    """Whether this process builds and loads the sanitizer build of the kernels: ``GQA_KERNELS_SANITIZE=1``."""
+    return os.environ.get("GQA_KERNELS_SANITIZE") == "1"
+
+
+def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The compiler's and the linker's flags of this build."""
+    if sanitized():
+        return CFLAGS + SANITIZE_FLAGS, LDFLAGS + SANITIZE_FLAGS[:1]
+    return CFLAGS, LDFLAGS
 
 
 def _torch_version() -> str:
@@ -90,11 +107,12 @@ def build(verbose: bool = False) -> Path:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    cflags, ldflags = _flags()
     load(
         name=NAME,
         sources=[str(path) for path in SOURCES],
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=list(LDFLAGS),
+        extra_cflags=list(cflags),
+        extra_ldflags=list(ldflags),
         build_directory=str(directory),
         is_python_module=False,
         verbose=verbose,
@@ -116,13 +134,30 @@ def load() -> bool:
         return False
     path = library_path()
     if path.exists():
-        import torch
-
-        torch.ops.load_library(str(path))
+        error = load_error(path)
+        if error is not None:  # a truncated or corrupt file: the PyTorch paths run, and the build command rebuilds it
+            warnings.warn(
+                f"gqa: the native kernels at {path} cannot be loaded ({error}); running without them. "
+                "Rebuild them with `python -m gqa.kernels`.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return False
         _loaded_now()
     elif build_on_first_use():
         build()
     return _loaded
+
+
+def load_error(path: Path) -> str | None:
+    """Load the library at ``path`` into this process; ``None`` if it loaded, else why not."""
+    import torch
+
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as e:
+        return str(e.__cause__ or e)
+    return None
 
 
 def build_on_first_use() -> bool:

@@ -1,6 +1,10 @@
 """The engine on a thread of its own, for asyncio servers: coroutines submit requests and read each request's outputs
 from its own ``asyncio.Queue``; the thread owns the ``Engine`` (nothing else touches it) and steps it while there is
-work, sleeping otherwise."""
+work, sleeping otherwise.
+
+The thread does not die of a request: a request the engine refuses gets its error, a step that raises fails the
+requests it held (``Engine.fail_step``) and the next step goes on. Should the thread end all the same, every request
+still waiting gets ``EngineStopped`` at once, and so does every later one: nothing waits for a thread that is gone."""
 
 from __future__ import annotations
 
@@ -14,14 +18,20 @@ import traceback
 from collections import deque
 from collections.abc import AsyncIterator
 
-from .engine import Engine, EngineError, RequestOutput
+from .engine import Engine, RequestOutput
 from .sampling import SamplingParams
 
-__all__ = ["AsyncEngine", "QueueFull"]
+__all__ = ["AsyncEngine", "EngineStopped", "QueueFull"]
+
+ALIVE_CHECK_SECONDS = 1.0  # a request waiting for output looks this often whether the engine thread still runs
 
 
 class QueueFull(RuntimeError):
     """More requests are in flight than the engine runs plus ``max_queue``: retry later."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread is not running (not started, stopped, or ended by a fault): nothing can be served."""
 
 
 class AsyncEngine:
@@ -48,11 +58,12 @@ class AsyncEngine:
         """Abort what is left and end the thread."""
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._stop
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         now = time.monotonic()
@@ -61,7 +72,10 @@ class AsyncEngine:
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes. Raises ``EngineError`` (before any output) for a request the
-        engine cannot take, ``QueueFull`` when too many are in flight."""
+        engine cannot take, ``QueueFull`` when too many are in flight, ``EngineStopped`` when the engine thread is
+        not running (or stops before the request finishes)."""
+        if not self.alive:
+            raise EngineStopped("the engine is not running")
         self.engine.check(prompt, params)  # reads only the engine's settings: safe from this thread
         if self.in_flight >= self.engine.max_running + self.max_queue:
             raise QueueFull(f"{self.in_flight} requests in flight")
@@ -75,69 +89,93 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                out = await outputs.get()
+                try:
+                    out = await asyncio.wait_for(outputs.get(), ALIVE_CHECK_SECONDS)
+                except asyncio.TimeoutError:
+                    if not self._thread.is_alive():  # gone without a word (it posts EngineStopped as it ends)
+                        self._forget(request_id)
+                        raise EngineStopped("the engine stopped") from None
+                    continue
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
                 yield out
         finally:
-            if not finished:  # the consumer left (disconnect, cancellation): stop the request
+            if not finished:  # the consumer left (disconnect, cancellation, an error): stop the request
                 self._commands.put(("abort", request_id, None, None))
                 self._wake.set()
 
     # -- the engine thread -----------------------------------------------------------------------------------------
+
+    def _forget(self, request_id: str) -> bool:
+        """Stop posting to ``request_id``; whether it was still listened to."""
+        if self._queues.pop(request_id, None) is None:
+            return False
+        with self._count_lock:
+            self.in_flight -= 1
+        return True
 
     def _post(self, request_id: str, item: object) -> None:
         entry = self._queues.get(request_id)
         if entry is None:
             return
         loop, q = entry
-        final = isinstance(item, BaseException) or item.finished
-        if final:
-            del self._queues[request_id]
-            with self._count_lock:
-                self.in_flight -= 1
+        if isinstance(item, BaseException) or item.finished:
+            self._forget(request_id)
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
             loop.call_soon_threadsafe(q.put_nowait, item)
 
     def _loop(self) -> None:
+        try:
+            while self._serve():
+                pass
+        finally:  # however the thread ends: nobody waits for it
+            for request_id in list(self._queues):
+                self._post(request_id, EngineStopped("the engine stopped"))
+
+    def _serve(self) -> bool:
+        """One turn of the engine thread: the queued commands, then a step (or a wait for work); False to end."""
         engine = self.engine
+        self._take_commands()
+        if self._stop:
+            for request_id in list(engine.requests):
+                self._post_output(engine.abort(request_id))
+            return False
+        if not engine.has_work:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            return True
+        try:
+            outputs = engine.step()
+        except Exception as e:  # a fault of the step: its requests fail, the engine serves on
+            traceback.print_exc()
+            self.errors += 1
+            outputs = engine.fail_step(f"{type(e).__name__}: {e}")
+        tokens = sum(len(o.token_ids) for o in outputs)
+        self._recent.append((time.monotonic(), tokens))
+        while self._recent and time.monotonic() - self._recent[0][0] > 60:
+            self._recent.popleft()
+        for o in outputs:
+            self._post(o.request_id, o)
+        return True
+
+    def _take_commands(self) -> None:
         while True:
-            while True:
-                try:
-                    op, request_id, prompt, params = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if op == "add":
-                    try:
-                        engine.add(prompt, params, request_id)
-                    except EngineError as e:
-                        self._post(request_id, e)
-                else:
-                    out = engine.abort(request_id)
-                    if out is not None:
-                        self._post(request_id, out)
-            if self._stop:
-                for request_id in list(engine.requests):
-                    out = engine.abort(request_id)
-                    if out is not None:
-                        self._post(request_id, out)
-                return
-            if not engine.has_work:
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
             try:
-                outputs = engine.step()
-            except Exception as e:  # a fault of the decode step: the batch's requests fail, the engine serves on
-                traceback.print_exc()
-                self.errors += 1
-                message = f"{type(e).__name__}: {e}"
-                batch = [r.request_id for r in engine.running if r.state == "decode"]
-                outputs = [o for rid in batch if (o := engine.fail(rid, message)) is not None]
-            tokens = sum(len(o.token_ids) for o in outputs)
-            self._recent.append((time.monotonic(), tokens))
-            while self._recent and time.monotonic() - self._recent[0][0] > 60:
-                self._recent.popleft()
-            for o in outputs:
-                self._post(o.request_id, o)
+                op, request_id, prompt, params = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if op == "add":
+                    self.engine.add(prompt, params, request_id)
+                else:
+                    self._post_output(self.engine.abort(request_id))
+            except Exception as e:  # a request the engine refuses (or cannot take): that request's error alone
+                if op == "add":
+                    self._post(request_id, e)
+                else:
+                    traceback.print_exc()
+
+    def _post_output(self, out: RequestOutput | None) -> None:
+        if out is not None:
+            self._post(out.request_id, out)

@@ -196,6 +196,12 @@ class Engine:
             return None
         return self._finish(r, "error", error=error)
 
+    def fail_step(self, error: str) -> list[RequestOutput]:
+        """End the requests of a step that raised with ``error``: the running ones (their state is not to be trusted),
+        or, where none runs, the one being admitted (the head of the queue); the other waiting ones stay queued."""
+        failing = list(self.running) or list(self.waiting)[:1]
+        return [self._finish(r, "error", error=error) for r in failing]
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .sampling import SamplingParams
+from .sampling import SEED_RANGE, SamplingParams
 
 __all__ = ["ApiError", "ParsedRequest", "error_body", "parse_chat", "parse_completion"]
 
@@ -102,13 +102,18 @@ def _common(body: object, models: list[str], context_left: int, default_max_toke
     if top_k is not None and top_k < 1 and top_k != -1:
         raise ApiError(f"'top_k' must be >= 1 (or -1: off), got {top_k}", param="top_k")
     seed = _get(body, "seed", "an integer", None)
+    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise ApiError(f"'seed' must be in [-2**63, 2**64), got {seed}", param="seed")
     stream = _get(body, "stream", "a boolean", False)
     options = _get(body, "stream_options", "an object", {})
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=None if top_p is None else float(top_p),
-        top_k=None if top_k in (None, -1) else top_k, stop=tuple(stop), seed=seed,
-        ignore_eos=bool(_get(body, "ignore_eos", "a boolean", False)),
-    )  # fmt: skip
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=None if top_p is None else float(top_p),
+            top_k=None if top_k in (None, -1) else top_k, stop=tuple(stop), seed=seed,
+            ignore_eos=bool(_get(body, "ignore_eos", "a boolean", False)),
+        )  # fmt: skip
+    except ValueError as e:  # what the fields above do not check themselves: never past this point
+        raise ApiError(str(e)) from e
     return {"params": params, "stream": stream, "include_usage": bool(options.get("include_usage")), "model": model}
 
 

@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 
 from ..generation import check_sampling
 
-__all__ = ["SamplingParams", "TextStream"]
+__all__ = ["SEED_RANGE", "SamplingParams", "TextStream"]
+
+# The seeds torch.Generator.manual_seed takes: [-2**63, 2**64) (a negative seed is taken modulo 2**64)
+SEED_RANGE = (-(2**63), 2**64)
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,12 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
+        ):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.top_p is not None and self.top_p >= 1.0:
             object.__setattr__(self, "top_p", None)  # 1.0 keeps every token
         check_sampling(float(self.temperature), self.top_k, self.top_p)

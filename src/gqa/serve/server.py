@@ -5,7 +5,8 @@
 
 Errors come in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status: malformed
 JSON, a missing or wrongly typed field, an unknown model, a prompt that does not fit (before any work); 429 with
-``Retry-After`` when the queue is full; 401 without the ``--api-key`` bearer token. A client that disconnects
+``Retry-After`` when the queue is full; 401 without the ``--api-key`` bearer token; 503 while the engine thread is not
+running (never a request that waits on a thread that is gone). A client that disconnects
 mid-stream has its request aborted. On SIGTERM uvicorn stops accepting connections and lets running responses
 finish (up to ``graceful_seconds``; what is left is cancelled), then the engine thread stops.
 """
@@ -24,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .async_engine import AsyncEngine, QueueFull
+from .async_engine import AsyncEngine, EngineStopped, QueueFull
 from .engine import EngineError, RequestOutput
 from .openai_api import ApiError, completion_body, error_body, new_id, parse_chat, parse_completion, usage
 
@@ -98,6 +99,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
             return fail(ApiError(str(e), param="messages" if chat else "prompt"))
         except QueueFull as e:
             return fail(ApiError(f"the server is busy ({e}); retry later", 429))
+        except Exception as e:  # EngineStopped: 503; anything else the engine raised: 500 — never a hang
+            return fail(engine_failure(e))
         rid = new_id("chatcmpl" if chat else "cmpl")
         if parsed.stream:
             return StreamingResponse(
@@ -105,8 +108,11 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )  # fmt: skip
         text, last = first.text, first
-        async for out in outputs:
-            text, last = text + out.text, out
+        try:
+            async for out in outputs:
+                text, last = text + out.text, out
+        except Exception as e:
+            return fail(engine_failure(e))
         if last.finish_reason == "error":
             return fail(ApiError(f"the request failed in the engine: {last.error}", 500))
         use = usage(last.prompt_tokens, last.completion_tokens)
@@ -136,7 +142,11 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
                         body["choices"], body["usage"] = [], usage(out.prompt_tokens, out.completion_tokens)
                         yield event(body)
                     break
-                out = await anext(outputs)
+                try:
+                    out = await anext(outputs)
+                except Exception as e:  # the engine stopped mid-stream: an error event, then the stream's end
+                    yield event(error_body(engine_failure(e)))
+                    break
             yield "data: [DONE]\n\n"
         finally:
             await outputs.aclose()  # a client that left: the request is aborted, its blocks freed
@@ -154,6 +164,11 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
 
     async def chat_completion(request: Request) -> Response:
         return await completions(request, chat=True)
+
+    def engine_failure(e: Exception) -> ApiError:
+        if isinstance(e, EngineStopped):
+            return ApiError(f"the engine is not running ({e}); retry later", 503)
+        return ApiError(f"the request failed in the engine: {type(e).__name__}: {e}", 500)
 
     routes = [
         Route("/health", health),

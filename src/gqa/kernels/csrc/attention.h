@@ -193,9 +193,9 @@ struct GroupedAttention {
       splits = std::max<int64_t>(1, (S + span - 1) / span);
       return;
     }
-    const int64_t heads = B * H;
+    const int64_t heads = std::max<int64_t>(1, B * H);  // an empty batch has no tasks, and no division by zero
     splits = std::max<int64_t>(1, std::min<int64_t>((S + 255) / 256, (4 * threads + heads - 1) / heads));
-    span = (S + splits - 1) / splits;
+    span = std::max<int64_t>(1, (S + splits - 1) / splits);  // at least 1: S may be 0
     splits = std::max<int64_t>(1, (S + span - 1) / span);
   }
   int64_t tasks() const { return B * H * splits; }

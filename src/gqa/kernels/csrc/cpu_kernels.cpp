@@ -319,7 +319,12 @@ at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
               "gqa::decode_attend: caches must be (B, H_kv, C, D) with contiguous rows");
   const int64_t B = key_cache.size(0), H = key_cache.size(1), C = key_cache.size(2), D = key_cache.size(3);
   const int64_t Dv = value_cache.size(3);
-  TORCH_CHECK(D % 2 == 0, "gqa::decode_attend: head_dim must be even for RoPE, got ", D);
+  // Every check before the first write: a value cache smaller than the key cache would take the new V row outside it.
+  TORCH_CHECK(value_cache.size(0) == B && value_cache.size(1) == H && value_cache.size(2) == C,
+              "gqa::decode_attend: value_cache ", value_cache.sizes(), " must have key_cache's batch, heads and slots ",
+              key_cache.sizes().slice(0, 3));
+  TORCH_CHECK(D > 0 && D % 2 == 0, "gqa::decode_attend: head_dim must be positive and even for RoPE, got ", D);
+  TORCH_CHECK(H > 0, "gqa::decode_attend: H_kv must be positive, got ", H);
   TORCH_CHECK(q.dim() == 2 && q.size(0) == B && q.size(1) % (D * H) == 0 && q.is_contiguous(),
               "gqa::decode_attend: q must be contiguous (B, H_q * D) with H_kv | H_q, got ", q.sizes());
   TORCH_CHECK(k.dim() == 2 && k.sizes() == at::IntArrayRef({B, H * D}) && k.is_contiguous() && v.dim() == 2 &&
@@ -329,6 +334,8 @@ at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
                   q.scalar_type() == key_cache.scalar_type() && q.scalar_type() == value_cache.scalar_type(),
               "gqa::decode_attend: q, k, v and the caches must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "gqa::decode_attend: float32 or bfloat16 only, got ", q.scalar_type());
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.sizes() == at::IntArrayRef({B, D}) && sin.sizes() == cos.sizes(),
               "gqa::decode_attend: cos and sin must be contiguous float32 (B, D), got ", cos.sizes());
@@ -338,17 +345,21 @@ at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t pos = cursor.item<int64_t>();
   TORCH_CHECK(pos >= 0 && pos < C, "gqa::decode_attend: the cache is full (", C, " slots)");
   at::Tensor qr = at::empty_like(q);
-  at::Tensor out = at::empty({B, H, q.size(1) / (D * H), Dv}, q.options());
+  const int64_t G = q.size(1) / (D * H);
+  at::Tensor out = at::empty({B, H, G, Dv}, q.options());
+  if (B == 0) {  // an empty batch: nothing to write or attend (as PyTorch ops, an empty result)
+    cursor.add_(1);
+    return out.view({B, H * G * Dv});
+  }
   if (q.scalar_type() == at::kFloat) {
     decode_attend_impl<float>(q, k, v, cos, sin, key_cache, value_cache, start, pos, static_cast<float>(scale), qr,
                               out);
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "gqa::decode_attend: float32 or bfloat16 only");
     decode_attend_impl<BFloat16>(q, k, v, cos, sin, key_cache, value_cache, start, pos, static_cast<float>(scale), qr,
                                  out);
   }
   cursor.add_(1);
-  return out.view({B, -1});
+  return out.view({B, H * G * Dv});
 }
 
 // x (N, K) times a group of weight matrices of one input (q/k/v, gate/up): float weights (format -1) through

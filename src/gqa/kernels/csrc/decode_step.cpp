@@ -211,16 +211,8 @@ struct Step {
     gemv(s, l.up, m0, rows, s.sums2);
     round_out(s.sums, l.gate, m0, rows, s.rounded);
     round_out(s.sums2, l.up, m0, rows, s.rounded2);
-#if GQA_SIMD > 1
-    const int64_t vector_end = B * F / LANES * LANES;  // silu_mul over all (B, F) takes its SIMD formula up to here
-#else
-    const int64_t vector_end = 0;
-#endif
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t first = b * F + m0;
-      const int64_t vector_part = std::clamp<int64_t>(vector_end - first, 0, rows);
-      silu_mul_slice(s.rounded.data() + b * rows, s.rounded2.data() + b * rows, m + first, rows, vector_part);
-    }
+    for (int64_t b = 0; b < B; ++b)  // each element by one formula, wherever it is: a row's result alone or batched
+      silu_mul_impl(s.rounded.data() + b * rows, s.rounded2.data() + b * rows, m + b * F + m0, rows);
   }
 
   void run_chunk(ThreadState<T>& s, size_t phase, int64_t c, bool first) const {
@@ -327,7 +319,8 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   const at::Tensor& kc0 = key_caches[0];
   TORCH_CHECK(kc0.dim() == 4 && value_caches[0].dim() == 4, "gqa::decode_model: caches must be (B, H_kv, C, D)");
   st.Hkv = kc0.size(1), st.D = kc0.size(3), st.Dv = value_caches[0].size(3);
-  TORCH_CHECK(st.D % 2 == 0, "gqa::decode_model: head_dim must be even for RoPE, got ", st.D);
+  TORCH_CHECK(st.D > 0 && st.D % 2 == 0, "gqa::decode_model: head_dim must be positive and even for RoPE, got ", st.D);
+  TORCH_CHECK(st.Hkv > 0, "gqa::decode_model: H_kv must be positive, got ", st.Hkv);
   st.Hq = weights[0].size(0) / st.D;
   st.F = weights[4].size(0), st.V = head.size(0);
   st.eps = static_cast<float>(eps), st.final_eps = static_cast<float>(final_eps);
@@ -440,6 +433,10 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   std::vector<Best> best(greedy.has_value() ? st.NL * ceil_div(st.V, st.head_rows) : 0);
   st.best = greedy.has_value() ? best.data() : nullptr;
 
+  if (st.B == 0) {  // an empty batch: nothing to write or compute (as PyTorch ops, an empty result)
+    for (const at::Tensor& cursor : caches.cursors) const_cast<at::Tensor&>(cursor).add_(1);
+    return at::empty({0, st.V}, x.options());
+  }
   at::Tensor h = x.clone();
   at::Tensor qr = at::empty({st.B, st.Hq * st.D}, x.options());
   at::Tensor m = at::empty({st.B, st.F}, x.options());

@@ -20,49 +20,37 @@ void rms_norm_impl(const T* x, const T* w, T* y, int64_t N, int64_t E, float eps
   }
 }
 
-// y = T(silu(gate)) * up (SwiGLU), gate and up (N, F) of one dtype.
+// y = T(silu(gate)) * up (SwiGLU) over n elements of gate and up of one dtype. Every element takes the same formula
+// (with SIMD, a last partial vector is padded), so an element's value does not depend on n or on where it sits: a
+// row computed alone equals the same row inside a batch, bit for bit.
 template <typename T>
 void silu_mul_impl(const T* g, const T* u, T* y, int64_t n) {
   int64_t i = 0;
 #if GQA_SIMD > 1
   // silu(x) = x * sigmoid(x), with e = exp(-|x|) (vexp takes arguments <= 0): sigmoid = 1 / (1 + e) for x >= 0,
   // e / (1 + e) for x < 0. The result is rounded to T before the product with up, as torch rounds silu's output.
-  float tmp[LANES];
-  for (; i + LANES <= n; i += LANES) {
-    const vec x = vload(g + i);
+  const auto lanes = [](const T* gv, const T* uv, T* yv) {
+    float tmp[LANES];
+    const vec x = vload(gv);
     const vec e = vexp(vmul(vset(-1.0f), vmax(x, vsub(vzero(), x))));
     const vec r = vdiv(vset(1.0f), vadd(vset(1.0f), e));
     vstore(tmp, vmul(x, vblend_negative(x, r, vmul(e, r))));
-    for (int j = 0; j < LANES; ++j)
-      y[i + j] = static_cast<T>(to_float(static_cast<T>(tmp[j])) * to_float(u[i + j]));
+    for (int j = 0; j < LANES; ++j) yv[j] = static_cast<T>(to_float(static_cast<T>(tmp[j])) * to_float(uv[j]));
+  };
+  for (; i + LANES <= n; i += LANES) lanes(g + i, u + i, y + i);
+  if (i < n) {  // the last partial vector, padded: the lanes are independent
+    T gp[LANES] = {}, up[LANES] = {}, yp[LANES];
+    std::copy(g + i, g + n, gp);
+    std::copy(u + i, u + n, up);
+    lanes(gp, up, yp);
+    std::copy(yp, yp + (n - i), y + i);
   }
-#endif
+#else
   for (; i < n; ++i) {
     const float x = to_float(g[i]);
     y[i] = static_cast<T>(to_float(static_cast<T>(x / (1.0f + std::exp(-x)))) * to_float(u[i]));
   }
-}
-
-// silu_mul_impl on the n elements at g, u, y, of which the first `vector_part` take its SIMD formula (the others its
-// scalar one): a slice of a larger (N, F) product then gets, element for element, what silu_mul_impl over the whole
-// product gives, whichever slice computes it.
-template <typename T>
-void silu_mul_slice(const T* g, const T* u, T* y, int64_t n, int64_t vector_part) {
-#if GQA_SIMD > 1
-  int64_t i = 0;
-  for (; i + LANES <= vector_part; i += LANES) silu_mul_impl(g + i, u + i, y + i, LANES);
-  if (i < vector_part) {  // a partial vector: padded to LANES, the lanes are independent
-    T gp[LANES] = {}, up[LANES] = {}, yp[LANES];
-    const int64_t m = vector_part - i;
-    std::copy(g + i, g + vector_part, gp);
-    std::copy(u + i, u + vector_part, up);
-    silu_mul_impl(gp, up, yp, LANES);
-    std::copy(yp, yp + m, y + i);
-  }
-#else
-  vector_part = 0;
 #endif
-  for (int64_t i = vector_part; i < n; ++i) silu_mul_impl(g + i, u + i, y + i, 1);
 }
 
 // Rotate one head vector (HF half-rotation RoPE over all D features) in float32: out = x cos + rotate_half(x) sin.

@@ -11,10 +11,11 @@
 //       quantized to int8 with its own scale (d_x = max|x| / 127), and a weight block's dot product with it is one
 //       integer dot product (AVX512-VNNI vpdpbusd / AVX2 vpmaddubsw, unsigned 4/8-bit weights x signed 8-bit
 //       activations) times d_w * d_x. Every thread streams its share of the weight rows once for all N rows.
-//       An input block holding a NaN or an infinity cannot be quantized: it is left out of the integer products
-//       (q = 0, d = 0) and its dot products with the weight blocks are taken in float, d * q (+ m) times x, and
-//       added to the row's sum, so non-finite inputs give what x @ dequant(W)^T gives in float (NaN, +-inf) — the
-//       rows without one take the integer path alone, unchanged.
+//       An input block holding a NaN, an infinity or a value beyond 2^64 in magnitude (whose scaled integer sums
+//       could overflow float32 and add +inf to -inf) is left out of the integer products (q = 0, d = 0) and its dot
+//       products with the weight blocks are taken in float, d * q (+ m) times x, and added to the row's sum, so such
+//       inputs give what x @ dequant(W)^T gives in float (NaN, +-inf, or a huge finite sum) — the rows without one
+//       take the integer path alone, unchanged.
 //   gqa::dequantize_rows(blocks (M, K / 32 * bytes), format, K, dtype) -> (M, K) of dtype
 //       the float weights (prefill, embedding rows), exactly d * q (+ m) rounded to dtype.
 //
@@ -70,6 +71,11 @@ inline float to_float(BFloat16 x) { return static_cast<float>(x); }
 
 using gqa::QuantizedRows;
 
+// The largest input magnitude the integer path takes. Per block, |s_b * d_w * d_x| <= 32 * 128 * 127 * 65504 *
+// amax / 127 < 2^28 * amax, and the min term is smaller: below 2^64 a row's float32 sums cannot overflow for any
+// K < 2^36. Larger (finite) inputs are taken in float, with the non-finite ones.
+constexpr float INTEGER_PATH_MAX = 18446744073709551616.0f;  // 2^64
+
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   const int64_t nb = K / QK;
@@ -86,10 +92,10 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
         xf[i] = to_float(xb[i]);
         const float a = std::fabs(xf[i]);
         amax = std::max(amax, a);
-        finite &= a <= std::numeric_limits<float>::max();  // false for +-inf and NaN (which std::max drops)
+        finite &= a <= INTEGER_PATH_MAX;  // false for +-inf and NaN (which std::max drops) too
       }
       int8_t* qb = r.q.data() + n * K + b * QK;
-      if (!finite) {  // taken in float by add_nonfinite_blocks; q, d, ds stay 0
+      if (!finite) {  // taken in float by add_float_blocks; q, d, ds stay 0
         r.nonfinite.push_back(n * nb + b);
         continue;
       }
@@ -119,10 +125,11 @@ inline float weight_at(const uint8_t* blk, int64_t format, float d, int64_t i) {
   return d * static_cast<float>(i < 16 ? (byte & 0x0F) : (byte >> 4)) + m;
 }
 
-// buf (N, rows) += the float dot products of the non-finite input blocks (xr.nonfinite) with weight rows w (rows of
-// row_bytes bytes): sums of inf * w and NaN give what the float product gives (+-inf, NaN where inf * 0 or inf - inf).
+// buf (N, rows) += the float dot products of the input blocks the integer path leaves out (xr.nonfinite) with
+// weight rows w (rows of row_bytes bytes): sums of inf * w and NaN give what the float product gives (+-inf, NaN where
+// inf * 0 or inf - inf).
 template <typename T>
-void add_nonfinite_blocks(const T* x, const QuantizedRows& xr, int64_t K, const uint8_t* w, int64_t format,
+void add_float_blocks(const T* x, const QuantizedRows& xr, int64_t K, const uint8_t* w, int64_t format,
                           int64_t rows, int64_t row_bytes, float* buf) {
   const int64_t nb = K / QK, bytes = block_bytes(format);
   for (const int64_t nbi : xr.nonfinite) {
@@ -316,7 +323,7 @@ void rows_dot(const uint8_t* w, int64_t format, int64_t rows, int64_t K, const Q
     case Q4_0: qdot_rows<Q4_0>(w, rows, row_bytes, xr, N, K, buf); break;
     default: qdot_rows<Q4_1>(w, rows, row_bytes, xr, N, K, buf); break;
   }
-  if (!xr.nonfinite.empty()) add_nonfinite_blocks(x, xr, K, w, format, rows, row_bytes, buf);
+  if (!xr.nonfinite.empty()) add_float_blocks(x, xr, K, w, format, rows, row_bytes, buf);
 }
 
 struct QPart {

@@ -13,7 +13,8 @@ std::vector<at::Tensor> quantized_linear_rows(const at::Tensor& x, at::TensorLis
                                               const c10::List<c10::optional<at::Tensor>>& biases);
 
 // x (N, K) quantized per 32-value block: q (N, K) int8, d (N, K / 32) scales, ds (N, K / 32) = d * sum of the q.
-// A block with a NaN or an infinity is all zeros here (q, d, ds) and listed in nonfinite (n * nb + b, ascending).
+// A block with a NaN, an infinity or a value beyond 2^64 in magnitude is all zeros here (q, d, ds) and listed in
+// nonfinite (n * nb + b, ascending): its products are taken in float.
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d;
