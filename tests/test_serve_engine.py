@@ -82,7 +82,7 @@ def test_preemption_recomputes_and_changes_nothing(tiny):
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     prompts = [[5, 9, 17, 33, 2, 8], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47], [60, 61]]
     out = run(engine, prompts, params)
-    assert engine.stats["preemptions"] > 0
+    assert engine.stats().preemptions > 0
     for prompt, tokens in zip(prompts, out, strict=True):
         assert tokens == hf_greedy(ref, prompt, 10)
     assert engine.blocks.num_free == 12
@@ -118,7 +118,7 @@ def test_sampled_rows_are_drawn_in_one_call_per_setting_and_each_gets_its_own_to
     """Rows sampled with the same settings share one ``sample_next`` call, each inverting its own request's next
     uniform number: every request gets the tokens it gets served alone. A row whose logits cannot be sampled (NaN)
     fails alone."""
-    from gqa.serve import engine as engine_module
+    from gqa.serve import sampler as sampler_module
 
     path, _ = tiny
     model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
@@ -131,8 +131,8 @@ def test_sampled_rows_are_drawn_in_one_call_per_setting_and_each_gets_its_own_to
     prompts = [[5, 6, 7], [9, 10], [5, 6, 7], [11]]
     alone = [run(engine, [p], sp)[0] for p, sp in zip(prompts, settings, strict=True)]
     assert alone[0] != alone[2]  # same prompt, another seed: else the per-request numbers were not tested
-    real, calls = engine_module.sample_next, []
-    monkeypatch.setattr(engine_module, "sample_next", lambda x, **kw: calls.append(len(x)) or real(x, **kw))
+    real, calls = sampler_module.sample_next, []
+    monkeypatch.setattr(sampler_module, "sample_next", lambda x, **kw: calls.append(len(x)) or real(x, **kw))
     requests = [engine.add(p, sp) for p, sp in zip(prompts, settings, strict=True)]
     engine.step()
     assert sorted(calls) == [1, 2]  # the two nucleus rows together, the top-k row; the greedy row needs none

@@ -20,6 +20,7 @@ def run_serve(ns: argparse.Namespace) -> int:
 
     from ..api import load_model
     from ..serve.async_engine import AsyncEngine
+    from ..serve.config import EngineConfig
     from ..serve.engine import Engine, EngineError
     from ..serve.server import build_app
 
@@ -34,8 +35,9 @@ def run_serve(ns: argparse.Namespace) -> int:
     with loading(f"{model_label(ns.model)} as {ns.dtype}"):
         model = load_model(ns.model, dtype="auto" if ns.dtype == "auto" else dtype)
     try:
-        engine = Engine(model, model.tokenizer, kv_cache_mib=ns.kv_cache_mib, block_size=ns.block_size,
-                        max_running=ns.max_running, prefill_chunk=ns.prefill_chunk)  # fmt: skip
+        config = EngineConfig(kv_cache_mib=ns.kv_cache_mib, block_size=ns.block_size, max_running=ns.max_running,
+                              prefill_chunk=ns.prefill_chunk)  # fmt: skip
+        engine = Engine(model, model.tokenizer, config)
     except EngineError as e:
         raise ValueError(f"this model cannot be served: {e}") from e
     name = ns.served_model_name or (EMBEDDED_NAME if ns.model is None else Path(ns.model).name)

@@ -1,9 +1,13 @@
 """Serving: ``gqa serve``'s layers, one file each.
 
+* ``request`` — a request's states (``RequestState``), what it holds, what a step hands back (``RequestOutput``);
+* ``config`` — ``EngineConfig``, the engine's settings, checked once;
 * ``blocks`` — the paged KV cache's bookkeeping: block tables, reference counts, prefix caching (no tensors);
 * ``paged_cache`` — the per-layer pools of K/V blocks;
-* ``engine`` — continuous batching: admission, one native paged decode call per step, chunked prefill, preemption;
-* ``sampling`` — per-request sampling settings and incremental text with stop strings;
+* ``scheduler`` — who runs in a step: admission, prompt chunks, finishing, preemption (no tensors);
+* ``runner`` — the KV pool and one native paged decode call per step;
+* ``sampler``, ``sampling``, ``detokenizer`` — tokens for the sampled rows, per-request settings, incremental text;
+* ``engine`` — ``step = schedule -> run -> sample -> update``;
 * ``offline`` — ``LLM(...).generate(prompts)``, the engine without a server;
 * ``async_engine``, ``openai_api``, ``server`` — the engine on its own thread, OpenAI's shapes, the HTTP app.
 
@@ -12,9 +16,9 @@
 
 from .blocks import BlockManager, BlockTable, OutOfBlocks
 
-__all__ = ["LLM", "BlockManager", "BlockTable", "Engine", "OutOfBlocks", "SamplingParams"]
+__all__ = ["LLM", "BlockManager", "BlockTable", "Engine", "EngineConfig", "OutOfBlocks", "SamplingParams"]
 
-_LAZY = {"LLM": "offline", "Engine": "engine", "SamplingParams": "sampling"}
+_LAZY = {"LLM": "offline", "Engine": "engine", "EngineConfig": "config", "SamplingParams": "sampling"}
 
 
 def __getattr__(name: str) -> object:

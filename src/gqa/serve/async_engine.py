@@ -18,7 +18,7 @@ import traceback
 from collections import deque
 from collections.abc import AsyncIterator
 
-from .engine import Engine, RequestOutput
+from .engine import Engine, EngineStats, RequestOutput
 from .sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineStopped", "QueueFull"]
@@ -64,6 +64,10 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop
+
+    def stats(self) -> EngineStats:
+        """The engine's counters (read from this thread: each a single int, never half-written)."""
+        return self.engine.stats()
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         now = time.monotonic()

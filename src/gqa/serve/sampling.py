@@ -1,4 +1,4 @@
-"""Per-request sampling settings (OpenAI's names) and the incremental text of a request's output with stop strings."""
+"""Per-request sampling settings, with OpenAI's names."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..generation import check_sampling
 
-__all__ = ["SEED_RANGE", "SamplingParams", "TextStream"]
+__all__ = ["SEED_RANGE", "SamplingParams"]
 
 # The seeds torch.Generator.manual_seed takes: [-2**63, 2**64) (a negative seed is taken modulo 2**64)
 SEED_RANGE = (-(2**63), 2**64)
@@ -49,35 +49,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-class TextStream:
-    """The text of a growing list of token ids, handed out in pieces: a piece never ends in an incomplete UTF-8
-    character or in what may be the start of a stop string, and the text ends before the first stop string."""
-
-    def __init__(self, decode, stop: tuple[str, ...]) -> None:
-        self.decode, self.stop = decode, stop
-        self.sent = 0  # characters handed out
-        self.text = ""
-        self.stopped = False
-
-    def update(self, ids: list[int], final: bool = False) -> str:
-        """The next piece for output ids ``ids`` (all of them so far); ``final``: nothing more will come."""
-        text = self.decode(ids)
-        for s in self.stop:
-            at = text.find(s)
-            if at >= 0:
-                text, self.stopped, final = text[:at], True, True
-        self.text = text
-        end = len(text)
-        if not final:
-            if text.endswith("\ufffd"):  # a character whose bytes have not all arrived
-                end -= 1
-            for s in self.stop:  # hold back what could be the start of a stop string
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if text[:end].endswith(s[:k]):
-                        end -= k
-                        break
-        piece = text[self.sent : max(end, self.sent)]
-        self.sent = max(end, self.sent)
-        return piece

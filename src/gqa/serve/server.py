@@ -26,8 +26,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .async_engine import AsyncEngine, EngineStopped, QueueFull
-from .engine import EngineError, RequestOutput
 from .openai_api import ApiError, completion_body, error_body, new_id, parse_chat, parse_completion, usage
+from .request import EngineError, RequestOutput
 
 __all__ = ["build_app"]
 
@@ -59,22 +59,21 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
         return JSONResponse({"object": "list", "data": [card]})
 
     async def metrics(request: Request) -> Response:
-        e = engine.engine
-        blocks = e.blocks
+        s = engine.stats()
         lines = []
         for name, kind, help_, value in (
-            ("gqa_requests_waiting", "gauge", "requests waiting for a batch slot or blocks", len(e.waiting)),
-            ("gqa_requests_running", "gauge", "requests in the running batch", len(e.running)),
+            ("gqa_requests_waiting", "gauge", "requests waiting for a batch slot or blocks", s.waiting),
+            ("gqa_requests_running", "gauge", "requests in the running batch", s.running),
             ("gqa_requests_in_flight", "gauge", "requests accepted and not finished", engine.in_flight),
-            ("gqa_kv_blocks_free", "gauge", "KV cache blocks free (cached idle blocks included)", blocks.num_free),
-            ("gqa_kv_blocks_used", "gauge", "KV cache blocks in use", blocks.num_blocks - blocks.num_free),
-            ("gqa_kv_block_size", "gauge", "token slots per KV block", blocks.block_size),
+            ("gqa_kv_blocks_free", "gauge", "KV cache blocks free (cached idle blocks included)", s.kv_blocks_free),
+            ("gqa_kv_blocks_used", "gauge", "KV cache blocks in use", s.kv_blocks - s.kv_blocks_free),
+            ("gqa_kv_block_size", "gauge", "token slots per KV block", s.kv_block_size),
             ("gqa_prefix_cache_hits_total", "counter", "prompt blocks served from the prefix cache",
-             blocks.prefix_hits),
-            ("gqa_prefix_cache_queries_total", "counter", "full prompt blocks looked up", blocks.prefix_queries),
-            ("gqa_prompt_tokens_total", "counter", "prompt tokens prefilled", e.stats["prompt_tokens"]),
-            ("gqa_generation_tokens_total", "counter", "tokens generated", e.stats["generation_tokens"]),
-            ("gqa_preemptions_total", "counter", "requests preempted for blocks", e.stats["preemptions"]),
+             s.prefix_cache_hits),
+            ("gqa_prefix_cache_queries_total", "counter", "full prompt blocks looked up", s.prefix_cache_queries),
+            ("gqa_prompt_tokens_total", "counter", "prompt tokens prefilled", s.prompt_tokens),
+            ("gqa_generation_tokens_total", "counter", "tokens generated", s.generation_tokens),
+            ("gqa_preemptions_total", "counter", "requests preempted for blocks", s.preemptions),
             ("gqa_engine_errors_total", "counter", "engine steps that raised", engine.errors),
             ("gqa_generation_tokens_per_second", "gauge", "tokens generated per second over the last 10 s",
              round(engine.tokens_per_second(), 3)),

@@ -1,0 +1,32 @@
+"""The serving engine's settings, checked once: ``Engine``, ``LLM`` and ``gqa serve`` take the same ``EngineConfig``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``kv_cache_mib``: the KV pool's size (``None``: a quarter of the available memory, at most what
+    ``max_running`` full contexts need); ``block_size``: token slots per block; ``max_running``: requests decoded
+    together at most; ``prefill_chunk``: prompt tokens per step while others decode (four times as many while none
+    does)."""
+
+    kv_cache_mib: float | None = None
+    block_size: int = 16
+    max_running: int = 64
+    prefill_chunk: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_running", "prefill_chunk"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive integer, got {n!r}")
+        mib = self.kv_cache_mib
+        if mib is not None and not (
+            isinstance(mib, (int, float)) and not isinstance(mib, bool) and math.isfinite(mib) and mib > 0
+        ):
+            raise ValueError(f"kv_cache_mib must be a positive number, got {mib!r}")

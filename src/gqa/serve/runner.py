@@ -1,0 +1,93 @@
+"""The model side of a serving step: the KV pool, and one native call that runs a scheduled batch's rows through
+every layer (``gqa::decode_paged``: each row reading its own blocks, any batch size, ragged lengths).
+
+A prompt's rows attend to the rows before them in the same call (their K/V are written first); only the rows whose
+next token is wanted get logits. A row's result does not depend on the other rows of the call (the kernel splits
+each context at fixed positions and streams every row through the same kernels), so a token's K/V and a greedy
+response do not depend on what else is being served, on how a prompt was cut into chunks, or on which of its blocks
+came from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .. import kernels
+from ..models import decode_step
+from .config import EngineConfig
+from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
+from .request import EngineError, Request
+
+__all__ = ["ModelRunner", "default_kv_cache_mib"]
+
+
+class ModelRunner:
+    """A ``CausalLM`` on CPU (float32 or bfloat16, float or block-quantized weights, read as they are) and its paged
+    KV pool, sized by ``config``."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        self.check_model(model)
+        self.model, cfg = model, model.config
+        mib = (
+            config.kv_cache_mib if config.kv_cache_mib is not None else default_kv_cache_mib(model, config.max_running)
+        )
+        num_blocks = blocks_in_budget(mib, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+                                      model.dtype)  # fmt: skip
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_mib={mib} holds no block of {config.block_size} tokens")
+        self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, config.block_size,
+                                  model.dtype)  # fmt: skip
+
+    @staticmethod
+    def check_model(model: torch.nn.Module) -> None:
+        """Raise ``EngineError`` unless the engine takes ``model``: float32 or bfloat16 on CPU with the native kernels
+        built, layers the native step takes, full half-rotation RoPE."""
+        if model.device.type != "cpu" or model.dtype not in decode_step.DTYPES or not kernels.vectorized():
+            raise EngineError("the engine runs float32 or bfloat16 models on CPU with the native kernels built")
+        if decode_step._cached_model_args(model, model.dtype) is None:
+            raise EngineError("the model's layers are not all ones the native step takes (see models.decode_step)")
+        rope = model.model.rope
+        if rope.interleaved or rope.rotary_dim != rope.head_dim:
+            raise EngineError("the engine needs full half-rotation RoPE")
+
+    @torch.inference_mode()
+    def forward(self, work: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ``gqa::decode_paged`` call over every request's rows ``[start, end)`` (their K/V into the pool):
+        the logits ``(N, vocab)`` and greedy tokens ``(N,)`` of the requests fed up to their last token, in order."""
+        model, backbone = self.model, self.model.model
+        ids, positions, tables, wanted = [], [], [], []
+        for r, start, end in work:
+            ids += r.tokens[start:end]
+            positions += range(start, end)
+            tables += [r.table.blocks] * (end - start)
+            if end == len(r.tokens):
+                wanted.append(len(ids) - 1)
+        B = len(ids)
+        positions = torch.tensor(positions, dtype=torch.long)
+        cos, sin = backbone.rope.cos_sin(positions.view(B, 1))  # (B, 1, D) each
+        x = backbone.embed_tokens(torch.tensor(ids, dtype=torch.long).view(B, 1)).view(B, -1)
+        norms1, norms2, eps, weights, formats, biases, head, head_format = decode_step._cached_model_args(
+            model, model.dtype
+        )
+        greedy = torch.empty(len(wanted), dtype=torch.long)
+        logits = torch.ops.gqa.decode_paged(
+            x, norms1, norms2, eps, weights, formats, biases, cos.view(B, -1).contiguous(),
+            sin.view(B, -1).contiguous(), self.cache.key, self.cache.value, table_tensor(tables), positions,
+            1.0 / math.sqrt(backbone.layers[0].self_attn.head_dim), backbone.norm.weight, backbone.norm.eps, head,
+            head_format, greedy, torch.tensor(wanted, dtype=torch.long),
+        )  # fmt: skip
+        return logits, greedy
+
+
+def default_kv_cache_mib(model: torch.nn.Module, max_running: int) -> float:
+    """A quarter of the memory available now, at most what ``max_running`` full contexts need."""
+    cfg = model.config
+    full = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.max_position_embeddings * model.dtype.itemsize
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 4 * 2**30
+    return max(1.0, min(available / 4, full * max_running) / 2**20)

@@ -1,0 +1,184 @@
+"""Who runs in a step, and what happens to each request after it: admission, prompt chunks, finishing, preemption.
+
+``schedule()`` admits waiting requests while blocks and batch slots last (each gets a block table that shares the
+cached blocks of its longest cached prefix) and returns a ``ScheduledBatch``: the token range to feed per request —
+the newest token of every decoding request, and the next rows of the prompts still being read (at most
+``prefill_chunk`` prompt tokens per step while others decode, four times that while none does). After the model ran
+the batch, ``fed(batch)`` records what is in the pool now and names the requests that want a token; ``update(requests,
+tokens)`` appends their tokens, finishes the ones that are done (their blocks go back) and reserves the next slot of
+the rest — preempting the most recently admitted request while no block is free: its blocks are freed and it waits at
+the front of the queue, to be recomputed from its prompt and the tokens it already produced.
+
+No tensors and no model here: the scheduler is tested on its own (tests/test_serve_scheduler.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .blocks import BlockManager, OutOfBlocks
+from .request import EngineError, Request, RequestOutput, RequestState
+
+__all__ = ["ScheduledBatch", "Scheduler"]
+
+WAITING, PREFILL, DECODE, FINISHED = RequestState
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: ``(request, start, end)``, feed the request's tokens ``[start, end)``; decoding requests
+    first, then prompt chunks. A request fed up to its last token gets logits."""
+
+    work: list[tuple[Request, int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.work)
+
+
+class Scheduler:
+    """The queue and the running batch of an engine whose KV pool ``blocks`` manages; ``eos``: the token ids that end
+    a response."""
+
+    def __init__(self, blocks: BlockManager, max_running: int, prefill_chunk: int, eos: set[int]) -> None:
+        self.blocks, self.max_running, self.prefill_chunk, self.eos = blocks, max_running, prefill_chunk, eos
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.counts = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, r: Request) -> None:
+        """Queue ``r``: it joins the running batch at the next ``schedule``."""
+        if r.request_id in self.requests:
+            raise EngineError(f"request id {r.request_id!r} is already in use")
+        self.requests[r.request_id] = r
+        self.waiting.append(r)
+
+    # -- a step ------------------------------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        """Admit what fits, then this step's rows: every decoding request's newest token and the next prompt chunks."""
+        self.counts["steps"] += 1
+        self._admit()
+        work = [(r, r.computed, len(r.tokens)) for r in self.running if r.state is DECODE]
+        budget = self.prefill_chunk if work else 4 * self.prefill_chunk
+        for r in self.running:
+            if r.state is PREFILL and budget > 0:
+                end = min(len(r.tokens), r.computed + budget)
+                work.append((r, r.computed, end))
+                budget -= end - r.computed
+        return ScheduledBatch(work)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            r = self.waiting[0]
+            try:
+                r.table = self.blocks.allocate(r.tokens)
+            except OutOfBlocks:
+                return  # blocks come back as running requests finish
+            self.waiting.popleft()
+            r.table.tokens = r.tokens  # one list: the table hashes the tokens its full blocks hold
+            r.state, r.computed = PREFILL, r.table.cached_tokens
+            self.running.append(r)
+
+    def fed(self, work: list[tuple[Request, int, int]]) -> list[Request]:
+        """Record that ``work``'s tokens are in the pool now; the requests fed up to their last token (they want a
+        token next), in order."""
+        wanting = []
+        for r, _, end in work:
+            r.computed = end
+            self.blocks.computed(r.table, end)
+            if end < len(r.tokens):
+                continue  # a prompt chunk that does not reach the prompt's end: no logits
+            if r.state is PREFILL:
+                r.state = DECODE
+                self.counts["prompt_tokens"] += len(r.prompt) if not r.preemptions else 0
+            wanting.append(r)
+        return wanting
+
+    def update(self, batch: list[Request], tokens: list[int]) -> list[RequestOutput]:
+        """Each request's new token: outputs, finished requests released, a block for the next slot of the rest
+        (preempting the latest admitted requests when none is free)."""
+        outputs = []
+        for r, token in zip(batch, tokens, strict=True):
+            if r.state is FINISHED:
+                continue
+            r.outputs.append(token)
+            r.tokens.append(token)
+            self.counts["generation_tokens"] += 1
+            eos = token in self.eos and not r.params.ignore_eos
+            piece = ""
+            if r.text is not None:
+                piece = r.text.update(r.outputs[:-1] if eos else r.outputs, final=eos)
+            if eos or (r.text is not None and r.text.stopped):
+                outputs.append(self.finish(r, "stop", token=token, piece=piece))
+            elif len(r.outputs) >= r.params.max_tokens:
+                if r.text is not None:
+                    piece += r.text.update(r.outputs, final=True)
+                outputs.append(self.finish(r, "length", token=token, piece=piece))
+            else:
+                outputs.append(self.output(r, [token], piece))
+        for r in batch:
+            if r.state is DECODE:
+                self._reserve_slot(r)
+        return outputs
+
+    def _reserve_slot(self, r: Request) -> None:
+        """A block for ``r``'s newest token, freeing other requests' blocks (preemption) if needed."""
+        while True:
+            try:
+                return self.blocks.reserve(r.table, len(r.tokens))
+            except OutOfBlocks:
+                victim = self.running[-1]  # the latest admitted
+                self._preempt(victim)
+                if victim is r:
+                    return
+
+    def _preempt(self, r: Request) -> None:
+        self.blocks.free(r.table)
+        self.running.remove(r)
+        r.state, r.table, r.computed = WAITING, None, 0
+        r.preemptions += 1
+        self.counts["preemptions"] += 1
+        self.waiting.appendleft(r)
+
+    # -- endings -----------------------------------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now (its blocks go back to the pool); ``None`` if it is unknown or already done."""
+        r = self.requests.get(request_id)
+        return None if r is None else self.finish(r, "abort")
+
+    def fail(self, request_id: str, error: str) -> RequestOutput | None:
+        """End a request with an error (its blocks go back); ``None`` if it is unknown or already done."""
+        r = self.requests.get(request_id)
+        return None if r is None else self.finish(r, "error", error=error)
+
+    def fail_step(self, error: str) -> list[RequestOutput]:
+        """End the requests of a step that raised with ``error``: the running ones (their state is not to be trusted),
+        or, where none runs, the one being admitted (the head of the queue); the other waiting ones stay queued."""
+        failing = list(self.running) or list(self.waiting)[:1]
+        return [self.finish(r, "error", error=error) for r in failing]
+
+    def finish(
+        self, r: Request, reason: str, *, token: int | None = None, piece: str = "", error: str | None = None
+    ) -> RequestOutput:
+        """End ``r`` with ``reason``: its blocks go back, it leaves the queue or the batch; its last output."""
+        if r.table is not None and r.state in (PREFILL, DECODE):
+            self.blocks.free(r.table)
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        r.state, r.finish_reason, r.table = FINISHED, reason, None
+        del self.requests[r.request_id]
+        return self.output(r, [] if token is None else [token], piece, error)
+
+    @staticmethod
+    def output(r: Request, token_ids: list[int], piece: str, error: str | None = None) -> RequestOutput:
+        return RequestOutput(r.request_id, token_ids, piece, r.state is FINISHED, r.finish_reason, len(r.prompt),
+                             len(r.outputs), error)  # fmt: skip
