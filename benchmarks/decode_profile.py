@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 import gqa
+from gqa.kernels import ops
 from gqa.models import decode_step
 from gqa.quantized import QuantizedLinear
 
@@ -49,11 +50,9 @@ def paired_ms(a: Callable[[], object], b: Callable[[], object], repeats: int = 6
 
 def gemv(x: torch.Tensor, layers: list) -> None:
     if isinstance(layers[0], QuantizedLinear):
-        torch.ops.gqa.qlinear_rows_n(
-            x, [m.blocks for m in layers], [m.format.code for m in layers], [None] * len(layers)
-        )
+        ops.qlinear_rows_n(x, [m.blocks for m in layers], [m.format.code for m in layers], [None] * len(layers))
     else:
-        torch.ops.gqa.linear_rows_n(x, [m.weight for m in layers], [None] * len(layers))
+        ops.linear_rows_n(x, [m.weight for m in layers], [None] * len(layers))
 
 
 def main() -> None:
@@ -79,12 +78,12 @@ def main() -> None:
             model(token, caches=caches)
 
         def per_layer_step() -> None:
-            whole = decode_step._cached_model_args
-            decode_step._cached_model_args = lambda *args: None
+            whole = decode_step.decode_weights
+            decode_step.decode_weights = lambda *args: None
             try:
                 step()
             finally:
-                decode_step._cached_model_args = whole
+                decode_step.decode_weights = whole
 
         big = torch.randn(2**28)
         for _ in range(3):

@@ -147,7 +147,7 @@ def test_one_call_per_step_equals_a_call_per_layer(tmp_path, monkeypatch, dtype,
     if quantized:
         quantize_model(model, "q4_1")
     whole = []
-    real = decode_step._cached_model_args
+    real = decode_step.decode_weights
 
     def spy(*args):
         whole.append(real(*args) is not None)
@@ -155,11 +155,11 @@ def test_one_call_per_step_equals_a_call_per_layer(tmp_path, monkeypatch, dtype,
 
     prompts, steps = [[5, 6, 7, 8], [9]], [[11, 12], [13, 14], [15, 16]]
     with monkeypatch.context() as m:
-        m.setattr(decode_step, "_cached_model_args", spy)
+        m.setattr(decode_step, "decode_weights", spy)
         one_call = decode_logits(model, prompts, steps)
     assert whole == [True] * 3  # each step was one decode_model call
     with monkeypatch.context() as m:
-        m.setattr(decode_step, "_cached_model_args", lambda *a: None)
+        m.setattr(decode_step, "decode_weights", lambda *a: None)
         per_layer = decode_logits(model, prompts, steps)
     for a, b in zip(one_call, per_layer, strict=True):
         assert torch.equal(a, b)

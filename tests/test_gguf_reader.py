@@ -16,9 +16,8 @@ from gguf import GGUFValueType as V
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gqa.loaders import default_model_path, read_model
+from gqa.loaders import default_model_path, load_tokenizer, read_model
 from gqa.loaders.gguf_reader import GGML_TYPES, GGUFFile
-from gqa.tokenizer import Tokenizer
 
 SCALARS = [
     (V.UINT8, 200),
@@ -168,7 +167,7 @@ def load_everything(path: Path) -> None:
     """What a user's load does: the weights (dequantized and kept-quantized) and the tokenizer, with a chat."""
     read_model(path)
     read_model(path, keep_quantized=True)
-    tok = Tokenizer.from_path(path)
+    tok = load_tokenizer(path)
     tok.decode(tok.apply_chat([{"role": "user", "content": "the ü"}]))
 
 
@@ -177,7 +176,7 @@ def test_small_files_load(seeds, tmp_path):
         path = tmp_path / f"{i}.gguf"
         path.write_bytes(data)
         load_everything(path)
-    tok = Tokenizer.from_path(path)
+    tok = load_tokenizer(path)
     assert tok.decode(tok.encode("the the")) == "the the" and tok.token_id("<|end|>") == len(VOCAB) - 1
 
 

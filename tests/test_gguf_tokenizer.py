@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 
-from gqa.loaders import default_model_path
+from gqa.loaders import default_model_path, load_tokenizer
 from gqa.loaders.gguf_reader import GGUFFile
 from gqa.loaders.gguf_tokenizer import byte_alphabet
 from gqa.tokenizer import Tokenizer
@@ -89,7 +89,7 @@ def corpus(n: int = 10_000, seed: int = 0) -> list[str]:
 def smollm() -> tuple[Tokenizer, object]:
     path = default_model_path()
     hf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    return Tokenizer.from_path(path), hf
+    return load_tokenizer(path), hf
 
 
 def test_corpus_ids_identical_to_transformers(smollm):
@@ -142,7 +142,7 @@ def test_special_ids_and_native(smollm):
 
 def test_no_transformers_import_on_the_path():
     code = (
-        "import sys; from gqa.tokenizer import Tokenizer; t = Tokenizer.from_path(None); t.apply_chat('hi'); "
+        "import sys; from gqa.loaders import load_tokenizer; t = load_tokenizer(None); t.apply_chat('hi'); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'torch', 'gqa')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -192,7 +192,7 @@ VARIANTS = {
 def test_written_files_match_transformers(tmp_path, variant):
     base = GGUFFile(default_model_path())
     path = write_tokenizer_gguf(tmp_path / "tok.gguf", base, **VARIANTS[variant])
-    tok = Tokenizer.from_path(path)
+    tok = load_tokenizer(path)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name, local_files_only=True)
     texts = [*corpus(1500, seed=2), "<think>why</think> Definitely naïve <|ctl|> é control"]
     for text in texts:

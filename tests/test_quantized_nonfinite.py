@@ -162,7 +162,7 @@ def test_a_quantized_models_decode_step_propagates_nonfinite_values(value):
         model.model.norm.weight[5] = value
     logits = first_decode_logits(model, [1, 2, 3], 4)  # one gqa::decode_model call: lm_head inside it
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(decode_step, "_cached_model_args", lambda *args: None)
+        m.setattr(decode_step, "decode_weights", lambda *args: None)
         per_layer = first_decode_logits(model, [1, 2, 3], 4)  # a call per layer, then the lm_head module (hooked)
     expected = reference(model.lm_head, inputs[-1]).view(-1)
     assert not torch.isfinite(expected).any()

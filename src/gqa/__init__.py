@@ -12,11 +12,12 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .api import load_model, load_tokenizer
+    from .api import load_model
     from .attention import GroupedQueryAttention
     from .backends import BACKENDS
     from .cache import DynamicKVCache, StaticKVCache, kv_cache_bytes
     from .functional import grouped_attention, last_backend
+    from .loaders import load_tokenizer
     from .masks import causal_mask, padding_mask
     from .rope import RoPE
 
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 
 _HOMES = {  # public name -> the submodule that defines it
     "load_model": "api",
-    "load_tokenizer": "api",
+    "load_tokenizer": "loaders",
     "GroupedQueryAttention": "attention",
     "BACKENDS": "backends",
     "DynamicKVCache": "cache",

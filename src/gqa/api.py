@@ -1,25 +1,14 @@
-"""``gqa.load_model`` and ``gqa.load_tokenizer``: a ready-to-run model from a GGUF file or an HF directory."""
+"""``gqa.load_model``: a ready-to-run model from a GGUF file or an HF directory."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from . import kernels
 from .hardware import auto_dtype
 from .models import CausalLM, use_input_major_weights
-
-if TYPE_CHECKING:  # the tokenizer module imports transformers: only when a tokenizer is actually loaded
-    from .tokenizer import Tokenizer
-
-
-def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """The tokenizer (with its chat template) of a GGUF file or HF directory; ``None`` is the embedded SmolLM2."""
-    from .loaders import load_tokenizer as _load
-
-    return _load(path)
 
 
 def load_model(
@@ -52,7 +41,7 @@ def load_model(
     -------
     CausalLM: ``model(input_ids (B, L)) -> logits (B, L, vocab)``, ``model.generate(...)``, ``model.tokenizer``.
     """
-    from .loaders import open_model, read_model
+    from .loaders import load_tokenizer, open_model, read_model
     from .quantized import QuantizedTensor, get_format, install_quantized, quantize_model
 
     auto = isinstance(dtype, str) and dtype == "auto"
@@ -86,7 +75,5 @@ def load_model(
     if dtype == torch.float32 and model.device.type == "cpu" and not kernels.vectorized():
         use_input_major_weights(model)  # without the native GEMV: MKL's is faster on this layout; same values
     if tokenizer:
-        from .tokenizer import Tokenizer
-
-        model.tokenizer = Tokenizer.from_path(source)
+        model.tokenizer = load_tokenizer(source)
     return model

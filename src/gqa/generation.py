@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .models import decode_step
-from .models.llama import CausalLM, set_left_padding
+
+if TYPE_CHECKING:  # a type only: models.llama's CausalLM.generate imports this module
+    from .models.llama import CausalLM
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -218,7 +221,8 @@ def generate_stream(
         capacity = cache_bucket(capacity, cfg.max_position_embeddings)  # a few cache sizes: a few compilations
         step_fn = compiled_step(model)
     caches = model.new_caches(B, capacity)
-    set_left_padding(caches, pads)
+    for cache in caches:
+        cache.set_left_padding(pads)
     logits = model(ids, caches=caches, last_only=True)[:, -1]  # (B, vocab)
     if step_fn is None and model.device.type == "cuda":
         step_fn = _cuda_step(model, caches)
@@ -258,7 +262,7 @@ def generate_stream(
 def _plain(model: CausalLM) -> bool:
     """Whether ``model(ids, caches=...)`` is exactly ``CausalLM.forward``: no subclass override, no forward hooks (so
     calling its native decode step directly, for the greedy tokens it finds, skips nothing)."""
-    return type(model).forward is CausalLM.forward and not model._forward_hooks and not model._forward_pre_hooks
+    return model.runs_own_forward()
 
 
 def _cuda_step(model: CausalLM, caches: list) -> Callable[[torch.Tensor, list], torch.Tensor] | None:

@@ -1,7 +1,7 @@
 """``Linear``: an ``nn.Linear`` whose decode-sized calls on CPU run the native GEMV kernel.
 
 A decoded token multiplies one row (per sequence) by every weight matrix of the model, so decode time is the time to
-stream the weights through memory. ``torch.ops.gqa.linear_rows`` (``gqa/kernels/csrc``) streams ``nn.Linear``'s own
+stream the weights through memory. ``kernels.ops.linear_rows`` (``gqa/kernels/csrc``) streams ``nn.Linear``'s own
 ``(out, in)`` layout at close to the machine's read bandwidth; everything else (training, prefill, other devices and
 dtypes, or no built kernels) goes to ``F.linear``. Same parameters, names and state dict as ``nn.Linear``.
 """
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .kernels import ops
 from .quantized import QuantizedLinear, quantized_linears
 
 # Up to this many rows of x the native GEMV streams the weight once for all of them; more rows is a GEMM, MKL's job.
@@ -41,7 +42,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not uses_kernel(x, weight, bias):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (N, in), N <= KERNEL_MAX_ROWS: a copy of at most 8 rows
-    out = torch.ops.gqa.linear_rows(rows, weight, bias)  # (N, out)
+    out = ops.linear_rows(rows, weight, bias)  # (N, out)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -57,7 +58,7 @@ def linears(x: torch.Tensor, layers: Sequence[nn.Linear]) -> list[torch.Tensor]:
     ):  # a module with hooks (e.g. a LoRA adapter, ``gqa.convert.lora``) is called as a module
         return [layer(x) for layer in layers]
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # (N, in)
-    outs = torch.ops.gqa.linear_rows_n(rows, [m.weight for m in layers], [m.bias for m in layers])  # [(N, out_i)]
+    outs = ops.linear_rows_n(rows, [m.weight for m in layers], [m.bias for m in layers])  # [(N, out_i)]
     return [out.view(*x.shape[:-1], out.shape[-1]) for out in outs]
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .kernels import ops
 
 BLOCK = 32
 
@@ -89,7 +90,7 @@ class QuantizedTensor:
 def dequantize(blocks: torch.Tensor, fmt: Format, K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows of blocks ``(M, K / 32 * block_bytes)`` -> float ``(M, K)`` of ``dtype``."""
     if kernels.available() and blocks.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
-        return torch.ops.gqa.dequantize_rows(blocks.contiguous(), fmt.code, K, dtype)
+        return ops.dequantize_rows(blocks.contiguous(), fmt.code, K, dtype)
     from gguf.quants import dequantize as gguf_dequantize
 
     rows = gguf_dequantize(blocks.cpu().numpy(), _gguf_type(fmt)).reshape(blocks.shape[0], K)
@@ -153,7 +154,7 @@ class QuantizedLinear(nn.Module):
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if uses_kernel(x):
             rows = x.reshape(-1, x.shape[-1]).contiguous()
-            out = torch.ops.gqa.qlinear_rows_n(rows, [self.blocks], [self.format.code], [bias])[0]
+            out = ops.qlinear_rows_n(rows, [self.blocks], [self.format.code], [bias])[0]
             return out.view(*x.shape[:-1], self.out_features)
         kept = getattr(self, "_dequantized", None)
         if kept is not None and kept.dtype == x.dtype:
@@ -174,7 +175,7 @@ def quantized_linears(x: torch.Tensor, layers: list[QuantizedLinear]) -> list[to
         return [layer(x) for layer in layers]
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     biases = [None if m.bias is None else m.bias.to(x.dtype) for m in layers]
-    outs = torch.ops.gqa.qlinear_rows_n(rows, [m.blocks for m in layers], [m.format.code for m in layers], biases)
+    outs = ops.qlinear_rows_n(rows, [m.blocks for m in layers], [m.format.code for m in layers], biases)
     return [out.view(*x.shape[:-1], out.shape[-1]) for out in outs]
 
 

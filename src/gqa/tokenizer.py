@@ -4,7 +4,8 @@ the network.
 A GGUF file's byte-level BPE vocabulary is built directly with the ``tokenizers`` library
 (``gqa.loaders.gguf_tokenizer``: no transformers import, the same ids as transformers' GGUF converter) and its chat
 template rendered with jinja2 the way transformers renders it. An HF folder, or a GGUF tokenizer of another kind, goes
-through transformers' ``AutoTokenizer``.
+through transformers' ``AutoTokenizer``. Which of the two a model gets is the loader's choice
+(``gqa.loaders.load_tokenizer``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from .loaders import resolve_model_path
 
 if TYPE_CHECKING:
     from jinja2 import Template
@@ -67,20 +66,10 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_path(cls, path: str | Path | GGUFFile | None = None) -> Tokenizer:
-        """From a ``.gguf`` file, an HF checkpoint folder, a folder with one ``.gguf`` file, ``None`` (the default
-        SmolLM2 GGUF), or an opened GGUF file; see ``gqa.loaders.open_model``."""
-        from .loaders import open_model
-        from .loaders.gguf_tokenizer import NATIVE_MODELS
-
-        source = open_model(path)
-        if not isinstance(source, Path):
-            model = source.metadata.get("tokenizer.ggml.model")
-            if model in NATIVE_MODELS:
-                return cls.from_gguf(source)
-            if not isinstance(model, str):
-                raise ValueError(f"{source.path}: the GGUF file has no tokenizer (no tokenizer.ggml.model)")
-        return cls.from_hf(_transformers_tokenizer(resolve_model_path(source)))  # sentencepiece, unigram, ...
+    def from_pretrained(cls, resolved: Path) -> Tokenizer:
+        """Through transformers' ``AutoTokenizer`` from an HF checkpoint folder or a ``.gguf`` file (sentencepiece,
+        unigram, ... GGUF tokenizers), local files only. (``gqa.load_tokenizer`` picks this or ``from_gguf``.)"""
+        return cls.from_hf(_transformers_tokenizer(resolved))
 
     @property
     def hf(self) -> PreTrainedTokenizerBase:

@@ -1,4 +1,4 @@
-"""The fused backend: the native CPU decode kernel ``torch.ops.gqa.decode_attention`` (``gqa/kernels/csrc``).
+"""The fused backend: the native CPU decode kernel ``kernels.ops.decode_attention`` (``gqa/kernels/csrc``).
 
 The ``G * L`` query rows of one KV head (the whole group and every new token) go through that head's keys and
 values in one pass with an online softmax in float32: each K/V row is read from memory once for all of them, and
@@ -13,6 +13,7 @@ import torch
 
 from .. import kernels
 from .._checks import AttnShape, flat_view, kernel_refusal
+from ..kernels import ops
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -62,5 +63,5 @@ def fused_attention(
     if attn_mask is not None:
         mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.float()
         mask = mask.expand(shape.scores).reshape(-1, H_kv, G, L, S)  # (N, H_kv, G, L, S): strided, stride-0 dims
-    out = torch.ops.gqa.decode_attention(q, k, v, mask, scale, L, is_causal)  # (N, H_kv, G*L, D_v)
+    out = ops.decode_attention(q, k, v, mask, scale, L, is_causal)  # (N, H_kv, G*L, D_v)
     return out.view(*shape.batch, shape.H_q, L, shape.D_v), None

@@ -73,7 +73,7 @@ DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``gqa bench attention`` (what ``python benchmarks/attention.py`` runs)."""
-    from ..cli import HelpFormatter
+    from ..cli.common import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="gqa bench attention", description=DESCRIPTION, formatter_class=HelpFormatter)
     add_arguments(parser)

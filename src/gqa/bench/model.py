@@ -95,7 +95,7 @@ def _run_worker(path: str | None, engine: str, dtype: str, contexts: list[int], 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``gqa bench model``."""
-    from ..cli import HelpFormatter
+    from ..cli.common import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="gqa bench model", description=DESCRIPTION, formatter_class=HelpFormatter)
     add_arguments(parser)

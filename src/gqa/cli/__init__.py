@@ -15,24 +15,9 @@ from collections.abc import Callable
 from types import ModuleType
 
 from .. import __version__
+from .common import HelpFormatter
 
 Handler = Callable[[argparse.Namespace, list[str]], int]  # (parsed flags, the command line)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` with every option's default as ``(default: X)``: appended here unless the help text states it
-    already (defaults that need words, e.g. ``(default: embedded SmolLM2)``) or there is none to show (``None``, or
-    ``False`` for an on/off flag). Lists show as they are typed: ``(default: 128 1024 4096)``."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if "(default" in text or default is None or default is False or default == argparse.SUPPRESS:
-            return text
-        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
-            return text
-        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
-        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
 
 
 def _subcommand(

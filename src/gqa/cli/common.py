@@ -11,6 +11,23 @@ from contextlib import contextmanager
 
 from .dtypes import add_dtype_argument
 
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every option's default as ``(default: X)``: appended here unless the help text states it
+    already (defaults that need words, e.g. ``(default: embedded SmolLM2)``) or there is none to show (``None``, or
+    ``False`` for an on/off flag). Lists show as they are typed: ``(default: 128 1024 4096)``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "(default" in text or default is None or default is False or default == argparse.SUPPRESS:
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+
 EMBEDDED_MODEL = "embedded SmolLM2-135M-Instruct"
 
 

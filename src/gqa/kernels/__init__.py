@@ -190,45 +190,8 @@ def vectorized() -> bool:
 
 def _loaded_now() -> None:
     global _loaded, _simd
-    import torch
+    from . import ops
 
-    _register_fakes()
-    _simd = int(torch.ops.gqa.simd_width())
+    ops.register_fakes()
+    _simd = ops.simd_width()
     _loaded = True
-
-
-def _register_fakes() -> None:
-    """Shapes for torch.compile / meta tensors: the kernels are opaque custom ops to the compiler."""
-    import torch
-
-    @torch.library.register_fake("gqa::linear_rows")
-    def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return x.new_empty(x.shape[0], weight.shape[0])
-
-    @torch.library.register_fake("gqa::linear_rows_n")
-    def _linear_rows_n(
-        x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]
-    ) -> list[torch.Tensor]:
-        return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
-
-    @torch.library.register_fake("gqa::decode_attention")
-    def _decode_attention(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
-        scale: float,
-        query_len: int,
-        causal: bool,
-    ) -> torch.Tensor:
-        return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
-
-    @torch.library.register_fake("gqa::qlinear_rows_n")
-    def _qlinear_rows_n(
-        x: torch.Tensor, blocks: list[torch.Tensor], formats: list[int], biases: list[torch.Tensor | None]
-    ) -> list[torch.Tensor]:
-        return [x.new_empty(x.shape[0], b.shape[0]) for b in blocks]
-
-    @torch.library.register_fake("gqa::dequantize_rows")
-    def _dequantize_rows(blocks: torch.Tensor, format: int, K: int, dtype: torch.dtype) -> torch.Tensor:
-        return blocks.new_empty(blocks.shape[0], K, dtype=dtype)

@@ -64,7 +64,7 @@ def resolve_model_path(path: str | Path | GGUFFile | None) -> Path:
 
 def open_model(path: str | Path | GGUFFile | None = None) -> Path | GGUFFile:
     """``path`` resolved (``resolve_model_path``), a GGUF file opened: its header read and checked once, to be
-    passed on to ``read_model``, ``read_config`` and ``Tokenizer.from_path``."""
+    passed on to ``read_model``, ``read_config`` and ``load_tokenizer``."""
     resolved = resolve_model_path(path)
     return resolved if resolved.is_dir() else path if isinstance(path, GGUFFile) else open_gguf(resolved)
 
@@ -104,8 +104,17 @@ def read_config(path: str | Path | GGUFFile | None = None) -> ModelConfig:
     return hf_config(source) if isinstance(source, Path) else gguf_config(source, source.path)
 
 
-def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """The tokenizer of the model at ``path`` (same meaning as in ``read_model``)."""
+def load_tokenizer(path: str | Path | GGUFFile | None = None) -> Tokenizer:
+    """The tokenizer (with its chat template) of the model at ``path`` (same meaning as in ``read_model``; ``None``:
+    the embedded SmolLM2): built natively from a GGUF file's byte-level BPE vocabulary, else through transformers."""
     from ..tokenizer import Tokenizer
+    from .gguf_tokenizer import NATIVE_MODELS
 
-    return Tokenizer.from_path(path)
+    source = open_model(path)
+    if not isinstance(source, Path):
+        kind = source.metadata.get("tokenizer.ggml.model")
+        if kind in NATIVE_MODELS:
+            return Tokenizer.from_gguf(source)
+        if not isinstance(kind, str):
+            raise ValueError(f"{source.path}: the GGUF file has no tokenizer (no tokenizer.ggml.model)")
+    return Tokenizer.from_pretrained(resolve_model_path(source))  # sentencepiece, unigram, ...

@@ -23,6 +23,7 @@ import torch
 
 from .. import kernels
 from ..cache import StaticKVCache
+from ..kernels import ops
 from ..linear import Linear, linears
 from ..quantized import QuantizedLinear
 
@@ -67,58 +68,55 @@ def decode_step(
     cos, sin = backbone.rope.cos_sin(caches[0].positions(1))  # (B, 1, D) float32 each
     cos, sin = cos.view(B, -1).contiguous(), sin.view(B, -1).contiguous()
     x = backbone.embed_tokens(input_ids).view(B, -1)  # (B, E)
-    whole = _cached_model_args(model, x.dtype)
+    whole = decode_weights(model, x.dtype)
     if whole is not None:  # every layer, the final norm and lm_head in one native call
-        norms1, norms2, eps, weights, formats, biases, head, head_format = whole
-        logits = torch.ops.gqa.decode_model(
-            x, norms1, norms2, eps, weights, formats, biases, cos, sin, [c.key for c in caches],
-            [c.value for c in caches], [c.start for c in caches], [c.cursor for c in caches],
-            1.0 / math.sqrt(backbone.layers[0].self_attn.head_dim), backbone.norm.weight, backbone.norm.eps,
-            head, head_format, greedy,
-        )  # fmt: skip
+        logits = ops.decode_model(x, whole, cos, sin, [c.key for c in caches], [c.value for c in caches],
+                                  [c.start for c in caches], [c.cursor for c in caches], greedy)  # fmt: skip
         return logits.view(B, 1, -1)
     for layer, cache in zip(backbone.layers, caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         scale = 1.0 / math.sqrt(attn.head_dim)
         fused = _layer_weights(layer, x.dtype)
         if fused is not None:  # the whole layer in one native call
-            x = torch.ops.gqa.decode_layer(
+            x = ops.decode_layer(
                 x, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
                 *fused, cos, sin, cache.key, cache.value, cache.start, cache.cursor, scale,
             )  # fmt: skip
             continue
-        h = torch.ops.gqa.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        h = ops.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
         q, k, v = linears(h, (attn.q_proj, attn.k_proj, attn.v_proj))  # (B, H_q*D), (B, H_kv*D), (B, H_kv*D)
-        a = torch.ops.gqa.decode_attend(q, k, v, cos, sin, cache.key, cache.value, cache.start, cache.cursor, scale)
+        a = ops.decode_attend(q, k, v, cos, sin, cache.key, cache.value, cache.start, cache.cursor, scale)
         x = x + attn.o_proj(a)
-        h = torch.ops.gqa.rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        h = ops.rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         gate, up = linears(h, (mlp.gate_proj, mlp.up_proj))  # (B, F) each
-        x = x + mlp.down_proj(torch.ops.gqa.silu_mul(gate, up))
-    x = torch.ops.gqa.rms_norm(x, backbone.norm.weight, backbone.norm.eps)
+        x = x + mlp.down_proj(ops.silu_mul(gate, up))
+    x = ops.rms_norm(x, backbone.norm.weight, backbone.norm.eps)
     logits = model.lm_head(x)
     if greedy is not None:
         greedy.copy_(logits.float().argmax(-1))
     return logits.view(B, 1, -1)
 
 
-_ARGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (modules, dtype, _model_args(...))
+_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (modules, dtype, DecodeWeights | None)
 
 
-def _cached_model_args(model: torch.nn.Module, dtype: torch.dtype) -> tuple | None:
-    """``_model_args``, rebuilt only when one of the modules it reads was replaced or the dtype changed (walking
-    every layer's modules through ``nn.Module.__getattr__`` costs ~1.4 ms, a tenth of a quantized step)."""
+def decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWeights | None:
+    """What the one-call step reads of ``model`` in ``dtype`` (``None`` where a layer or lm_head is something it
+    cannot take: ``_decode_weights``), rebuilt only when one of the modules it reads was replaced or the dtype
+    changed (walking every layer's modules through ``nn.Module.__getattr__`` costs ~1.4 ms, a tenth of a quantized
+    step)."""
     modules = _step_modules(model)
-    cached = _ARGS.get(model)
+    cached = _WEIGHTS.get(model)
     same = cached is not None and cached[1] == dtype and len(cached[0]) == len(modules)
     if same and all(a is b for a, b in zip(cached[0], modules, strict=True)):  # identity: a tensor's == is per element
         return cached[2]
-    args = _model_args(model, dtype)
-    _ARGS[model] = (modules, dtype, args)
-    return args
+    weights = _decode_weights(model, dtype)
+    _WEIGHTS[model] = (modules, dtype, weights)
+    return weights
 
 
 def _step_modules(model: torch.nn.Module) -> tuple:
-    """Every module ``_model_args`` reads and each one's parameters and buffers, by direct ``_modules`` lookups: a
+    """Every module ``_decode_weights`` reads and each one's parameters and buffers, by direct ``_modules`` lookups: a
     tuple compared by identity, so a replaced module, weight or block buffer is seen."""
     modules = [model._modules["lm_head"], model._modules["model"]._modules["norm"]]
     for layer in model._modules["model"]._modules["layers"]._modules.values():
@@ -132,12 +130,12 @@ def _step_modules(model: torch.nn.Module) -> tuple:
     return tuple(out)
 
 
-def _model_args(model: torch.nn.Module, dtype: torch.dtype) -> tuple | None:
-    """The arguments of ``gqa::decode_model`` besides the activations and caches — ``(norms1, norms2, eps, weights,
-    formats, qkv_biases, head, head_format)``, per layer flattened in layer order — or ``None`` when a layer cannot be
-    fused (``_layer_weights``), the layers' norms differ in eps, or lm_head is neither a float ``Linear`` in
-    ``dtype`` nor a ``QuantizedLinear`` without bias."""
-    layers = model.model.layers
+def _decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWeights | None:
+    """``DecodeWeights`` of ``model``, or ``None`` when a layer cannot be fused (``_layer_weights``), the layers'
+    norms differ in eps, or lm_head is neither a float ``Linear`` in ``dtype`` nor a ``QuantizedLinear`` without
+    bias."""
+    backbone = model.model
+    layers = backbone.layers
     eps = layers[0].input_layernorm.eps
     head = model.lm_head
     if type(head) is QuantizedLinear and head.bias is None:
@@ -156,11 +154,13 @@ def _model_args(model: torch.nn.Module, dtype: torch.dtype) -> tuple | None:
         weights += fused[0]
         formats += fused[1]
         biases += fused[2]
-    return norms1, norms2, eps, weights, formats, biases, head_weight, head_format
+    scale = 1.0 / math.sqrt(layers[0].self_attn.head_dim)
+    return ops.DecodeWeights(norms1, norms2, eps, weights, formats, biases, scale, backbone.norm.weight,
+                             backbone.norm.eps, head_weight, head_format)  # fmt: skip
 
 
 def _layer_weights(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[list, list[int], list] | None:
-    """``(weights, formats, qkv_biases)`` for ``gqa::decode_layer`` — q, k, v, o, gate, up, down as float matrices
+    """``(weights, formats, qkv_biases)`` for ``ops.decode_layer`` — q, k, v, o, gate, up, down as float matrices
     (format -1) or quantized blocks (their format's code) — or ``None`` when a part is something else (e.g. the
     all-reducing projections of tensor parallelism, output biases, norms with different eps): then the layer runs
     op by op."""

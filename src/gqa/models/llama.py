@@ -162,6 +162,11 @@ class CausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.norm.weight.device
 
+    def runs_own_forward(self) -> bool:
+        """Whether calling the model runs exactly ``CausalLM.forward``: no subclass override, no forward hooks (so the
+        decode loop may call its native step directly, for the greedy tokens it finds, skipping nothing)."""
+        return type(self).forward is CausalLM.forward and not self._forward_hooks and not self._forward_pre_hooks
+
     def generate(self, prompts: list | torch.Tensor, **kwargs: object) -> list:
         """Generate continuations of token-id prompts (a list of ints or a 1-D tensor, or a batch of them); see
         ``gqa.generation.generate`` for the arguments."""

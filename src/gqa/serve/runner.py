@@ -10,12 +10,12 @@ came from the prefix cache.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 
 from .. import kernels
+from ..kernels import ops
 from ..models import decode_step
 from .config import EngineConfig
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
@@ -47,7 +47,7 @@ class ModelRunner:
         built, layers the native step takes, full half-rotation RoPE."""
         if model.device.type != "cpu" or model.dtype not in decode_step.DTYPES or not kernels.vectorized():
             raise EngineError("the engine runs float32 or bfloat16 models on CPU with the native kernels built")
-        if decode_step._cached_model_args(model, model.dtype) is None:
+        if decode_step.decode_weights(model, model.dtype) is None:
             raise EngineError("the model's layers are not all ones the native step takes (see models.decode_step)")
         rope = model.model.rope
         if rope.interleaved or rope.rotary_dim != rope.head_dim:
@@ -69,16 +69,11 @@ class ModelRunner:
         positions = torch.tensor(positions, dtype=torch.long)
         cos, sin = backbone.rope.cos_sin(positions.view(B, 1))  # (B, 1, D) each
         x = backbone.embed_tokens(torch.tensor(ids, dtype=torch.long).view(B, 1)).view(B, -1)
-        norms1, norms2, eps, weights, formats, biases, head, head_format = decode_step._cached_model_args(
-            model, model.dtype
-        )
+        weights = decode_step.decode_weights(model, model.dtype)
         greedy = torch.empty(len(wanted), dtype=torch.long)
-        logits = torch.ops.gqa.decode_paged(
-            x, norms1, norms2, eps, weights, formats, biases, cos.view(B, -1).contiguous(),
-            sin.view(B, -1).contiguous(), self.cache.key, self.cache.value, table_tensor(tables), positions,
-            1.0 / math.sqrt(backbone.layers[0].self_attn.head_dim), backbone.norm.weight, backbone.norm.eps, head,
-            head_format, greedy, torch.tensor(wanted, dtype=torch.long),
-        )  # fmt: skip
+        logits = ops.decode_paged(x, weights, cos.view(B, -1).contiguous(), sin.view(B, -1).contiguous(),
+                                  self.cache.key, self.cache.value, table_tensor(tables), positions, greedy,
+                                  torch.tensor(wanted, dtype=torch.long))  # fmt: skip
         return logits, greedy
 
 

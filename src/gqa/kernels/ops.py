@@ -1,0 +1,257 @@
+"""The native kernels' Python surface: one typed wrapper per op, its fake kernel beside it.
+
+``torch.ops.gqa.*`` is called here and nowhere else in the library. The ops exist once ``gqa.kernels.load()`` has
+loaded the library (callers ask ``kernels.available()`` / ``kernels.vectorized()`` first); the fakes — the output
+shapes that ``torch.compile`` and meta tensors need, the kernels being opaque to the compiler — are registered then
+(``register_fakes``). ``simd_width`` has no tensor arguments: its one kernel serves every backend, nothing to fake.
+
+Shapes follow the C++ sources (``csrc/*.cpp``), which check them: ``B`` rows, ``E`` hidden size, ``H_q``/``H_kv``
+heads, ``D``/``D_v`` head sizes, ``C`` cache slots, ``V`` vocabulary. float32 or bfloat16 activations throughout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DecodeWeights",
+    "decode_attend",
+    "decode_attention",
+    "decode_layer",
+    "decode_model",
+    "decode_paged",
+    "dequantize_rows",
+    "linear_rows",
+    "linear_rows_n",
+    "paged_attention",
+    "qlinear_rows_n",
+    "register_fakes",
+    "rms_norm",
+    "silu_mul",
+    "simd_width",
+]
+
+Tensor = torch.Tensor
+OptionalTensors = Sequence[Tensor | None]
+
+
+@dataclass(frozen=True)
+class DecodeWeights:
+    """Everything the one-call decode step (``decode_model``, ``decode_paged``) reads besides the activations and
+    the caches, built once per model (``models.decode_step.decode_weights``). Per layer, in layer order: two norms,
+    seven matrices ``q, k, v, o, gate, up, down`` (float ``(M, K)`` with format ``-1``, or block-quantized rows with
+    their format's code) and three q/k/v biases (or ``None``)."""
+
+    norms1: list[Tensor]  # [(E,)] per layer
+    norms2: list[Tensor]
+    eps: float
+    weights: list[Tensor]  # 7 per layer
+    formats: list[int]  # 7 per layer
+    qkv_biases: list[Tensor | None]  # 3 per layer
+    scale: float  # the attention's score scale, 1 / sqrt(D)
+    final_norm: Tensor  # (E,)
+    final_eps: float
+    head: Tensor  # lm_head: (V, E) float, or blocks
+    head_format: int
+
+
+def simd_width() -> int:
+    """Float32 lanes the library was built to vectorize with: 16 (AVX-512), 8 (AVX2 + FMA), 1 (none)."""
+    return int(torch.ops.gqa.simd_width())
+
+
+def linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x (N, K) @ weight (M, K)^T + bias (M,)`` -> ``(N, M)`` for a few rows (decode): each weight row streamed
+    once."""
+    return torch.ops.gqa.linear_rows(x, weight, bias)
+
+
+def linear_rows_n(x: Tensor, weights: Sequence[Tensor], biases: OptionalTensors) -> list[Tensor]:
+    """``linear_rows`` of one input ``x (N, K)`` against several matrices (q/k/v, gate/up) in one parallel region."""
+    return torch.ops.gqa.linear_rows_n(x, list(weights), list(biases))
+
+
+def qlinear_rows_n(
+    x: Tensor, blocks: Sequence[Tensor], formats: Sequence[int], biases: OptionalTensors
+) -> list[Tensor]:
+    """``x (N, K) @ dequant(W_i)^T + b_i`` -> ``[(N, M_i)]`` for block-quantized ``W_i`` (rows of blocks), with int8
+    activations as llama.cpp computes it."""
+    return torch.ops.gqa.qlinear_rows_n(x, list(blocks), list(formats), list(biases))
+
+
+def dequantize_rows(blocks: Tensor, format: int, K: int, dtype: torch.dtype) -> Tensor:
+    """Rows of blocks ``(M, K / 32 * block_bytes)`` -> ``(M, K)`` of ``dtype``, exactly ``d * q (+ m)``."""
+    return torch.ops.gqa.dequantize_rows(blocks, format, K, dtype)
+
+
+def decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, query_len: int, causal: bool
+) -> Tensor:
+    """Grouped attention: ``q (B, H_kv, G * L, D)`` against ``k (B, H_kv, S, D)``, ``v (B, H_kv, S, D_v)`` (strided
+    views allowed), ``mask (B, H_kv, G, L, S)`` bool or float (any strides) -> ``(B, H_kv, G * L, D_v)``."""
+    return torch.ops.gqa.decode_attention(q, k, v, mask, scale, query_len, causal)
+
+
+def paged_attention(
+    q: Tensor, key_pool: Tensor, value_pool: Tensor, block_table: Tensor, lengths: Tensor, scale: float
+) -> Tensor:
+    """One query per row ``q (B, H_q, D)`` over its first ``lengths[b]`` slots of the blocks ``block_table (B, M)``
+    lists in pools ``(blocks, H_kv, block_size, D | D_v)`` -> ``(B, H_q, D_v)``."""
+    return torch.ops.gqa.paged_attention(q, key_pool, value_pool, block_table, lengths, scale)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's RMSNorm of ``x (N, E)`` with ``weight (E,)``, rounding where it rounds."""
+    return torch.ops.gqa.rms_norm(x, weight, eps)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU's ``T(silu(gate)) * up`` elementwise; an element's value does not depend on the tensor around it."""
+    return torch.ops.gqa.silu_mul(gate, up)
+
+
+def decode_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    start: Tensor,
+    cursor: Tensor,
+    scale: float,
+) -> Tensor:
+    """One decoded token's attention: RoPE on ``q (B, H_q * D)`` and ``k (B, H_kv * D)``, k and ``v (B, H_kv *
+    D_v)`` written at slot ``cursor`` of the caches ``(B, H_kv, C, D | D_v)``, each row attending to its slots
+    ``[start[b], cursor]``; ``cursor += 1``. -> ``(B, H_q * D_v)``."""
+    return torch.ops.gqa.decode_attend(q, k, v, cos, sin, key_cache, value_cache, start, cursor, scale)
+
+
+def decode_layer(
+    x: Tensor,
+    norm1: Tensor,
+    norm2: Tensor,
+    eps: float,
+    weights: Sequence[Tensor],
+    formats: Sequence[int],
+    qkv_biases: OptionalTensors,
+    cos: Tensor,
+    sin: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    start: Tensor,
+    cursor: Tensor,
+    scale: float,
+) -> Tensor:
+    """A whole Llama/Qwen2 decoder layer for one new token per row ``x (B, E)`` -> ``(B, E)``: the 7 ``weights`` of
+    ``DecodeWeights``' per-layer order, caches as in ``decode_attend``."""
+    return torch.ops.gqa.decode_layer(x, norm1, norm2, eps, list(weights), list(formats), list(qkv_biases), cos, sin,
+                                      key_cache, value_cache, start, cursor, scale)  # fmt: skip
+
+
+def decode_model(
+    x: Tensor,
+    w: DecodeWeights,
+    cos: Tensor,
+    sin: Tensor,
+    key_caches: Sequence[Tensor],
+    value_caches: Sequence[Tensor],
+    starts: Sequence[Tensor],
+    cursors: Sequence[Tensor],
+    greedy: Tensor | None = None,
+) -> Tensor:
+    """The whole decode step in one call: ``x (B, E)`` (the new tokens' embeddings) through every layer, the final
+    norm and lm_head -> logits ``(B, V)``. Per layer a cache pair ``(B, H_kv, C, D | D_v)``, a ``start (B,)`` and a
+    ``cursor ()`` as in ``decode_attend``; ``greedy (B,)`` int64, when given, gets each row's argmax."""
+    return torch.ops.gqa.decode_model(
+        x, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin, list(key_caches),
+        list(value_caches), list(starts), list(cursors), w.scale, w.final_norm, w.final_eps, w.head, w.head_format,
+        greedy,
+    )  # fmt: skip
+
+
+def decode_paged(
+    x: Tensor,
+    w: DecodeWeights,
+    cos: Tensor,
+    sin: Tensor,
+    key_pools: Sequence[Tensor],
+    value_pools: Sequence[Tensor],
+    block_table: Tensor,
+    positions: Tensor,
+    greedy: Tensor | None = None,
+    logit_rows: Tensor | None = None,
+) -> Tensor:
+    """``decode_model`` over paged caches: per layer pools ``(blocks, H_kv, block_size, D | D_v)``, ``block_table
+    (B, M)`` shared by the layers, ``positions (B,)``: row b's new K/V go to its slot ``positions[b]`` and it attends
+    to slots ``[0, positions[b]]`` (rows of one sequence at consecutive positions see each other: a prompt chunk).
+    ``logit_rows (N,)``: only those rows get logits -> ``(N, V)`` (else ``(B, V)``)."""
+    return torch.ops.gqa.decode_paged(
+        x, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin, list(key_pools),
+        list(value_pools), block_table, positions, w.scale, w.final_norm, w.final_eps, w.head, w.head_format, greedy,
+        logit_rows,
+    )  # fmt: skip
+
+
+# -- fake kernels: the output shapes, for torch.compile and meta tensors ---------------------------------------------
+
+
+def register_fakes() -> None:
+    """Register every op's fake kernel (``gqa.kernels`` does this once the library is loaded)."""
+    register = torch.library.register_fake
+
+    @register("gqa::linear_rows")
+    def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @register("gqa::linear_rows_n")
+    def _(x: Tensor, weights: list[Tensor], biases: list[Tensor | None]) -> list[Tensor]:
+        return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+
+    @register("gqa::qlinear_rows_n")
+    def _(x: Tensor, blocks: list[Tensor], formats: list[int], biases: list[Tensor | None]) -> list[Tensor]:
+        return [x.new_empty(x.shape[0], b.shape[0]) for b in blocks]
+
+    @register("gqa::dequantize_rows")
+    def _(blocks: Tensor, format: int, K: int, dtype: torch.dtype) -> Tensor:
+        return blocks.new_empty(blocks.shape[0], K, dtype=dtype)
+
+    @register("gqa::decode_attention")
+    def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, query_len: int, causal: bool) -> Tensor:
+        return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+
+    @register("gqa::paged_attention")
+    def _(q: Tensor, key_pool: Tensor, value_pool: Tensor, block_table: Tensor, lengths: Tensor, scale: float):
+        return q.new_empty(q.shape[0], q.shape[1], value_pool.shape[3])
+
+    @register("gqa::rms_norm")
+    def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return torch.empty_like(x)
+
+    @register("gqa::silu_mul")
+    def _(gate: Tensor, up: Tensor) -> Tensor:
+        return torch.empty_like(gate)
+
+    @register("gqa::decode_attend")
+    def _(q, k, v, cos, sin, key_cache, value_cache, start, cursor, scale) -> Tensor:
+        heads = q.shape[1] // key_cache.shape[3]  # H_q
+        return q.new_empty(q.shape[0], heads * value_cache.shape[3])
+
+    @register("gqa::decode_layer")
+    def _(x, norm1, norm2, eps, weights, formats, qkv_biases, cos, sin, key_cache, value_cache, start, cursor, scale):
+        return torch.empty_like(x)
+
+    @register("gqa::decode_model")
+    def _(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_caches, value_caches, starts, cursors,
+          scale, final_norm, final_eps, head, head_format, greedy=None) -> Tensor:  # fmt: skip
+        return x.new_empty(x.shape[0], head.shape[0])
+
+    @register("gqa::decode_paged")
+    def _(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_pools, value_pools, block_table,
+          positions, scale, final_norm, final_eps, head, head_format, greedy=None, logit_rows=None):  # fmt: skip
+        rows = x.shape[0] if logit_rows is None else logit_rows.shape[0]
+        return x.new_empty(rows, head.shape[0])
