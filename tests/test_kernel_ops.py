@@ -65,8 +65,17 @@ def cases() -> dict[str, tuple]:
     pool = torch.randn(9, Hkv, 4, D, generator=g)
     table = torch.tensor([[0, 3, 5], [1, 2, 4], [8, 7, 6]])
     w, xs, cos, sin = step_case(g)
-    dense = [torch.randn(B, Hkv, C, D, generator=g) for _ in range(4)]
-    layer = w.weights[:7]
+
+    def cache() -> tuple:  # key, value, start of a dense layer cache
+        return torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D), torch.zeros(B, dtype=torch.long)
+
+    def dense(n: int) -> tuple:  # n layers' caches as decode_model takes them: keys, values, starts, cursors
+        caches = [cache() for _ in range(n)]
+        return [c[0] for c in caches], [c[1] for c in caches], [c[2] for c in caches], [torch.tensor(4)] * n
+
+    model = (xs, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin)
+    head = (w.scale, w.final_norm, w.final_eps, w.head, -1)
+    k, v, start = cache()
     ops = torch.ops.gqa
     return {
         "linear_rows": (ops.linear_rows, (x, torch.randn(7, K, generator=g), torch.randn(7, generator=g))),
@@ -74,96 +83,18 @@ def cases() -> dict[str, tuple]:
         "qlinear_rows_n": (ops.qlinear_rows_n, (x, [blocks], [2], [None])),
         "dequantize_rows": (ops.dequantize_rows, (blocks, 2, K, torch.float32)),
         "decode_attention": (ops.decode_attention, (q, kv, kv.clone(), None, 0.3, 1, False)),
-        "paged_attention": (
-            ops.paged_attention,
-            (q.reshape(B, Hq, D), pool, pool.clone(), table, torch.tensor([5, 12, 1]), 0.3),
-        ),
+        "paged_attention": (ops.paged_attention, (q.reshape(B, Hq, D), pool, pool.clone(), table,
+                                                  torch.tensor([5, 12, 1]), 0.3)),
         "rms_norm": (ops.rms_norm, (x, torch.rand(K, generator=g), 1e-5)),
         "silu_mul": (ops.silu_mul, (x, torch.randn(5, K, generator=g))),
-        "decode_attend": (
-            ops.decode_attend,
-            (
-                torch.randn(B, Hq * D, generator=g),
-                torch.randn(B, Hkv * D),
-                torch.randn(B, Hkv * D),
-                cos,
-                sin,
-                dense[0],
-                dense[1],
-                torch.zeros(B, dtype=torch.long),
-                torch.tensor(4),
-                0.3,
-            ),
-        ),
-        "decode_layer": (
-            ops.decode_layer,
-            (
-                xs,
-                w.norms1[0],
-                w.norms2[0],
-                1e-5,
-                layer,
-                [-1] * 7,
-                [None] * 3,
-                cos,
-                sin,
-                dense[2],
-                dense[3],
-                torch.zeros(B, dtype=torch.long),
-                torch.tensor(4),
-                0.3,
-            ),
-        ),
-        "decode_model": (
-            ops.decode_model,
-            (
-                xs,
-                w.norms1,
-                w.norms2,
-                w.eps,
-                w.weights,
-                w.formats,
-                w.qkv_biases,
-                cos,
-                sin,
-                dense[:2],
-                dense[2:],
-                [torch.zeros(B, dtype=torch.long)] * 2,
-                [torch.tensor(4), torch.tensor(4)],
-                w.scale,
-                w.final_norm,
-                w.final_eps,
-                w.head,
-                -1,
-                torch.empty(B, dtype=torch.long),
-            ),
-        ),
-        "decode_paged": (
-            ops.decode_paged,
-            (
-                xs,
-                w.norms1,
-                w.norms2,
-                w.eps,
-                w.weights,
-                w.formats,
-                w.qkv_biases,
-                cos,
-                sin,
-                [pool.clone(), pool.clone()],
-                [pool.clone(), pool.clone()],
-                table,
-                torch.tensor([4, 0, 9]),
-                w.scale,
-                w.final_norm,
-                w.final_eps,
-                w.head,
-                -1,
-                None,
-                torch.tensor([2, 0]),
-            ),
-        ),
-    }
+        "decode_attend": (ops.decode_attend, (torch.randn(B, Hq * D), torch.randn(B, Hkv * D),
+                                              torch.randn(B, Hkv * D), cos, sin, k, v, start, torch.tensor(4), 0.3)),
+        "decode_layer": (ops.decode_layer, (xs, w.norms1[0], w.norms2[0], w.eps, w.weights[:7], [-1] * 7, [None] * 3,
+                                            cos, sin, *cache()[:3], torch.tensor(4), 0.3)),
+        "decode_model": (ops.decode_model, (*model, *dense(2), *head, torch.empty(B, dtype=torch.long))),
+        "decode_paged": (ops.decode_paged, (*model, [pool.clone(), pool.clone()], [pool.clone(), pool.clone()],
+                                            table, torch.tensor([4, 0, 9]), *head, None, torch.tensor([2, 0]))),
+    }  # fmt: skip
 
 
 OPS = [

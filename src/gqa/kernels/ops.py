@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 __all__ = [
     "DecodeWeights",
+    "RowCache",
     "decode_attend",
     "decode_attention",
     "decode_layer",
@@ -36,6 +38,17 @@ __all__ = [
 
 Tensor = torch.Tensor
 OptionalTensors = Sequence[Tensor | None]
+
+
+class RowCache(Protocol):
+    """A layer's dense KV cache as the decode ops read it (``gqa.cache.StaticKVCache`` is one): ``key``, ``value``
+    ``(B, H_kv, C, D | D_v)``, ``start (B,)`` int64, each row's first visible slot (left padding), and ``cursor``, an
+    int64 scalar tensor: the slot the next token goes to."""
+
+    key: Tensor
+    value: Tensor
+    start: Tensor
+    cursor: Tensor
 
 
 @dataclass(frozen=True)
@@ -113,22 +126,11 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return torch.ops.gqa.silu_mul(gate, up)
 
 
-def decode_attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    start: Tensor,
-    cursor: Tensor,
-    scale: float,
-) -> Tensor:
+def decode_attend(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, cache: RowCache, scale: float) -> Tensor:
     """One decoded token's attention: RoPE on ``q (B, H_q * D)`` and ``k (B, H_kv * D)``, k and ``v (B, H_kv *
-    D_v)`` written at slot ``cursor`` of the caches ``(B, H_kv, C, D | D_v)``, each row attending to its slots
-    ``[start[b], cursor]``; ``cursor += 1``. -> ``(B, H_q * D_v)``."""
-    return torch.ops.gqa.decode_attend(q, k, v, cos, sin, key_cache, value_cache, start, cursor, scale)
+    D_v)`` written at slot ``cache.cursor`` of ``cache``, each row attending to its slots ``[start[b], cursor]``;
+    ``cursor += 1``. -> ``(B, H_q * D_v)``."""
+    return torch.ops.gqa.decode_attend(q, k, v, cos, sin, cache.key, cache.value, cache.start, cache.cursor, scale)
 
 
 def decode_layer(
@@ -141,36 +143,25 @@ def decode_layer(
     qkv_biases: OptionalTensors,
     cos: Tensor,
     sin: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    start: Tensor,
-    cursor: Tensor,
+    cache: RowCache,
     scale: float,
 ) -> Tensor:
     """A whole Llama/Qwen2 decoder layer for one new token per row ``x (B, E)`` -> ``(B, E)``: the 7 ``weights`` of
-    ``DecodeWeights``' per-layer order, caches as in ``decode_attend``."""
+    ``DecodeWeights``' per-layer order, the cache as in ``decode_attend``."""
     return torch.ops.gqa.decode_layer(x, norm1, norm2, eps, list(weights), list(formats), list(qkv_biases), cos, sin,
-                                      key_cache, value_cache, start, cursor, scale)  # fmt: skip
+                                      cache.key, cache.value, cache.start, cache.cursor, scale)  # fmt: skip
 
 
 def decode_model(
-    x: Tensor,
-    w: DecodeWeights,
-    cos: Tensor,
-    sin: Tensor,
-    key_caches: Sequence[Tensor],
-    value_caches: Sequence[Tensor],
-    starts: Sequence[Tensor],
-    cursors: Sequence[Tensor],
-    greedy: Tensor | None = None,
+    x: Tensor, w: DecodeWeights, cos: Tensor, sin: Tensor, caches: Sequence[RowCache], greedy: Tensor | None = None
 ) -> Tensor:
     """The whole decode step in one call: ``x (B, E)`` (the new tokens' embeddings) through every layer, the final
-    norm and lm_head -> logits ``(B, V)``. Per layer a cache pair ``(B, H_kv, C, D | D_v)``, a ``start (B,)`` and a
-    ``cursor ()`` as in ``decode_attend``; ``greedy (B,)`` int64, when given, gets each row's argmax."""
+    norm and lm_head -> logits ``(B, V)``, a cache per layer as in ``decode_attend``; ``greedy (B,)`` int64, when
+    given, gets each row's argmax."""
     return torch.ops.gqa.decode_model(
-        x, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin, list(key_caches),
-        list(value_caches), list(starts), list(cursors), w.scale, w.final_norm, w.final_eps, w.head, w.head_format,
-        greedy,
+        x, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin, [c.key for c in caches],
+        [c.value for c in caches], [c.start for c in caches], [c.cursor for c in caches], w.scale, w.final_norm,
+        w.final_eps, w.head, w.head_format, greedy,
     )  # fmt: skip
 
 

@@ -70,8 +70,7 @@ def decode_step(
     x = backbone.embed_tokens(input_ids).view(B, -1)  # (B, E)
     whole = decode_weights(model, x.dtype)
     if whole is not None:  # every layer, the final norm and lm_head in one native call
-        logits = ops.decode_model(x, whole, cos, sin, [c.key for c in caches], [c.value for c in caches],
-                                  [c.start for c in caches], [c.cursor for c in caches], greedy)  # fmt: skip
+        logits = ops.decode_model(x, whole, cos, sin, caches, greedy)
         return logits.view(B, 1, -1)
     for layer, cache in zip(backbone.layers, caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
@@ -80,12 +79,12 @@ def decode_step(
         if fused is not None:  # the whole layer in one native call
             x = ops.decode_layer(
                 x, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-                *fused, cos, sin, cache.key, cache.value, cache.start, cache.cursor, scale,
+                *fused, cos, sin, cache, scale,
             )  # fmt: skip
             continue
         h = ops.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
         q, k, v = linears(h, (attn.q_proj, attn.k_proj, attn.v_proj))  # (B, H_q*D), (B, H_kv*D), (B, H_kv*D)
-        a = ops.decode_attend(q, k, v, cos, sin, cache.key, cache.value, cache.start, cache.cursor, scale)
+        a = ops.decode_attend(q, k, v, cos, sin, cache, scale)
         x = x + attn.o_proj(a)
         h = ops.rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         gate, up = linears(h, (mlp.gate_proj, mlp.up_proj))  # (B, F) each
