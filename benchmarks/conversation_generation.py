@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from gqa.api import load_model
 from gqa.bench import write_json_atomic
 from gqa.convert import conversations
 from gqa.loaders import resolve_model_path
+from gqa.loaders.model import load_model
 
 
 def main() -> None:

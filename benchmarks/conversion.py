@@ -1,6 +1,6 @@
 """Conversion results for docs/conversion.md: SmolLM2-135M-Instruct with 9, 3 and 1 KV heads, every method.
 
-For each variant: perplexity on the default evaluation text (``gqa.evaluate.default_eval_text``: CPython's
+For each variant: perplexity on the default evaluation text (``gqa.evaluation.perplexity.default_eval_text``: CPython's
 LICENSE.txt, first ``--tokens`` tokens, window 512, stride 256), mean KL(original || variant) on the same windows,
 the same two on held-out docstrings (the first ``--tokens`` tokens of ``held_out_text()``: standard-library
 docstrings that neither calibration nor healing reads),
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from gqa.bench import write_json_atomic
-from gqa.cache import kv_cache_bytes
+from gqa.cache.kv import kv_cache_bytes
 from gqa.convert import (
     DEFAULT_METHOD,
     PRECISIONS,
@@ -42,8 +42,8 @@ from gqa.convert import (
     save_loss_curve,
 )
 from gqa.convert.calibration import default_calibration_text, default_heal_text, held_out_text
-from gqa.evaluate import DEFAULT_WINDOW, _score, default_eval_text, perplexity
-from gqa.generation import generate_stream
+from gqa.decoding.generate import generate_stream
+from gqa.evaluation.perplexity import DEFAULT_WINDOW, _score, default_eval_text, perplexity
 from gqa.loaders import load_tokenizer, read_model
 from gqa.models import CausalLM, use_input_major_weights
 

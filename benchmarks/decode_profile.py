@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 
 import gqa
+from gqa.decoding import native_step as decode_step
 from gqa.kernels import ops
-from gqa.models import decode_step
-from gqa.quantized import QuantizedLinear
+from gqa.models.quantized import QuantizedLinear
 
 
 def median_ms(fn: Callable[[], object], repeats: int = 30) -> float:

@@ -232,7 +232,7 @@ def _host_times(device: torch.device) -> dict[str, float | str]:
     import torch.nn.functional as F
 
     import gqa
-    from gqa.gpu.split_kv import split_kv_attention
+    from gqa.kernels.triton.split_kv import split_kv_attention
 
     q, k, v = _decode_inputs(1, 8, 1024, device)
     qp, kp, vp = _decode_inputs(1, 8, 1024, device, L=1024)
@@ -255,8 +255,8 @@ def _host_times(device: torch.device) -> dict[str, float | str]:
 def _sweep_row(B: int, H_kv: int, S: int, device: torch.device) -> dict:
     import torch.nn.functional as F
 
-    from gqa._checks import check_qkv
-    from gqa.gpu.split_kv import CONFIGS, launch
+    from gqa.attention.checks import check_qkv
+    from gqa.kernels.triton.split_kv import CONFIGS, launch
 
     q, k, v = _decode_inputs(B, H_kv, S, device)
     shape = check_qkv(q, k, v)

@@ -31,7 +31,7 @@ from conversion import quality  # benchmarks/conversion.py, beside this script
 from gqa.bench import write_json_atomic
 from gqa.convert import DEFAULT_METHOD, heal, refit_convert_state
 from gqa.convert.calibration import _shingles, default_calibration_text, default_heal_text, held_out_text
-from gqa.evaluate import default_eval_text
+from gqa.evaluation.perplexity import default_eval_text
 from gqa.loaders import load_tokenizer, read_model
 from gqa.models import CausalLM
 

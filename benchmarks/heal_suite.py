@@ -21,13 +21,13 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from gqa.api import load_model
 from gqa.convert import heal
 from gqa.convert.conversations import model_content_hash, self_generated_conversations
 from gqa.convert.data import heal_data
+from gqa.evaluation.suite import run_suite
 from gqa.loaders import read_model, resolve_model_path
+from gqa.loaders.model import load_model
 from gqa.models import CausalLM
-from gqa.suite import run_suite
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ from conversion import quality  # benchmarks/conversion.py, beside this script
 from gqa.bench import write_json_atomic
 from gqa.convert import _calibration_activations, convert_state, heal
 from gqa.convert.calibration import default_calibration_text, default_heal_text, held_out_text
-from gqa.evaluate import default_eval_text
-from gqa.generation import generate
+from gqa.decoding.generate import generate
+from gqa.evaluation.perplexity import default_eval_text
 from gqa.loaders import load_tokenizer, read_model
 from gqa.models import CausalLM
 

@@ -1,5 +1,5 @@
-"""What the distributed-healing tests run on every rank (``gqa.distributed.launch_local`` spawns the ranks, so it lives
-in an importable module): heal a tiny model and return the losses and the healed weights."""
+"""What the distributed-healing tests run on every rank (``gqa.parallel.distributed.launch_local`` spawns the ranks,
+so it lives in an importable module): heal a tiny model and return the losses and the healed weights."""
 
 from __future__ import annotations
 

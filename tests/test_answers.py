@@ -1,4 +1,5 @@
-"""Judging a model by its answers (``gqa.answers``, ``gqa.suite``, ``gqa eval --suite``): the question set is scored
+"""Judging a model by its answers (``gqa.evaluation.answers``, ``gqa.evaluation.suite``, ``gqa eval --suite``): the
+question set is scored
 correctly on known strings, agreement and KL are right on known inputs (KL of a model with itself is 0), and the
 suite runs end to end on tiny chat models."""
 
@@ -13,11 +14,11 @@ import torch.nn.functional as F
 from test_conversations import chat_dir
 
 import gqa
-from gqa.answers import agreement, answer_kl, is_correct, load_questions, retention
 from gqa.cli import main as cli
 from gqa.convert import conversations as conv
 from gqa.convert import convert
 from gqa.convert.conversations import Conversation
+from gqa.evaluation.answers import agreement, answer_kl, is_correct, load_questions, retention
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import shlex
 import pytest
 import torch
 
-import gqa.backends
+import gqa.attention.backends
 from gqa.bench import attention as bench
 from gqa.bench.cases import CPU_QUICK, Case, build_cases, make_inputs
 from gqa.bench.implementations import (
@@ -71,7 +71,7 @@ def test_tiny_run_writes_json_markdown_and_pngs(tmp_path, capsys):
     assert all(v > 0 for v in limits["gemm_gflops"].values())
 
     names = [impl["name"] for impl in payload["implementations"]]
-    assert names[: len(gqa.backends.BACKENDS) + 1] == [*gqa.backends.BACKENDS, "auto"]
+    assert names[: len(gqa.attention.backends.BACKENDS) + 1] == [*gqa.attention.backends.BACKENDS, "auto"]
     assert set(PEERS) <= set(names) and not set(SDPA_KERNELS) & set(names)  # the CUDA-only ones stay off on CPU
     rows = payload["rows"]
     # decode (B=2, S=24) + prefill (L=S=12) x 3 mask forms, for fp32 and bf16
@@ -150,7 +150,7 @@ def test_every_implementation_agrees_with_the_reference(case):
     assert check.mismatches == [], {n: check.error_ratio.get(n) for n in check.mismatches}
     allowed = {"gqa-pytorch"} if case.mask == "additive" or not gqa_pytorch_available() else set()
     allowed |= {"sdpa", "sdpa-flash"}  # may refuse (torch's math path / flash limits) depending on the case
-    assert set(check.skipped) <= allowed | (set(gqa.backends.BACKENDS) - {"reference", "grouped", "sdpa"})
+    assert set(check.skipped) <= allowed | (set(gqa.attention.backends.BACKENDS) - {"reference", "grouped", "sdpa"})
     assert {"reference", "grouped", "auto", "sdpa-math", "flex", *PEERS} - set(allowed) <= set(check.error_ratio)
 
 
@@ -228,7 +228,7 @@ def test_refusals_and_errors_are_recorded():
 
 
 def test_a_backend_added_to_BACKENDS_is_benchmarked_and_its_refusals_recorded(monkeypatch, tmp_path, capsys):
-    reference = gqa.backends.BACKENDS["reference"]
+    reference = gqa.attention.backends.BACKENDS["reference"]
 
     def fused(query, key, value, *, shape, attn_mask, is_causal, **kwargs):
         if shape.L > 1:
@@ -237,7 +237,7 @@ def test_a_backend_added_to_BACKENDS_is_benchmarked_and_its_refusals_recorded(mo
             raise RuntimeError("fused: float32 only")
         return reference(query, key, value, shape=shape, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
 
-    monkeypatch.setitem(gqa.backends.BACKENDS, "fused", fused)
+    monkeypatch.setitem(gqa.attention.backends.BACKENDS, "fused", fused)
     out_json = tmp_path / "run.json"
     assert bench.main([*TINY, "--masks", "causal", "--json", out_json]) == 0
     rows = {(r["kind"], r["dtype"]): r for r in json.loads(out_json.read_text())["rows"]}

@@ -112,7 +112,7 @@ class FakeAttention(nn.Module):
 
 def test_hf_function_broadcasts_a_batch_1_query_as_transformers_sdpa_does():
     hf_sdpa = pytest.importorskip("transformers.integrations.sdpa_attention")
-    import gqa.hf
+    import gqa.integrations.hf
 
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 6, 4, 8, generator=g)  # learned queries, batch 1
@@ -122,6 +122,8 @@ def test_hf_function_broadcasts_a_batch_1_query_as_transformers_sdpa_does():
     module = FakeAttention(groups=3).eval()
     for m in (None, mask):
         ref, _ = hf_sdpa.sdpa_attention_forward(module, q, k, v, m, dropout=0.0, scaling=0.3, is_causal=False)
-        out, _ = gqa.hf.gqa_attention_forward(module, q, k, v, m, dropout=0.0, scaling=0.3, is_causal=False)
+        out, _ = gqa.integrations.hf.gqa_attention_forward(
+            module, q, k, v, m, dropout=0.0, scaling=0.3, is_causal=False
+        )
         assert out.shape == ref.shape == (3, 4, 6, 8)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

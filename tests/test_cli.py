@@ -13,13 +13,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gqa import __version__, api, convert, generation
+from gqa import __version__, convert
 from gqa.bench import model as bench_model
 from gqa.cli import build_parser
 from gqa.cli import eval as eval_command
 from gqa.cli import main as cli
+from gqa.decoding import generate as generation
 from gqa.hardware import auto_dtype
 from gqa.loaders import lazy
+from gqa.loaders import model as api
 
 ENV = os.environ | {"HF_HUB_OFFLINE": "1"}
 

@@ -161,7 +161,7 @@ def test_the_journal_drops_a_line_cut_short_and_goes_on(tmp_path):
 
 def test_a_model_the_engine_does_not_take_is_generated_in_batches(chat_model, monkeypatch):
     """Without the serving engine (a GPU, float16, no native kernels), the set comes from fixed batches through
-    ``gqa.generation.generate``; its greedy answers are the ones the engine gives to the same prompts."""
+    ``gqa.decoding.generate.generate``; its greedy answers are the ones the engine gives to the same prompts."""
     from gqa.convert.bulk_generation import generate_continuous
     from gqa.serve.engine import Engine, EngineError
 

@@ -22,7 +22,7 @@ from gqa.cli import main as cli
 from gqa.convert import HealConfig, calibration, convert, convert_state, heal, resolve_precision, save_loss_curve
 from gqa.convert import healing as healing_module
 from gqa.convert.calibration import _shingles, default_heal_text, held_out_text
-from gqa.evaluate import default_eval_text, mean_kl
+from gqa.evaluation.perplexity import default_eval_text, mean_kl
 from gqa.models import CausalLM, ModelConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -168,7 +168,7 @@ def _tiny_heal_across(ranks: int, **kwargs) -> tuple[dict, list[dict], dict]:
     arguments: ``(one, per rank, the student's weights before)``."""
     import heal_workers
 
-    from gqa.distributed import launch_local
+    from gqa.parallel.distributed import launch_local
 
     teacher, student = tiny_pair()
     ids = TRAIN_IDS[:400]

@@ -13,7 +13,7 @@ from test_convert_heal import TRAIN_IDS, tiny_pair
 
 from gqa.convert import heal
 from gqa.convert.lora import MLP_LORA_RANK, add_lora, fold_lora, has_lora
-from gqa.evaluate import mean_kl
+from gqa.evaluation.perplexity import mean_kl
 
 
 def _randomize_adapters(model: torch.nn.Module, seed: int) -> None:

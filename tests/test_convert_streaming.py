@@ -285,7 +285,7 @@ def test_heal_on_two_gloo_processes_equals_one_process(sharding, train):
     import heal_workers
     from test_convert_heal import tiny_pair
 
-    from gqa.distributed import launch_local
+    from gqa.parallel.distributed import launch_local
 
     teacher, student = tiny_pair()
     g = torch.Generator().manual_seed(3)

@@ -1,5 +1,7 @@
-"""``auto`` on CUDA (``gqa.gpu.routing``): a pure function of the call, checked on CPU with hand-made ``CudaCall``s;
-and the glue that builds the call from tensors (``gqa.backends._cuda_backend``), with the device queries faked."""
+"""``auto`` on CUDA (``gqa.attention.backends.cuda_routing``): a pure function of the call, checked on CPU with
+hand-made ``CudaCall``s;
+and the glue that builds the call from tensors (``gqa.attention.backends._cuda_backend``), with the device queries
+faked."""
 
 from __future__ import annotations
 
@@ -9,9 +11,9 @@ import pytest
 import torch
 
 import gqa
-import gqa.backends as backends
-from gqa._checks import AttnShape, check_qkv
-from gqa.gpu.routing import CudaCall, flash_supports, flash_takes, route_cuda, triton_takes
+import gqa.attention.backends as backends
+from gqa.attention.backends.cuda_routing import CudaCall, flash_supports, flash_takes, route_cuda, triton_takes
+from gqa.attention.checks import AttnShape, check_qkv
 
 BLACKWELL, HOPPER, AMPERE, TURING = (10, 0), (9, 0), (8, 0), (7, 5)
 HALF = (torch.bfloat16, torch.float16)

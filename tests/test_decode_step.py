@@ -1,4 +1,4 @@
-"""The native one-token decode step (``gqa.models.decode_step``), the path ``model.generate`` takes on CPU, against
+"""The native one-token decode step (``gqa.decoding.native_step``), the path ``model.generate`` takes on CPU, against
 HF transformers models built from small random configs: logits at every decoded position, left-padded batches,
 float32 and bfloat16, quantized weights; and the cases it must leave to the eager path."""
 
@@ -11,7 +11,7 @@ import torch
 
 import gqa
 from gqa import kernels
-from gqa.models import decode_step
+from gqa.decoding import native_step as decode_step
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -51,7 +51,7 @@ def hf_model(tmp_path, arch: str, heads: int, kv_heads: int, head_dim: int):
 
 def decode_logits(model, prompts: list[list[int]], steps: list[list[int]]) -> list[torch.Tensor]:
     """Prefill left-padded ``prompts``, then feed ``steps[i]`` (one token per row) and collect each step's logits."""
-    from gqa.generation import _left_pad
+    from gqa.decoding.generate import _left_pad
 
     ids, pads = _left_pad(prompts, 0, torch.device("cpu"))
     caches = model.new_caches(len(prompts), ids.shape[1] + len(steps))
@@ -102,7 +102,7 @@ def test_a_large_ragged_batch_decodes_natively_and_matches_hf(tmp_path, counted,
     ref = hf_model(tmp_path, "qwen2", 18, 6, 4)
     model = gqa.load_model(tmp_path, dtype=torch.float32, tokenizer=False)
     if quantized:
-        from gqa.quantized import quantize_model
+        from gqa.models.quantized import quantize_model
 
         quantize_model(model, "q8_0")
     g = torch.Generator().manual_seed(2)
@@ -140,7 +140,7 @@ def test_native_step_equals_the_eager_step(tmp_path, monkeypatch):
 def test_one_call_per_step_equals_a_call_per_layer(tmp_path, monkeypatch, dtype, quantized):
     """``gqa::decode_model`` (every layer, the final norm and lm_head in one native call) runs the per-layer ops in
     the same order: the same bits as a ``gqa::decode_layer`` call per layer from Python."""
-    from gqa.quantized import quantize_model
+    from gqa.models.quantized import quantize_model
 
     hf_model(tmp_path, "llama", 6, 2, 10)
     model = gqa.load_model(tmp_path, dtype=dtype, tokenizer=False)
@@ -168,7 +168,7 @@ def test_one_call_per_step_equals_a_call_per_layer(tmp_path, monkeypatch, dtype,
 def test_the_step_sees_replaced_modules_and_weights(tmp_path):
     """The one-call step's arguments are cached per model: a module, weight or dtype changed after a step is used by
     the next one (the step's logits equal the eager path's after each change)."""
-    from gqa.quantized import quantize_model
+    from gqa.models.quantized import quantize_model
 
     hf_model(tmp_path, "llama", 4, 2, 16)
     model = gqa.load_model(tmp_path, tokenizer=False)
@@ -192,7 +192,7 @@ def test_the_step_sees_replaced_modules_and_weights(tmp_path):
 
 
 def test_quantized_model_decodes_natively_and_tracks_its_dequantized_self(tmp_path, counted):
-    from gqa.quantized import QuantizedLinear, quantize_model
+    from gqa.models.quantized import QuantizedLinear, quantize_model
 
     hf_model(tmp_path, "llama", 4, 2, 16)
     model = gqa.load_model(tmp_path, dtype=torch.float32, tokenizer=False)
@@ -210,7 +210,7 @@ def test_quantized_model_decodes_natively_and_tracks_its_dequantized_self(tmp_pa
 
 
 def dequantized_state(model) -> dict[str, torch.Tensor]:
-    from gqa.quantized import QuantizedEmbedding, QuantizedLinear, dequantize
+    from gqa.models.quantized import QuantizedEmbedding, QuantizedLinear, dequantize
 
     state = {}
     for name, module in model.named_modules():
@@ -263,7 +263,7 @@ def test_step_ops_against_float64(dtype):
 def test_decode_mode_evaluation_scores_through_the_step_and_matches_hf(tmp_path, counted):
     """``evaluate(decode=True)`` feeds one token at a time through the caches; its perplexity is HF's own (a full
     forward, float64 log-softmax) on the same tokens."""
-    from gqa.evaluate import _score
+    from gqa.evaluation.perplexity import _score
 
     ref = hf_model(tmp_path, "qwen2", 6, 2, 16)
     model = gqa.load_model(tmp_path, tokenizer=False)
@@ -271,7 +271,7 @@ def test_decode_mode_evaluation_scores_through_the_step_and_matches_hf(tmp_path,
     nll, _, count = _score(model, ids, window=16, stride=8, decode=True)
     assert count == 39 and len(counted) > 30  # windows of 16, every scored position a native step
     with torch.inference_mode():
-        from gqa.evaluate import sliding_windows
+        from gqa.evaluation.perplexity import sliding_windows
 
         expected = 0.0
         for begin, first, end in sliding_windows(40, 16, 8):
@@ -281,7 +281,7 @@ def test_decode_mode_evaluation_scores_through_the_step_and_matches_hf(tmp_path,
 
 
 def test_compiled_generation_equals_the_native_step_and_buckets_the_cache(tmp_path, monkeypatch, counted):
-    from gqa import compiled
+    from gqa.decoding import compiled
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     hf_model(tmp_path / "model", "llama", 4, 2, 16)
@@ -301,7 +301,7 @@ def test_compiled_generation_equals_the_native_step_and_buckets_the_cache(tmp_pa
 
 def _random_layers(g: torch.Generator, dtype, formats, E, F, Hq, Hkv, D, biases):
     """Per layer: norms, 7 weights (float or blocks per ``formats``) with their format codes, q/k/v biases."""
-    from gqa.quantized import get_format, quantize
+    from gqa.models.quantized import get_format, quantize
 
     layers = []
     shapes = [(Hq * D, E), (Hkv * D, E), (Hkv * D, E), (E, Hq * D), (F, E), (F, E), (E, F)]
@@ -450,7 +450,7 @@ def test_a_full_cache_is_refused_before_any_work():
 def test_greedy_generation_takes_the_native_argmax_and_gives_the_same_tokens(tmp_path, monkeypatch, dtype):
     """Greedy ``generate`` uses the argmax the one-call step finds while writing the logits, with the tokens that
     ``sample_next`` picks from the same logits; a hooked model goes through ``model(...)`` as before."""
-    from gqa import generation
+    from gqa.decoding import generate as generation
 
     hf_model(tmp_path, "qwen2", 6, 2, 16)
     model = gqa.load_model(tmp_path, dtype=dtype, tokenizer=False)

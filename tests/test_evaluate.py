@@ -1,4 +1,5 @@
-"""``gqa.evaluate``: perplexity and KL against independent computations, SmolLM2 on the default text, ``gqa eval``.
+"""``gqa.evaluation.perplexity``: perplexity and KL against independent computations, SmolLM2 on the default text,
+``gqa eval``.
 
 The tiny-model tests load a random HF ``LlamaForCausalLM`` (saved with ``save_pretrained``) into gqa and compare
 with transformers' own loss on the same weights, in float64.
@@ -20,7 +21,7 @@ from torch.distributions import Categorical, kl_divergence
 
 import gqa
 from gqa.cli import main
-from gqa.evaluate import default_eval_text, mean_kl, perplexity, sliding_windows
+from gqa.evaluation.perplexity import default_eval_text, mean_kl, perplexity, sliding_windows
 from gqa.models import CausalLM
 
 transformers = pytest.importorskip("transformers")

@@ -307,13 +307,13 @@ def test_empty_inputs_are_refused_by_the_fused_backends(backend):
 def test_compiled_kernel_choice_matches_torch(dtype, mask_kind, D, D_v, strided):
     """Under torch.compile the SDPA backend asks torch's kernel choice on one-token stand-ins (the real query cannot
     be traced); on this CPU that answer must be the real inputs' answer."""
-    from gqa.backends.sdpa import _fused_choice, _fused_choice_probe, _layout, _mask_4d
+    from gqa.attention.backends.sdpa import _fused_choice, _fused_choice_probe, _layout, _mask_4d
 
     q, k, v = make((2,), 8, 2, 40, 40, 2 * D if strided else D, dtype=dtype, D_v=D_v)
     if strided:
         q = q[..., ::2]
         k = k[..., :D]
-    shape = gqa._checks.check_qkv(q, k, v)
+    shape = gqa.attention.checks.check_qkv(q, k, v)
     mask = make_mask(mask_kind, (2,), 8, 40, 40, dtype)
     mask = None if mask is None else _mask_4d(mask, shape)
     real = _fused_choice(q, k, v, mask, False, None, True)

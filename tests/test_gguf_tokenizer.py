@@ -18,7 +18,7 @@ import pytest
 from gqa.loaders import default_model_path, load_tokenizer
 from gqa.loaders.gguf_reader import GGUFFile
 from gqa.loaders.gguf_tokenizer import byte_alphabet
-from gqa.tokenizer import Tokenizer
+from gqa.loaders.tokenizer import Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ import torch
 from _reference import attention64
 
 import gqa
-from gqa.gpu.split_kv import split_kv_attention, triton_available
+from gqa.kernels.triton.split_kv import split_kv_attention, triton_available
 
 pytestmark = [
     pytest.mark.cuda,
@@ -146,7 +146,7 @@ def test_graphed_decode_matches_eager_and_hf():
 @needs_triton
 @torch.inference_mode()
 def test_graphed_step_logits_match_hf_bf16():
-    from gqa.gpu.graphs import GraphedDecoder
+    from gqa.decoding.cuda_graphs import GraphedDecoder
 
     hf, model = _models(torch.bfloat16)
     ids = torch.randint(0, 300, (2, 20), device="cuda")

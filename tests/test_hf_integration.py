@@ -1,4 +1,4 @@
-"""``gqa.hf``: gqa as a transformers attention implementation (``attn_implementation="gqa"``).
+"""``gqa.integrations.hf``: gqa as a transformers attention implementation (``attn_implementation="gqa"``).
 
 * the attention function against transformers' own ``sdpa_attention_forward`` on every mask form it is handed;
 * tiny random Llama and Qwen2 (GQA: 4 query heads, 2 KV heads) against ``eager``: logits with and without left
@@ -32,10 +32,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-import gqa.hf
+import gqa.integrations.hf
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
-NAME = gqa.hf.register()
+NAME = gqa.integrations.hf.register()
 
 
 # ============================================================================================== registration, import
@@ -43,9 +43,9 @@ NAME = gqa.hf.register()
 
 def test_register_is_idempotent_and_registers_both_interfaces():
     assert NAME == "gqa"
-    assert gqa.hf.register() == "gqa"
-    assert gqa.hf.register("gqa") == "gqa"
-    assert ALL_ATTENTION_FUNCTIONS["gqa"] is gqa.hf.gqa_attention_forward
+    assert gqa.integrations.hf.register() == "gqa"
+    assert gqa.integrations.hf.register("gqa") == "gqa"
+    assert ALL_ATTENTION_FUNCTIONS["gqa"] is gqa.integrations.hf.gqa_attention_forward
     # Without a mask function transformers would build no mask at all for a custom name (padding silently ignored).
     assert ALL_MASK_ATTENTION_FUNCTIONS["gqa"] is sdpa_mask
 
@@ -53,20 +53,20 @@ def test_register_is_idempotent_and_registers_both_interfaces():
 def test_register_rejects_reserved_and_taken_names(monkeypatch):
     for bad in ("eager", "sdpa", "my_sdpa", "flex_attention", "flash_attention_2", "paged|gqa", "org/kernel"):
         with pytest.raises(ValueError, match="reserved"):
-            gqa.hf.register(bad)
+            gqa.integrations.hf.register(bad)
     with pytest.raises(TypeError):
-        gqa.hf.register("")
+        gqa.integrations.hf.register("")
     monkeypatch.setitem(AttentionInterface._global_mapping, "taken", lambda *a, **k: None)
     with pytest.raises(ValueError, match="already registered"):
-        gqa.hf.register("taken")
+        gqa.integrations.hf.register("taken")
     monkeypatch.setitem(AttentionMaskInterface._global_mapping, "taken_mask", lambda *a, **k: None)
     with pytest.raises(ValueError, match="already registered"):
-        gqa.hf.register("taken_mask")
+        gqa.integrations.hf.register("taken_mask")
     # Another name works, and is registered for both interfaces.
     monkeypatch.setattr(AttentionInterface, "_global_mapping", dict(AttentionInterface._global_mapping))
     monkeypatch.setattr(AttentionMaskInterface, "_global_mapping", dict(AttentionMaskInterface._global_mapping))
-    assert gqa.hf.register("gqa_other") == "gqa_other"
-    assert AttentionInterface._global_mapping["gqa_other"] is gqa.hf.gqa_attention_forward
+    assert gqa.integrations.hf.register("gqa_other") == "gqa_other"
+    assert AttentionInterface._global_mapping["gqa_other"] is gqa.integrations.hf.gqa_attention_forward
     assert AttentionMaskInterface._global_mapping["gqa_other"] is sdpa_mask
 
 
@@ -76,7 +76,7 @@ def test_import_has_no_side_effects():
         import sys
         import gqa
         before = set(sys.modules)
-        import gqa.hf
+        import gqa.integrations.hf
         new = sorted(m for m in set(sys.modules) - before if m.split(".")[0] == "transformers")
         assert not new, new  # so nothing can have been registered either: the registries live in transformers
         """
@@ -128,7 +128,7 @@ def test_function_matches_transformers_sdpa(case):
             mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     module = FakeAttention(groups=3).eval()
     ref, _ = hf_sdpa.sdpa_attention_forward(module, q, k, v, mask, dropout=0.0, scaling=0.3)
-    out, weights = gqa.hf.gqa_attention_forward(module, q, k, v, mask, scaling=0.3, dropout=0.0)
+    out, weights = gqa.integrations.hf.gqa_attention_forward(module, q, k, v, mask, scaling=0.3, dropout=0.0)
     assert weights is None
     assert out.shape == (2, L, 6, 8) and out.is_contiguous()
     torch.testing.assert_close(out, ref, **TOL)
@@ -138,8 +138,8 @@ def test_function_mask_longer_than_keys_is_sliced():
     q, k, v = qkv(2, 6, 2, 5, 9)
     mask = random_bool_mask(2, 5, 12)
     module = FakeAttention(groups=3).eval()
-    out, _ = gqa.hf.gqa_attention_forward(module, q, k, v, mask, scaling=0.3)
-    ref, _ = gqa.hf.gqa_attention_forward(module, q, k, v, mask[..., :9], scaling=0.3)
+    out, _ = gqa.integrations.hf.gqa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    ref, _ = gqa.integrations.hf.gqa_attention_forward(module, q, k, v, mask[..., :9], scaling=0.3)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
@@ -152,25 +152,25 @@ def test_function_position_bias_and_is_causal_kwarg_match_sdpa(is_causal, with_m
     module = FakeAttention(groups=3, is_causal=True).eval()
     kw = {"is_causal": is_causal, "position_bias": bias, "scaling": 0.3}
     ref, _ = hf_sdpa.sdpa_attention_forward(module, q, k, v, mask, **kw)
-    out, _ = gqa.hf.gqa_attention_forward(module, q, k, v, mask, **kw)
+    out, _ = gqa.integrations.hf.gqa_attention_forward(module, q, k, v, mask, **kw)
     torch.testing.assert_close(out, ref, **TOL)
 
 
 def test_function_dropout_only_in_training():
     q, k, v = qkv(2, 6, 2, 4, 4)
     module = FakeAttention(groups=3)
-    plain, _ = gqa.hf.gqa_attention_forward(module.eval(), q, k, v, None, dropout=0.0)
-    evald, _ = gqa.hf.gqa_attention_forward(module.eval(), q, k, v, None, dropout=0.5)
+    plain, _ = gqa.integrations.hf.gqa_attention_forward(module.eval(), q, k, v, None, dropout=0.0)
+    evald, _ = gqa.integrations.hf.gqa_attention_forward(module.eval(), q, k, v, None, dropout=0.5)
     torch.testing.assert_close(evald, plain, rtol=0, atol=0)
     torch.manual_seed(0)
-    trained, _ = gqa.hf.gqa_attention_forward(module.train(), q, k, v, None, dropout=0.5)
+    trained, _ = gqa.integrations.hf.gqa_attention_forward(module.train(), q, k, v, None, dropout=0.5)
     assert torch.isfinite(trained).all() and not torch.allclose(trained, plain)
 
 
 def test_function_rejects_softcap():
     q, k, v = qkv(1, 2, 1, 3, 3)
     with pytest.raises(ValueError, match="softcap"):
-        gqa.hf.gqa_attention_forward(FakeAttention(2), q, k, v, None, softcap=30.0)
+        gqa.integrations.hf.gqa_attention_forward(FakeAttention(2), q, k, v, None, softcap=30.0)
 
 
 # ==================================================================================== tiny Llama / Qwen2 vs eager
@@ -300,7 +300,7 @@ def test_kv_reach_gqa_unrepeated_and_repeat_kv_is_never_called(pair, monkeypatch
         raise AssertionError("repeat_kv called")
 
     modeling = sys.modules[type(ours).__module__]
-    monkeypatch.setattr(gqa.hf, "grouped_attention", checked)
+    monkeypatch.setattr(gqa.integrations.hf, "grouped_attention", checked)
     monkeypatch.setattr(modeling, "repeat_kv", no_repeat_kv)
     monkeypatch.setattr(hf_sdpa, "repeat_kv", no_repeat_kv)
     ids, mask = batch(padded=True)
@@ -359,7 +359,7 @@ def smollm2_gqa_outputs(smollm2) -> tuple[torch.Tensor, torch.Tensor]:
         return gqa.grouped_attention(query, key, value, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp, torch.no_grad():
-        mp.setattr(gqa.hf, "grouped_attention", counted)
+        mp.setattr(gqa.integrations.hf, "grouped_attention", counted)
         logits = ours(ids).logits
     assert key_heads == [3] * ours.config.num_hidden_layers  # gqa really ran, on the 3 KV heads
     return logits, ours.generate(ids, **GENERATE)

@@ -240,7 +240,7 @@ def test_silu_mul_gives_each_element_the_same_value_in_any_tensor(n, dtype):
 def test_quantized_gemv_gives_no_nan_for_huge_finite_inputs(fmt, rows):
     """Inputs of 1e36 (finite) overflow the integer path's sums: the kernel gives what float gives — the same
     infinities where the float64 product is beyond float32, close values where it is not — never a NaN."""
-    from gqa.quantized import QuantizedLinear, dequantize, quantize
+    from gqa.models.quantized import QuantizedLinear, dequantize, quantize
 
     g = torch.Generator().manual_seed(rows)
     M, K = 12, 128

@@ -54,7 +54,7 @@ def step_case(g: torch.Generator, B: int = 3, E: int = 32, F: int = 40, Hq: int 
 
 def cases() -> dict[str, tuple]:
     """An op and sample arguments for each op with tensor arguments."""
-    from gqa.quantized import quantize
+    from gqa.models.quantized import quantize
 
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv, D, C, K = 3, 6, 2, 8, 12, 64

@@ -13,8 +13,8 @@ from torch._dynamo.testing import CompileCounter
 
 import gqa
 from gqa import kernels
-from gqa.backends import choose_backend
-from gqa.linear import Linear, linear, linears, uses_kernel
+from gqa.attention.backends import choose_backend
+from gqa.models.linear import Linear, linear, linears, uses_kernel
 
 DISABLED = os.environ.get("GQA_DISABLE_KERNELS") == "1"
 pytestmark = pytest.mark.skipif(DISABLED, reason="GQA_DISABLE_KERNELS=1")
@@ -32,7 +32,8 @@ def test_kernels_are_built():
 @pytest.fixture
 def simd(monkeypatch):
     """Route as on a CPU the kernels vectorize for (``kernels.vectorized``), so the routing into the kernels is
-    exercised and checked on every CPU: without SIMD ``gqa.linear`` and ``auto`` leave float32 to PyTorch's ops."""
+    exercised and checked on every CPU: without SIMD ``gqa.models.linear`` and ``auto`` leave float32 to PyTorch's
+    ops."""
     monkeypatch.setattr(kernels, "vectorized", kernels.available)
 
 
@@ -210,7 +211,7 @@ def test_fused_refuses_what_it_cannot_do():
 
 
 def _choice(q, k, v, **kw):
-    from gqa._checks import check_qkv
+    from gqa.attention.checks import check_qkv
 
     shape = check_qkv(q, k, v)
     args = dict(attn_mask=None, dropout_p=0.0, is_causal=False, scale=shape.D**-0.5, return_weights=False)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import gqa
-from gqa.generation import generate, sample_next
+from gqa.decoding.generate import generate
+from gqa.decoding.sampling import sample_next
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

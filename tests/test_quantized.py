@@ -1,4 +1,4 @@
-"""Block-quantized weights (``gqa.quantized``): the kernels against ``gguf.quants`` (llama.cpp's reference
+"""Block-quantized weights (``gqa.models.quantized``): the kernels against ``gguf.quants`` (llama.cpp's reference
 quantizer/dequantizer) and float64 references, the modules, and the SmolLM2 Q4_1 GGUF kept quantized."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 import gqa
 from gqa import kernels
-from gqa.quantized import (
+from gqa.models.quantized import (
     FORMATS,
     QuantizedLinear,
     QuantizedTensor,
@@ -68,7 +68,7 @@ def test_quantized_gemv_against_float64(fmt, rows):
 @native
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_quantized_gemv_in_bfloat16_and_several_matrices_at_once(fmt):
-    from gqa.quantized import quantized_linears
+    from gqa.models.quantized import quantized_linears
 
     blocks = {M: reference_blocks(M, 64, fmt, seed=M)[0] for M in (24, 8, 40)}
     layers = [QuantizedLinear(QuantizedTensor(b, get_format(fmt), (M, 64))) for M, b in blocks.items()]

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import gqa
 from gqa import kernels
-from gqa.models import decode_step
-from gqa.quantized import (
+from gqa.decoding import native_step as decode_step
+from gqa.models.quantized import (
     FORMATS,
     QuantizedEmbedding,
     QuantizedLinear,
@@ -206,7 +206,7 @@ def loaded():
                 model = gqa.load_model(dtype=dtype, quantize="q8_0", tokenizer=False)
             else:  # dtype="auto" keeps the GGUF's blocks; it picks bfloat16 where the CPU has native bf16
                 with pytest.MonkeyPatch.context() as mp:
-                    mp.setattr(gqa.api, "auto_dtype", lambda device: dtype)
+                    mp.setattr(gqa.loaders.model, "auto_dtype", lambda device: dtype)
                     model = gqa.load_model(dtype="auto", tokenizer=False)
                 assert isinstance(model.model.layers[0].mlp.gate_proj, QuantizedLinear)
             assert model.dtype == dtype and model.model.embed_tokens.dtype == dtype

@@ -1,5 +1,5 @@
-"""Sampling (``gqa.generation.sample_next``) against float64 references computed here: the nucleus is the set a sort
-of the whole vocabulary gives, samples follow the restricted distribution, a row's token depends on its own logits
+"""Sampling (``gqa.decoding.generate.sample_next``) against float64 references computed here: the nucleus is the set a
+sort of the whole vocabulary gives, samples follow the restricted distribution, a row's token depends on its own logits
 and number only; and generation that stops computing finished rows gives every row the tokens it gets otherwise."""
 
 from __future__ import annotations
@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gqa import generation
-from gqa.generation import generate, sample_next
+from gqa.decoding import generate as generation
+from gqa.decoding import sampling
+from gqa.decoding.generate import generate
+from gqa.decoding.sampling import sample_next
 from gqa.models import CausalLM
 from gqa.models.config import ModelConfig
 
@@ -37,10 +39,10 @@ def test_nucleus_is_the_set_a_full_sort_gives(scale, top_k, top_p):
     logits = torch.randn(16, 5003, generator=g) * scale
     allowed, _ = reference_allowed(logits, 0.9, top_k, top_p)
     limit = 5003 if top_k is None else top_k
-    values, order = generation._nucleus(logits / 0.9, top_p, limit)
+    values, order = sampling._nucleus(logits / 0.9, top_p, limit)
     if mixed:  # each row as it is alone: its candidates, padded with -inf to the batch's
         for i in range(16):
-            v, o = generation._nucleus(logits[i : i + 1] / 0.9, top_p, limit)
+            v, o = sampling._nucleus(logits[i : i + 1] / 0.9, top_p, limit)
             assert torch.equal(values[i, : v.shape[1]], v[0]) and torch.equal(order[i, : o.shape[1]], o[0])
             assert bool((values[i, v.shape[1] :] == -torch.inf).all())
     ours = torch.zeros_like(allowed).scatter(-1, order, values > -torch.inf)

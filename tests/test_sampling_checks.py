@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from gqa.cli import main
-from gqa.generation import check_sampling, generate
+from gqa.decoding.generate import generate
+from gqa.decoding.sampling import check_sampling
 from gqa.models import CausalLM
 from gqa.models.config import ModelConfig
 
@@ -53,7 +54,7 @@ def test_cli_exits_2_naming_the_argument(flags, capsys):
 
 
 def test_finite_temperatures_still_sample():
-    from gqa.generation import sample_next
+    from gqa.decoding.sampling import sample_next
 
     logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(0))
     assert torch.equal(sample_next(logits), logits.argmax(-1))

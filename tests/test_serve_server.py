@@ -113,7 +113,7 @@ def test_chat_completion_answers_as_the_model_does_offline(client, server):
     """The chat endpoint's greedy answer is the model's own greedy answer (``gqa.generate`` on the same weights and
     chat template, the dense decode path), with OpenAI's usage counts."""
     import gqa
-    from gqa.generation import generate
+    from gqa.decoding.generate import generate
 
     messages = [{"role": "user", "content": "Name three colours."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)

@@ -1,4 +1,4 @@
-"""The Triton split-KV decode kernel (``gqa.gpu.split_kv``), run on CPU tensors by Triton's interpreter.
+"""The Triton split-KV decode kernel (``gqa.kernels.triton.split_kv``), run on CPU tensors by Triton's interpreter.
 
 Compared against a float64 oracle written here with plain torch. bfloat16 does not run in the interpreter: float32
 and float16 only. Each kernel call takes ~0.1-1 s there, so the shapes are small and few.
@@ -33,7 +33,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 import gqa
-from gqa.gpu.split_kv import (
+from gqa.kernels.triton.split_kv import (
     DEFAULT_CONFIG,
     MIN_CHUNK,
     SHARED_MEMORY_HEADROOM,

@@ -152,7 +152,7 @@ def test_info_agrees_with_the_loaded_model(capsys, tmp_path, model, dtype):
     KV cache of kv_cache_bytes in the dtype, the kernels as gqa.kernels reports them once loaded."""
     from gqa import kernels, load_model
     from gqa.cli import main as cli
-    from gqa.cli.dtypes import torch_dtype
+    from gqa.options.dtypes import torch_dtype
 
     path = None if model == "embedded" else str(hf_folder(tmp_path))
     assert cli(["info", "--dtype", dtype] + ([] if path is None else ["--model", path])) == 0
@@ -185,12 +185,13 @@ def test_kernels_probe_agrees_with_the_loaded_kernels():
 
 def test_what_help_shows_is_what_the_torch_modules_use():
     """The choices and defaults defined without torch for --help are those of the modules that use them."""
-    from gqa import _options, quantized
-    from gqa._sizes import ITEMSIZE
     from gqa.bench import model as bench_model
     from gqa.bench.model_arguments import DESCRIPTION
-    from gqa.cli.dtypes import DTYPES, NAMES
+    from gqa.cache.sizes import ITEMSIZE
     from gqa.convert import METHODS
+    from gqa.models import quantized
+    from gqa.options import defaults as _options
+    from gqa.options.dtypes import DTYPES, NAMES
 
     assert tuple(quantized.FORMATS) == _options.QUANT_FORMATS
     assert sorted(_options.BUILTIN_METHODS) == sorted(METHODS)

@@ -1,8 +1,8 @@
 """Tensor parallelism: head layouts, and sharded models on several gloo processes against HF transformers and the
 single-process model; SmolLM2 through ``gqa generate --tp 3`` and two torchrun "nodes"; failures that end a launch.
 
-The multi-process tests start real processes (``gqa.distributed.launch_local``, torchrun); they are kept few and
-small (one launch per world size runs every case for it) and every process group has a 60 s timeout.
+The multi-process tests start real processes (``gqa.parallel.distributed.launch_local``, torchrun); they are kept few
+and small (one launch per world size runs every case for it) and every process group has a 60 s timeout.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gqa.models import ModelConfig
-from gqa.models.tensor_parallel import check_tp, head_layout, rank_shard, rank_weight_bytes, shard_state, working_tp
+from gqa.parallel.tensor_parallel import check_tp, head_layout, rank_shard, rank_weight_bytes, shard_state, working_tp
 
 transformers = pytest.importorskip("transformers")
 
@@ -159,7 +159,7 @@ def _single_process(case):
     ],
 )
 def test_sharded_model_matches_hf_and_one_process(tp, specs):
-    from gqa.distributed import launch_local
+    from gqa.parallel.distributed import launch_local
 
     cases, hf_logits = _cases(specs)
     results = launch_local(tp, tp_workers.run_cases, cases, tp == 2)  # tp=2 decodes through a compiled step
@@ -181,7 +181,7 @@ def test_sharded_model_matches_hf_and_one_process(tp, specs):
 
 
 def test_failing_rank_ends_the_launch_with_its_message():
-    from gqa.distributed import DistributedError, launch_local
+    from gqa.parallel.distributed import DistributedError, launch_local
 
     start = time.perf_counter()
     with pytest.raises(DistributedError, match=r"rank 1 of 2 failed: ValueError: no such thing"):
@@ -276,7 +276,7 @@ def test_two_torchrun_nodes_on_localhost(smollm2_answer):
 def test_hf_tp_plan_auto_runs_gqa_attention(tmp_path):
     """transformers' own ``tp_plan="auto"`` (DistributedConfig) on 2 gloo ranks with ``attn_implementation="gqa"``:
     each rank's attention sees its 4 query heads and 1 KV head, and the logits are the single-process model's."""
-    from gqa.distributed import launch_local
+    from gqa.parallel.distributed import launch_local
 
     _, _, hf = _hf_case("llama", 8, 2)
     hf.save_pretrained(tmp_path)
@@ -342,7 +342,7 @@ def test_bad_tp_flags_and_timeout_are_clear_errors(monkeypatch, capsys):
     them, before any process is started."""
     from gqa.cli import main as cli
     from gqa.cli import parallel
-    from gqa.distributed import timeout_seconds
+    from gqa.parallel.distributed import timeout_seconds
 
     monkeypatch.setattr(parallel, "launch_local", lambda *a, **k: pytest.fail("launched"))
     assert cli(["generate", "hi", "--tp", "0"]) == 2

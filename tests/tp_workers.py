@@ -1,12 +1,12 @@
-"""Functions the tensor-parallel tests run on every rank (``gqa.distributed.launch_local`` spawns the ranks, so they
-live in an importable module). Each returns plain data for the test process to check."""
+"""Functions the tensor-parallel tests run on every rank (``gqa.parallel.distributed.launch_local`` spawns the ranks,
+so they live in an importable module). Each returns plain data for the test process to check."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from gqa.models.tensor_parallel import ReducingLinear, shard_model
+from gqa.parallel.tensor_parallel import ReducingLinear, shard_model
 
 
 def run_cases(cases: list[dict], compiled: bool = False) -> list[dict]:
@@ -60,17 +60,17 @@ def hf_tp_plan_logits(path: str, ids: torch.Tensor, mask: torch.Tensor) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    import gqa.hf
+    import gqa.integrations.hf
 
-    name = gqa.hf.register()
+    name = gqa.integrations.hf.register()
     seen = set()
-    real = gqa.hf.grouped_attention
+    real = gqa.integrations.hf.grouped_attention
 
     def counting(q, k, v, **kw):
         seen.add((q.shape[-3], k.shape[-3]))
         return real(q, k, v, **kw)
 
-    gqa.hf.grouped_attention = counting
+    gqa.integrations.hf.grouped_attention = counting
     model = AutoModelForCausalLM.from_pretrained(
         path, distributed_config=DistributedConfig(tp_plan="auto"), attn_implementation=name, dtype=torch.float32
     )

@@ -1,5 +1,17 @@
 """gqa: grouped-query attention for PyTorch — MHA, GQA and MQA as one mechanism, with K/V shared, never copied.
 
+The packages are the layers, each using only the ones above it in this list:
+
+* ``kernels`` — native CPU kernels (``csrc``, typed in ``kernels.ops``) and Triton GPU kernels (``kernels.triton``);
+* ``attention`` — the attention call, its backends and routing, masks, RoPE, the ``GroupedQueryAttention`` module;
+* ``cache`` — KV caches for decoding and the one KV-size formula;
+* ``models`` — Llama/Qwen2 decoders, their linear and block-quantized layers;
+* ``decoding`` — the decode steps (native, compiled, CUDA graphs) and the generate loop with sampling;
+* ``loaders`` — GGUF files, HF folders and tokenizers into models; ``integrations`` — HF transformers;
+* ``parallel`` — tensor parallelism over torch.distributed; ``evaluation`` — perplexity, answers, the suite;
+* ``convert`` — changing a checkpoint's number of KV heads; ``serve`` — continuous batching and the OpenAI API;
+* ``bench``, ``cli`` — the benchmarks and the ``gqa`` command.
+
 The public names are imported on first use (PEP 562), so ``import gqa`` does not import torch (~2 s): ``gqa info``
 and ``gqa --help`` run without it. ``from gqa import X`` and ``gqa.X`` work as if they were imported here, and so do
 submodules reached as attributes (``gqa.kernels``).
@@ -12,14 +24,14 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .api import load_model
-    from .attention import GroupedQueryAttention
-    from .backends import BACKENDS
-    from .cache import DynamicKVCache, StaticKVCache, kv_cache_bytes
-    from .functional import grouped_attention, last_backend
+    from .attention.backends import BACKENDS
+    from .attention.functional import grouped_attention, last_backend
+    from .attention.masks import causal_mask, padding_mask
+    from .attention.module import GroupedQueryAttention
+    from .attention.rope import RoPE
+    from .cache.kv import DynamicKVCache, StaticKVCache, kv_cache_bytes
     from .loaders import load_tokenizer
-    from .masks import causal_mask, padding_mask
-    from .rope import RoPE
+    from .loaders.model import load_model
 
 __all__ = [
     "BACKENDS",
@@ -38,18 +50,18 @@ __all__ = [
 __version__ = "0.1.0"
 
 _HOMES = {  # public name -> the submodule that defines it
-    "load_model": "api",
+    "load_model": "loaders.model",
     "load_tokenizer": "loaders",
-    "GroupedQueryAttention": "attention",
-    "BACKENDS": "backends",
-    "DynamicKVCache": "cache",
-    "StaticKVCache": "cache",
-    "kv_cache_bytes": "cache",
-    "grouped_attention": "functional",
-    "last_backend": "functional",
-    "causal_mask": "masks",
-    "padding_mask": "masks",
-    "RoPE": "rope",
+    "GroupedQueryAttention": "attention.module",
+    "BACKENDS": "attention.backends",
+    "DynamicKVCache": "cache.kv",
+    "StaticKVCache": "cache.kv",
+    "kv_cache_bytes": "cache.kv",
+    "grouped_attention": "attention.functional",
+    "last_backend": "attention.functional",
+    "causal_mask": "attention.masks",
+    "padding_mask": "attention.masks",
+    "RoPE": "attention.rope",
 }
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..cli.dtypes import dtype_type, torch_dtype
+from ..options.dtypes import dtype_type, torch_dtype
 from .workloads import KINDS, MASKS
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ DEFAULT_DTYPES = ("fp32", "bf16")  # --dtypes when not given
 
 
 def _dtype(text: str) -> torch.dtype:
-    """Any spelling of ``gqa.cli.dtypes`` -> the torch dtype."""
+    """Any spelling of ``gqa.options.dtypes`` -> the torch dtype."""
     return torch_dtype(dtype_type()(text))
 
 
@@ -73,7 +73,7 @@ DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``gqa bench attention`` (what ``python benchmarks/attention.py`` runs)."""
-    from ..cli.common import HelpFormatter
+    from ..options.common import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="gqa bench attention", description=DESCRIPTION, formatter_class=HelpFormatter)
     add_arguments(parser)

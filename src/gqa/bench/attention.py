@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from ..backends import BACKENDS
+from ..attention.backends import BACKENDS
 from . import write_json_atomic, write_text_atomic
 from .arguments import (
     DESCRIPTION,

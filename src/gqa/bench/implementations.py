@@ -5,7 +5,8 @@ An :class:`Impl` turns a case's :class:`~gqa.bench.cases.Inputs` into a zero-arg
 building a FlexAttention block mask) and raises ``NotImplementedError`` (or ``ValueError`` / ``RuntimeError``) for a
 case the implementation cannot run; the benchmark records the message and skips it.
 
-* ours: ``gqa.grouped_attention`` with each backend of ``gqa.backends.BACKENDS`` (read when the run starts, so a
+* ours: ``gqa.grouped_attention`` with each backend of ``gqa.attention.backends.BACKENDS`` (read when the run starts,
+so a
   backend registered later is picked up) and ``auto``;
 * ``torch-sdpa``: ``F.scaled_dot_product_attention(enable_gqa=True)``, torch's own choice of kernel;
 * ``hf-repeat_kv``: HF transformers' Llama path: ``repeat_kv`` (expand + reshape, a copy of K/V per query head), then
@@ -34,8 +35,8 @@ from torch.nn.attention import SDPBackend
 
 import gqa
 
-from ..backends import BACKENDS
-from ..masks import causal_mask
+from ..attention.backends import BACKENDS
+from ..attention.masks import causal_mask
 from .cases import Case, Inputs
 
 Call = Callable[[], torch.Tensor]
@@ -112,7 +113,7 @@ def _ours(backend: str) -> Impl:
 
 
 def our_impls() -> list[Impl]:
-    """Each backend in ``gqa.backends.BACKENDS`` as it is now, then ``auto``."""
+    """Each backend in ``gqa.attention.backends.BACKENDS`` as it is now, then ``auto``."""
     return [_ours(name) for name in BACKENDS] + [_ours("auto")]
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..cli.common import model_label
 from ..loaders import read_config
 from ..models.config import ModelConfig
+from ..options.common import model_label
 from . import write_json_atomic, write_text_atomic
 from .model_arguments import DESCRIPTION, add_arguments
 from .model_report import check_plotting, plot_model, table
@@ -95,7 +95,7 @@ def _run_worker(path: str | None, engine: str, dtype: str, contexts: list[int], 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``gqa bench model``."""
-    from ..cli.common import HelpFormatter
+    from ..options.common import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="gqa bench model", description=DESCRIPTION, formatter_class=HelpFormatter)
     add_arguments(parser)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .._options import QUANT_FORMATS
-from ..cli.dtypes import dtype_type
+from ..options.defaults import QUANT_FORMATS
+from ..options.dtypes import dtype_type
 
 __all__ = ["DESCRIPTION", "ENGINES", "FLOAT_DTYPES", "QUANTIZED", "add_arguments"]
 

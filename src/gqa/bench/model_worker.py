@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from gqa.bench.model_arguments import ENGINES, FLOAT_DTYPES, QUANTIZED
-from gqa.cli.dtypes import torch_dtype
+from gqa.options.dtypes import torch_dtype
 
 DTYPES = {name: torch_dtype(name) for name in FLOAT_DTYPES}
 GREEDY_PROMPTS = (
@@ -57,7 +57,7 @@ def gguf_format(path: str | None) -> str | None:
     from collections import Counter
 
     from gqa.loaders import resolve_model_path
-    from gqa.loaders.gguf_file import open_gguf
+    from gqa.loaders.gguf_meta import open_gguf
 
     file = resolve_model_path(path)
     if file.is_dir():
@@ -78,9 +78,9 @@ def load_gqa(path: str | None, dtype: str):
 
 
 def run_gqa(model: torch.nn.Module, contexts: list[int], new: int, compiled: bool) -> tuple[int, list]:
-    from gqa.cache import kv_cache_bytes
-    from gqa.generation import generate_stream
-    from gqa.quantized import weight_bytes
+    from gqa.cache.kv import kv_cache_bytes
+    from gqa.decoding.generate import generate_stream
+    from gqa.models.quantized import weight_bytes
 
     rows = []
     with torch.inference_mode():

@@ -49,8 +49,8 @@ GPU_SETTINGS = {
 
 def auto_choice(inputs: Inputs) -> str:
     """The backend ``auto`` runs for these inputs (``"?"`` if the policy cannot be asked)."""
-    from .._checks import check_qkv
-    from ..backends import choose_backend
+    from ..attention.backends import choose_backend
+    from ..attention.checks import check_qkv
 
     try:
         shape = check_qkv(inputs.q, inputs.k, inputs.v)

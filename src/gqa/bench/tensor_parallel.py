@@ -22,9 +22,9 @@ def tp_rank(path: str | None, dtype_name: str, contexts: list[int], new_tokens: 
     """One rank's measurements (run on every rank of a launch, or alone for tp 1)."""
     import torch.distributed as dist
 
-    from ..api import load_model
-    from ..cache import kv_cache_bytes
-    from ..models.tensor_parallel import ReducingLinear
+    from ..cache.kv import kv_cache_bytes
+    from ..loaders.model import load_model
+    from ..parallel.tensor_parallel import ReducingLinear
     from .model_worker import DTYPES, prompt
 
     sharded = dist.is_initialized() and dist.get_world_size() > 1  # tp 1: the plain model
@@ -64,9 +64,9 @@ def tp_rank(path: str | None, dtype_name: str, contexts: list[int], new_tokens: 
 
 def run_tp(ns: argparse.Namespace, tps: list[int]) -> list[dict]:
     """Every ``tp`` of ``tps`` for each dtype of ``ns.dtypes``, one launch each: a result per (tp, dtype)."""
-    from ..distributed import launch_local
     from ..loaders import read_config
-    from ..models.tensor_parallel import check_tp
+    from ..parallel.distributed import launch_local
+    from ..parallel.tensor_parallel import check_tp
 
     cfg = read_config(ns.model)
     for tp in tps:

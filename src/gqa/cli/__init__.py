@@ -15,7 +15,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from .. import __version__
-from .common import HelpFormatter
+from ..options.common import HelpFormatter
 
 Handler = Callable[[argparse.Namespace, list[str]], int]  # (parsed flags, the command line)
 
@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ..bench.arguments import add_arguments as add_attention_arguments
     from ..bench.model_arguments import DESCRIPTION as MODEL_DESCRIPTION
     from ..bench.model_arguments import add_arguments as add_model_bench_arguments
-    from .common import add_model_arguments
+    from ..options.common import add_model_arguments
+    from ..options.dtypes import SPELLINGS
     from .convert_args import add_convert_arguments
-    from .dtypes import SPELLINGS
     from .eval_args import add_eval_arguments
     from .generate_args import add_generate_arguments
     from .serve_args import add_serve_arguments

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..cache import kv_cache_bytes
-from .common import loading, model_label
+from ..cache.kv import kv_cache_bytes
+from ..options.common import loading, model_label
+from ..options.dtypes import DTYPES
 from .convert_args import BUILTIN_HEAL_TEXT
-from .dtypes import DTYPES
 
 if TYPE_CHECKING:
     from ..convert import ConversionPlan, HealConfig

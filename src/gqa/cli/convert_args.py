@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .._options import (
+from ..options.defaults import (
     AFTER_LOCAL_LR,
     BUILTIN_METHODS,
     DEFAULT_MAX_SHARD_SIZE,
@@ -20,7 +20,7 @@ from .._options import (
     TRAINABLE,
     HealConfig,
 )
-from .dtypes import add_dtype_argument
+from ..options.dtypes import add_dtype_argument
 
 BUILTIN_HEAL_TEXT = "stdlib"
 

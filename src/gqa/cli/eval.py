@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..evaluate import check_windows, default_eval_text, evaluate
-from .common import loading, model_label
-from .dtypes import DTYPES
+from ..evaluation.perplexity import check_windows, default_eval_text, evaluate
+from ..options.common import loading, model_label
+from ..options.dtypes import DTYPES
 
 
 def load_text(path: str | None) -> tuple[str, str]:
@@ -60,7 +60,7 @@ def run_suite_command(ns: argparse.Namespace) -> int:
     import dataclasses
 
     from .._atomic import write_json_atomic
-    from ..suite import run_suite
+    from ..evaluation.suite import run_suite
 
     if ns.model is None:
         raise ValueError("--suite judges a converted model: give its folder (gqa eval DST --suite)")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .._options import DEFAULT_WINDOW, HELD_OUT_CONVERSATIONS, QUANT_FORMATS
-from .dtypes import add_dtype_argument
+from ..options.defaults import DEFAULT_WINDOW, HELD_OUT_CONVERSATIONS, QUANT_FORMATS
+from ..options.dtypes import add_dtype_argument
 
 EVAL_DTYPES = ("fp32", "bf16")
 

@@ -8,10 +8,10 @@ import time
 
 import torch
 
+from ..decoding import native_step
 from ..hardware import auto_dtype
-from ..models import decode_step
-from .common import loading, model_label
-from .dtypes import DTYPES
+from ..options.common import loading, model_label
+from ..options.dtypes import DTYPES
 from .parallel import is_lead, run_on_ranks
 
 
@@ -28,7 +28,7 @@ def warn_ignored_sampling(ns: argparse.Namespace) -> None:
 
 
 def run_generate(ns: argparse.Namespace) -> int:
-    from ..generation import check_sampling
+    from ..decoding.sampling import check_sampling
 
     check_sampling(ns.temperature, ns.top_k, ns.top_p)  # before the model is loaded
     if ns.max_new_tokens < 1:
@@ -40,8 +40,8 @@ def run_generate(ns: argparse.Namespace) -> int:
 def generate_text(ns: argparse.Namespace) -> int:
     """Load the model (this rank's shard under tensor parallelism) and stream its answer; only the lead rank
     prints."""
-    from ..api import load_model
-    from ..generation import generate_stream
+    from ..decoding.generate import generate_stream
+    from ..loaders.model import load_model
 
     lead = is_lead()
     dtype = ns.dtype if ns.dtype == "auto" else DTYPES[ns.dtype]
@@ -52,7 +52,7 @@ def generate_text(ns: argparse.Namespace) -> int:
     what = f"{model_label(ns.model)} as {shown}" + (f", quantized to {quantize}" if quantize else "")
     with loading(what, quiet=not lead):
         model = load_model(ns.model, dtype=dtype, tensor_parallel=getattr(ns, "sharded", False), quantize=quantize)
-    native_steps = decode_step.calls
+    native_steps = native_step.calls
     tok = model.tokenizer
     if ns.raw:
         prompt_ids = tok.encode(ns.prompt)
@@ -98,7 +98,7 @@ def generate_text(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         path = (
-            "compiled (torch.compile)" if ns.compile else "native step" if decode_step.calls > native_steps else "eager"
+            "compiled (torch.compile)" if ns.compile else "native step" if native_step.calls > native_steps else "eager"
         )
         print(f"[decode: {path}; activations {str(model.dtype).removeprefix('torch.')}; weights "
               f"{describe_weights(model)}]", file=sys.stderr)  # fmt: skip
@@ -107,7 +107,7 @@ def generate_text(ns: argparse.Namespace) -> int:
 
 def describe_weights(model: torch.nn.Module) -> str:
     """``"q4_1 63.3 MiB + q8_0 28.7 MiB + bfloat16 0.1 MiB"``: the resident bytes of the weights by storage format."""
-    from ..quantized import weight_bytes
+    from ..models.quantized import weight_bytes
 
     parts = sorted(weight_bytes(model).items(), key=lambda kv: -kv[1])
     return " + ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in parts)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .._options import QUANT_FORMATS
-from .common import add_model_arguments, add_tp_argument
+from ..options.common import add_model_arguments, add_tp_argument
+from ..options.defaults import QUANT_FORMATS
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

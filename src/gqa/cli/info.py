@@ -10,9 +10,9 @@ import argparse
 import math
 from typing import TYPE_CHECKING
 
-from .._sizes import ITEMSIZE, kv_cache_elements
-from .common import loading, model_label
-from .dtypes import NAMES
+from ..cache.sizes import ITEMSIZE, kv_cache_elements
+from ..options.common import loading, model_label
+from ..options.dtypes import NAMES
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,7 @@ def run_info(ns: argparse.Namespace) -> int:
         lazy = open_lazy(ns.model)  # the config and every tensor's shape, no weight read
     cfg = lazy.config
     if ns.tp is not None:
-        from ..models.tensor_parallel import check_tp
+        from ..parallel.tensor_parallel import check_tp
 
         check_tp(cfg.num_heads, cfg.num_kv_heads, ns.tp)
     tied = cfg.tie_word_embeddings
@@ -66,7 +66,7 @@ def run_info(ns: argparse.Namespace) -> int:
     if ns.tp is not None:
         import torch
 
-        from .dtypes import torch_dtype
+        from ..options.dtypes import torch_dtype
 
         state = {name: torch.empty(shape, device="meta") for name, shape in lazy.shapes.items()}
         print()
@@ -89,8 +89,8 @@ def native_kernels() -> str:
 
 def tp_table(cfg: ModelConfig, state: dict[str, torch.Tensor], tp: int, dtype: torch.dtype) -> str:
     """Markdown table: per rank of ``tp``, its query and KV heads, weight bytes and KV-cache bytes per token."""
-    from ..cache import kv_cache_bytes
-    from ..models.tensor_parallel import rank_shard, rank_weight_bytes
+    from ..cache.kv import kv_cache_bytes
+    from ..parallel.tensor_parallel import rank_shard, rank_weight_bytes
 
     name = str(dtype).removeprefix("torch.")
     lines = [

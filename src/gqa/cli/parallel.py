@@ -1,6 +1,6 @@
 """``--tp N``: a command on N tensor-parallel processes, started by gqa itself or by torchrun.
 
-``gqa generate --tp N ...`` starts N local workers (``gqa.distributed.launch_local``); under
+``gqa generate --tp N ...`` starts N local workers (``gqa.parallel.distributed.launch_local``); under
 ``torchrun --nproc-per-node N -m gqa generate ...`` every process torchrun started runs the command as one rank of
 torchrun's world. Either way the head layout is checked against ``--tp`` before any process or process group is
 started, each rank loads only its shard (``load_model(..., tensor_parallel=True)``), and only rank 0 prints.
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from ..distributed import in_launched_world, init_process_group, launch_local
-from .common import add_tp_argument  # defined there, without torch (gqa generate --help)
+from ..options.common import add_tp_argument  # defined there, without torch (gqa generate --help)
+from ..parallel.distributed import in_launched_world, init_process_group, launch_local
 
 __all__ = ["add_tp_argument", "is_lead", "run_on_ranks", "tp_size"]
 
@@ -45,7 +45,7 @@ def run_on_ranks(ns: argparse.Namespace, command: Callable[[argparse.Namespace],
     ``command`` is a module-level function (the workers are spawned) and sees ``ns.sharded`` True on the ranks.
     """
     from ..loaders import read_config
-    from ..models.tensor_parallel import check_tp
+    from ..parallel.tensor_parallel import check_tp
 
     tp = tp_size(ns)
     if tp == 1:

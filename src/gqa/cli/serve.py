@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from ..hardware import auto_dtype
-from .common import EMBEDDED_MODEL, loading, model_label
-from .dtypes import DTYPES
+from ..options.common import EMBEDDED_MODEL, loading, model_label
+from ..options.dtypes import DTYPES
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
@@ -18,7 +18,7 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 def run_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..api import load_model
+    from ..loaders.model import load_model
     from ..serve.async_engine import AsyncEngine
     from ..serve.config import EngineConfig
     from ..serve.engine import Engine, EngineError

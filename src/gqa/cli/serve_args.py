@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_model_arguments
+from ..options.common import add_model_arguments
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from .._options import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME
-from ..distributed import in_launched_world, init_process_group
 from ..hardware import available_memory
 from ..loaders import read_model, resolve_model_path
 from ..loaders.lazy import LazyModel, open_lazy
 from ..models.config import ModelConfig
+from ..options.defaults import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME
+from ..parallel.distributed import in_launched_world, init_process_group
 from . import pca as _pca  # noqa: F401 - registers the "pca" method
 from .calibration import default_calibration_text, default_heal_text
 from .conversations import ConversationSet, has_chat_template, model_content_hash, self_generated_conversations
@@ -50,7 +50,7 @@ from .streaming import source_windows, stream_convert
 from .writer import check_destination, remove_weights, staged, write_config, write_weights
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from ..loaders.tokenizer import Tokenizer
 
 __all__ = [
     "DEFAULT_METHOD",

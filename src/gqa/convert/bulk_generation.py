@@ -5,7 +5,7 @@ answers ``gqa eval --suite`` compares): resumable, and the same whichever rows r
 row's slot goes to the next prompt at the next step, so the batch stays full — over a paged KV cache whose cached
 prefix blocks (the chat template's system prompt) are read once, not once per prompt. ``generate_batched`` is the
 fallback for models the engine does not take (GPU, float16, no native kernels): fixed batches of rows of similar
-length through ``gqa.generation.generate``.
+length through ``gqa.decoding.generate.generate``.
 
 With a ``BatchJournal``, each finished row is recorded under its index (the rows finished in one step or one batch
 on one line), and rows already recorded are not generated again: an interrupted run loses at most the rows in flight.
@@ -111,9 +111,10 @@ def generate_batched(
     phase: str = "",
 ) -> list[list[int]]:
     """Continuations of ``prompts`` (greedy, or sampled with the seed ``seed * ROW_SEED + b`` for batch ``b``), in the
-    prompts' order, through ``gqa.generation.generate`` in fixed batches of ``batch_size`` rows of similar length. A
+    prompts' order, through ``gqa.decoding.generate.generate`` in fixed batches of ``batch_size`` rows of similar
+    length. A
     batch whose rows the journal holds is not generated again (its rows and seed depend only on the prompts)."""
-    from ..generation import generate
+    from ..decoding.generate import generate
 
     out = _recorded(prompts, journal, phase, bar)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))

@@ -2,7 +2,8 @@
 held-out text of their kind for evaluation (``held_out_text``), which neither contains.
 
 Both are taken from the standard library's own docstrings, never from CPython's ``LICENSE.txt``, which is what
-``gqa eval`` scores by default (``gqa.evaluate.default_eval_text``), so a conversion is neither calibrated nor healed on
+``gqa eval`` scores by default (``gqa.evaluation.perplexity.default_eval_text``), so a conversion is neither
+calibrated nor healed on
 its own test set. Why docstrings: they exist on every machine without a download, they are stable for a given Python
 version, and they are technical English prose. Any text works better the closer it is to the use; pass
 ``calibration_text`` / ``heal_text`` (``--calibration-text FILE`` / ``--heal-text FILE``) to choose.
@@ -65,7 +66,7 @@ def _docstrings(exclude: str | None) -> Iterator[str]:
     ``MIN_DOCSTRING_CHARS`` long, but any sharing a run of 8 consecutive words with ``exclude`` (default: the default
     evaluation text, if this Python has it)."""
     if exclude is None:
-        from ..evaluate import default_eval_text
+        from ..evaluation.perplexity import default_eval_text
 
         try:
             exclude = default_eval_text()[0]

@@ -42,8 +42,8 @@ from .batch_journal import BatchJournal
 from .bulk_generation import generate_many
 
 if TYPE_CHECKING:
+    from ..loaders.tokenizer import Tokenizer
     from ..models import CausalLM
-    from ..tokenizer import Tokenizer
 
 __all__ = [
     "OPENERS",

@@ -16,7 +16,7 @@ from .calibration import default_calibration_text, default_heal_text
 from .conversations import Conversation, chat_stream
 
 if TYPE_CHECKING:
-    from ..tokenizer import Tokenizer
+    from ..loaders.tokenizer import Tokenizer
 
 __all__ = [
     "ANSWER_WEIGHT",

@@ -35,8 +35,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._atomic import atomic_path
-from .._options import PRECISIONS, SHARDINGS, TRAINABLE, HealConfig
 from ..hardware import available_memory, fast_bf16
+from ..options.defaults import PRECISIONS, SHARDINGS, TRAINABLE, HealConfig
 from .layer_local import LOCAL_WINDOWS, LocalResult, heal_blocks, slowest_seconds
 from .lora import add_lora, fold_lora
 

@@ -40,8 +40,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..attention.rope import RoPE
 from ..models.config import ModelConfig
-from ..rope import RoPE
 from .methods import AttentionWeights, register_method, with_bias_column, with_ones_column
 
 # radians. SmolLM2 3 -> 1 (docs/conversion.md), LICENSE ppl with the o_proj refit: 48.0 with no plane pooled, 31.6

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..attention import GroupedQueryAttention
+from ..attention.module import GroupedQueryAttention
 from ..models.config import ModelConfig
 from .methods import (
     AttentionWeights,

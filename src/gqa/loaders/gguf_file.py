@@ -16,16 +16,8 @@ import numpy as np
 import torch
 
 from ..models.config import ModelConfig
-from ..quantized import FORMATS, QuantizedTensor, dequantize
-from .gguf_meta import (  # noqa: F401 - the header's part, torch-free, from here as before
-    _FLOAT_NAMES,
-    SUPPORTED_QUANT_TYPES,
-    gguf_config,
-    gguf_tensors,
-    hf_name,
-    open_gguf,
-    stored_dtype_name,
-)
+from ..models.quantized import FORMATS, QuantizedTensor, dequantize
+from .gguf_meta import _FLOAT_NAMES, gguf_tensors, stored_dtype_name
 from .gguf_reader import GGUFFile, GGUFTensorInfo
 
 _FLOATS = {kind: getattr(torch, name) for kind, name in _FLOAT_NAMES.items()}
@@ -106,8 +98,8 @@ def read_gguf(path: str | Path | GGUFFile, *, keep_quantized: bool = False) -> t
     -------
     (ModelConfig, dict) : the config, and HF-named float32 tensors in torch layout (``lm_head.weight`` only when the
     file has ``output.weight``); llama q/k rows are put back in HF order. With ``keep_quantized``, 2-D weights stored
-    as Q8_0, Q4_0 or Q4_1 come as ``gqa.quantized.QuantizedTensor`` (their blocks as they are, rows reordered like
-    the float ones) instead of float tensors. F32 tensors and kept blocks are copy-on-write views of the file's
+    as Q8_0, Q4_0 or Q4_1 come as ``gqa.models.quantized.QuantizedTensor`` (their blocks as they are, rows reordered
+    like the float ones) instead of float tensors. F32 tensors and kept blocks are copy-on-write views of the file's
     memory map: nothing is copied for them, and writing to them never changes the file.
 
     Raises

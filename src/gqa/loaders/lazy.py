@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .._sizes import ITEMSIZE
+from ..cache.sizes import ITEMSIZE
 from . import resolve_model_path
 from .gguf_meta import gguf_tensors, stored_dtype_name
 from .hf_dir import hf_tensor_index, read_hf_tensors

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import GroupedQueryAttention
-from ..cache import StaticKVCache
-from ..linear import Linear, linears
-from ..masks import padding_mask
-from ..rope import RoPE
-from . import decode_step
+from ..attention.masks import padding_mask
+from ..attention.module import GroupedQueryAttention
+from ..attention.rope import RoPE
+from ..cache.kv import StaticKVCache
+from ..decoding import native_step
 from .config import ModelConfig
+from .linear import Linear, linears
 
 
 class RMSNorm(nn.Module):
@@ -120,7 +120,7 @@ class CausalLM(nn.Module):
 
     Caches come from ``new_caches``; with them ``forward`` appends the new tokens and attends to everything cached,
     and left padding declared with ``set_left_padding(caches, pad)`` is masked with per-row positions. ``generate``
-    lives in ``gqa.generation``; ``tokenizer`` is attached by ``gqa.load_model``.
+    lives in ``gqa.decoding.generate``; ``tokenizer`` is attached by ``gqa.load_model``.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -169,8 +169,8 @@ class CausalLM(nn.Module):
 
     def generate(self, prompts: list | torch.Tensor, **kwargs: object) -> list:
         """Generate continuations of token-id prompts (a list of ints or a 1-D tensor, or a batch of them); see
-        ``gqa.generation.generate`` for the arguments."""
-        from ..generation import generate
+        ``gqa.decoding.generate.generate`` for the arguments."""
+        from ..decoding.generate import generate
 
         return generate(self, prompts, **kwargs)
 
@@ -210,8 +210,8 @@ class CausalLM(nn.Module):
             low, high = int(input_ids.min()), int(input_ids.max())
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(f"input_ids must be in [0, {self.config.vocab_size}), got values in [{low}, {high}]")
-        if attention_mask is None and position_ids is None and decode_step.applies(self, input_ids, caches):
-            return decode_step.decode_step(self, input_ids, caches)  # the native one-token step (decode_step.py)
+        if attention_mask is None and position_ids is None and native_step.applies(self, input_ids, caches):
+            return native_step.decode_step(self, input_ids, caches)  # the native one-token step (native_step.py)
         mask = None
         if attention_mask is not None:
             if caches is not None:

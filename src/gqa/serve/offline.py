@@ -36,7 +36,7 @@ class LLM:
         self, model: torch.nn.Module | str | Path | None = None, *, dtype: str | torch.dtype = "auto", **engine_options
     ) -> None:
         if model is None or isinstance(model, (str, Path)):
-            from ..api import load_model
+            from ..loaders.model import load_model
 
             model = load_model(model, dtype=dtype)
         self.model = model

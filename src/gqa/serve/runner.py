@@ -15,8 +15,8 @@ import os
 import torch
 
 from .. import kernels
+from ..decoding import native_step
 from ..kernels import ops
-from ..models import decode_step
 from .config import EngineConfig
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
 from .request import EngineError, Request
@@ -45,10 +45,10 @@ class ModelRunner:
     def check_model(model: torch.nn.Module) -> None:
         """Raise ``EngineError`` unless the engine takes ``model``: float32 or bfloat16 on CPU with the native kernels
         built, layers the native step takes, full half-rotation RoPE."""
-        if model.device.type != "cpu" or model.dtype not in decode_step.DTYPES or not kernels.vectorized():
+        if model.device.type != "cpu" or model.dtype not in native_step.DTYPES or not kernels.vectorized():
             raise EngineError("the engine runs float32 or bfloat16 models on CPU with the native kernels built")
-        if decode_step.decode_weights(model, model.dtype) is None:
-            raise EngineError("the model's layers are not all ones the native step takes (see models.decode_step)")
+        if native_step.decode_weights(model, model.dtype) is None:
+            raise EngineError("the model's layers are not all ones the native step takes (see decoding.native_step)")
         rope = model.model.rope
         if rope.interleaved or rope.rotary_dim != rope.head_dim:
             raise EngineError("the engine needs full half-rotation RoPE")
@@ -69,7 +69,7 @@ class ModelRunner:
         positions = torch.tensor(positions, dtype=torch.long)
         cos, sin = backbone.rope.cos_sin(positions.view(B, 1))  # (B, 1, D) each
         x = backbone.embed_tokens(torch.tensor(ids, dtype=torch.long).view(B, 1)).view(B, -1)
-        weights = decode_step.decode_weights(model, model.dtype)
+        weights = native_step.decode_weights(model, model.dtype)
         greedy = torch.empty(len(wanted), dtype=torch.long)
         logits = ops.decode_paged(x, weights, cos.view(B, -1).contiguous(), sin.view(B, -1).contiguous(),
                                   self.cache.key, self.cache.value, table_tensor(tables), positions, greedy,

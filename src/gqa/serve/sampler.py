@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..generation import sample_next
+from ..decoding.sampling import sample_next
 from .request import Request
 
 __all__ = ["sample_rows"]

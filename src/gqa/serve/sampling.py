@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..generation import check_sampling
+from ..decoding.sampling import check_sampling
 
 __all__ = ["SEED_RANGE", "SamplingParams"]
 

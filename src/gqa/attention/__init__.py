@@ -1,0 +1,36 @@
+"""Attention: one call and one module for MHA, GQA and MQA.
+
+* ``functional`` — ``grouped_attention(query, key, value, ...)``, validated once and routed to a backend;
+* ``backends`` — the implementations (``reference``, ``grouped``, ``sdpa``, ``fused``, ``split_kv``) and how
+  ``auto`` picks among them on CPU (``backends``) and CUDA (``backends.cuda_routing``);
+* ``checks`` — the argument checks and shapes every backend shares;
+* ``masks``, ``rope`` — bottom-right causal and padding masks; rotary position embeddings;
+* ``module`` — ``GroupedQueryAttention``, the Llama/Qwen2-style layer with projections, RoPE and a KV cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .functional import grouped_attention, last_backend
+    from .masks import causal_mask, padding_mask
+    from .module import GroupedQueryAttention
+    from .rope import RoPE
+
+__all__ = ["GroupedQueryAttention", "RoPE", "causal_mask", "grouped_attention", "last_backend", "padding_mask"]
+
+_HOMES = {"GroupedQueryAttention": "module", "RoPE": "rope", "causal_mask": "masks", "padding_mask": "masks",
+          "grouped_attention": "functional", "last_backend": "functional"}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use: importing ``gqa.attention.checks`` (as ``gqa.cache``
+    does) runs none of the others."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value

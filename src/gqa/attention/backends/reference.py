@@ -1,0 +1,45 @@
+"""The reference backend: short, obvious, float32 (or float64) throughout: the oracle for every fast path.
+
+The group lives in its own axis: ``q (*B, H_kv, G, L, D)`` against ``k (*B, H_kv, S, D)``. The einsum letter ``g``
+appears only on the query side, so K/V are shared by the ``G`` query heads of a group and never copied per head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..checks import HALF_DTYPES, AttnShape
+from ..masks import apply_mask_, causal_mask, group_mask, softmax_rows
+
+
+def reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    shape: AttnShape,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    return_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    compute = torch.float32 if query.dtype in HALF_DTYPES else query.dtype
+    q = query.to(compute).unflatten(-3, (shape.H_kv, shape.G))  # (*B, H_kv, G, L, D)
+    k = key.to(compute)  # (*B, H_kv, S, D)
+    v = value.to(compute)  # (*B, H_kv, S, D_v)
+
+    scores = torch.einsum("...hgld,...hsd->...hgls", q, k) * scale  # (*B, H_kv, G, L, S)
+    ndim = len(shape.scores)
+    if attn_mask is not None:
+        scores = apply_mask_(scores, group_mask(attn_mask, ndim, shape.H_kv, shape.G))
+    if is_causal:
+        scores = apply_mask_(scores, causal_mask(shape.L, shape.S, query.device))
+    weights = softmax_rows(scores, attn_mask is not None or (is_causal and shape.L > shape.S))
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p, training=True)
+
+    out = torch.einsum("...hgls,...hsd->...hgld", weights, v)  # (*B, H_kv, G, L, D_v)
+    out = out.flatten(-4, -3).to(query.dtype)  # (*B, H_q, L, D_v)
+    return out, (weights.flatten(-4, -3).to(query.dtype) if return_weights else None)

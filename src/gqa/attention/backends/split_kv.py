@@ -1,0 +1,28 @@
+"""The ``triton`` backend: the split-KV grouped decode kernel of ``gqa.kernels.triton.split_kv`` (CUDA; CPU tensors
+under
+``TRITON_INTERPRET=1``). Decode-shaped calls only (``L <= 16``), inference only; ``supports`` says why it refuses."""
+
+from __future__ import annotations
+
+import torch
+
+from ...kernels.triton.split_kv import launch, supports
+from ..checks import AttnShape
+
+
+def triton_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    shape: AttnShape,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    return_weights: bool,
+) -> tuple[torch.Tensor, None]:
+    reason = supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
+    if reason is not None:
+        raise ValueError(f"backend 'triton' cannot run this call: {reason}")
+    return launch(query, key, value, shape, scale, is_causal, attn_mask, None, None, None), None

@@ -1,0 +1,86 @@
+"""``grouped_attention``: one attention call for MHA, GQA and MQA."""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import BACKENDS, choose_backend
+from .checks import check_dropout, check_mask, check_qkv, check_scale
+
+_last: list[str | None] = [None]
+
+
+def last_backend() -> str | None:
+    """The backend the last eager ``grouped_attention`` call in this process ran (``auto`` resolved), or None."""
+    return _last[0]
+
+
+def grouped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    *,
+    return_weights: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention where ``H_kv`` key/value heads are shared by ``H_q`` query heads.
+
+    Query head ``i`` uses key/value head ``i // (H_q // H_kv)``. ``H_kv == H_q`` is multi-head attention, ``H_kv == 1``
+    multi-query attention. K/V are never copied per query head, on any backend.
+
+    Parameters
+    ----------
+    query : Tensor ``(*B, H_q, L, D)``
+    key : Tensor ``(*B, H_kv, S, D)``
+    value : Tensor ``(*B, H_kv, S, D_v)``
+        Any number of leading batch dims ``*B`` (including none); the same for all three. ``H_q % H_kv == 0``.
+    attn_mask : Tensor, optional
+        Broadcastable to ``(*B, H_q, L, S)``. Bool: True where attention is allowed. Float: added to the scores.
+    dropout_p : float
+        Dropout on the attention weights, applied whenever > 0 (as in torch SDPA; the module passes 0 in eval mode).
+    is_causal : bool
+        Causal mask aligned **bottom-right**: query ``i`` sees keys ``j <= i + S - L``. For ``L == S`` it is the usual
+        lower triangle; with a KV cache (``L < S``) the last query sees every key. torch SDPA's ``is_causal`` is
+        top-left (``j <= i``), which is wrong for cached decoding. Combines with ``attn_mask``.
+    scale : float, optional
+        Multiplies the scores; default ``D ** -0.5``.
+    return_weights : bool
+        Also return the attention weights ``(*B, H_q, L, S)`` (after dropout, if any).
+    backend : {"auto", "reference", "grouped", "sdpa", "fused", "triton"}
+        ``auto`` picks per shape, device and dtype (``last_backend()`` says which ran); ``fused`` is the native CPU
+        decode kernel (``gqa.kernels``), ``triton`` the GPU split-KV decode kernel (``gqa.kernels.triton.split_kv``).
+
+    Returns
+    -------
+    Tensor ``(*B, H_q, L, D_v)`` in the input dtype, or ``(out, weights)`` with ``return_weights=True``.
+
+    Notes
+    -----
+    A query row with no visible key returns zeros (not NaN), with zero gradients. For float16/bfloat16 inputs the
+    scores and softmax are computed in float32 and the output is cast back.
+    """
+    shape = check_qkv(query, key, value)
+    check_mask(attn_mask, shape, query)
+    check_dropout(dropout_p)
+    check_scale(scale)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    kwargs = dict(
+        shape=shape,
+        attn_mask=attn_mask,
+        dropout_p=float(dropout_p),
+        is_causal=is_causal,
+        scale=float(shape.D**-0.5 if scale is None else scale),
+    )
+    if backend == "auto":
+        backend = choose_backend(query, key, value, return_weights=return_weights, **kwargs)
+    if not torch.compiler.is_compiling():
+        _last[0] = backend
+    out, weights = BACKENDS[backend](query, key, value, return_weights=return_weights, **kwargs)
+    return (out, weights) if return_weights else out

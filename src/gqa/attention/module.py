@@ -1,0 +1,181 @@
+"""``GroupedQueryAttention``: projections, RoPE, KV cache and ``grouped_attention`` in one module.
+
+Parameter names follow HF transformers (``q_proj, k_proj, v_proj, o_proj``) so Llama/Qwen2 attention weights load 1:1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..cache.kv import _KVCache
+from ..models.linear import Linear, linears
+from .checks import check_dropout, check_heads, shape_str
+from .functional import grouped_attention
+from .masks import merge_masks
+from .rope import RoPE
+
+
+class GroupedQueryAttention(nn.Module):
+    """Multi-head attention with ``num_kv_heads`` key/value heads shared by groups of ``num_heads // num_kv_heads``
+    query heads.
+
+    Parameters
+    ----------
+    embed_dim : int
+        Feature size ``E`` of the query input and of the output.
+    num_heads : int
+        Query heads ``H_q``.
+    num_kv_heads : int, optional
+        Key/value heads ``H_kv``; ``None`` means ``num_heads`` (MHA), 1 is MQA. Must divide ``num_heads``.
+    head_dim : int, optional
+        ``D``; default ``embed_dim // num_heads``.
+    qkv_bias, out_bias : bool
+        Biases on the q/k/v projections (Qwen2: True) and on the output projection.
+    dropout : float
+        Dropout on the attention weights, in training mode only.
+    rope : RoPE, optional
+        Rotary embedding applied to queries and keys in self-attention.
+    kdim, vdim : int, optional
+        Feature sizes of the key and value inputs for cross-attention; default ``embed_dim``.
+
+    Shapes: ``x (*B, L, E)``; ``kv_input (*B, S, kdim)`` (or a ``(key_input, value_input)`` pair when
+    ``kdim != vdim``); output ``(*B, L, E)``; weights ``(*B, H_q, L, S)``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        *,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        dropout: float = 0.0,
+        rope: RoPE | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        check_heads(num_heads, num_kv_heads)
+        for name, n in (("embed_dim", embed_dim), ("head_dim", head_dim), ("kdim", kdim), ("vdim", vdim)):
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if head_dim is None:
+            if embed_dim % num_heads:
+                raise ValueError(
+                    f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads}) unless head_dim is given"
+                )
+            head_dim = embed_dim // num_heads
+        check_dropout(dropout, "dropout")
+        if rope is not None and not isinstance(rope, RoPE):
+            raise TypeError(f"rope must be a gqa.RoPE or None, got {type(rope).__name__}")
+        if rope is not None and rope.head_dim != head_dim:
+            raise ValueError(f"rope was built for head_dim {rope.head_dim} but this module has head_dim {head_dim}")
+
+        self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = (
+            embed_dim,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
+        self.dropout = float(dropout)
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = Linear(embed_dim, num_heads * head_dim, bias=qkv_bias, **factory)
+        self.k_proj = Linear(self.kdim, num_kv_heads * head_dim, bias=qkv_bias, **factory)
+        self.v_proj = Linear(self.vdim, num_kv_heads * head_dim, bias=qkv_bias, **factory)
+        self.o_proj = Linear(num_heads * head_dim, embed_dim, bias=out_bias, **factory)
+        self.rope = rope
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+
+    def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.unflatten(-1, (n, self.head_dim)).transpose(-2, -3)  # (*B, L, n*D) -> (*B, n, L, D)
+
+    def _kv_inputs(
+        self, x: torch.Tensor, kv_input: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_input is None:
+            if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+                raise ValueError(f"kv_input is required: this module has kdim {self.kdim}, vdim {self.vdim}")
+            return x, x
+        key_in, value_in = kv_input if isinstance(kv_input, (tuple, list)) else (kv_input, kv_input)
+        for name, t, feat in (("key input", key_in, self.kdim), ("value input", value_in, self.vdim)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"kv_input must be a tensor or a (key, value) pair of tensors, got {type(t).__name__}")
+            if t.dim() != x.dim() or t.shape[:-2] != x.shape[:-2] or t.shape[-1] != feat:
+                raise ValueError(
+                    f"{name} must have shape (*B, S, {feat}) with the batch dims of x {shape_str(x)}, "
+                    f"got {shape_str(t)}"
+                )
+        if key_in.shape[-2] != value_in.shape[-2]:
+            raise ValueError(f"key input {shape_str(key_in)} and value input {shape_str(value_in)} differ in S")
+        return key_in, value_in
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_input: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        position_ids: torch.Tensor | None = None,
+        rope_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: _KVCache | None = None,
+        need_weights: bool = False,
+        backend: str = "auto",
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend from ``x (*B, L, E)`` to itself, or to ``kv_input`` (cross-attention).
+
+        ``attn_mask`` broadcasts to ``(*B, H_q, L, S)`` (bool: True = attend; float: added). ``is_causal`` is aligned
+        bottom-right, so it stays right when a cache makes ``S > L``. ``position_ids`` ``(L,)`` or ``(B, L)`` feed
+        RoPE; by default ``0..L-1``, or the cache's per-row positions. ``rope_cos_sin`` (from ``RoPE.cos_sin``) skips
+        that lookup when a model shares one RoPE table across layers. With ``cache`` (self-attention, ``x (B, L, E)``)
+        the new K/V are appended and attention runs over everything cached; the cache's left padding is masked.
+        Returns ``out (*B, L, E)``, or ``(out, weights (*B, H_q, L, S))`` with ``need_weights=True``.
+        """
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] != self.embed_dim:
+            got = shape_str(x) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape (*B, L, {self.embed_dim}), got {got}")
+        if cache is not None:
+            if kv_input is not None:
+                raise ValueError("cache is for self-attention; compute cross-attention K/V once and pass kv_input")
+            if not isinstance(cache, _KVCache):
+                raise TypeError(f"cache must be a StaticKVCache or DynamicKVCache, got {type(cache).__name__}")
+            if x.dim() != 3:
+                raise ValueError(f"with a cache, x must have shape (B, L, {self.embed_dim}), got {shape_str(x)}")
+        key_in, value_in = self._kv_inputs(x, kv_input)
+        L = x.shape[-2]
+
+        if key_in is x and value_in is x:  # self-attention: one pass over the three projections
+            q, k, v = linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(key_in), self.v_proj(value_in)
+        q = self._heads(q, self.num_heads)  # (*B, H_q, L, D)
+        k = self._heads(k, self.num_kv_heads)  # (*B, H_kv, S, D)
+        v = self._heads(v, self.num_kv_heads)  # (*B, H_kv, S, D)
+        if self.rope is not None and kv_input is None:
+            if rope_cos_sin is None:
+                if position_ids is None:
+                    position_ids = cache.positions(L) if cache is not None else torch.arange(L, device=x.device)
+                q, k = self.rope(q, k, position_ids)
+            else:
+                q, k = self.rope.rotate(q, *rope_cos_sin), self.rope.rotate(k, *rope_cos_sin)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, H_kv, S, D) with S = everything cached
+            cache_mask, is_causal = cache.visibility(L, k.shape[-2], is_causal)
+            attn_mask = merge_masks(attn_mask, cache_mask)
+
+        dropout_p = self.dropout if self.training else 0.0
+        result = grouped_attention(
+            q, k, v, attn_mask, dropout_p, is_causal, return_weights=need_weights, backend=backend
+        )
+        out, weights = result if need_weights else (result, None)
+        out = self.o_proj(out.transpose(-2, -3).flatten(-2))  # (*B, H_q, L, D) -> (*B, L, E)
+        return (out, weights) if need_weights else out

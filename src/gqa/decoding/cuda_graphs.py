@@ -1,0 +1,100 @@
+"""Decoding on a GPU through CUDA graphs: one graph launch per token instead of ~15 kernel launches per layer.
+
+A decoded token is a few small kernels per layer, each shorter than the time the CPU takes to launch it, so eager
+PyTorch leaves the GPU idle most of the time. ``static_step`` is a decode step that never reads a value back to the
+host and never changes a shape: every layer writes its new K/V at its cache's cursor (a device tensor) with
+``index_copy_``, the split-KV kernel reads each row's ``[start, cursor]`` slots of the *whole* preallocated cache from
+device memory, and RoPE looks its angles up from a table sized for the cache. Such a step can be captured once and
+replayed: ``GraphedDecoder`` runs the first step eagerly (which also compiles the Triton kernels), captures the
+second and replays the graph from then on. ``gqa.decoding.generate`` uses it for every model on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..cache.kv import StaticKVCache
+from ..kernels.triton.split_kv import split_kv_attention
+from ..models.linear import linears
+
+
+def graphs_apply(model: torch.nn.Module, caches: list) -> str | None:
+    """``None`` if ``GraphedDecoder`` can decode ``model`` over ``caches``, else why not."""
+    if model.device.type != "cuda":
+        return f"device {model.device.type} (CUDA only)"
+    if getattr(model, "shard", None) is not None:
+        return "tensor parallelism"
+    if not all(isinstance(c, StaticKVCache) for c in caches):
+        return "caches that are not StaticKVCache"
+    if model.training:
+        return "training mode"
+    return None
+
+
+def static_step(model: torch.nn.Module, tokens: torch.Tensor, caches: list[StaticKVCache]) -> torch.Tensor:
+    """Logits ``(B, 1, vocab)`` of ``tokens (B, 1)``, appending each layer's K/V to its cache — the eager model's
+    decode step with no host synchronisation and fixed shapes (module docstring). The caches must have room."""
+    backbone = model.model
+    first = caches[0]
+    positions = (first.cursor - first.start).clamp_min(0)[:, None]  # (B, 1): RoPE positions, padding excluded
+    rope = backbone.rope
+    cos, sin = rope.cos_cached[positions], rope.sin_cached[positions]  # (B, 1, rotary_dim) each
+    x = backbone.embed_tokens(tokens)  # (B, 1, E)
+    for layer, cache in zip(backbone.layers, caches, strict=True):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q, k, v = linears(h, (attn.q_proj, attn.k_proj, attn.v_proj))
+        q = rope.rotate(attn._heads(q, attn.num_heads), cos, sin)  # (B, H_q, 1, D)
+        k = rope.rotate(attn._heads(k, attn.num_kv_heads), cos, sin)  # (B, H_kv, 1, D)
+        v = attn._heads(v, attn.num_kv_heads)  # (B, H_kv, 1, D)
+        slot = cache.cursor.view(1)
+        cache.key.index_copy_(2, slot, k)
+        cache.value.index_copy_(2, slot, v)
+        cache.cursor.add_(1)
+        a = split_kv_attention(
+            q, cache.key, cache.value, scale=1.0 / math.sqrt(attn.head_dim), start=cache.start, end=cache.cursor
+        )  # (B, H_q, 1, D): each row's slots [start, cursor) of the whole cache
+        x = x + attn.o_proj(a.transpose(1, 2).flatten(-2))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(backbone.norm(x))  # (B, 1, vocab)
+
+
+class GraphedDecoder:
+    """``step(tokens (B, 1), caches) -> logits (B, 1, vocab)`` for ``gqa.decoding.generate``: ``static_step`` run
+    eagerly once, then captured into a CUDA graph and replayed for every later token over the same caches."""
+
+    def __init__(self, model: torch.nn.Module, caches: list[StaticKVCache]) -> None:
+        reason = graphs_apply(model, caches)
+        if reason is not None:
+            raise ValueError(f"CUDA graph decoding does not apply: {reason}")
+        self.model, self.caches = model, caches
+        self.tokens = torch.zeros(caches[0].key.shape[0], 1, dtype=torch.long, device=model.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        self.steps = 0
+        rope = model.model.rope
+        if rope.cos_cached.shape[0] < caches[0].capacity:  # every position the caches can reach, before capture
+            rope.cos_sin(torch.tensor([caches[0].capacity - 1], device=model.device))
+
+    def __call__(self, tokens: torch.Tensor, caches: list[StaticKVCache]) -> torch.Tensor:
+        if caches is not self.caches:
+            raise ValueError("this GraphedDecoder was captured over other caches")
+        if self.caches[0].seq_len >= self.caches[0].capacity:
+            raise ValueError(f"StaticKVCache overflow: all {self.caches[0].capacity} slots are written")
+        self.tokens.copy_(tokens)
+        self.steps += 1
+        if self.graph is None and self.steps == 1:  # eager: compiles the Triton kernels, creates library handles
+            side = torch.cuda.Stream(device=self.tokens.device)
+            side.wait_stream(torch.cuda.current_stream(self.tokens.device))
+            with torch.cuda.stream(side):
+                logits = static_step(self.model, self.tokens, self.caches)
+            torch.cuda.current_stream(self.tokens.device).wait_stream(side)
+            return logits
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = static_step(self.model, self.tokens, self.caches)
+        self.graph.replay()
+        return self.logits.clone()

@@ -1,0 +1,214 @@
+"""Text generation: one prefill of the (left-padded) prompts, then one token per step through static KV caches.
+
+Greedy (``temperature=0``) or sampling with temperature, top-k and top-p from a seeded generator; stops at EOS per
+row or after ``max_new_tokens``; ``generate_stream`` yields each step's tokens as they come.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import native_step
+from .sampling import check_sampling, sample_next
+
+if TYPE_CHECKING:  # a type only: models.llama's CausalLM.generate imports this module
+    from ..models.llama import CausalLM
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    pads = [width - len(p) for p in prompts]
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    for row, (p, pad) in enumerate(zip(prompts, pads, strict=True)):
+        ids[row, pad:] = torch.as_tensor(list(p), dtype=torch.long)
+    return ids, pads
+
+
+def _prompt_batch(prompts: object) -> tuple[list[list[int]], bool]:
+    """Token-id prompts as a list of lists, and whether a single prompt was given.
+
+    One prompt: a list of ints or a 1-D integer tensor. Several: a list of those, or a 2-D ``(B, L)`` tensor.
+    """
+    if isinstance(prompts, torch.Tensor):
+        if prompts.is_floating_point() or prompts.is_complex() or prompts.dtype == torch.bool:
+            raise TypeError(f"prompts must hold integer token ids, got a tensor of {prompts.dtype}")
+        if prompts.dim() not in (1, 2):
+            raise ValueError(f"a prompts tensor must be 1-D (one prompt) or 2-D (B, L), got {tuple(prompts.shape)}")
+        return (prompts.tolist(), False) if prompts.dim() == 2 else ([prompts.tolist()], True)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be token ids (list of ints, integer tensor), got {type(prompts).__name__}")
+    if len(prompts) == 0 or isinstance(prompts[0], int):  # one prompt (an empty one is refused later)
+        return [list(prompts)], True
+    batch = []
+    for p in prompts:
+        rows, single = _prompt_batch(p)
+        if not single:
+            raise ValueError("each prompt of a batch must be one sequence of token ids (a list or a 1-D tensor)")
+        batch += rows
+    return batch, False
+
+
+# Finished rows stop being computed once no more than this share of the computed rows is still running: the caches
+# are cut to the running rows (a copy). A row's tokens do not depend on it: the native step computes each row the
+# same way whatever rows are beside it (the eager GEMMs up to float rounding), and a sampled row draws its own number
+# per step. Not with a step_fn (compiled or CUDA-graph steps have their batch size baked in).
+DROP_FINISHED_AT = 0.75
+
+
+@torch.inference_mode()
+def generate_stream(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    step_fn: Callable[[torch.Tensor, list], torch.Tensor] | None = None,
+    compile: bool = False,
+) -> Iterator[torch.Tensor]:
+    """Yield the next token of every row ``(B,)`` per step; a row that has finished yields ``pad_token_id``.
+
+    ``prompts`` are token-id lists (or 1-D tensors) of any lengths, left-padded into one batch, each row with its
+    own positions; a single list of ints is one prompt.
+    ``step_fn(tokens (B, 1), caches) -> logits (B, 1, vocab)`` replaces the plain decode step (e.g. a compiled one).
+    ``compile``: decode through ``torch.compile`` (``gqa.decoding.compiled``): compiled once per batch size and cache
+    bucket,
+    kept on disk for the next process. Without it, decoding on CPU runs the native step (``decoding.native_step``),
+    and on CUDA a captured CUDA graph of the step (``gqa.decoding.cuda_graphs``) where triton is installed.
+    """
+    cfg = model.config
+    check_sampling(temperature, top_k, top_p)  # before the prompt is run, not at the first sampled token
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if compile and step_fn is not None:
+        raise ValueError("pass either compile=True or a step_fn, not both")
+    eos = list(cfg.eos_token_id if eos_token_ids is None else eos_token_ids)
+    pad_id = pad_token_id if pad_token_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
+    ids, pads = _left_pad(_prompt_batch(prompts)[0], pad_id, model.device)
+    B, P = ids.shape
+    if P + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt of {P} tokens + max_new_tokens {max_new_tokens} exceeds the model's context of "
+            f"{cfg.max_position_embeddings} tokens; shorten the prompt or lower max_new_tokens"
+        )
+    if seed is None and temperature > 0 and getattr(model, "shard", None) is not None:
+        from ..parallel.distributed import shared_seed
+
+        seed = shared_seed()  # tensor-parallel ranks must draw the same samples
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(seed)
+
+    capacity = P + max_new_tokens
+    if compile:
+        from .compiled import cache_bucket, compiled_step
+
+        capacity = cache_bucket(capacity, cfg.max_position_embeddings)  # a few cache sizes: a few compilations
+        step_fn = compiled_step(model)
+    caches = model.new_caches(B, capacity)
+    for cache in caches:
+        cache.set_left_padding(pads)
+    logits = model(ids, caches=caches, last_only=True)[:, -1]  # (B, vocab)
+    if step_fn is None and model.device.type == "cuda":
+        step_fn = _cuda_step(model, caches)
+    step = step_fn or (lambda tok, c: model(tok, caches=c))
+    eos_ids = torch.tensor(eos, dtype=torch.long, device=model.device)
+    finished = torch.zeros(B, dtype=torch.bool, device=model.device)
+    rows = torch.arange(B, device=model.device)  # the rows still computed (finished ones are dropped in bulk)
+    picked = None  # greedy tokens the native step found while writing the logits
+    for i in range(max_new_tokens):
+        if picked is None:
+            uniforms = None  # one number per row and step, whichever rows are still computed
+            if temperature > 0:
+                uniforms = torch.rand(B, generator=generator, device=model.device)[rows]
+            picked = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, uniforms=uniforms)
+        token = torch.full((B,), pad_id, dtype=torch.long, device=model.device)
+        token[rows] = picked
+        token.masked_fill_(finished, pad_id)
+        yield token
+        finished |= torch.isin(token, eos_ids)
+        if bool(finished.all()) or i == max_new_tokens - 1:
+            return
+        picked = None
+        alive = ~finished[rows]
+        if step_fn is None and int(alive.sum()) <= DROP_FINISHED_AT * len(rows):
+            keep = alive.nonzero().squeeze(1)
+            for cache in caches:
+                cache.keep_rows(keep)
+            rows = rows[keep]
+        new = token[rows][:, None]  # (rows, 1)
+        if temperature == 0 and step_fn is None and _plain(model) and native_step.applies(model, new, caches):
+            picked = torch.empty(len(rows), dtype=torch.long)
+            logits = native_step.decode_step(model, new, caches, greedy=picked)[:, -1]
+        else:
+            logits = step(new, caches)[:, -1]  # (rows, vocab)
+
+
+def _plain(model: CausalLM) -> bool:
+    """Whether ``model(ids, caches=...)`` is exactly ``CausalLM.forward``: no subclass override, no forward hooks (so
+    calling its native decode step directly, for the greedy tokens it finds, skips nothing)."""
+    return model.runs_own_forward()
+
+
+def _cuda_step(model: CausalLM, caches: list) -> Callable[[torch.Tensor, list], torch.Tensor] | None:
+    """The CUDA-graph decode step (``gqa.decoding.cuda_graphs``) where it applies and triton is installed, else None."""
+    from ..kernels.triton.split_kv import triton_available
+    from .cuda_graphs import GraphedDecoder, graphs_apply
+
+    if not triton_available() or graphs_apply(model, caches) is not None:
+        return None
+    return GraphedDecoder(model, caches)
+
+
+def generate(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]] | Sequence[int] | torch.Tensor,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    on_token: Callable[[torch.Tensor], None] | None = None,
+    step_fn: Callable[[torch.Tensor, list], torch.Tensor] | None = None,
+    compile: bool = False,
+) -> list[list[int]] | list[int]:
+    """Generate continuations of token-id prompts; returns the new tokens of each row, EOS included, padding not.
+
+    A single prompt (a list of ints or a 1-D integer tensor) gives a single list back; a batch (a list of those, or
+    a ``(B, L)`` tensor) gives a list per row. ``on_token(tokens (B,))`` is called at every step; ``compile`` as in
+    ``generate_stream``.
+    """
+    batch, single = _prompt_batch(prompts)
+    eos = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
+    out: list[list[int]] = [[] for _ in batch]
+    done = [False] * len(batch)
+    for token in generate_stream(
+        model,
+        batch,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eos_token_ids=eos_token_ids,
+        step_fn=step_fn,
+        compile=compile,
+    ):
+        if on_token is not None:
+            on_token(token)
+        for row, t in enumerate(token.tolist()):
+            if not done[row]:
+                out[row].append(t)
+                done[row] = t in eos
+    return out[0] if single else out

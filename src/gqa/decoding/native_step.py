@@ -1,0 +1,184 @@
+"""The decode step users get by default on CPU: one new token per row through every layer with the native kernels.
+
+A decoded token is a few thousand multiply-adds per weight row and little else, so in eager PyTorch the ~100 small
+ATen ops per layer (norms, RoPE, the cache write, masks, reshapes, residual adds) cost as much as streaming the
+weights. Here the whole step — every layer, the final norm and ``lm_head`` — is one native call,
+``gqa::decode_model`` (``kernels/csrc/decode_step.cpp``): per layer a GEMV over q/k/v with RoPE and the cache write,
+grouped attention over each row's slots ``[start, cursor]``, ``o_proj``, a GEMV over gate/up with SwiGLU and
+``down_proj``, float or block-quantized weights alike, run as phases of small chunks that the calling thread and a
+pool of workers claim (``kernels/csrc/team.h``): a thread that loses its core to other work holds up one chunk, not
+every op of the step. Models the one call cannot take run a ``gqa::decode_layer`` call per layer, and layers it
+cannot take whole (tensor parallelism's all-reducing projections) run the same ops one call each from Python. Values
+round to the model's dtype where the eager code rounds, so every path gives the eager path's results (tested against
+HF transformers, and bit for bit against each other); ``CausalLM.forward`` takes this path whenever it applies
+(``applies``) and the eager one otherwise. No compilation, so the first token is as fast as the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from .. import kernels
+from ..cache.kv import StaticKVCache
+from ..kernels import ops
+from ..models.linear import Linear, linears
+from ..models.quantized import QuantizedLinear
+
+calls = 0  # steps run here since import (``gqa generate --stats`` says which path decoded)
+# Batch rows per step. The GEMVs stream each weight chunk once for all rows (4 at a time from cache); measured on a
+# 2-core AVX2 VM against the eager step, SmolLM2-135M, 100 cached tokens: 1.8x faster at 8 rows, 1.4x at 64 (fp32;
+# 1.5x at 64 on its Q4_1 blocks). Beyond that the eager GEMMs are not measured.
+MAX_ROWS = 64
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def applies(model: torch.nn.Module, input_ids: torch.Tensor, caches: list | None) -> bool:
+    """Whether ``decode_step`` runs this call: one token per row (B <= MAX_ROWS) into static caches on CPU, float32 or
+    bfloat16, native kernels built, no autograd, eval mode, full half-rotation RoPE, not under ``torch.compile``,
+    and room left in the caches (a full cache goes the eager way, which says so)."""
+    if caches is None or input_ids.shape[1] != 1 or input_ids.shape[0] > MAX_ROWS or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() or model.training or model.dtype not in DTYPES or model.device.type != "cpu":
+        return False
+    rope = model.model.rope
+    if rope.interleaved or rope.rotary_dim != rope.head_dim or not kernels.vectorized():
+        return False
+    first = caches[0]
+    return (
+        isinstance(first, StaticKVCache)
+        and first.key.dtype == model.dtype
+        and first.key.shape[0] == input_ids.shape[0]
+        and first.seq_len < first.capacity
+    )
+
+
+def decode_step(
+    model: torch.nn.Module, input_ids: torch.Tensor, caches: list[StaticKVCache], greedy: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Logits ``(B, 1, vocab)`` of ``input_ids (B, 1)``, appending each layer's K/V to its cache (``applies`` must
+    hold). ``greedy``, an int64 ``(B,)`` tensor, gets each row's argmax (``logits.float().argmax(-1)``), found by the
+    native call while it writes the logits."""
+    global calls
+    calls += 1
+    B = input_ids.shape[0]
+    backbone = model.model
+    cos, sin = backbone.rope.cos_sin(caches[0].positions(1))  # (B, 1, D) float32 each
+    cos, sin = cos.view(B, -1).contiguous(), sin.view(B, -1).contiguous()
+    x = backbone.embed_tokens(input_ids).view(B, -1)  # (B, E)
+    whole = decode_weights(model, x.dtype)
+    if whole is not None:  # every layer, the final norm and lm_head in one native call
+        logits = ops.decode_model(x, whole, cos, sin, caches, greedy)
+        return logits.view(B, 1, -1)
+    for layer, cache in zip(backbone.layers, caches, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        scale = 1.0 / math.sqrt(attn.head_dim)
+        fused = _layer_weights(layer, x.dtype)
+        if fused is not None:  # the whole layer in one native call
+            x = ops.decode_layer(
+                x, layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+                *fused, cos, sin, cache, scale,
+            )  # fmt: skip
+            continue
+        h = ops.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        q, k, v = linears(h, (attn.q_proj, attn.k_proj, attn.v_proj))  # (B, H_q*D), (B, H_kv*D), (B, H_kv*D)
+        a = ops.decode_attend(q, k, v, cos, sin, cache, scale)
+        x = x + attn.o_proj(a)
+        h = ops.rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        gate, up = linears(h, (mlp.gate_proj, mlp.up_proj))  # (B, F) each
+        x = x + mlp.down_proj(ops.silu_mul(gate, up))
+    x = ops.rms_norm(x, backbone.norm.weight, backbone.norm.eps)
+    logits = model.lm_head(x)
+    if greedy is not None:
+        greedy.copy_(logits.float().argmax(-1))
+    return logits.view(B, 1, -1)
+
+
+_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (modules, dtype, DecodeWeights | None)
+
+
+def decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWeights | None:
+    """What the one-call step reads of ``model`` in ``dtype`` (``None`` where a layer or lm_head is something it
+    cannot take: ``_decode_weights``), rebuilt only when one of the modules it reads was replaced or the dtype
+    changed (walking every layer's modules through ``nn.Module.__getattr__`` costs ~1.4 ms, a tenth of a quantized
+    step)."""
+    modules = _step_modules(model)
+    cached = _WEIGHTS.get(model)
+    same = cached is not None and cached[1] == dtype and len(cached[0]) == len(modules)
+    if same and all(a is b for a, b in zip(cached[0], modules, strict=True)):  # identity: a tensor's == is per element
+        return cached[2]
+    weights = _decode_weights(model, dtype)
+    _WEIGHTS[model] = (modules, dtype, weights)
+    return weights
+
+
+def _step_modules(model: torch.nn.Module) -> tuple:
+    """Every module ``_decode_weights`` reads and each one's parameters and buffers, by direct ``_modules`` lookups: a
+    tuple compared by identity, so a replaced module, weight or block buffer is seen."""
+    modules = [model._modules["lm_head"], model._modules["model"]._modules["norm"]]
+    for layer in model._modules["model"]._modules["layers"]._modules.values():
+        m = layer._modules
+        attn, mlp = m["self_attn"]._modules, m["mlp"]._modules
+        modules += (m["input_layernorm"], m["post_attention_layernorm"], attn["q_proj"], attn["k_proj"])
+        modules += (attn["v_proj"], attn["o_proj"], mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
+    out = []
+    for module in modules:
+        out += (module, *module._parameters.values(), *module._buffers.values())
+    return tuple(out)
+
+
+def _decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWeights | None:
+    """``DecodeWeights`` of ``model``, or ``None`` when a layer cannot be fused (``_layer_weights``), the layers'
+    norms differ in eps, or lm_head is neither a float ``Linear`` in ``dtype`` nor a ``QuantizedLinear`` without
+    bias."""
+    backbone = model.model
+    layers = backbone.layers
+    eps = layers[0].input_layernorm.eps
+    head = model.lm_head
+    if type(head) is QuantizedLinear and head.bias is None:
+        head_weight, head_format = head.blocks, head.format.code
+    elif type(head) is Linear and head.bias is None and head.weight.dtype == dtype and head.weight.is_contiguous():
+        head_weight, head_format = head.weight, -1
+    else:
+        return None
+    norms1, norms2, weights, formats, biases = [], [], [], [], []
+    for layer in layers:
+        fused = _layer_weights(layer, dtype)
+        if fused is None or layer.input_layernorm.eps != eps:
+            return None
+        norms1.append(layer.input_layernorm.weight)
+        norms2.append(layer.post_attention_layernorm.weight)
+        weights += fused[0]
+        formats += fused[1]
+        biases += fused[2]
+    scale = 1.0 / math.sqrt(layers[0].self_attn.head_dim)
+    return ops.DecodeWeights(norms1, norms2, eps, weights, formats, biases, scale, backbone.norm.weight,
+                             backbone.norm.eps, head_weight, head_format)  # fmt: skip
+
+
+def _layer_weights(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[list, list[int], list] | None:
+    """``(weights, formats, qkv_biases)`` for ``ops.decode_layer`` — q, k, v, o, gate, up, down as float matrices
+    (format -1) or quantized blocks (their format's code) — or ``None`` when a part is something else (e.g. the
+    all-reducing projections of tensor parallelism, output biases, norms with different eps): then the layer runs
+    op by op."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
+        return None
+    weights, formats = [], []
+    for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        if type(module) is QuantizedLinear:
+            weights.append(module.blocks)
+            formats.append(module.format.code)
+        elif type(module) is Linear and module.weight.dtype == dtype and module.weight.is_contiguous():
+            weights.append(module.weight)
+            formats.append(-1)
+        else:
+            return None
+    biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+    if attn.o_proj.bias is not None or any(m.bias is not None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        return None
+    if any(b is not None and b.dtype != dtype for b in biases):
+        return None
+    return weights, formats, biases

@@ -1,0 +1,1 @@
+"""gqa inside other libraries: ``hf`` — ``attn_implementation="gqa"`` for HF transformers."""

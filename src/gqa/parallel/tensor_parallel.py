@@ -1,0 +1,238 @@
+"""Tensor parallelism (Megatron-style) for the Llama-family decoder, with a KV group as the unit of sharding.
+
+A KV group is one KV head and the ``G = H_q / H_kv`` query heads that read it. ``tp`` ranks share a model so:
+
+* ``tp <= H_kv``: each rank holds whole groups, contiguous; when ``tp`` does not divide ``H_kv`` the first
+  ``H_kv % tp`` ranks hold one group more (SmolLM2, 9 query / 3 KV heads, at tp=2: 6 q + 2 kv heads and 3 q + 1 kv
+  heads — the ranks are then unbalanced, and the slowest sets the pace);
+* ``tp > H_kv``: ``tp % H_kv == 0`` and ``G % (tp / H_kv) == 0``; each KV head is replicated on ``tp / H_kv`` ranks,
+  each of which computes its share of that group's query heads (as vLLM and SGLang do);
+* anything else is refused with a ``ValueError`` that names the ``tp`` values that work.
+
+Per layer, ``q/k/v_proj`` (and their biases) keep the rank's heads' rows and ``o_proj`` the matching input columns;
+the MLP's ``gate_proj``/``up_proj`` keep a slice of rows and ``down_proj`` the same columns. ``o_proj`` and
+``down_proj`` then hold partial sums, which one all-reduce each completes: two all-reduces per layer. Embeddings,
+norms, RoPE and ``lm_head`` are replicated, so every rank computes the same logits. Each rank's model is an ordinary
+``CausalLM`` on plain local tensors with a local ``ModelConfig`` (its own head counts): native kernels, static caches
+holding only the rank's KV heads, compiled decode steps and batched generation work as in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
+
+from ..models.config import ModelConfig
+from ..models.linear import Linear
+
+if TYPE_CHECKING:
+    from ..models.llama import CausalLM
+
+__all__ = [
+    "RankShard",
+    "ReducingLinear",
+    "check_tp",
+    "head_layout",
+    "rank_shard",
+    "rank_weight_bytes",
+    "shard_model",
+    "shard_state",
+    "shard_tensor",
+    "working_tp",
+]
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """What one rank holds, in global indices.
+
+    Attributes
+    ----------
+    rank, tp : this rank and the number of ranks.
+    q_heads, kv_heads : the query and KV heads it computes.
+    kv_replicas : ranks holding each of its KV heads (1 unless ``tp > H_kv``).
+    mlp_rows : its slice of the MLP's intermediate features.
+    """
+
+    rank: int
+    tp: int
+    q_heads: range
+    kv_heads: range
+    kv_replicas: int
+    mlp_rows: range
+
+
+def _check_int(name: str, value: object, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def _layout_error(num_heads: int, num_kv_heads: int, tp: int) -> str | None:
+    """Why ``tp`` cannot shard these heads, or ``None`` when it can."""
+    group = num_heads // num_kv_heads
+    if tp <= num_kv_heads:
+        return None
+    if tp % num_kv_heads:
+        return f"tp > H_kv needs tp to be a multiple of H_kv ({num_kv_heads})"
+    if group % (tp // num_kv_heads):
+        return f"each group's {group} query heads cannot be split over {tp // num_kv_heads} ranks"
+    return None
+
+
+def working_tp(num_heads: int, num_kv_heads: int) -> list[int]:
+    """Every ``tp`` that can shard ``num_heads`` query and ``num_kv_heads`` KV heads."""
+    return [tp for tp in range(1, num_heads + 1) if _layout_error(num_heads, num_kv_heads, tp) is None]
+
+
+def check_tp(num_heads: int, num_kv_heads: int, tp: int) -> None:
+    """Raise ``ValueError`` naming ``H_q``, ``H_kv``, ``tp`` and the ``tp`` values that work when ``tp`` cannot shard
+    these heads (``TypeError`` for a non-int)."""
+    _check_int("num_heads", num_heads)
+    _check_int("num_kv_heads", num_kv_heads)
+    _check_int("tp", tp)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+    why = _layout_error(num_heads, num_kv_heads, tp)
+    if why is not None:
+        works = ", ".join(map(str, working_tp(num_heads, num_kv_heads)))
+        raise ValueError(
+            f"cannot shard H_q={num_heads} query heads and H_kv={num_kv_heads} KV heads over tp={tp} ranks: {why}; "
+            f"tp values that work: {works}"
+        )
+
+
+def _split(n: int, parts: int, index: int) -> range:
+    """Part ``index`` of ``range(n)`` cut into ``parts`` contiguous pieces, the first ``n % parts`` one longer."""
+    size, extra = divmod(n, parts)
+    start = index * size + min(index, extra)
+    return range(start, start + size + (index < extra))
+
+
+def head_layout(num_heads: int, num_kv_heads: int, tp: int) -> list[tuple[range, range, int]]:
+    """Per rank: ``(query heads, KV heads, replicas of each KV head)``, global head indices (module docstring)."""
+    check_tp(num_heads, num_kv_heads, tp)
+    group = num_heads // num_kv_heads
+    if tp <= num_kv_heads:
+        kv = [_split(num_kv_heads, tp, r) for r in range(tp)]
+        return [(range(k.start * group, k.stop * group), k, 1) for k in kv]
+    replicas = tp // num_kv_heads
+    per_rank = group // replicas
+    layout = []
+    for r in range(tp):
+        kv, part = divmod(r, replicas)
+        first = kv * group + part * per_rank
+        layout.append((range(first, first + per_rank), range(kv, kv + 1), replicas))
+    return layout
+
+
+def rank_shard(cfg: ModelConfig, tp: int, rank: int) -> RankShard:
+    """What rank ``rank`` of ``tp`` holds of a model with ``cfg``."""
+    layout = head_layout(cfg.num_heads, cfg.num_kv_heads, tp)
+    if _check_int("rank", rank, low=0) >= tp:
+        raise ValueError(f"rank must be in [0, {tp}), got {rank}")
+    q, kv, replicas = layout[rank]
+    if tp > cfg.intermediate_size:
+        raise ValueError(f"tp={tp} exceeds the MLP's {cfg.intermediate_size} intermediate features")
+    return RankShard(rank, tp, q, kv, replicas, _split(cfg.intermediate_size, tp, rank))
+
+
+def _rows(t: torch.Tensor, heads: range, per_head: int, dim: int = 0) -> torch.Tensor:
+    return t.narrow(dim, heads.start * per_head, len(heads) * per_head).contiguous()
+
+
+def shard_tensor(name: str, t: torch.Tensor, shard: RankShard, head_dim: int) -> torch.Tensor:
+    """The shard's part of the whole model's tensor ``name`` (HF name): ``q/k/v_proj`` weights ``(heads * D, E)``
+    and biases keep the shard's heads' rows, ``o_proj.weight (E, H_q * D)`` the matching columns,
+    ``gate_proj``/``up_proj`` ``(I, E)`` the shard's rows and ``down_proj (E, I)`` its columns (contiguous copies);
+    anything else is replicated and returned as it is. Works on meta tensors (sizes without data)."""
+    rows = shard.mlp_rows
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        return _rows(t, shard.q_heads, head_dim)
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
+                      "self_attn.v_proj.bias")):  # fmt: skip
+        return _rows(t, shard.kv_heads, head_dim)
+    if name.endswith("self_attn.o_proj.weight"):
+        return _rows(t, shard.q_heads, head_dim, dim=1)
+    if name.endswith("self_attn.o_proj.bias"):
+        raise ValueError(f"{name}: an o_proj bias is not supported under tensor parallelism")
+    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        return t.narrow(0, rows.start, len(rows)).contiguous()
+    if name.endswith("mlp.down_proj.weight"):
+        return t.narrow(1, rows.start, len(rows)).contiguous()
+    return t
+
+
+def shard_state(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], shard: RankShard
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The rank's config (its head counts and MLP width) and tensors (``shard_tensor``), from the whole model's."""
+    local = dataclasses.replace(
+        cfg, num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads), intermediate_size=len(shard.mlp_rows)
+    )
+    return local, {name: shard_tensor(name, t, shard, cfg.head_dim) for name, t in state.items()}
+
+
+def rank_weight_bytes(cfg: ModelConfig, state: dict[str, torch.Tensor], shard: RankShard, dtype: torch.dtype) -> int:
+    """Bytes of the weights the shard holds in ``dtype`` (a tied ``lm_head`` counted once)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    names = [n for n in state if not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    meta = {n: torch.empty(state[n].shape, device="meta") for n in names}
+    return sum(shard_tensor(n, t, shard, cfg.head_dim).numel() for n, t in meta.items()) * size
+
+
+class ReducingLinear(Linear):
+    """A row-parallel ``Linear``: this rank's partial product, summed over the ranks of ``group`` by one all-reduce.
+
+    The all-reduce is torch's functional collective, so a ``torch.compile``'d decode step traces it into its graph.
+    Eagerly, ``calls`` counts the all-reduces and, with ``timed`` set, ``seconds`` adds up their wall time (waiting
+    for each to finish: for benchmarks).
+    """
+
+    group: dist.ProcessGroup | None = None
+    calls: int = 0
+    timed: bool = False
+    seconds: float = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = super().forward(x)
+        group = self.group or dist.group.WORLD
+        if torch.compiler.is_compiling():
+            return funcol.all_reduce(partial, "sum", group)
+        ReducingLinear.calls += 1
+        if not ReducingLinear.timed:
+            return funcol.all_reduce(partial, "sum", group)
+        start = time.perf_counter()
+        out = funcol.wait_tensor(funcol.all_reduce(partial, "sum", group))
+        ReducingLinear.seconds += time.perf_counter() - start
+        return out
+
+
+def shard_model(cfg: ModelConfig, state: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None) -> CausalLM:
+    """This process's part of the model in ``group`` (default: the whole world), ready to run in step with the other
+    ranks: a ``CausalLM`` with the local config, ``o_proj``/``down_proj`` all-reducing, and ``model.shard`` (a
+    ``RankShard``) saying what part of the whole it holds."""
+    from ..models.llama import CausalLM
+
+    if not dist.is_initialized():
+        raise RuntimeError("tensor parallelism needs an initialised torch.distributed process group")
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    shard = rank_shard(cfg, tp, rank)
+    local_cfg, local_state = shard_state(cfg, state, shard)
+    model = CausalLM.from_state(local_cfg, local_state, assign=True)
+    for layer in model.model.layers:
+        for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+            linear = getattr(parent, name)
+            reducing = ReducingLinear(linear.in_features, linear.out_features, bias=False, device="meta")
+            reducing.weight, reducing.group = linear.weight, group  # the same parameter, under the same name
+            setattr(parent, name, reducing)
+    model.shard = shard
+    return model
