@@ -40,8 +40,7 @@ test: kernels
 SANITIZER_ENV = GQA_KERNELS_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libubsan.so)"
-SANITIZED_TESTS ?= tests/test_kernel_edges.py tests/test_kernels.py tests/test_paged_attention.py \
-	tests/test_quantized.py tests/test_quantized_nonfinite.py
+SANITIZED_TESTS ?= tests/kernels
 test-sanitized: $(STAMP)
 	$(SANITIZER_ENV) $(PY) -m gqa.kernels
 	$(SANITIZER_ENV) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZED_TESTS)

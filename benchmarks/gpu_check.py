@@ -120,7 +120,7 @@ def machine(device: torch.device, dry: bool) -> dict:
 
 def run_tests(dry: bool, budget_s: float) -> dict:
     """``pytest -m cuda`` in a subprocess; on --dry only collects them (no CUDA here)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/decoding/test_gpu.py"]
     if dry:
         cmd.append("--collect-only")
     try:

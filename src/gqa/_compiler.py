@@ -4,7 +4,7 @@
 - ``disable``: ``torch._disable_dynamo``, torch's own lazy form (dynamo skips its wrapper's module, so a call from
   compiled code runs eagerly, behind a graph break, as ``torch.compiler.disable`` would).
 - ``assume_constant_result``: sets the mark ``torch._dynamo.assume_constant_result`` sets
-  (``tests/test_compiler_marks.py`` checks it is still the same mark).
+  (``tests/cli/test_startup.py`` checks it is still the same mark).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ file's vocabulary, merges and token types with the ``tokenizers`` library, witho
 
 It is the tokenizer transformers' GGUF converter makes (``GPT2Tokenizer`` over the file's vocabulary; the split
 regex of the file's ``tokenizer.ggml.pre`` where one is known; control tokens special, user-defined tokens added
-whole; BOS/EOS added per ``add_bos_token``/``add_eos_token``); ``tests/test_gguf_tokenizer.py`` holds the two to
+whole; BOS/EOS added per ``add_bos_token``/``add_eos_token``); ``tests/loaders/test_gguf_tokenizer.py`` holds the two to
 identical ids on a multilingual corpus. Other tokenizer models (sentencepiece ``llama``, ...) are not built here.
 """
 

@@ -9,7 +9,7 @@ tokens)`` appends their tokens, finishes the ones that are done (their blocks go
 the rest — preempting the most recently admitted request while no block is free: its blocks are freed and it waits at
 the front of the queue, to be recomputed from its prompt and the tokens it already produced.
 
-No tensors and no model here: the scheduler is tested on its own (tests/test_serve_scheduler.py).
+No tensors and no model here: the scheduler is tested on its own (tests/serve/test_serve_scheduler.py).
 """
 
 from __future__ import annotations

@@ -116,13 +116,13 @@ def test_decode_paged_equals_the_dense_step_on_ragged_rows(dtype, formats):
     and the new K/V agree (to the rounding of a differently split softmax), and the paged row results do not depend on
     the batch (each row alone gives the same bits: a compiler that fuses a multiply-add in one batch width's loop and
     not in another's once broke that for q4_1)."""
-    from test_decode_step import _random_layers
+    from helpers.step_weights import random_layers
 
     g = torch.Generator().manual_seed(3)
     E, F, Hq, Hkv, D, V, block = 192, 288, 6, 2, 16, 300, 7
     lengths = [5, 17, 300, 40, 9, 2]  # 4 + 2 rows: the GEMVs' 4-row and 2-row loops
     B, C = len(lengths), max(lengths) + 1
-    layers = _random_layers(g, dtype, list(formats), E, F, Hq, Hkv, D, biases=True)
+    layers = random_layers(g, dtype, list(formats), E, F, Hq, Hkv, D, biases=True)
     M = -(-C // block)
     ids = torch.randperm(B * M + 3, generator=g)[: B * M].view(B, M).contiguous()
     pools, dense = [], []
@@ -176,11 +176,11 @@ def test_decode_paged_takes_a_prompt_as_rows_and_gives_logits_for_the_rows_asked
     decode row of another sequence: every prompt row sees the rows before it, so the call leaves the same K/V bits
     and the same last-row logits as feeding the prompt a token per call; ``logit_rows`` gives those rows' logits
     (bit for bit the rows of the full result) and greedy picks, in the order asked; bad rows are refused."""
-    from test_decode_step import _random_layers
+    from helpers.step_weights import random_layers
 
     g = torch.Generator().manual_seed(5)
     E, F, Hq, Hkv, D, V, block, L = 160, 224, 6, 2, 16, 257, 5, 13
-    layers = _random_layers(g, dtype, list(formats), E, F, Hq, Hkv, D, biases=True)
+    layers = random_layers(g, dtype, list(formats), E, F, Hq, Hkv, D, biases=True)
     weights = [w for _, ws, _, _ in layers for w in ws]
     formats_ = [c for _, _, cs, _ in layers for c in cs]
     biases = [bb for *_, bs in layers for bb in bs]

@@ -7,7 +7,7 @@ import json
 import tempfile
 
 import pytest
-from test_convert import tiny_dir
+from helpers.checkpoints import tiny_dir
 
 from gqa import kernels
 from gqa.bench.model import default_kv_heads, kv_bytes_per_token

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from _reference import attention64
+from helpers.reference import attention64
 from torch import nn
 
 import gqa

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _reference import attention64
+from helpers.reference import attention64
 
 import gqa
 from gqa.kernels.triton.split_kv import split_kv_attention, triton_available

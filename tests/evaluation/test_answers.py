@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_conversations import chat_dir
+from helpers.checkpoints import chat_dir
 
 import gqa
 from gqa.cli import main as cli

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from _reference import attention64
+from helpers.reference import attention64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

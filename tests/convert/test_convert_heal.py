@@ -15,15 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert import WORDS, digest, tensors, tiny_dir
+from helpers.checkpoints import TRAIN_IDS, WORDS, digest, tensors, tiny_dir, tiny_pair
 
 import gqa
 from gqa.cli import main as cli
-from gqa.convert import HealConfig, calibration, convert, convert_state, heal, resolve_precision, save_loss_curve
+from gqa.convert import HealConfig, calibration, convert, heal, resolve_precision, save_loss_curve
 from gqa.convert import healing as healing_module
 from gqa.convert.calibration import _shingles, default_heal_text, held_out_text
 from gqa.evaluation.perplexity import default_eval_text, mean_kl
-from gqa.models import CausalLM, ModelConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -31,20 +30,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # heal() on models in memory
 
 
-def tiny_pair(seed: int = 0) -> tuple[CausalLM, CausalLM]:
-    """(teacher, student): a random 2-layer model with 6 query / 2 KV heads, and its 1-KV-head mean merge."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=6, num_kv_heads=2,
-                      head_dim=8, max_position_embeddings=64)  # fmt: skip
-    teacher = CausalLM(cfg).eval()
-    for p in teacher.parameters():
-        torch.nn.init.normal_(p, std=0.3)  # peaked, context-dependent predictions
-    state = {k: v for k, v in teacher.state_dict().items() if k != "lm_head.weight"}
-    cfg1, state1 = convert_state(cfg, state, 1, "mean")
-    return teacher, CausalLM.from_state(cfg1, {k: v.clone() for k, v in state1.items()})
-
-
-TRAIN_IDS = torch.randint(0, 64, (600,), generator=torch.Generator().manual_seed(1))
 HELD_OUT = torch.randint(0, 64, (120,), generator=torch.Generator().manual_seed(2))
 
 

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from _reference import attention64
-from test_functional import BATCHES, SHAPES, make, make_mask
+from helpers.attention_cases import BATCHES, SHAPES, make, make_mask
+from helpers.reference import attention64
 from torch._dynamo.testing import CompileCounter
 
 import gqa

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from test_convert_heal import TRAIN_IDS, tiny_pair
+from helpers.checkpoints import TRAIN_IDS, tiny_pair
 
 from gqa.convert import HealConfig, heal
 from gqa.convert import layer_local as ll
@@ -166,7 +166,7 @@ def test_bad_local_shares(share):
 def _tiny_heal_across(ranks: int, **kwargs) -> tuple[dict, list[dict], dict]:
     """``heal`` of ``tiny_pair`` (2 layers) in one process and across ``ranks`` gloo processes with the same
     arguments: ``(one, per rank, the student's weights before)``."""
-    import heal_workers
+    from helpers import heal_workers
 
     from gqa.parallel.distributed import launch_local
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_convert_refit import _tiny
+from helpers.checkpoints import tiny_refit_model
 
 from gqa.convert import convert_state
 from gqa.convert.methods import convert_layer, layer_weights
@@ -47,7 +47,7 @@ def _scores(x, w, n_kv, cfg, cos_sin):
 def test_an_exact_merge_stays_exact(bias):
     """1 KV head expanded to 3 copies and merged back with pca: the merge is exact and so is the refit's target, so
     the refit returns the merge's rows (to float rounding)."""
-    cfg1, state1 = _tiny(bias, 1)
+    cfg1, state1 = tiny_refit_model(bias, 1)
     cfg3, state3 = convert_state(cfg1, state1, 3)
     ids = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -63,7 +63,7 @@ def test_an_exact_merge_stays_exact(bias):
 def test_a_real_merge_scores_closer_on_held_out_windows():
     """3 -> 1 KV heads: the source-attention-weighted squared score error on other windows falls, and only the rows
     of the planes merged one by one move."""
-    cfg, state = _tiny(True, 3)
+    cfg, state = tiny_refit_model(True, 3)
     g = torch.Generator().manual_seed(1)
     calib, held = torch.randint(0, 64, (8, 48), generator=g), torch.randint(0, 64, (4, 48), generator=g)
     with torch.no_grad():

@@ -21,7 +21,7 @@ from gqa.parallel.tensor_parallel import check_tp, head_layout, rank_shard, rank
 
 transformers = pytest.importorskip("transformers")
 
-import tp_workers  # noqa: E402 - after the skip: the workers import nothing optional, but only these tests use them
+from helpers import tp_workers  # noqa: E402 - after the skip: the workers import nothing optional, but only these tests use them
 
 TIMEOUT = "60"
 
@@ -297,7 +297,7 @@ def test_hf_tp_plan_auto_runs_gqa_attention(tmp_path):
 
 def test_info_tp_table(tmp_path, capsys):
     """8 query / 2 KV heads at tp=4: every rank shows 2 query heads and 1 KV head held on 2 ranks, and the bytes."""
-    from test_convert import tiny_dir
+    from helpers.checkpoints import tiny_dir
 
     from gqa.cli import main as cli
 
@@ -318,7 +318,7 @@ def test_bench_model_tp(tmp_path):
     """``gqa bench model --tp 1 2``: a result per tp with every rank's heads and bytes, and all-reduce shares."""
     import json
 
-    from test_convert import tiny_dir
+    from helpers.checkpoints import tiny_dir
 
     from gqa.cli import main as cli
 

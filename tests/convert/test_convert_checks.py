@@ -6,7 +6,6 @@ the same message and exit code 2, writing nothing (a 6-query / 2-KV-head source,
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,7 @@ from gqa.convert.shards import parse_size
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).parent))
-from test_convert import tiny_dir  # noqa: E402
+from helpers.checkpoints import tiny_dir  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------------
 # parse_size

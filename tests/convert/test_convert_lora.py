@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from test_convert_heal import TRAIN_IDS, tiny_pair
+from helpers.checkpoints import TRAIN_IDS, tiny_pair
 
 from gqa.convert import heal
 from gqa.convert.lora import MLP_LORA_RANK, add_lora, fold_lora, has_lora

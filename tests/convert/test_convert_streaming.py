@@ -26,8 +26,7 @@ from gqa.loaders import load_tokenizer, read_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).parent))
-from test_convert import WORDS, logits_hf, tiny_dir  # noqa: E402
+from helpers.checkpoints import WORDS, logits_hf, tiny_dir  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Helpers
@@ -282,8 +281,8 @@ def test_big_bf16_checkpoint_streams_under_a_memory_bound_and_equals_the_in_memo
 
 @pytest.mark.parametrize(("sharding", "train"), [("ddp", "attention"), ("fsdp", "attention+mlp-lora")])
 def test_heal_on_two_gloo_processes_equals_one_process(sharding, train):
-    import heal_workers
-    from test_convert_heal import tiny_pair
+    from helpers import heal_workers
+    from helpers.checkpoints import tiny_pair
 
     from gqa.parallel.distributed import launch_local
 
@@ -343,7 +342,7 @@ def test_torchrun_convert_heals_data_parallel_and_rank_zero_writes(mha, tmp_path
 
 
 def test_auto_sharding_picks_fsdp_when_replicas_do_not_fit(monkeypatch):
-    from test_convert_heal import tiny_pair
+    from helpers.checkpoints import tiny_pair
 
     from gqa.convert import healing
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")

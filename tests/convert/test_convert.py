@@ -6,14 +6,13 @@ Most tests use tiny random HF Llama/Qwen2 checkpoints; the SmolLM2 tests share t
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from helpers.checkpoints import by_hand, digest, logits_hf, tensors, tiny_dir
 
 import gqa
 from gqa.cli import main as cli
@@ -23,62 +22,14 @@ from gqa.loaders import default_model_path, read_model
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "and"]
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Helpers
 
 
-def tiny_dir(folder: Path, arch: str = "llama", heads: int = 8, kv: int = 2, head_dim: int = 4) -> Path:
-    """A random HF checkpoint (Llama: tied embeddings, no bias; Qwen2: untied, q/k/v biases) with a word-level
-    tokenizer, saved to ``folder``. Every parameter is random (HF would start biases at zero)."""
-    torch.manual_seed(0)
-    kw = dict(vocab_size=32, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=heads)
-    kw |= dict(num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=64, rms_norm_eps=1e-6)
-    kw |= dict(bos_token_id=1, eos_token_id=2, tie_word_embeddings=arch == "llama")
-    if arch == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    model.eval().save_pretrained(folder)
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2} | {w: i + 3 for i, w in enumerate(WORDS)}
-    raw = RawTokenizer(WordLevel(vocab, unk_token="[UNK]"))
-    raw.pre_tokenizer = Whitespace()
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=raw, unk_token="[UNK]", bos_token="<s>", eos_token="</s>"
-    )
-    tok.save_pretrained(folder)
-    return folder
-
-
-def tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor stored in ``folder/model.safetensors``, as stored."""
-    with safe_open(folder / "model.safetensors", framework="pt") as f:
-        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-
-
-def digest(path: Path) -> dict[str, str]:
-    """Relative name -> sha256 of every file under ``path`` (or of the file ``path``)."""
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return {str(p.relative_to(path.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
-
-
 def logits_ours(folder: Path | None, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     with torch.inference_mode():
         return gqa.load_model(folder, dtype=dtype, tokenizer=False)(ids)
-
-
-def logits_hf(folder: Path, ids: torch.Tensor) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        return model(ids).logits
 
 
 IDS = torch.tensor([[1, 5, 3, 9, 4, 7, 2, 8, 6, 0, 3], [4, 4, 7, 1, 9, 3, 5, 2, 2, 6, 8]])  # (B=2, L=11)
@@ -136,22 +87,6 @@ def test_source_without_tokenizer_converts_with_a_warning(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Reduction: mean and first against hand computations
-
-
-def by_hand(w: torch.Tensor, h_kv: int, n: int, method: str) -> torch.Tensor:
-    """Rows ``(H_kv * D, ...)`` -> ``(n * D, ...)``, one head and one group member at a time."""
-    d, m = w.shape[0] // h_kv, h_kv // n
-    rows = []
-    for j in range(n):
-        members = [w[(j * m + t) * d : (j * m + t + 1) * d].double() for t in range(m)]
-        if method == "first":
-            rows.append(members[0])
-        else:
-            total = members[0].clone()
-            for x in members[1:]:
-                total += x
-            rows.append(total / m)
-    return torch.cat(rows).float()
 
 
 @pytest.mark.parametrize("method", ["mean", "first"])

@@ -7,8 +7,8 @@ The interpreter is a process-wide switch: ``TRITON_INTERPRET=1`` must be set bef
 because ``triton.jit`` decides at decoration time, for triton's own ``tl.max``/``tl.sum`` as well as for our kernels.
 ``import gqa`` already imports triton (through ``torch._dynamo``), so by the time pytest collects this module another
 test module has usually imported it compiled, and setting the variable here would come too late — and would leak into
-every later test of the session (on a GPU machine ``tests/test_gpu.py`` would run interpreted). So the kernel tests
-run here only in a process started with ``TRITON_INTERPRET=1``; otherwise they are skipped and
+every later test of the session (on a GPU machine ``tests/decoding/test_gpu.py`` would run interpreted). So the kernel
+tests run here only in a process started with ``TRITON_INTERPRET=1``; otherwise they are skipped and
 ``test_kernel_tests_in_interpreter_process`` runs this file in such a process. Directly:
 ``TRITON_INTERPRET=1 python -m pytest tests/test_split_kv.py``.
 """
@@ -59,7 +59,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
 def test_kernel_tests_in_interpreter_process():
     """Runs this file where triton interprets, so that the kernel tests run (only defined in such a process)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)

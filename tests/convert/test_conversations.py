@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert import tiny_dir
+from helpers.checkpoints import chat_dir, tiny_dir
 
 import gqa
 from gqa.convert import HealConfig, convert
@@ -21,21 +21,7 @@ from gqa.convert.data import calibration_ids, heal_data
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
-    "{% if add_generation_prompt %}<s> assistant {% endif %}"
-)
 SMALL = GenerationSettings(count=48, batch_size=16, seed=5)
-
-
-def chat_dir(folder: Path) -> Path:
-    """``tiny_dir``'s random Llama (8 query, 2 KV heads) with a chat template and room for 1024 positions."""
-    tiny_dir(folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 1024}))
-    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config | {"chat_template": CHAT_TEMPLATE}))
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +250,7 @@ def test_the_mixes_hold_conversations_and_prose(chat_model):
 
 
 def test_heal_reads_windows_at_the_starts_with_the_weights(monkeypatch):
-    from test_convert_heal import tiny_pair
+    from helpers.checkpoints import tiny_pair
 
     from gqa.convert import heal
     from gqa.convert import healing as healing_module

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_convert import by_hand, tensors
+from helpers.checkpoints import by_hand, tensors, tiny_refit_model
 
 from gqa.cli import main as cli
 from gqa.convert import convert, convert_state, refit_convert_state
@@ -51,22 +51,11 @@ def test_refit_output_bad_input(shapes, ridge, message):
         refit_output(*(torch.zeros(s) for s in shapes), ridge=ridge)
 
 
-def _tiny(bias: bool, kv: int) -> tuple[ModelConfig, dict]:
-    torch.manual_seed(0)
-    cfg = ModelConfig(arch="qwen2" if bias else "llama", vocab_size=64, hidden_size=48, intermediate_size=64,
-                      num_layers=2, num_heads=6, num_kv_heads=kv, head_dim=8, max_position_embeddings=64,
-                      attention_bias=bias, tie_word_embeddings=not bias)  # fmt: skip
-    model = CausalLM(cfg).eval()
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return cfg, {k: v for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-
-
 @pytest.mark.parametrize("bias", [False, True])
 def test_refit_after_an_exact_merge_changes_nothing(bias):
     """1 KV head expanded to 3 copies, merged back with pca and the refit (window 16, so several windows): the
     function of the original model."""
-    cfg1, state = _tiny(bias, 1)
+    cfg1, state = tiny_refit_model(bias, 1)
     cfg3, state3 = convert_state(cfg1, state, 3)
     calib = torch.randint(0, 64, (70,)).tolist()
     cfg_back, back = refit_convert_state(cfg3, state3, 1, "pca", calib, window=16)  # values refit too (default)
@@ -82,7 +71,7 @@ def test_refit_after_an_exact_merge_changes_nothing(bias):
 def test_refit_lowers_each_layers_error_on_the_calibration_text():
     """Layer 0 sees the same inputs with or without the refit, so its attention output error on the calibration
     windows can only go down; here it must go down a lot (the merge 3 -> 1 is far from exact)."""
-    cfg, state = _tiny(True, 3)
+    cfg, state = tiny_refit_model(True, 3)
     calib = torch.randint(0, 64, (200,)).tolist()
     plain_cfg, plain = refit_convert_state(cfg, state, 1, "pca", calib, ridge=1e9, value_steps=0)  # no refit
     _, refit = refit_convert_state(cfg, state, 1, "pca", calib)
@@ -104,7 +93,7 @@ def test_refit_lowers_each_layers_error_on_the_calibration_text():
 
 @pytest.mark.parametrize("steps", [-1, 1.5, True, "2"])
 def test_refit_value_steps_bad(steps):
-    cfg, state = _tiny(False, 3)
+    cfg, state = tiny_refit_model(False, 3)
     with pytest.raises(ValueError, match="value_steps must be an int >= 0"):
         refit_convert_state(cfg, state, 1, "pca", list(range(20)), value_steps=steps)
 
@@ -124,7 +113,7 @@ def _acts(cfg: ModelConfig, state: dict, calib: list[int]) -> list[torch.Tensor]
 
 
 def test_convert_refit_flag(tmp_path, capsys):
-    from test_convert import tiny_dir
+    from helpers.checkpoints import tiny_dir
 
     src = tiny_dir(tmp_path / "src", "llama", 8, 4)
     text = "the cat sat on a mat and the mat sat on a cat " * 8

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from helpers.step_weights import random_layers
 
 import gqa
 from gqa import kernels
@@ -299,28 +300,6 @@ def test_compiled_generation_equals_the_native_step_and_buckets_the_cache(tmp_pa
         model.generate(prompts, max_new_tokens=2, compile=True, step_fn=lambda t, c: None)
 
 
-def _random_layers(g: torch.Generator, dtype, formats, E, F, Hq, Hkv, D, biases):
-    """Per layer: norms, 7 weights (float or blocks per ``formats``) with their format codes, q/k/v biases."""
-    from gqa.models.quantized import get_format, quantize
-
-    layers = []
-    shapes = [(Hq * D, E), (Hkv * D, E), (Hkv * D, E), (E, Hq * D), (F, E), (F, E), (E, F)]
-    for fmt in formats:
-        weights, codes = [], []
-        for M, K in shapes:
-            w = torch.randn(M, K, generator=g) / K**0.5
-            if fmt is None:
-                weights.append(w.to(dtype))
-                codes.append(-1)
-            else:
-                weights.append(quantize(w, fmt).blocks)
-                codes.append(get_format(fmt).code)
-        norms = [(1 + 0.1 * torch.randn(E, generator=g)).to(dtype) for _ in range(2)]
-        bias = [(0.1 * torch.randn(M, generator=g)).to(dtype) if biases else None for M, _ in shapes[:3]]
-        layers.append((norms, weights, codes, bias))
-    return layers
-
-
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
@@ -333,7 +312,7 @@ def test_one_call_op_equals_decode_layer_per_layer_on_odd_shapes(dtype, threads,
     caches and cursors it leaves behind."""
     g = torch.Generator().manual_seed(3)
     B, E, Hq, Hkv, V, C, pos = 3, 64, 18, 6, 1001, 720, 700
-    layers = _random_layers(g, dtype, formats, E, F, Hq, Hkv, D, biases=True)
+    layers = random_layers(g, dtype, formats, E, F, Hq, Hkv, D, biases=True)
     head = torch.randn(V, E, generator=g).to(dtype) / 8
     final_norm = (1 + 0.1 * torch.randn(E, generator=g)).to(dtype)
     x = torch.randn(B, E, generator=g).to(dtype)
@@ -382,7 +361,7 @@ def test_one_call_op_equals_decode_layer_per_layer_on_odd_shapes(dtype, threads,
 def _small_step_args(g: torch.Generator, dtype=torch.float32):
     """Arguments of a 2-layer ``gqa::decode_model`` call (float weights) and its ``(caches, cursors)``."""
     E, F, Hq, Hkv, D, V, C = 32, 64, 4, 2, 8, 50, 16
-    layers = _random_layers(g, dtype, [None, None], E, F, Hq, Hkv, D, biases=False)
+    layers = random_layers(g, dtype, [None, None], E, F, Hq, Hkv, D, biases=False)
     caches = [(torch.zeros(1, Hkv, C, D, dtype=dtype), torch.zeros(1, Hkv, C, D, dtype=dtype)) for _ in layers]
     cursors = [torch.tensor(0) for _ in layers]
     args = (

@@ -13,7 +13,7 @@ import torch
 from gqa import kernels
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built on this machine")
-SRC = Path(__file__).resolve().parents[1] / "src" / "gqa"
+SRC = Path(__file__).resolve().parents[2] / "src" / "gqa"
 
 
 def test_torch_ops_gqa_is_called_only_through_kernels_ops():
