@@ -145,7 +145,7 @@ def test_a_time_budget_covers_both_phases():
     takes about its share."""
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its first use imports torch._dynamo (seconds)
     teacher, student = tiny_pair()
-    budget = 3.0  # seconds
+    budget = 4.0  # seconds: the layer-local half then holds ~10 steps on 2 busy cores (3 s held 5-6: flaky)
     start = time.perf_counter()
     res = heal(student, teacher, TRAIN_IDS, steps=10**9, lr=1e-3, seq_len=24, minutes=budget / 60, local_share=0.5,
                progress=False)  # fmt: skip
