@@ -23,6 +23,8 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
+from ._lazy import lazy_names
+
 if TYPE_CHECKING:
     from .attention.backends import BACKENDS
     from .attention.functional import grouped_attention, last_backend
@@ -65,13 +67,13 @@ _HOMES = {  # public name -> the submodule that defines it
 }
 
 
+_public = lazy_names(__name__, _HOMES)
+
+
 def __getattr__(name: str) -> Any:
     """A public name, imported from its submodule on first use and kept here; or a submodule, imported."""
-    home = _HOMES.get(name)
-    if home is not None:
-        value = getattr(importlib.import_module(f".{home}", __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
+    if name in _HOMES:
+        return _public(name)
     if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f".{name}", __name__)  # the import sets it as an attribute too
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,8 +10,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 if TYPE_CHECKING:
     from .functional import grouped_attention, last_backend
@@ -20,17 +21,7 @@ if TYPE_CHECKING:
     from .rope import RoPE
 
 __all__ = ["GroupedQueryAttention", "RoPE", "causal_mask", "grouped_attention", "last_backend", "padding_mask"]
-
-_HOMES = {"GroupedQueryAttention": "module", "RoPE": "rope", "causal_mask": "masks", "padding_mask": "masks",
-          "grouped_attention": "functional", "last_backend": "functional"}  # fmt: skip
-
-
-def __getattr__(name: str) -> Any:
-    """A public name, imported from its module on first use: importing ``gqa.attention.checks`` (as ``gqa.cache``
-    does) runs none of the others."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{home}", __name__), name)
-    globals()[name] = value
-    return value
+# importing gqa.attention.checks (as gqa.cache does) runs none of the modules below
+__getattr__ = lazy_names(__name__, {"GroupedQueryAttention": "module", "RoPE": "rope", "causal_mask": "masks",
+                                    "padding_mask": "masks", "grouped_attention": "functional",
+                                    "last_backend": "functional"})  # fmt: skip

@@ -4,18 +4,12 @@ serving is ``gqa.serve.paged_cache``. The torch classes are imported on first us
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
 
 if TYPE_CHECKING:
     from .kv import DynamicKVCache, StaticKVCache, kv_cache_bytes
 
 __all__ = ["DynamicKVCache", "StaticKVCache", "kv_cache_bytes"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        value = getattr(importlib.import_module(".kv", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, dict.fromkeys(__all__, "kv"))

@@ -3,9 +3,9 @@ without it); the torch modules (``CausalLM``, ...) are imported on first use."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy_names
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 if TYPE_CHECKING:
@@ -13,16 +13,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "ModelConfig", "set_left_padding", "use_input_major_weights"]
 
-_FROM_LLAMA = ("CausalLM", "set_left_padding", "use_input_major_weights")
-
-
-def __getattr__(name: str) -> Any:
-    """``CausalLM``, ``set_left_padding``, ``use_input_major_weights``: imported from ``.llama`` on first use."""
-    if name in _FROM_LLAMA:
-        value = getattr(importlib.import_module(".llama", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, dict.fromkeys(("CausalLM", "set_left_padding", "use_input_major_weights"), "llama"))
 
 
 def __dir__() -> list[str]:

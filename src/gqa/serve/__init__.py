@@ -14,16 +14,11 @@
 ``LLM``, ``Engine`` and ``SamplingParams`` are loaded on first use (they import torch).
 """
 
+from .._lazy import lazy_names
 from .blocks import BlockManager, BlockTable, OutOfBlocks
 
 __all__ = ["LLM", "BlockManager", "BlockTable", "Engine", "EngineConfig", "OutOfBlocks", "SamplingParams"]
 
-_LAZY = {"LLM": "offline", "Engine": "engine", "EngineConfig": "config", "SamplingParams": "sampling"}
-
-
-def __getattr__(name: str) -> object:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_names(
+    __name__, {"LLM": "offline", "Engine": "engine", "EngineConfig": "config", "SamplingParams": "sampling"}
+)
