@@ -124,13 +124,11 @@ class Engine:
 
     def add(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
         """Queue a request for token ids ``prompt``; it joins the running batch at the next ``step``. Raises
-        ``EngineError`` (before any work) where ``check`` does."""
+        ``EngineError`` (before any work) where ``check`` does, or for a ``request_id`` in use (``Scheduler.add``)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt]
         self.check(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.requests:
-            raise EngineError(f"request id {request_id!r} is already in use")
         r = Request(request_id, prompt, params, tokens=list(prompt))
         if not params.greedy:
             seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
