@@ -10,6 +10,17 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_attention_routes():
+    """Every test starts with no remembered attention routes (``gqa.attention.routes``): a test that changes the
+    ``auto`` policy (monkeypatch) must not meet a route an earlier test stored."""
+    from gqa.attention.routes import clear_routes
+
+    clear_routes()
+    yield
+    clear_routes()
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2() -> torch.nn.Module:
     """transformers' own SmolLM2 from the embedded GGUF (its GGUF reader and dequantizer: an independent reference),

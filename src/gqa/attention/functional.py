@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .backends import BACKENDS, choose_backend
+from .backends import BACKENDS, bind_backend, choose_backend
 from .checks import check_dropout, check_mask, check_qkv, check_scale
+from .routes import Route, find_route, remember_route, signature
 
 _last: list[str | None] = [None]
 
@@ -61,8 +62,18 @@ def grouped_attention(
     Notes
     -----
     A query row with no visible key returns zeros (not NaN), with zero gradients. For float16/bfloat16 inputs the
-    scores and softmax are computed in float32 and the output is cast back.
+    scores and softmax are computed in float32 and the output is cast back. The checks and the choice of backend
+    are made once per call signature (shapes, strides, dtypes, devices, the scalars) and remembered
+    (``gqa.attention.routes``): a repeated call costs about what the backend's own call costs.
     """
+    compiling = torch.compiler.is_compiling()
+    sig = None
+    if not compiling:
+        sig = signature(query, key, value, attn_mask, dropout_p, is_causal, scale, return_weights, backend)
+        route = find_route(sig)
+        if route is not None:
+            _last[0] = route.backend
+            return route.call(query, key, value, attn_mask)
     shape = check_qkv(query, key, value)
     check_mask(attn_mask, shape, query)
     check_dropout(dropout_p)
@@ -80,7 +91,9 @@ def grouped_attention(
     )
     if backend == "auto":
         backend = choose_backend(query, key, value, return_weights=return_weights, **kwargs)
-    if not torch.compiler.is_compiling():
-        _last[0] = backend
     out, weights = BACKENDS[backend](query, key, value, return_weights=return_weights, **kwargs)
+    if not compiling:
+        _last[0] = backend
+        call = bind_backend(backend, query, key, value, return_weights=return_weights, **kwargs)
+        remember_route(sig, Route(backend, call))
     return (out, weights) if return_weights else out

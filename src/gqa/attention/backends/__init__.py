@@ -19,8 +19,8 @@ from . import fused
 from .cuda_routing import CudaCall, device_capability, flash_supports, route_cuda
 from .grouped import grouped_attention_rows
 from .reference import reference_attention
-from .sdpa import sdpa_attention, sdpa_is_native
-from .split_kv import triton_attention
+from .sdpa import prepare_sdpa, sdpa_attention, sdpa_is_native
+from .split_kv import triton_attention, triton_run
 
 BACKENDS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
     "reference": reference_attention,
@@ -29,6 +29,40 @@ BACKENDS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
     "fused": fused.fused_attention,
     "triton": triton_attention,
 }
+
+# Backends whose own checks the first call of a signature has already passed (``attention.routes``): the unchecked
+# run, called directly by later calls of that signature.
+UNCHECKED = {"fused": fused.fused_run, "triton": triton_run}
+
+
+def bind_backend(
+    name: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    shape: AttnShape,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    return_weights: bool,
+) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+    """``call(query, key, value, attn_mask)`` running backend ``name`` with every other argument bound, returning
+    ``out``, or ``(out, weights)`` with ``return_weights``: what ``attention.routes`` keeps for a checked signature.
+    Call it once the backend has run this signature (its own checks passed)."""
+    kwargs = dict(shape=shape, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    if name == "sdpa" and not return_weights:
+        return prepare_sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+    run = UNCHECKED.get(name)
+    if run is not None and not return_weights and dropout_p == 0.0:
+        del kwargs["dropout_p"]
+        return lambda q, k, v, m: run(q, k, v, attn_mask=m, **kwargs)
+    fn = BACKENDS[name]
+    if return_weights:
+        return lambda q, k, v, m: fn(q, k, v, attn_mask=m, return_weights=True, **kwargs)
+    return lambda q, k, v, m: fn(q, k, v, attn_mask=m, return_weights=False, **kwargs)[0]
+
 
 # Up to this many query rows per KV head (G * L) the call is decode-like: the grouped matmul reads K/V once and
 # beats SDPA's flash kernel, which walks the cache once per query head. Measured with benchmarks/attention.py.

@@ -54,6 +54,20 @@ def fused_attention(
     reason = supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
     if reason is not None:
         raise ValueError(f"backend 'fused' cannot run this call: {reason}")
+    return fused_run(query, key, value, shape=shape, attn_mask=attn_mask, is_causal=is_causal, scale=scale), None
+
+
+def fused_run(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    shape: AttnShape,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """The kernel on a call ``supports`` took (``attention.routes`` calls this for a signature already checked)."""
     H_kv, G, L, S, D = shape.H_kv, shape.G, shape.L, shape.S, shape.D
     q = query.reshape(-1, H_kv, G * L, D)  # (N, H_kv, G*L, D): rows g*L + l; a view unless query is strided
     if q.stride(-1) != 1:  # the kernel reads rows of D contiguous values; q is G*L rows per head, a copy is cheap
@@ -64,4 +78,4 @@ def fused_attention(
         mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.float()
         mask = mask.expand(shape.scores).reshape(-1, H_kv, G, L, S)  # (N, H_kv, G, L, S): strided, stride-0 dims
     out = ops.decode_attention(q, k, v, mask, scale, L, is_causal)  # (N, H_kv, G*L, D_v)
-    return out.view(*shape.batch, shape.H_q, L, shape.D_v), None
+    return out.view(*shape.batch, shape.H_q, L, shape.D_v)

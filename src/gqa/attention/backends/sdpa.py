@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -180,8 +181,14 @@ def sdpa_attention(
             f"(dtype {query.dtype}, device {query.device}, dropout_p {dropout_p}, D {shape.D}, D_v {shape.D_v}); "
             "use backend='grouped' or 'auto'"
         )
+    return _sdpa_run(q, k, v, mask, native_causal, query, shape, dropout_p, scale), None
+
+
+def _sdpa_run(q, k, v, mask, native_causal: bool, query, shape: AttnShape, dropout_p: float, scale: float):
+    """SDPA on ``_inputs``' tensors, the fused kernels' edge cases put right, the output in ``query``'s batch dims."""
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=native_causal, scale=scale, enable_gqa=True
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=native_causal, scale=scale,
+        enable_gqa=shape.H_q != shape.H_kv,
     )  # (N, H_q, L, D_v)
     if q.device.type == "cpu" and shape.S < 16:
         # torch's CPU flash kernel (2.13) returns finite values for a query row holding a NaN when S < 16 (fewer
@@ -193,5 +200,43 @@ def sdpa_attention(
         seen = mask.any(-1, keepdim=True) if mask.dtype == torch.bool else (mask != float("-inf")).any(-1, True)
         out = out.masked_fill(~seen, 0.0)  # seen (N | 1, H | 1, L | 1, 1)
     if len(shape.batch) == 1:
-        return out, None
-    return out.reshape(*shape.batch, shape.H_q, shape.L, shape.D_v), None
+        return out
+    return out.reshape(*shape.batch, shape.H_q, shape.L, shape.D_v)
+
+
+def prepare_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    shape: AttnShape,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """``call(query, key, value, attn_mask) -> out`` for later calls of this checked signature (``attention.routes``):
+    with no mask of the caller's and nothing to put right afterwards, a bare SDPA call with every argument bound (the
+    causal mask, where one is needed, depends on ``L`` and ``S`` alone and is made once here)."""
+    q, k, v, mask, native_causal = _inputs(query, key, value, shape, attn_mask, is_causal)
+    grouped = shape.H_q != shape.H_kv
+    bare = (
+        attn_mask is None
+        and len(shape.batch) == 1
+        and (mask is None or _is_causal_bias(mask) or query.device.type == "cpu")
+        and not (query.device.type == "cpu" and shape.S < 16)
+    )
+    if bare:
+        sdpa = F.scaled_dot_product_attention
+
+        def call(query, key, value, attn_mask):
+            return sdpa(query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=native_causal, scale=scale,
+                        enable_gqa=grouped)  # fmt: skip
+
+        return call
+
+    def call_with_mask(query, key, value, attn_mask):
+        q, k, v, m, causal = _inputs(query, key, value, shape, attn_mask, is_causal)
+        return _sdpa_run(q, k, v, m, causal, query, shape, dropout_p, scale)
+
+    return call_with_mask

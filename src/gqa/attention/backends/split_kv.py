@@ -25,4 +25,18 @@ def triton_attention(
     reason = supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
     if reason is not None:
         raise ValueError(f"backend 'triton' cannot run this call: {reason}")
-    return launch(query, key, value, shape, scale, is_causal, attn_mask, None, None, None), None
+    return triton_run(query, key, value, shape=shape, attn_mask=attn_mask, is_causal=is_causal, scale=scale), None
+
+
+def triton_run(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    shape: AttnShape,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    """The kernel on a call ``supports`` took (``attention.routes`` calls this for a signature already checked)."""
+    return launch(query, key, value, shape, scale, is_causal, attn_mask, None, None, None)
