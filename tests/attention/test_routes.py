@@ -106,9 +106,9 @@ def test_an_invalid_call_is_refused_every_time_even_after_its_valid_twin(kwargs,
 def test_arguments_that_are_not_tensors_are_refused_by_name_every_time():
     q, k, v = _qkv((2,), L=1, S=40, D=8)
     for _ in range(2):
-        with pytest.raises(TypeError, match="key must be a torch.Tensor"):
+        with pytest.raises(TypeError, match=r"key must be a torch\.Tensor"):
             gqa.grouped_attention(q, k.tolist(), v)
-        with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor"):
+        with pytest.raises(TypeError, match=r"attn_mask must be a torch\.Tensor"):
             gqa.grouped_attention(q, k, v, attn_mask=[[True]])
     assert routes.route_count() == 0
 

@@ -14,6 +14,7 @@ but only one is valid). ``clear_routes()`` forgets every route (tests that chang
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,10 +88,8 @@ def remember_route(sig: Signature | None, route: Route) -> None:
         return
     if len(_routes) >= MAX_ROUTES:
         _routes.clear()
-    try:
+    with contextlib.suppress(TypeError):  # an unhashable argument: not remembered
         _routes[sig] = route
-    except TypeError:
-        pass
 
 
 def clear_routes() -> None:

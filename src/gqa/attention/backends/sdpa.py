@@ -187,7 +187,13 @@ def sdpa_attention(
 def _sdpa_run(q, k, v, mask, native_causal: bool, query, shape: AttnShape, dropout_p: float, scale: float):
     """SDPA on ``_inputs``' tensors, the fused kernels' edge cases put right, the output in ``query``'s batch dims."""
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=native_causal, scale=scale,
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=native_causal,
+        scale=scale,
         enable_gqa=shape.H_q != shape.H_kv,
     )  # (N, H_q, L, D_v)
     if q.device.type == "cpu" and shape.S < 16:
@@ -218,7 +224,7 @@ def prepare_sdpa(
     """``call(query, key, value, attn_mask) -> out`` for later calls of this checked signature (``attention.routes``):
     with no mask of the caller's and nothing to put right afterwards, a bare SDPA call with every argument bound (the
     causal mask, where one is needed, depends on ``L`` and ``S`` alone and is made once here)."""
-    q, k, v, mask, native_causal = _inputs(query, key, value, shape, attn_mask, is_causal)
+    mask, native_causal = _inputs(query, key, value, shape, attn_mask, is_causal)[3:]
     grouped = shape.H_q != shape.H_kv
     bare = (
         attn_mask is None
