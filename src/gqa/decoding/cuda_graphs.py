@@ -7,6 +7,11 @@ host and never changes a shape: every layer writes its new K/V at its cache's cu
 device memory, and RoPE looks its angles up from a table sized for the cache. Such a step can be captured once and
 replayed: ``GraphedDecoder`` runs the first step eagerly (which also compiles the Triton kernels), captures the
 second and replays the graph from then on. ``gqa.decoding.generate`` uses it for every model on CUDA.
+
+What it captures is ``fused_step.fused_step`` (one GEMM for q/k/v and one for gate/up) where the model's projections
+are plain float linears, else ``static_step``; with ``compile=True`` (``generate(compile=True)``, ``gqa generate
+--compile``) the fused step is compiled by Inductor first, which fuses the norms, RoPE, the cache writes and the
+residual adds into a few kernels per layer, and the compiled step is what the graph holds.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from ..cache.kv import StaticKVCache
 from ..kernels.triton.split_kv import split_kv_attention
 from ..models.linear import linears
+from .fused_step import fused_applies, fused_step, step_weights
 
 
 def graphs_apply(model: torch.nn.Module, caches: list) -> str | None:
@@ -65,11 +71,12 @@ class GraphedDecoder:
     """``step(tokens (B, 1), caches) -> logits (B, 1, vocab)`` for ``gqa.decoding.generate``: ``static_step`` run
     eagerly once, then captured into a CUDA graph and replayed for every later token over the same caches."""
 
-    def __init__(self, model: torch.nn.Module, caches: list[StaticKVCache]) -> None:
+    def __init__(self, model: torch.nn.Module, caches: list[StaticKVCache], *, compile: bool = False) -> None:
         reason = graphs_apply(model, caches)
         if reason is not None:
             raise ValueError(f"CUDA graph decoding does not apply: {reason}")
         self.model, self.caches = model, caches
+        self.step, self.name = _step_for(model, compile)
         self.tokens = torch.zeros(caches[0].key.shape[0], 1, dtype=torch.long, device=model.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -89,12 +96,33 @@ class GraphedDecoder:
             side = torch.cuda.Stream(device=self.tokens.device)
             side.wait_stream(torch.cuda.current_stream(self.tokens.device))
             with torch.cuda.stream(side):
-                logits = static_step(self.model, self.tokens, self.caches)
+                logits = self.step(self.tokens, self.caches)
             torch.cuda.current_stream(self.tokens.device).wait_stream(side)
             return logits
         if self.graph is None:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.logits = static_step(self.model, self.tokens, self.caches)
+                self.logits = self.step(self.tokens, self.caches)
         self.graph.replay()
         return self.logits.clone()
+
+
+def _step_for(model: torch.nn.Module, compile: bool):
+    """``(step(tokens, caches) -> logits, name)``: the fused step where it applies (compiled if asked), else
+    ``static_step``."""
+    if fused_applies(model) is not None:
+        return (lambda tokens, caches: static_step(model, tokens, caches)), "static"
+    weights = step_weights(model)
+    if not compile:
+        return (lambda tokens, caches: fused_step(model, weights, tokens, caches)), "fused"
+    _allow_recompiles()
+    compiled = torch.compile(fused_step, dynamic=False)
+    return (lambda tokens, caches: compiled(model, weights, tokens, caches)), "fused+compile"
+
+
+def _allow_recompiles(limit: int = 64) -> None:
+    """One compilation per model and batch size of ``fused_step``: more than dynamo's default of 8."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if getattr(config, name, limit) < limit:
+            setattr(config, name, limit)

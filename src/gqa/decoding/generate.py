@@ -81,8 +81,8 @@ def generate_stream(
     own positions; a single list of ints is one prompt.
     ``step_fn(tokens (B, 1), caches) -> logits (B, 1, vocab)`` replaces the plain decode step (e.g. a compiled one).
     ``compile``: decode through ``torch.compile`` (``gqa.decoding.compiled``): compiled once per batch size and cache
-    bucket,
-    kept on disk for the next process. Without it, decoding on CPU runs the native step (``decoding.native_step``),
+    bucket, kept on disk for the next process; on CUDA the compiled fused step inside the CUDA graph
+    (``gqa.decoding.cuda_graphs``). Without it, decoding on CPU runs the native step (``decoding.native_step``),
     and on CUDA a captured CUDA graph of the step (``gqa.decoding.cuda_graphs``) where triton is installed.
     """
     cfg = model.config
@@ -113,13 +113,14 @@ def generate_stream(
         from .compiled import cache_bucket, compiled_step
 
         capacity = cache_bucket(capacity, cfg.max_position_embeddings)  # a few cache sizes: a few compilations
-        step_fn = compiled_step(model)
+        if not (model.device.type == "cuda" and _cuda_graphs_apply(model)):
+            step_fn = compiled_step(model)
     caches = model.new_caches(B, capacity)
     for cache in caches:
         cache.set_left_padding(pads)
     logits = model(ids, caches=caches, last_only=True)[:, -1]  # (B, vocab)
     if step_fn is None and model.device.type == "cuda":
-        step_fn = _cuda_step(model, caches)
+        step_fn = _cuda_step(model, caches, compile=compile)
     step = step_fn or (lambda tok, c: model(tok, caches=c))
     eos_ids = torch.tensor(eos, dtype=torch.long, device=model.device)
     finished = torch.zeros(B, dtype=torch.bool, device=model.device)
@@ -159,14 +160,24 @@ def _plain(model: CausalLM) -> bool:
     return model.runs_own_forward()
 
 
-def _cuda_step(model: CausalLM, caches: list) -> Callable[[torch.Tensor, list], torch.Tensor] | None:
-    """The CUDA-graph decode step (``gqa.decoding.cuda_graphs``) where it applies and triton is installed, else None."""
+def _cuda_graphs_apply(model: CausalLM) -> bool:
+    """Whether decoding ``model`` on CUDA goes through CUDA graphs (triton installed, no tensor parallelism, eval)."""
+    from ..kernels.triton.split_kv import triton_available
+
+    return triton_available() and getattr(model, "shard", None) is None and not model.training
+
+
+def _cuda_step(
+    model: CausalLM, caches: list, *, compile: bool = False
+) -> Callable[[torch.Tensor, list], torch.Tensor] | None:
+    """The CUDA-graph decode step (``gqa.decoding.cuda_graphs``; with ``compile``, the Inductor-compiled fused step
+    inside the graph) where it applies and triton is installed, else None."""
     from ..kernels.triton.split_kv import triton_available
     from .cuda_graphs import GraphedDecoder, graphs_apply
 
     if not triton_available() or graphs_apply(model, caches) is not None:
         return None
-    return GraphedDecoder(model, caches)
+    return GraphedDecoder(model, caches, compile=compile)
 
 
 def generate(

@@ -247,3 +247,19 @@ def launch(
             BLOCK_S=triton_next_pow2(splits), BLOCK_DV=block_dv, num_warps=4,
         )  # fmt: skip
     return out
+
+
+@torch.library.custom_op("gqa_triton::split_kv_decode", mutates_args=())
+def decode_op(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: torch.Tensor, end: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``split_kv_attention(query, key, value, scale=scale, start=start, end=end)`` as a custom op, so that
+    ``torch.compile`` keeps the Triton kernel as one opaque call (``decoding.fused_step``): query ``(B, H_q, L, D)``,
+    key/value a whole static cache ``(B, H_kv, C, D | D_v)``, ``start``/``end`` ``(B,)`` or 0-dim slot bounds.
+    -> ``(B, H_q, L, D_v)``. Checked as ``split_kv_attention`` checks."""
+    return split_kv_attention(query, key, value, scale=scale, start=start, end=end)
+
+
+@decode_op.register_fake
+def _decode_op_fake(query, key, value, start, end, scale):
+    return query.new_empty(*query.shape[:-1], value.shape[-1])

@@ -1,0 +1,143 @@
+"""The GPU decode step with fused projections (``gqa.decoding.fused_step``), run on CPU tensors: its split-KV
+attention through Triton's interpreter, eagerly and compiled by Inductor (CPU), against HF transformers' Llama and
+Qwen2 on the same random weights.
+
+As in ``tests/kernels/test_split_kv.py``, the interpreter must be switched on before triton is imported, so the
+kernel tests run in a child process started with ``TRITON_INTERPRET=1`` (``test_fused_step_in_interpreter_process``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gqa.decoding.fused_step import fused_applies, fused_step, step_weights
+from gqa.models import CausalLM
+from gqa.models.config import ModelConfig
+
+transformers = pytest.importorskip("transformers")
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed: the split-KV kernel cannot run", allow_module_level=True)
+
+
+def _interpreted() -> bool:
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return os.environ.get("TRITON_INTERPRET") == "1" and isinstance(tl.max, InterpretedFunction)
+
+
+INTERPRETED = _interpreted()
+CHILD = "GQA_TEST_FUSED_STEP_CHILD"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in the interpreter: -inf - -inf
+
+
+@pytest.mark.skipif(bool(os.environ.get(CHILD)), reason="the child process itself")
+def test_fused_step_in_interpreter_process():
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    tail = (done.stdout + done.stderr)[-6000:]
+    assert done.returncode == 0, tail
+    counts = {w: int(n) for n, w in re.findall(r"(\d+) (passed|skipped|failed|error)", tail.strip().splitlines()[-1])}
+    assert counts.get("passed", 0) >= 4 and "failed" not in counts, tail
+
+
+def _models(arch: str):
+    """HF's model and ours on the same random weights, float32: 2 layers, 6 query heads over 2 KV heads (D=16)."""
+    common = dict(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, vocab_size=300, rope_theta=10000.0, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, tie_word_embeddings=arch == "qwen2", bos_token_id=1, eos_token_id=2)  # fmt: skip
+    config_cls = transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig
+    model_cls = transformers.Qwen2ForCausalLM if arch == "qwen2" else transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    hf = model_cls(config_cls(**common, attn_implementation="eager")).eval()
+    cfg = ModelConfig.from_hf(hf.config.to_dict() | {"model_type": arch})
+    return hf, CausalLM.from_state(cfg, hf.state_dict()).eval()
+
+
+def _hf_logits(hf, rows: list[list[int]]) -> list[torch.Tensor]:
+    """Each row alone through HF (no padding): logits ``(len, vocab)``."""
+    return [hf(torch.tensor([r])).logits[0] for r in rows]
+
+
+def _run_steps(step, model, rows: list[list[int]], prompt_lens: list[int], steps: int) -> torch.Tensor:
+    """Prefill each row's prompt (left-padded) with the eager model, then ``steps`` tokens through ``step``; the
+    logits of each step ``(B, steps, vocab)``."""
+    width = max(prompt_lens)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, (r, n) in enumerate(zip(rows, prompt_lens, strict=True)):
+        ids[b, width - n :] = torch.tensor(r[:n])
+    caches = model.new_caches(len(rows), width + steps + 5)
+    for cache in caches:
+        cache.set_left_padding([width - n for n in prompt_lens])
+    model(ids, caches=caches, last_only=True)
+    out = []
+    for i in range(steps):
+        tokens = torch.tensor([[r[n + i]] for r, n in zip(rows, prompt_lens, strict=True)])
+        out.append(step(tokens, caches)[:, -1])
+    return torch.stack(out, dim=1)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases (fused into one), tied embeddings
+@torch.inference_mode()
+def test_fused_step_matches_hf_on_ragged_rows(arch):
+    hf, model = _models(arch)
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 300, (12,), generator=g).tolist() for _ in range(3)]
+    prompt_lens, steps = [9, 5, 7], 3
+    weights = step_weights(model)
+    ours = _run_steps(lambda t, c: fused_step(model, weights, t, c), model, rows, prompt_lens, steps)
+    for b, ref in enumerate(_hf_logits(hf, rows)):
+        want = ref[prompt_lens[b] : prompt_lens[b] + steps]
+        torch.testing.assert_close(ours[b], want, atol=2e-4, rtol=2e-4)
+
+
+@needs_interpreter
+@torch.inference_mode()
+def test_compiled_fused_step_matches_hf():
+    """The step as ``torch.compile`` (Inductor) sees it, one graph (``fullgraph``): the attention kernel an opaque
+    custom op, the rest fused; what ``GraphedDecoder(compile=True)`` captures on a GPU."""
+    hf, model = _models("llama")
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(3, 300, (10,), generator=g).tolist() for _ in range(2)]
+    weights = step_weights(model)
+    compiled = torch.compile(fused_step, dynamic=False, fullgraph=True)
+    ours = _run_steps(lambda t, c: compiled(model, weights, t, c), model, rows, [6, 6], 3)
+    for b, ref in enumerate(_hf_logits(hf, rows)):
+        torch.testing.assert_close(ours[b], ref[6:9], atol=2e-4, rtol=2e-4)
+
+
+@torch.no_grad()
+def test_step_weights_are_made_once_and_again_after_a_weight_changes():
+    _, model = _models("qwen2")
+    first = step_weights(model)
+    assert step_weights(model) is first
+    attn = model.model.layers[1].self_attn
+    n_q = attn.q_proj.out_features
+    torch.testing.assert_close(first.layers[1].qkv[n_q : n_q + attn.k_proj.out_features], attn.k_proj.weight)
+    attn.k_proj.weight.add_(1.0)  # in place: the version counter moves
+    again = step_weights(model)
+    assert again is not first
+    torch.testing.assert_close(again.layers[1].qkv[n_q : n_q + attn.k_proj.out_features], attn.k_proj.weight)
+    torch.testing.assert_close(again.layers[1].qkv_bias[:n_q], attn.q_proj.bias)
+
+
+def test_fused_step_refuses_hooked_projections():
+    _, model = _models("llama")
+    assert fused_applies(model) is None
+    handle = model.model.layers[0].mlp.up_proj.register_forward_hook(lambda *args: None)
+    assert "nn.Linear" in fused_applies(model)
+    with pytest.raises(ValueError, match="fused decode step does not apply"):
+        step_weights(model)
+    handle.remove()
