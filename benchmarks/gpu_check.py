@@ -38,12 +38,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SDPA_NAMES = ("torch-sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
-STEPS = ("machine", "tests", "kernel", "decode", "fp32", "prefill", "flex", "model")
+STEPS = ("machine", "tests", "kernel", "decode", "model", "backward", "fp32", "prefill", "flex", "sweep")
+DEFAULT_STEPS = ("machine", "tests", "kernel", "decode", "model", "backward", "fp32", "prefill")  # flex, sweep: run 3
 
 # Whole-model configs (HF Llama config keys). SmolLM2-135M's shapes; a Llama-3-8B-like one with fewer layers.
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
                max_position_embeddings=8192, rms_norm_eps=1e-5)  # fmt: skip
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
+                max_position_embeddings=8192, rms_norm_eps=1e-5)  # Llama-3.2-1B's shapes  # fmt: skip
 LLAMA3_8B_8L = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
                     num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
                     max_position_embeddings=8192, rms_norm_eps=1e-5)  # fmt: skip
@@ -56,7 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-check")), help="output folder")
     p.add_argument("--dry", action="store_true", help="CPU, tiny shapes: check the plumbing, measure nothing real")
-    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="which steps (default: all)")
+    p.add_argument(
+        "--steps",
+        nargs="+",
+        choices=STEPS,
+        default=list(DEFAULT_STEPS),
+        help="which steps (default: all but flex and sweep)",
+    )
     p.add_argument("--budget-s", type=float, default=330.0, help="whole run's time budget in seconds (default 330)")
     p.add_argument("--device", default="cuda", help="CUDA device (default: cuda)")
     return p
@@ -136,7 +146,7 @@ def attention(kind: str, out: Path, dry: bool, device: torch.device, budget_s: f
     from gqa.bench.attention import main as bench_main
 
     path = out / f"attention_{kind}.json"
-    impls = ["auto", "triton", "grouped", "sdpa", "torch-sdpa", "hf-repeat_kv"]
+    impls = ["auto", "triton", "torch-sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]
     if dry and kind in ("flex", "fp32"):
         return {"argv": [], "returncode": 0, "rows": [], "limits": None}  # compiled flex on CPU: too slow to check
     if dry:
@@ -146,16 +156,15 @@ def attention(kind: str, out: Path, dry: bool, device: torch.device, budget_s: f
             ["--kinds", "prefill", "--prefill-lens", "32", "--masks", "causal"]  # fmt: skip
     elif kind == "fp32":  # SDPA has no natively grouped float32 kernel: torch falls to math
         argv = ["--device", str(device), "--quick", "--dtypes", "fp32", "--q-heads", "32", "--head-dim", "128",
-                "--kv-heads", "8", "1", "--impls", "auto", "triton", "grouped", "torch-sdpa", "hf-repeat_kv",
-                "sdpa-efficient", "sdpa-math", "--kinds", "decode", "--batches", "1", "8", "64",
-                "--contexts", "4k", "16k"]  # fmt: skip
+                "--kv-heads", "8", "1", "--impls", "auto", "triton", "torch-sdpa", "sdpa-efficient", "sdpa-math",
+                "--kinds", "decode", "--batches", "1", "64", "--contexts", "4k"]  # fmt: skip
     elif kind == "flex":  # compiled once per shape (seconds each): a few decode shapes, apart from the main grid
         argv = ["--device", str(device), "--quick", "--dtypes", "bf16", "--q-heads", "32", "--head-dim", "128",
                 "--kv-heads", "8", "4", "--impls", "auto", "torch-sdpa", "flex", "--kinds", "decode",
                 "--batches", "8", "--contexts", "4k", "16k"]  # fmt: skip
     else:
         argv = ["--device", str(device), "--quick", "--dtypes", "bf16", "--q-heads", "32", "--head-dim", "128",
-                "--kv-heads", "32", "8", "4", "1", "--impls", *impls, *SDPA_NAMES]  # fmt: skip
+                "--kv-heads", "32", "8", "4", "1", "--impls", *impls]  # fmt: skip
         argv += ["--kinds", "decode", "--batches", "1", "8", "64", "--contexts", "1k", "4k", "16k", "64k"] \
             if kind == "decode" else ["--kinds", "prefill", "--prefill-lens", "4k", "--masks", "causal"]  # fmt: skip
     argv += ["--json", str(path), "--max-seconds", f"{budget_s:.0f}", "--no-progress"]
@@ -229,27 +238,55 @@ def _decode_inputs(B: int, H_kv: int, S: int, device: torch.device, dtype=torch.
 
 
 def _host_times(device: torch.device) -> dict[str, float | str]:
+    """Host µs per call of each eager path next to the SDPA call it stands for (the same tensors)."""
     import torch.nn.functional as F
 
     import gqa
     from gqa.kernels.triton.split_kv import split_kv_attention
 
+    calls = {}
+    for label, H_kv in (("GQA 32/8", 8), ("MHA 32/32", 32), ("MQA 32/1", 1)):
+        q, k, v = _decode_inputs(1, H_kv, 1024, device)
+        grouped = H_kv != 32
+        calls[f"F.sdpa decode {label}"] = lambda q=q, k=k, v=v, g=grouped: F.scaled_dot_product_attention(
+            q, k, v, enable_gqa=g
+        )
+        calls[f"gqa auto decode {label}"] = lambda q=q, k=k, v=v: gqa.grouped_attention(q, k, v)
     q, k, v = _decode_inputs(1, 8, 1024, device)
+    mask = torch.rand(1, 1, 1, 1024, device=device) > 0.1
+    calls["F.sdpa decode bool mask"] = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    calls["gqa auto decode bool mask"] = lambda: gqa.grouped_attention(q, k, v, attn_mask=mask)
+    calls["gqa triton decode"] = lambda: gqa.grouped_attention(q, k, v, backend="triton")
+    calls["split_kv_attention"] = lambda: split_kv_attention(q, k, v)
+    q32, k32, v32 = _decode_inputs(1, 8, 1024, device, dtype=torch.float32)
+    calls["F.sdpa decode fp32"] = lambda: F.scaled_dot_product_attention(q32, k32, v32, enable_gqa=True)
+    calls["gqa auto decode fp32"] = lambda: gqa.grouped_attention(q32, k32, v32)
     qp, kp, vp = _decode_inputs(1, 8, 1024, device, L=1024)
-    calls = {
-        "F.sdpa decode": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-        "gqa auto decode": lambda: gqa.grouped_attention(q, k, v),
-        "gqa triton decode": lambda: gqa.grouped_attention(q, k, v, backend="triton"),
-        "split_kv_attention": lambda: split_kv_attention(q, k, v),
-        "F.sdpa prefill causal": lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True),
-        "gqa auto prefill causal": lambda: gqa.grouped_attention(qp, kp, vp, is_causal=True),
-    }
-    calls["gqa sdpa prefill causal"] = lambda: gqa.grouped_attention(qp, kp, vp, is_causal=True, backend="sdpa")
-    times = {name: host_us(fn, device) for name, fn in calls.items()}
+    calls["F.sdpa prefill causal"] = lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+    calls["gqa auto prefill causal"] = lambda: gqa.grouped_attention(qp, kp, vp, is_causal=True)
+    qc = qp[:, :, :16]
+    calls["F.sdpa chunk lower-right"] = lambda: F.scaled_dot_product_attention(
+        qc, kp, vp, attn_mask=_lower_right(16, 1024), enable_gqa=True
+    )
+    calls["gqa auto chunk causal"] = lambda: gqa.grouped_attention(qc, kp, vp, is_causal=True)
+    times: dict[str, float | str] = {}
+    for name, fn in calls.items():
+        try:
+            times[name] = host_us(fn, device)
+            if name.startswith("gqa auto"):
+                times[name.replace("gqa auto", "auto runs")] = gqa.attention.last_backend()
+        except Exception as err:  # one path failing must not lose the others
+            times[name] = f"{type(err).__name__}: {str(err)[:120]}"
     for name, (a, b, c, causal) in {"decode": (q, k, v, False), "prefill causal": (qp, kp, vp, True)}.items():
         choice = torch._fused_sdp_choice(a, b, c, None, 0.0, causal, enable_gqa=True)
         times[f"torch picks for {name}"] = torch.nn.attention.SDPBackend(choice).name
     return times
+
+
+def _lower_right(L: int, S: int):
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(L, S)
 
 
 def _sweep_row(B: int, H_kv: int, S: int, device: torch.device) -> dict:
@@ -274,16 +311,106 @@ def _sweep_row(B: int, H_kv: int, S: int, device: torch.device) -> dict:
 
 @torch.inference_mode()
 def kernel_step(device: torch.device, dry: bool, copy_gbs: float | None) -> dict:
-    """Host overhead per path, and graph-replayed kernel time per tile configuration vs SDPA (torch's pick)."""
+    """Host µs per call of every eager path (the route cache's effect: ``gqa.attention.routes``)."""
     if dry:
-        return {"host_us": {}, "sweep": []}
-    host = _host_times(device)
+        return {"host_us": {}}
+    return {"host_us": _host_times(device), "copy_gbs": copy_gbs}
+
+
+@torch.inference_mode()
+def sweep_step(device: torch.device, dry: bool) -> dict:
+    """Graph-replayed kernel time per tile configuration vs SDPA (torch's pick): run 3's table."""
+    if dry:
+        return {"sweep": []}
     sweep = []
-    for B, H_kv, S in ((8, 8, 16384), (8, 8, 65536), (64, 8, 16384), (64, 4, 16384), (1, 8, 65536), (64, 1, 16384),
-                       (8, 32, 16384), (64, 8, 4096)):  # fmt: skip
+    for B, H_kv, S in ((8, 8, 16384), (64, 8, 16384), (1, 8, 65536), (64, 1, 16384)):
         sweep.append(_sweep_row(B, H_kv, S, device))
         torch.cuda.empty_cache()
-    return {"host_us": host, "sweep": sweep, "copy_gbs": copy_gbs}
+    return {"sweep": sweep}
+
+
+def _event_ms(fn, repeats: int) -> float:
+    """Median milliseconds of ``fn()`` after two warm-ups (CUDA events; on CPU the wall clock)."""
+    fn()
+    fn()
+    if not torch.cuda.is_available():
+        return 1e3 * statistics.median(timeit_once(fn) for _ in range(repeats))
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def backward_step(device: torch.device, dry: bool) -> list[dict]:
+    """Forward + backward of causal prefill (bf16, D=128, B=1): gqa ``auto`` vs SDPA as torch picks and held to each
+    kernel; TFLOPS counts 3.5x the causal forward's 2 * 2 * H_q * L^2 / 2 * D."""
+    from torch.nn.attention import SDPBackend
+
+    shapes = [(32, 4, 64, 16)] if dry else [(32, 8, 4096, 128), (32, 8, 8192, 128), (32, 8, 16384, 128),
+                                            (32, 1, 4096, 128), (32, 1, 16384, 128)]  # fmt: skip
+    dtype = torch.float32 if dry else torch.bfloat16
+    kernels = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+               "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}  # fmt: skip
+    rows = []
+    for H_q, H_kv, L, D in shapes:
+        rows.append(_backward_row(H_q, H_kv, L, D, device, dtype, {} if dry else kernels))
+        if not dry:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _backward_row(H_q: int, H_kv: int, L: int, D: int, device: torch.device, dtype: torch.dtype, kernels: dict) -> dict:
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    import gqa
+
+    g = torch.Generator(device=device).manual_seed(L + H_kv)
+    q = torch.randn(1, H_q, L, D, device=device, dtype=dtype, generator=g).requires_grad_()
+    k = torch.randn(1, H_kv, L, D, device=device, dtype=dtype, generator=g).requires_grad_()
+    v = torch.randn(1, H_kv, L, D, device=device, dtype=dtype, generator=g).requires_grad_()
+    grad = torch.randn(1, H_q, L, D, device=device, dtype=dtype, generator=g)
+
+    def run(attend):
+        def fn():
+            for t in (q, k, v):
+                t.grad = None
+            attend().backward(grad)
+
+        return fn
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    impls = {"gqa auto": run(lambda: gqa.grouped_attention(q, k, v, is_causal=True)), "torch-sdpa": run(sdpa)}
+    for name, kernel in kernels.items():
+
+        def held(kernel=kernel):
+            with sdpa_kernel(kernel):
+                return sdpa()
+
+        impls[name] = run(held)
+    flops = 3.5 * 2 * 2 * H_q * L * L / 2 * D
+    row = {"H_q": H_q, "H_kv": H_kv, "L": L, "D": D, "ms": {}, "tflops": {}}
+    for name, fn in impls.items():
+        try:
+            ms = _event_ms(fn, 10 if kernels else 3)
+            row["ms"][name], row["tflops"][name] = ms, flops / (ms * 1e-3) / 1e12
+        except Exception as err:  # a kernel that does not take the shape
+            row["ms"][name] = f"{type(err).__name__}: {str(err)[:100]}"
+    row["auto_backend"] = gqa.attention.last_backend()
+    return row
+
+
+def timeit_once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def _hf_model(config: dict, device: torch.device, dtype: torch.dtype):
@@ -306,9 +433,10 @@ def _gqa_model(hf, device: torch.device, dtype: torch.dtype):
     return model.to(dtype)
 
 
-def _timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
-    fn()
+def _timed(fn, device: torch.device, repeats: int, warm: bool = True) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up (``warm=False``: already warmed)."""
+    if warm:
+        fn()
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -319,58 +447,101 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _decode_bytes(model, batch: int, context: float) -> float:
+    """Bytes one decode step must read: every weight matrix once (the embedding table only where it is also the
+    tied lm_head), and each row's K/V of ``context`` tokens."""
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not cfg.tie_word_embeddings:
+        weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    kv = cfg.num_layers * 2 * batch * cfg.num_kv_heads * cfg.head_dim * context * model.dtype.itemsize
+    return weights + kv
+
+
 @torch.inference_mode()
-def model_decode(name: str, config: dict, device: torch.device, *, dtype: torch.dtype, batch: int, prompt_len: int,
-                 new_tokens: int, repeats: int) -> dict:  # fmt: skip
-    """gqa vs HF on the same random weights: logits of a prompt, greedy agreement, and decode tokens/s."""
+def model_pair(config: dict, device: torch.device, dtype: torch.dtype) -> tuple:
+    """HF's Llama and gqa's on the same random weights in ``dtype``, and their float32 logits' relative error."""
     hf = _hf_model(config, device, torch.float32)
     model = _gqa_model(hf, device, torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, config["vocab_size"], (batch, prompt_len), generator=gen).to(device)
-
-    def logits_err() -> float:
-        ref = hf(ids).logits.float()
-        return ((model(ids).float() - ref).norm() / ref.norm()).item()
-
-    fp32_err = logits_err()  # float32 on both sides: the same network, to rounding
-    hf, model = hf.to(dtype), model.to(dtype)
-    logit_err = logits_err()
-
-    def ours_generate(step_fn=None):
-        return model.generate(ids, max_new_tokens=new_tokens, eos_token_ids=[], step_fn=step_fn)
-
-    def eager():
-        return ours_generate(step_fn=lambda tok, caches: model(tok, caches=caches))
-
-    def hf_generate():
-        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
-
-    tokens_ours = torch.tensor(ours_generate(), device=device)  # (B, new)
-    tokens_hf = hf_generate()[:, prompt_len:]
-    agree = (tokens_ours == tokens_hf).float().mean().item()
-    seconds = {"gqa": _timed(ours_generate, device, repeats), "gqa-eager": _timed(eager, device, repeats),
-               "hf": _timed(hf_generate, device, repeats)}  # fmt: skip
-    rates = {k: batch * new_tokens / s for k, s in seconds.items()}
-    return {"name": name, "dtype": str(dtype).removeprefix("torch."), "B": batch, "prompt": prompt_len,
-            "new_tokens": new_tokens, "logits_rel_err": logit_err, "logits_rel_err_fp32": fp32_err,
-            "greedy_agreement": agree,
-            "tokens_per_s": rates, "speedup_vs_hf": rates["gqa"] / rates["hf"]}  # fmt: skip
+    probe = torch.randint(3, config["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
+    ref = hf(probe).logits.float()
+    fp32_err = ((model(probe).float() - ref).norm() / ref.norm()).item()
+    return hf.to(dtype), model.to(dtype), fp32_err
 
 
-def models(device: torch.device, dry: bool) -> list[dict]:
-    if dry:
-        return [model_decode("tiny", TINY, device, dtype=torch.float32, batch=2, prompt_len=8, new_tokens=4, repeats=1)]
-    runs = []
-    for name, config, batch, repeats in (("SmolLM2-135M shapes", SMOLLM2, 1, 3), ("SmolLM2-135M shapes", SMOLLM2, 8, 2),
-                                         ("Llama-3-8B-like, 8 layers", LLAMA3_8B_8L, 1, 2)):  # fmt: skip
+@torch.inference_mode()
+def model_row(name: str, pair: tuple, device: torch.device, *, batch: int, prompt_len: int, new_tokens: int,
+              hf_static: bool, deadline: float, repeats: int = 3, compile: bool = True) -> dict:  # fmt: skip
+    """Greedy decode of ``batch`` rows: gqa's default path (CUDA graphs over the fused step), gqa ``compile=True``
+    (the Inductor-compiled fused step in the graph), HF ``generate`` eager, and with ``hf_static`` HF with a static
+    cache (which transformers compiles itself, ``mode="reduce-overhead"``). Tokens/s count the new tokens over the
+    whole ``generate`` call (the prompt's prefill included, for every engine)."""
+    hf, model, fp32_err = pair
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).to(device)
+    engines = {
+        "gqa": lambda: model.generate(ids, max_new_tokens=new_tokens, eos_token_ids=[]),
+        "hf": lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0),
+    }  # fmt: skip
+    if hf_static:
+        engines["hf-static-compile"] = lambda: hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False, pad_token_id=0, cache_implementation="static")  # fmt: skip
+    if compile:
+        engines["gqa-compile"] = lambda: model.generate(ids, max_new_tokens=new_tokens, eos_token_ids=[], compile=True)
+    row = {"name": name, "dtype": str(model.dtype).removeprefix("torch."), "B": batch, "prompt": prompt_len,
+           "new_tokens": new_tokens, "logits_rel_err_fp32": fp32_err, "tokens_per_s": {}, "first_call_s": {},
+           "errors": {}}  # fmt: skip
+    outputs = {}
+    for engine, fn in engines.items():
+        if time.perf_counter() > deadline:
+            row["errors"][engine] = "skipped: out of time"
+            continue
         try:
-            runs.append(model_decode(name, config, device, dtype=torch.bfloat16, batch=batch, prompt_len=128,
-                                     new_tokens=128, repeats=repeats))  # fmt: skip
-        except Exception as err:  # one config failing must not lose the others
-            runs.append({"name": name, "B": batch, "error": f"{type(err).__name__}: {err}"})
-            print(f"[gpu_check] model {name} B={batch} failed: {runs[-1]['error']}", file=sys.stderr, flush=True)
-        torch.cuda.empty_cache()
+            t0 = time.perf_counter()
+            out = fn()  # the first call: compilations, graph capture
+            _sync(device)
+            row["first_call_s"][engine] = time.perf_counter() - t0
+            outputs[engine] = torch.as_tensor(out, device=device)[..., -new_tokens:].reshape(batch, -1)
+            row["tokens_per_s"][engine] = batch * new_tokens / _timed(fn, device, repeats, warm=False)
+        except Exception as err:  # one engine failing must not lose the others
+            row["errors"][engine] = f"{type(err).__name__}: {str(err)[:300]}"
+            print(f"[gpu_check] model {name} B={batch} {engine}: {row['errors'][engine]}", file=sys.stderr, flush=True)
+    for engine in ("gqa-compile", "hf", "hf-static-compile"):
+        if engine in outputs and "gqa" in outputs:
+            row[f"agreement_{engine}"] = (outputs[engine] == outputs["gqa"]).float().mean().item()
+    best = max((row["tokens_per_s"].get(e, 0.0) for e in ("gqa", "gqa-compile")), default=0.0)
+    if best:
+        row["decode_gbs"] = _decode_bytes(model, batch, prompt_len + new_tokens / 2) * best / batch / 1e9
+        for peer in ("hf", "hf-static-compile"):
+            if row["tokens_per_s"].get(peer):
+                row[f"best_gqa_vs_{peer}"] = best / row["tokens_per_s"][peer]
+    return row
+
+
+def models(device: torch.device, dry: bool, deadline: float) -> list[dict]:
+    """B=1 of both shapes first, then B=64, then B=8, so that what the deadline cuts is the least asked for."""
+    if dry:
+        pair = model_pair(TINY, device, torch.float32)
+        return [model_row("tiny", pair, device, batch=2, prompt_len=8, new_tokens=4, hf_static=False,
+                          deadline=deadline, repeats=1, compile=False)]  # fmt: skip
+    pairs, runs = {}, []
+    for name, config in (("SmolLM2-135M shapes", SMOLLM2), ("Llama-3.2-1B shapes", LLAMA_1B)):
+        try:
+            pairs[name] = model_pair(config, device, torch.bfloat16)
+        except Exception as err:
+            runs.append({"name": name, "B": "-", "error": f"{type(err).__name__}: {err}"})
+    for batch in (1, 64, 8):
+        for name, pair in pairs.items():
+            try:
+                static = batch == 1 or (batch == 64 and "Smol" in name)
+                runs.append(model_row(name, pair, device, batch=batch, prompt_len=128, new_tokens=64,
+                                      hf_static=static, deadline=deadline))  # fmt: skip
+            except Exception as err:  # one row failing must not lose the others
+                runs.append({"name": name, "B": batch, "error": f"{type(err).__name__}: {err}"})
+                print(f"[gpu_check] model {name} B={batch} failed: {runs[-1]['error']}", file=sys.stderr, flush=True)
+            torch.cuda.empty_cache()
     return runs
 
 
@@ -413,12 +584,13 @@ def markdown(result: dict) -> str:
         lines += ["## Host time per call (CPU µs, back-to-back, no synchronisation)", "", "| path | µs |", "|---|---|"]
         lines += [f"| {name} | {us if isinstance(us, str) else f'{us:.1f}'} |" for name, us in kern["host_us"].items()]
         lines.append("")
-    if kern.get("sweep"):
-        configs = [key for key in kern["sweep"][0] if key.startswith("triton")]
+    sweep = (result.get("sweep") or {}).get("sweep")
+    if sweep:
+        configs = [key for key in sweep[0] if key.startswith("triton")]
         lines += ["## Decode kernels replayed from CUDA graphs (bf16, H_q=32, D=128; ms, GB/s = K/V + q + out bytes)",
                   "", "| B | H_kv | S | SDPA, torch's pick: ms (GB/s) | " + " | ".join(configs) + " |",
                   "|" + "---|" * (4 + len(configs))]  # fmt: skip
-        for r in kern["sweep"]:
+        for r in sweep:
 
             def cell(ms, nbytes=r["bytes"]):
                 return f"{ms:.3f} ({nbytes / ms / 1e6:.0f})" if isinstance(ms, float) else "fails"
@@ -427,22 +599,49 @@ def markdown(result: dict) -> str:
                          + " | ".join(cell(r[c]) for c in configs) + " |")  # fmt: skip
         lines.append("")
     if result.get("model"):
-        lines += ["## Whole-model greedy decode, random weights (tokens/s, prompt 128, 128 new tokens)", "",
-                  "| model | dtype | B | gqa (graphs) | gqa eager | HF generate | gqa / HF | logits rel. err (fp32) | "
-                  "greedy agreement |", "|" + "---|" * 9]  # fmt: skip
-        for r in result["model"]:
-            if "error" in r:
-                lines.append(f"| {r['name']} | — | {r['B']} | failed: {r['error'][:200]} |")
-                continue
-            t = r["tokens_per_s"]
-            lines.append(f"| {r['name']} | {r['dtype']} | {r['B']} | {t['gqa']:.0f} | {t['gqa-eager']:.0f} | "
-                         f"{t['hf']:.0f} | {r['speedup_vs_hf']:.2f}x | {r['logits_rel_err']:.1e} "
-                         f"({r['logits_rel_err_fp32']:.1e}) | "
-                         f"{r['greedy_agreement']:.3f} |")  # fmt: skip
+        lines += _model_table(result["model"], copy)
+    if result.get("backward"):
+        names = list(result["backward"][0]["ms"])
+        lines += ["## Prefill forward + backward (bf16, causal, B=1; ms (TFLOPS))", "",
+                  "| H_q | H_kv | L | D | " + " | ".join(names) + " | auto vs best SDPA |",
+                  "|" + "---|" * (5 + len(names))]  # fmt: skip
+        for r in result["backward"]:
+            cells = [f"{ms:.3f} ({r['tflops'][n]:.0f})" if isinstance(ms, float) else f"fails: {ms[:60]}"
+                     for n, ms in r["ms"].items()]  # fmt: skip
+            sdpa = [ms for n, ms in r["ms"].items() if n != "gqa auto" and isinstance(ms, float)]
+            auto = r["ms"].get("gqa auto")
+            ratio = f"{min(sdpa) / auto:.2f}x" if sdpa and isinstance(auto, float) else "—"
+            lines.append(f"| {r['H_q']} | {r['H_kv']} | {r['L']} | {r['D']} | " + " | ".join(cells) + f" | {ratio} |")
         lines.append("")
     if result.get("tests"):
         lines += ["## pytest -m cuda", "", "```", result["tests"]["tail"][-1500:].strip(), "```", ""]
     return "\n".join(lines)
+
+
+MODEL_ENGINES = ("gqa", "gqa-compile", "hf", "hf-static-compile")
+
+
+def _model_table(rows: list[dict], copy: float | None) -> list[str]:
+    lines = ["## Whole-model greedy decode, random weights (tokens/s over the whole generate call; first call s)", "",
+             "| model | B | " + " | ".join(MODEL_ENGINES) + " | best gqa vs HF static+compile | vs HF eager | "
+             "decode GB/s (% of copy) | agreement compile / hf / hf-static | fp32 logits rel. err |",
+             "|" + "---|" * (7 + len(MODEL_ENGINES))]  # fmt: skip
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['B']} | failed: {r['error'][:200]} |")
+            continue
+        t, first, errors = r["tokens_per_s"], r["first_call_s"], r["errors"]
+        cells = [f"{t[e]:.0f} ({first[e]:.0f} s)" if e in t else (errors.get(e, "—")[:80]) for e in MODEL_ENGINES]
+        gbs = r.get("decode_gbs")
+        pct = f" ({100 * gbs / copy:.0f}%)" if gbs and copy else ""
+        agree = " / ".join(f"{r[k]:.2f}" if k in r else "—" for k in
+                           ("agreement_gqa-compile", "agreement_hf", "agreement_hf-static-compile"))  # fmt: skip
+        ratios = " | ".join("—" if r.get(k) is None else f"{r[k]:.2f}x"
+                            for k in ("best_gqa_vs_hf-static-compile", "best_gqa_vs_hf"))  # fmt: skip
+        gbs_cell = "—" if gbs is None else f"{gbs:.0f}{pct}"
+        lines.append(f"| {r['name']} | {r['B']} | " + " | ".join(cells) + f" | {ratios} | {gbs_cell} | {agree} | "
+                     f"{r['logits_rel_err_fp32']:.1e} |")  # fmt: skip
+    return [*lines, ""]
 
 
 def _write(out: Path, result: dict) -> None:
@@ -460,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.dry else args.device)
     start = time.perf_counter()
-    shares = {"tests": 0.4, "decode": 0.2, "fp32": 0.1, "prefill": 0.05, "flex": 0.08}  # of the budget; the rest: model
+    # shares of the budget per step; the model step runs until a deadline that leaves the later steps theirs
+    shares = {"tests": 0.14, "decode": 0.14, "backward": 0.06, "fp32": 0.04, "prefill": 0.03, "flex": 0.08}
     result: dict = {"argv": sys.argv[1:] if argv is None else argv, "dry": args.dry, "steps": {}}
     for step in STEPS:
         if step not in args.steps:
@@ -472,13 +672,19 @@ def main(argv: list[str] | None = None) -> int:
             if step == "machine":
                 result["machine"] = machine(device, args.dry)
             elif step == "tests":
-                result["tests"] = run_tests(args.dry, max(60.0, shares["tests"] * args.budget_s))
+                result["tests"] = run_tests(args.dry, max(45.0, shares["tests"] * args.budget_s))
             elif step == "kernel":
                 result["kernel"] = kernel_step(device, args.dry, result.get("machine", {}).get("copy_gbs"))
+            elif step == "sweep":
+                result["sweep"] = sweep_step(device, args.dry)
             elif step in ("decode", "fp32", "prefill", "flex"):
                 result[step] = attention(step, args.out, args.dry, device, max(10.0, shares[step] * args.budget_s))
+            elif step == "backward":
+                result["backward"] = backward_step(device, args.dry)
             elif step == "model":
-                result["model"] = models(device, args.dry)
+                later = sum(shares.get(s, 0.0) for s in STEPS[STEPS.index("model") + 1 :] if s in args.steps)
+                deadline = start + args.budget_s * (1.0 - later)
+                result["model"] = models(device, args.dry, deadline)
             result["steps"][step] = {"ok": True, "seconds": time.perf_counter() - t0}
         except Exception as err:  # one failing step must not lose the others' numbers
             result["steps"][step] = {"ok": False, "seconds": time.perf_counter() - t0,

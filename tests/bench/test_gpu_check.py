@@ -56,10 +56,11 @@ def test_without_a_gpu_it_says_so(gpu_check, capsys):
 
 def test_dry_run_writes_every_step(gpu_check, tmp_path):
     out = tmp_path / "check"
-    code = gpu_check.main(["--dry", "--out", str(out), "--steps", "machine", "tests", "kernel", "decode", "model"])
+    steps = ["machine", "tests", "kernel", "decode", "model", "backward"]
+    code = gpu_check.main(["--dry", "--out", str(out), "--steps", *steps])
     assert code == 0
     result = json.loads((out / "gpu_check.json").read_text())
-    assert set(result["steps"]) == {"machine", "tests", "kernel", "decode", "model"}
+    assert set(result["steps"]) == set(steps)
     assert all(step["ok"] for step in result["steps"].values()), result["steps"]
     assert result["machine"]["copy_gbs"] > 0
     assert result["tests"]["returncode"] == 0 and "collected" in result["tests"]["tail"]  # pytest -m cuda, collected
@@ -67,9 +68,13 @@ def test_dry_run_writes_every_step(gpu_check, tmp_path):
     assert rows and all(r["status"] == "ran" and not r["mismatches"] for r in rows)
     (model,) = result["model"]
     assert model["logits_rel_err_fp32"] < 1e-5  # gqa and HF transformers on the same random weights
-    assert model["greedy_agreement"] == 1.0
+    assert model["agreement_hf"] == 1.0 and not model["errors"]
+    assert model["tokens_per_s"]["gqa"] > 0 and model["tokens_per_s"]["hf"] > 0 and model["decode_gbs"] > 0
+    (backward,) = result["backward"]
+    assert all(isinstance(ms, float) for ms in backward["ms"].values()) and backward["tflops"]["gqa auto"] > 0
     text = (out / "gpu_check.md").read_text()
     assert "## Attention decode" in text and "## Whole-model greedy decode" in text
+    assert "## Prefill forward + backward" in text
     assert not list(out.glob(".*.tmp"))  # written atomically
 
 

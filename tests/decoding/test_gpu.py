@@ -166,3 +166,36 @@ def test_load_model_on_cuda():
     model = gqa.load_model(device="cuda", dtype=torch.bfloat16)
     out = model.generate(model.tokenizer.encode("Hello"), max_new_tokens=4)
     assert len(out) >= 1
+
+
+@needs_triton
+@pytest.mark.parametrize("compile", [False, True])
+@torch.inference_mode()
+def test_fused_graphed_step_logits_match_hf_fp32(compile):
+    """The fused step (one GEMM for q/k/v, one for gate/up) in the graph, eager or Inductor-compiled, in float32."""
+    from gqa.decoding.cuda_graphs import GraphedDecoder
+
+    hf, model = _models(torch.float32)
+    ids = torch.randint(0, 300, (3, 24), device="cuda")
+    caches = model.new_caches(3, 64)
+    model(ids[:, :-4], caches=caches)
+    step = GraphedDecoder(model, caches, compile=compile)
+    assert step.name == ("fused+compile" if compile else "fused")
+    logits = [step(ids[:, i : i + 1], caches) for i in range(20, 24)]  # eager, captured + replayed, replayed x2
+    ref = hf(ids).logits[:, 20:24].float()
+    ours = torch.cat(logits, dim=1).float()
+    assert ((ours - ref).norm() / ref.norm()).item() < 1e-3
+
+
+@torch.inference_mode()
+def test_repeated_auto_calls_match_float64_on_cuda():
+    """The route cache (``gqa.attention.routes``) on CUDA: the first call and repeated ones, fresh values each time,
+    decode, a causal chunk over a cache (lower-right) and a bool mask."""
+    for L, S, mask in ((1, 300, False), (5, 300, False), (1, 300, True)):
+        for seed in range(3):
+            q, k, v = qkv(2, 8, 2, L, S, 64, torch.bfloat16)
+            q = q + seed
+            m = (torch.rand(2, 1, L, S, device="cuda") > 0.3) if mask else None
+            out = gqa.grouped_attention(q, k, v, attn_mask=m, is_causal=not mask)
+            ref = attention64(*cpu64(q, k, v), mask=None if m is None else m.cpu(), is_causal=not mask)[0]
+            assert rel_err(out, ref) < REL[torch.bfloat16]
