@@ -3,6 +3,9 @@
     python benchmarks/gpu_check.py --out DIR            # on a GPU machine (about 4.5 minutes on an H200)
     python benchmarks/gpu_check.py --dry --out DIR      # on CPU: the same steps on tiny shapes (tests run this)
 
+The GPU machine has no gguf, starlette or uvicorn and cannot reach the embedded model: a dry run here writes
+SmolLM2's tokenizer to ``.gpu/``; carry it, and those packages as wheels in ``.whl/`` (the device tool's README).
+
 Steps, each under its own time budget, each writing what it measured before the next starts:
 
 1. ``machine``: GPU, torch/triton versions, and the device-to-device copy bandwidth (the ceiling decode is judged by);
@@ -38,8 +41,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SDPA_NAMES = ("torch-sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
-STEPS = ("machine", "tests", "kernel", "decode", "model", "backward", "fp32", "prefill", "flex", "sweep")
-DEFAULT_STEPS = ("machine", "tests", "kernel", "decode", "model", "backward", "fp32", "prefill")  # flex, sweep: run 3
+STEPS = ("machine", "tests", "kernel", "decode", "model", "serve", "backward", "fp32", "prefill", "kv", "flex",
+         "sweep")  # fmt: skip
+DEFAULT_STEPS = STEPS[:-2]  # flex, sweep: measured in run 3
+TOKENIZER = ROOT / ".gpu" / "smollm2-tokenizer"  # SmolLM2's tokenizer files (carried: the GGUF cannot travel)
 
 # Whole-model configs (HF Llama config keys). SmolLM2-135M's shapes; a Llama-3-8B-like one with fewer layers.
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -67,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_STEPS),
         help="which steps (default: all but flex and sweep)",
     )
-    p.add_argument("--budget-s", type=float, default=330.0, help="whole run's time budget in seconds (default 330)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="whole run's time budget in seconds (default 540)")
     p.add_argument("--device", default="cuda", help="CUDA device (default: cuda)")
     return p
 
@@ -459,6 +464,72 @@ def _decode_bytes(model, batch: int, context: float) -> float:
 
 
 @torch.inference_mode()
+def smollm2_tokenizer() -> Path:
+    """SmolLM2's tokenizer as HF files under ``.gpu/`` (ignored by git, carried to the GPU machine, where the embedded
+    GGUF cannot travel): made from the embedded model where it is installed, else it must have been carried."""
+    if not TOKENIZER.is_dir():
+        from gqa.loaders import default_model_path, load_tokenizer
+
+        try:
+            path = default_model_path()
+        except Exception as err:
+            raise FileNotFoundError(f"{TOKENIZER} is missing: run this on the CPU machine first ({err})") from err
+        tmp = TOKENIZER.with_name(TOKENIZER.name + ".tmp")
+        load_tokenizer(path).hf.save_pretrained(tmp)
+        tmp.replace(TOKENIZER)
+    return TOKENIZER
+
+
+def serve_model(folder: Path, dry: bool) -> Path:
+    """Random SmolLM2-shaped weights (bf16) saved as an HF folder with SmolLM2's tokenizer, for ``gqa serve``."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = smollm2_tokenizer()
+    config = dict(SMOLLM2, num_hidden_layers=2) if dry else SMOLLM2
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config, bos_token_id=1, eos_token_id=2)).to(torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in tokenizer.iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
+def bench_serve(out: Path, model: Path, device: str, extra: list[str], budget_s: float) -> dict:
+    """``gqa bench serve`` on ``model`` in a subprocess; its results.json, or the failure's tail."""
+    cmd = [sys.executable, "-m", "gqa", "bench", "serve", "--model", str(model), "--device", device, "--engines",
+           "gqa", "--out", str(out), *extra]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        return {"command": " ".join(cmd[1:]), "error": f"timed out after {budget_s:.0f} s"}
+    results = out / "results.json"
+    if proc.returncode != 0 or not results.is_file():
+        return {"command": " ".join(cmd[1:]), "error": (proc.stdout + proc.stderr)[-3000:]}
+    return {"command": " ".join(cmd[1:]), **json.loads(results.read_text())}
+
+
+def serve_step(out: Path, device: torch.device, dry: bool, budget_s: float) -> dict:
+    """gqa serve on the device with random SmolLM2-shaped weights: 1, 16 and 64 streaming clients (output tok/s,
+    TTFT, every response compared with the same request alone)."""
+    model = serve_model(out / "serve-model", dry)
+    extra = ["--clients", "1", "2", "--prompts", "2", "--max-tokens", "4"] if dry else \
+        ["--clients", "1", "16", "64", "--prompts", "64", "--max-tokens", "64", "--kv-cache-mib", "4096"]  # fmt: skip
+    return bench_serve(out / "serve", model, "cpu" if dry else str(device), extra, budget_s)
+
+
+def kv_step(out: Path, device: torch.device, dry: bool, budget_s: float) -> dict:
+    """MHA, GQA and MQA (the random SmolLM2 shapes converted to 9, 3 and 1 KV heads) under one KV budget."""
+    model = out / "serve-model"
+    if not model.is_dir():
+        serve_model(model, dry)
+    extra = ["--clients", "2", "--prompts", "2", "--max-tokens", "4", "--kv-heads", "1"] if dry else \
+        ["--clients", "64", "--prompts", "64", "--max-tokens", "64", "--kv-heads", "9", "3", "1", "--kv-budget-mib",
+         "256", "--kv-context", "2048", "--kv-max-tokens", "256"]  # fmt: skip
+    return bench_serve(out / "kv", model, "cpu" if dry else str(device), extra, budget_s)
+
+
 def model_pair(config: dict, device: torch.device, dtype: torch.dtype) -> tuple:
     """HF's Llama and gqa's on the same random weights in ``dtype``, and their float32 logits' relative error."""
     hf = _hf_model(config, device, torch.float32)
@@ -600,6 +671,16 @@ def markdown(result: dict) -> str:
         lines.append("")
     if result.get("model"):
         lines += _model_table(result["model"], copy)
+    for step, title in (
+        ("serve", "gqa serve on the GPU, random SmolLM2-shaped bf16 weights, 64 greedy tokens"),
+        ("kv", "MHA / GQA / MQA under one 256 MiB KV budget (2048-token contexts, 64 clients)"),
+    ):
+        got = result.get(step)
+        if got:
+            from gqa.bench.serve import table
+
+            body = table(got["rows"]) if "rows" in got else f"failed:\n\n```\n{got.get('error', '')[-1500:]}\n```"
+            lines += [f"## {title}", "", f"`{got.get('command', '')}`", "", body, ""]
     if result.get("backward"):
         names = list(result["backward"][0]["ms"])
         lines += ["## Prefill forward + backward (bf16, causal, B=1; ms (TFLOPS))", "",
@@ -660,7 +741,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.dry else args.device)
     start = time.perf_counter()
     # shares of the budget per step; the model step runs until a deadline that leaves the later steps theirs
-    shares = {"tests": 0.14, "decode": 0.14, "backward": 0.06, "fp32": 0.04, "prefill": 0.03, "flex": 0.08}
+    shares = {"tests": 0.12, "decode": 0.12, "serve": 0.14, "backward": 0.05, "fp32": 0.03, "prefill": 0.03,
+              "kv": 0.12, "flex": 0.08}  # fmt: skip
     result: dict = {"argv": sys.argv[1:] if argv is None else argv, "dry": args.dry, "steps": {}}
     for step in STEPS:
         if step not in args.steps:
@@ -679,6 +761,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["sweep"] = sweep_step(device, args.dry)
             elif step in ("decode", "fp32", "prefill", "flex"):
                 result[step] = attention(step, args.out, args.dry, device, max(10.0, shares[step] * args.budget_s))
+            elif step in ("serve", "kv"):
+                fn = serve_step if step == "serve" else kv_step
+                result[step] = fn(args.out, device, args.dry, max(30.0, shares[step] * args.budget_s))
             elif step == "backward":
                 result["backward"] = backward_step(device, args.dry)
             elif step == "model":

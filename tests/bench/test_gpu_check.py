@@ -86,3 +86,21 @@ def test_markdown_marks_failed_and_skipped_rows(gpu_check):
     }
     text = gpu_check.markdown(result)
     assert "skipped: memory" in text and "failed: RuntimeError: boom" in text
+
+
+def test_dry_serve_and_kv_steps_serve_the_random_model(gpu_check, tmp_path):
+    """The serving steps' plumbing on CPU: random SmolLM2-shaped weights (2 layers) with SmolLM2's tokenizer behind
+    ``gqa bench serve``; MQA (converted) beside it."""
+    from gqa import kernels
+
+    if not kernels.vectorized():
+        pytest.skip("gqa serve on CPU needs the native SIMD kernels")
+    out = tmp_path / "check"
+    assert gpu_check.main(["--dry", "--out", str(out), "--steps", "serve", "kv"]) == 0
+    result = json.loads((out / "gpu_check.json").read_text())
+    (served,) = result["serve"]["rows"]
+    assert [load["clients"] for load in served["loads"]] == [1, 2]
+    assert all(not load["errors"] and load["tokens"] > 0 for load in served["loads"])
+    assert served["loads"][1]["differ_from_alone"] == 0
+    assert len(result["kv"]["rows"]) == 2  # the model as it is, and converted to 1 KV head
+    assert "## gqa serve on the GPU" in (out / "gpu_check.md").read_text()

@@ -83,6 +83,8 @@ def test_info_compares_kv_cache_with_mha_and_mqa():
         (("info", "--model", "/nonexistent/model.gguf"), "no such file or folder"),
         (("generate", "hi", "--top-p", "2"), "top_p must be in"),
         (("generate", "hi", "--max-new-tokens", "9000"), "exceeds the model's context"),
+        (("serve", "--device", "tpu"), "--device must be cpu, cuda or cuda:N"),
+        (("serve", "--device", "cuda:7"), "--device cuda:7: "),  # no CUDA here, or not that many devices
     ],
 )
 def test_errors_are_messages(args, message):

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,20 +17,13 @@ import torch
 from gqa.decoding.fused_step import fused_applies, fused_step, step_weights
 from gqa.models import CausalLM
 from gqa.models.config import ModelConfig
+from tests.helpers.interpreter import interpreting, run_interpreted
 
 transformers = pytest.importorskip("transformers")
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed: the split-KV kernel cannot run", allow_module_level=True)
 
-
-def _interpreted() -> bool:
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return os.environ.get("TRITON_INTERPRET") == "1" and isinstance(tl.max, InterpretedFunction)
-
-
-INTERPRETED = _interpreted()
+INTERPRETED = interpreting()
 CHILD = "GQA_TEST_FUSED_STEP_CHILD"
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in the interpreter: -inf - -inf
@@ -42,14 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in th
 
 @pytest.mark.skipif(bool(os.environ.get(CHILD)), reason="the child process itself")
 def test_fused_step_in_interpreter_process():
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    tail = (done.stdout + done.stderr)[-6000:]
-    assert done.returncode == 0, tail
-    counts = {w: int(n) for n, w in re.findall(r"(\d+) (passed|skipped|failed|error)", tail.strip().splitlines()[-1])}
-    assert counts.get("passed", 0) >= 4 and "failed" not in counts, tail
+    run_interpreted(__file__, CHILD, min_passed=5)
 
 
 def _models(arch: str):

@@ -199,3 +199,61 @@ def test_repeated_auto_calls_match_float64_on_cuda():
             out = gqa.grouped_attention(q, k, v, attn_mask=m, is_causal=not mask)
             ref = attention64(*cpu64(q, k, v), mask=None if m is None else m.cpu(), is_causal=not mask)[0]
             assert rel_err(out, ref) < REL[torch.bfloat16]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_paged_attention_matches_float64_on_cuda(dtype):
+    """The serving engine's paged kernel: rows of 1 to 1100 keys through scattered blocks of 16."""
+    from gqa.kernels.triton.paged import paged_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    key = torch.randn(400, 3, 16, 64, device="cuda", dtype=dtype, generator=g)
+    value = torch.randn(400, 3, 16, 64, device="cuda", dtype=dtype, generator=g)
+    lengths = torch.tensor([1, 7, 600, 1100, 33], device="cuda")
+    tables = torch.stack([torch.randperm(400, device="cuda")[:69] for _ in range(5)]).int()
+    q = torch.randn(5, 9, 64, device="cuda", dtype=dtype, generator=g)
+    out = paged_attention(q, key, value, tables, lengths, max_length=1100, max_context=8192)
+    for n in range(5):
+        pos = torch.arange(int(lengths[n]), device="cuda")
+        blocks, slots = tables[n].long()[pos // 16], pos % 16
+        k, v = key[blocks, :, slots].transpose(0, 1)[None], value[blocks, :, slots].transpose(0, 1)[None]
+        ref = attention64(*cpu64(q[n : n + 1, :, None], k, v))[0]  # (1, 9, 1, 64)
+        assert rel_err(out[n : n + 1, :, None], ref) < REL[dtype]
+
+
+@needs_triton
+@torch.inference_mode()
+def test_cuda_engine_greedy_equals_hf_and_each_request_alone(tmp_path):
+    """The serving engine on CUDA (``serve.triton_runner``): HF's greedy tokens, batched or alone."""
+    from gqa.serve.engine import Engine
+    from gqa.serve.sampling import SamplingParams
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=160, hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rope_theta=5000.0, eos_token_id=3,
+        bos_token_id=1, tie_word_embeddings=False,
+    )  # fmt: skip
+    ref = transformers.Qwen2ForCausalLM(config).eval()
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    model = gqa.load_model(tmp_path, dtype=torch.float32, device="cuda", tokenizer=False)
+    prompts = [[5, 9, 17, 33, 2, 8, 100, 41, 7], [11], list(range(20, 90))]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def serve(engine, batch):
+        ids = [engine.add(p, params).request_id for p in batch]
+        out = {i: [] for i in ids}
+        while engine.has_work:
+            for o in engine.step():
+                out[o.request_id] += o.token_ids
+        return [out[i] for i in ids]
+
+    together = serve(Engine(model, kv_cache_mib=4, block_size=16, prefill_chunk=32), prompts)
+    for prompt, tokens in zip(prompts, together, strict=True):
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+        assert tokens == want
+        assert serve(Engine(model, kv_cache_mib=4, block_size=16, prefill_chunk=32), [prompt]) == [tokens]

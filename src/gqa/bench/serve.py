@@ -38,7 +38,8 @@ ASKS = ("Explain {} in a few sentences.", "Write a short paragraph about {}.", "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="a .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--model", default=None, help="a .gguf file or HF folder (default: embedded SmolLM2)")
+    parser.add_argument("--device", default="cpu", help="gqa serve's --device: cpu, or cuda (the Triton runner)")
     parser.add_argument(
         "--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
         help="gqa serve, and llama-cpp-python's server on the same file (skipped when llama_cpp.server is missing)",
@@ -168,6 +169,8 @@ def load(port: int, model: str, texts: list[str], clients: int, max_tokens: int)
 def server_argv(engine: str, model_path: str | None, ns: argparse.Namespace, port: int, kv_mib: float) -> list[str]:
     if engine == "gqa":
         argv = [sys.executable, "-m", "gqa", "serve", "--port", str(port), "--kv-cache-mib", str(kv_mib)]
+        if getattr(ns, "device", "cpu") != "cpu":
+            argv += ["--device", ns.device]
         return argv + (["--model", model_path] if model_path else [])
     from ..loaders import default_model_path
 
@@ -248,8 +251,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error("--prompts and --clients must be >= 1, --max-tokens >= 2, --threads >= 1")
     if ns.kv_max_tokens is not None and min(ns.kv_max_tokens) < 2:
         parser.error("--kv-max-tokens must be >= 2")
-    if ns.model is not None and not Path(ns.model).is_file():
-        parser.error(f"--model {ns.model}: no such file (a .gguf file)")
+    if ns.model is not None and not Path(ns.model).exists():
+        parser.error(f"--model {ns.model}: no such file or folder (a .gguf file or an HF folder)")
     engines = list(dict.fromkeys(ns.engines))
     if "llama.cpp" in engines:
         try:

@@ -15,6 +15,24 @@ from ..options.dtypes import DTYPES
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 
+def serve_device(text: str):
+    """``--device`` as a torch device: cpu, or a CUDA device that exists here; else ``ValueError`` naming the flag."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {text}: no CUDA device on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def run_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
@@ -31,9 +49,14 @@ def run_serve(ns: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be {'in [0, 65535]' if flag == '--port' else f'>= {low}'}, got {value}")
     if ns.kv_cache_mib is not None and not ns.kv_cache_mib > 0:
         raise ValueError(f"--kv-cache-mib must be > 0, got {ns.kv_cache_mib}")
-    dtype = auto_dtype() if ns.dtype == "auto" else DTYPES[ns.dtype]
-    with loading(f"{model_label(ns.model)} as {ns.dtype}"):
-        model = load_model(ns.model, dtype="auto" if ns.dtype == "auto" else dtype)
+    device = serve_device(ns.device)
+    if device.type == "cuda":  # the Triton runner takes float weights: auto is bf16, quantized ones are dequantized
+        dtype = DTYPES["bf16"] if ns.dtype == "auto" else DTYPES[ns.dtype]
+    else:
+        dtype = auto_dtype() if ns.dtype == "auto" else DTYPES[ns.dtype]
+    with loading(f"{model_label(ns.model)} as {ns.dtype} on {device}"):
+        model = load_model(ns.model, dtype="auto" if ns.dtype == "auto" and device.type == "cpu" else dtype,
+                           device=device)  # fmt: skip
     try:
         config = EngineConfig(kv_cache_mib=ns.kv_cache_mib, block_size=ns.block_size, max_running=ns.max_running,
                               prefill_chunk=ns.prefill_chunk)  # fmt: skip

@@ -15,12 +15,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "weights stay quantized; the KV cache is in the activations' dtype",
         auto=True,
     )
+    parser.add_argument(
+        "--device", default="cpu", metavar="DEV",
+        help="cpu (the native kernels) or cuda / cuda:N (the paged Triton kernel, KV pool in device memory; auto "
+        "dtype is bf16 there, quantized weights are dequantized)",
+    )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one, printed at start)")
     parser.add_argument(
         "--kv-cache-mib", type=float, default=None, metavar="N",
-        help="KV cache pool size in MiB (default: a quarter of the available memory, at most what --max-running "
-        "full contexts need); fewer KV heads fit more sequences in it",
+        help="KV cache pool size in MiB (default: a quarter of the available memory, on CUDA half the free device "
+        "memory, at most what --max-running full contexts need); fewer KV heads fit more sequences in it",
     )  # fmt: skip
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="token slots per KV cache block")
     parser.add_argument("--max-running", type=int, default=64, metavar="N", help="requests decoded together at most")

@@ -18,6 +18,7 @@ rebuilt when any weight changed since (``StepWeights.current``: a new storage, o
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,29 +120,52 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def fused_step(model: nn.Module, w: StepWeights, tokens: torch.Tensor, caches: list[StaticKVCache]) -> torch.Tensor:
-    """Logits ``(B, 1, vocab)`` of ``tokens (B, 1)``, each layer's K/V appended at its cache's cursor: the eager
-    model's decode step (``models.llama``) with fused projections, no host synchronisation and fixed shapes."""
-    backbone = model.model
-    rope = backbone.rope
-    first = caches[0]
-    positions = (first.cursor - first.start).clamp_min(0)[:, None]  # (B, 1): RoPE positions, padding excluded
-    cos, sin = rope.cos_cached[positions], rope.sin_cached[positions]  # (B, 1, rotary_dim) each
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def fused_layers(
+    model: nn.Module, w: StepWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+) -> torch.Tensor:
+    """Every decoder layer over ``x (B, 1, E)``, one token per row, RoPE at ``cos, sin (B, 1, rotary_dim)``;
+    ``attend(layer, q (B, H_q, 1, D), k, v (B, H_kv, 1, D)) -> (B, H_q, 1, D)`` stores the new K/V and attends
+    (a static cache here, the paged pool in ``serve.triton_runner``). -> the last hidden states ``(B, 1, E)``."""
+    rope = model.model.rope
     H_q, H_kv, D = w.H_q, w.H_kv, w.D
-    scale = D**-0.5
-    x = backbone.embed_tokens(tokens)  # (B, 1, E)
-    for lw, cache in zip(w.layers, caches, strict=True):
+    for i, lw in enumerate(w.layers):
         h = _rms_norm(x, lw.norm1, w.eps)
         q, k, v = F.linear(h, lw.qkv, lw.qkv_bias).split([H_q * D, H_kv * D, H_kv * D], dim=-1)  # (B, 1, n*D)
         q = rope.rotate(q.unflatten(-1, (H_q, D)).transpose(1, 2), cos, sin)  # (B, H_q, 1, D)
         k = rope.rotate(k.unflatten(-1, (H_kv, D)).transpose(1, 2), cos, sin)  # (B, H_kv, 1, D)
         v = v.unflatten(-1, (H_kv, D)).transpose(1, 2)  # (B, H_kv, 1, D)
+        a = attend(i, q, k, v)  # (B, H_q, 1, D)
+        x = x + F.linear(a.transpose(1, 2).flatten(-2), lw.o, lw.o_bias)
+        gate, up = F.linear(_rms_norm(x, lw.norm2, w.eps), lw.gate_up).chunk(2, dim=-1)  # (B, 1, F) each
+        x = x + F.linear(F.silu(gate) * up, lw.down)
+    return x
+
+
+def logits_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The final norm and the LM head: ``(..., E)`` -> ``(..., vocab)``."""
+    norm = model.model.norm
+    return model.lm_head(_rms_norm(x, norm.weight, norm.eps))
+
+
+def fused_step(model: nn.Module, w: StepWeights, tokens: torch.Tensor, caches: list[StaticKVCache]) -> torch.Tensor:
+    """Logits ``(B, 1, vocab)`` of ``tokens (B, 1)``, each layer's K/V appended at its cache's cursor: the eager
+    model's decode step (``models.llama``) with fused projections, no host synchronisation and fixed shapes."""
+    rope = model.model.rope
+    first = caches[0]
+    positions = (first.cursor - first.start).clamp_min(0)[:, None]  # (B, 1): RoPE positions, padding excluded
+    cos, sin = rope.cos_cached[positions], rope.sin_cached[positions]  # (B, 1, rotary_dim) each
+    scale = w.D**-0.5
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = caches[i]
         slot = cache.cursor.view(1)
         cache.key.index_copy_(2, slot, k)
         cache.value.index_copy_(2, slot, v)
         cache.cursor.add_(1)
-        a = decode_op(q, cache.key, cache.value, cache.start, cache.cursor, scale)  # (B, H_q, 1, D)
-        x = x + F.linear(a.transpose(1, 2).flatten(-2), lw.o, lw.o_bias)
-        gate, up = F.linear(_rms_norm(x, lw.norm2, w.eps), lw.gate_up).chunk(2, dim=-1)  # (B, 1, F) each
-        x = x + F.linear(F.silu(gate) * up, lw.down)
-    return model.lm_head(_rms_norm(x, backbone.norm.weight, backbone.norm.eps))  # (B, 1, vocab)
+        return decode_op(q, cache.key, cache.value, cache.start, cache.cursor, scale)  # (B, H_q, 1, D)
+
+    x = fused_layers(model, w, model.model.embed_tokens(tokens), cos, sin, attend)  # (B, 1, E)
+    return logits_of(model, x)  # (B, 1, vocab)

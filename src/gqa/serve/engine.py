@@ -61,12 +61,13 @@ class Engine:
         config: EngineConfig | None = None,
         *,
         eos_token_ids: Iterable[int] | None = None,
+        runner: type | None = None,
         **options,
     ) -> None:
         if config is not None and options:
             raise ValueError(f"give an EngineConfig or its fields ({sorted(options)}), not both")
         config = config or EngineConfig(**options)
-        self.runner = ModelRunner(model, config)
+        self.runner = (runner or runner_for(model))(model, config)
         self.model, self.tokenizer, self.config, self.engine_config = model, tokenizer, model.config, config
         self.cache = self.runner.cache
         self.blocks = BlockManager(self.cache.num_blocks, config.block_size)
@@ -76,7 +77,10 @@ class Engine:
                                    {int(t) for t in eos_token_ids or []})  # fmt: skip
         self._ids = itertools.count()
 
-    check_model = staticmethod(ModelRunner.check_model)
+    @staticmethod
+    def check_model(model: torch.nn.Module) -> None:
+        """Raise ``EngineError`` unless the runner for ``model``'s device (``runner_for``) takes it."""
+        runner_for(model).check_model(model)
 
     @property
     def max_running(self) -> int:
@@ -189,3 +193,13 @@ class Engine:
 
     def _sampled(self, batch: list[Request], tokens: list[int]) -> list[RequestOutput]:
         return self.scheduler.update(batch, tokens)
+
+
+def runner_for(model: torch.nn.Module) -> type:
+    """The runner class for ``model``'s device: the native CPU one (``runner.ModelRunner``), or on CUDA the Triton
+    one (``triton_runner.TritonModelRunner``)."""
+    if model.device.type == "cuda":
+        from .triton_runner import TritonModelRunner
+
+        return TritonModelRunner
+    return ModelRunner

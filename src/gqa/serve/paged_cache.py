@@ -24,7 +24,7 @@ def blocks_in_budget(
 
 
 class PagedKVCache:
-    """``num_blocks`` blocks of ``block_size`` slots per layer, K and V, in ``dtype``."""
+    """``num_blocks`` blocks of ``block_size`` slots per layer, K and V, in ``dtype`` on ``device``."""
 
     def __init__(
         self,
@@ -34,12 +34,13 @@ class PagedKVCache:
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        self.key = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.value = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @property
@@ -48,8 +49,9 @@ class PagedKVCache:
 
     def _slots(self, blocks: Sequence[int], start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids and in-block offsets ``(n,)`` of positions ``[start, stop)``."""
-        pos = torch.arange(start, stop)
-        table = torch.as_tensor(list(blocks), dtype=torch.long)
+        device = self.key[0].device
+        pos = torch.arange(start, stop, device=device)
+        table = torch.as_tensor(list(blocks), dtype=torch.long, device=device)
         return table[pos // self.block_size], pos % self.block_size
 
     def write(self, layer: int, blocks: Sequence[int], start: int, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -20,7 +20,8 @@ def sample_rows(rows: list[tuple[Request, torch.Tensor]]) -> list[int | Exceptio
         settings.setdefault((r.params.temperature, r.params.top_k, r.params.top_p), []).append(i)
     for (temperature, top_k, top_p), idx in settings.items():
         u = torch.cat([torch.rand(1, generator=rows[i][0].generator) for i in idx])  # (n,)
-        x = torch.stack([rows[i][1] for i in idx])  # (n, vocab)
+        x = torch.stack([rows[i][1] for i in idx])  # (n, vocab), on the runner's device
+        u = u.to(x.device)
         how = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         try:
             got: list[int | Exception] = sample_next(x, uniforms=u, **how).tolist()

@@ -1,0 +1,120 @@
+"""``paged_attention``: grouped attention of one token per row over a paged KV pool, as a Triton kernel (the GPU
+serving engine's attention, ``gqa.serve.triton_runner``).
+
+Each row is one token with its own block table and length: a decoding sequence's next token, or one token of a
+prompt chunk (which sees the chunk's earlier tokens: their K/V are written to the pool before the call). The ``G``
+query heads that share a KV head read each K/V tile once, gathered through the table (``paged_kernels``); each row's
+keys are split at fixed multiples of ``CHUNK`` and the splits merged by log-sum-exp, so a row's result does not depend
+on the other rows of the batch. CUDA, or CPU tensors under ``TRITON_INTERPRET=1`` (tests). Inference only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...attention.checks import shape_str
+from .split_kv import DTYPES, MAX_HEAD_DIM, _precision, interpreted, triton_available, triton_next_pow2
+
+CHUNK = 512  # keys per split: fixed, so that a row's splits do not depend on the batch
+BLOCK_N = 32  # keys per tile (each gathered through the table)
+
+
+def _check(query, key_pool, value_pool, tables, lengths, max_length) -> str | None:
+    if not triton_available():
+        return "triton is not installed (pip install triton)"
+    for name, t in (("query", query), ("key_pool", key_pool), ("value_pool", value_pool), ("tables", tables),
+                    ("lengths", lengths)):  # fmt: skip
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a tensor, got {type(t).__name__}"
+        if t.device != query.device:
+            return f"{name} is on {t.device}, query on {query.device}"
+    if query.device.type != "cuda" and not (query.device.type == "cpu" and interpreted()):
+        return f"device {query.device.type} (CUDA, or CPU under TRITON_INTERPRET=1)"
+    if query.dtype not in DTYPES or key_pool.dtype != query.dtype or value_pool.dtype != query.dtype:
+        return f"dtypes query {query.dtype}, pools {key_pool.dtype}/{value_pool.dtype} (one of float32/16, bfloat16)"
+    if query.dim() != 3 or key_pool.dim() != 4 or value_pool.dim() != 4:
+        return (f"shapes query {shape_str(query)} (N, H_q, D), pools {shape_str(key_pool)}, {shape_str(value_pool)} "
+                "(num_blocks, H_kv, block_size, D)")  # fmt: skip
+    N, H_q, D = query.shape
+    _, H_kv, block_size, Dk = key_pool.shape
+    if Dk != D or value_pool.shape[:3] != key_pool.shape[:3] or H_q % H_kv:
+        return f"query {shape_str(query)} does not match pools {shape_str(key_pool)}, {shape_str(value_pool)}"
+    if max(D, value_pool.shape[-1]) > MAX_HEAD_DIM:
+        return f"head dim over {MAX_HEAD_DIM}"
+    if any(t.stride(-1) != 1 for t in (query, key_pool, value_pool)):
+        return "query and the pools need a contiguous last dim"
+    if tables.dtype not in (torch.int32, torch.int64) or tables.dim() != 2 or tables.shape[0] != N:
+        return f"tables must be int32/int64 (N={N}, max_blocks), got {tables.dtype} {shape_str(tables)}"
+    if lengths.dtype not in (torch.int32, torch.int64) or lengths.shape != (N,):
+        return f"lengths must be int32/int64 (N={N},), got {lengths.dtype} {shape_str(lengths)}"
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        return f"max_length must be a positive int, got {max_length!r}"
+    if max_length > tables.shape[1] * block_size:
+        return f"max_length {max_length} exceeds the tables' {tables.shape[1]} blocks of {block_size}"
+    return None
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    max_length: int,
+    max_context: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Row ``n`` attends to positions ``[0, lengths[n])`` of its sequence, position ``j`` held in block
+    ``tables[n, j // block_size]`` at slot ``j % block_size``.
+
+    Parameters
+    ----------
+    query : ``(N, H_q, D)``, one token per row.
+    key_pool, value_pool : ``(num_blocks, H_kv, block_size, D | D_v)``.
+    tables : ``(N, max_blocks)`` int32/int64 block ids (entries past a row's length are not read).
+    lengths : ``(N,)`` int32/int64, each >= 1 and ``<= max_length``.
+    max_length : the largest of ``lengths`` (given, so that sizing the launch reads nothing back from the GPU).
+    max_context : the longest length any call will see (the model's context): fixes the merge's width, so that a row
+        is merged the same way whatever the batch; default ``max_length``.
+    scale : multiplies the scores; default ``D ** -0.5``.
+
+    Returns
+    -------
+    ``(N, H_q, D_v)`` in the query's dtype.
+    """
+    reason = _check(query, key_pool, value_pool, tables, lengths, max_length)
+    if reason is not None:
+        raise ValueError(f"paged_attention cannot run this call: {reason}")
+    from . import paged_kernels
+    from .split_kv_kernels import merge_splits
+
+    N, H_q, D = query.shape
+    _, H_kv, block_size, _ = key_pool.shape
+    DV = value_pool.shape[-1]
+    G = H_q // H_kv
+    splits = -(-max_length // CHUNK)
+    widest = -(-max(max_context or max_length, max_length) // CHUNK)
+    block_g, block_d, block_dv = (max(16, triton_next_pow2(n)) for n in (G, D, DV))
+    part_out = torch.empty(N * H_kv, splits, G, DV, dtype=torch.float32, device=query.device)
+    part_lse = torch.empty(N * H_kv, splits, G, dtype=torch.float32, device=query.device)
+    out = torch.empty(N, H_q, DV, dtype=query.dtype, device=query.device)
+    if N == 0:
+        return out
+    paged_kernels.paged_attend[(N * H_kv, splits)](
+        query, key_pool, value_pool, tables, lengths, part_out, part_lse,
+        float(D**-0.5 if scale is None else scale), G, D, DV, block_size, H_kv, splits,
+        query.stride(0), query.stride(1),
+        key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
+        value_pool.stride(0), value_pool.stride(1), value_pool.stride(2),
+        tables.stride(0),
+        CHUNK=CHUNK, PRECISION=_precision(query), BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        BLOCK_DV=block_dv, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    o = out.view(N, H_kv, G, 1, DV)
+    merge_splits[(N * H_kv, G)](
+        part_out, part_lse, o, 1, DV, G, H_kv, splits,
+        o.stride(0), o.stride(1), o.stride(2), 0,
+        BLOCK_S=triton_next_pow2(widest), BLOCK_DV=block_dv, num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,73 @@
+"""The Triton kernel of paged grouped decode (``gqa.kernels.triton.paged`` launches it; import needs triton).
+
+One program per (row ``n``, KV head ``h``, split of ``CHUNK`` keys). A row is one token: the serving engine's batch
+mixes decode rows and prompt-chunk rows, each with its own block table and length (its position + 1). The ``G``
+query heads of KV head ``h`` are one tile of ``BLOCK_G >= 16`` rows, so each K/V tile is read once per group; the
+keys of a tile are gathered through the block table, one page lookup per key, so any block size works. Splits
+start at fixed multiples of ``CHUNK`` whatever else is in the batch, so a row's result depends on that row alone.
+The partial outputs are merged by ``split_kv_kernels.merge_splits``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_attend(
+    Q, K, V, Tables, Lengths, PartOut, PartLse,  # pointers
+    scale, G, D, DV, block_size, H_KV, splits,  # sizes
+    sq_n, sq_h,  # q (N, H_q, D), last dim contiguous; head h*G + g
+    sk_b, sk_h, sk_s,  # key pool (num_blocks, H_kv, block_size, D), last dim contiguous
+    sv_b, sv_h, sv_s,  # value pool (num_blocks, H_kv, block_size, DV)
+    st_n,  # tables (N, max_blocks) int32
+    CHUNK: tl.constexpr,  # keys per split (a multiple of BLOCK_N)
+    PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    nh = tl.program_id(0)
+    split = tl.program_id(1)
+    n = nh // H_KV
+    h = nh % H_KV
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < G
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q_ptr = Q + n.to(tl.int64) * sq_n + (h * G + g[:, None]) * sq_h + d[None, :]
+    q = tl.load(q_ptr, mask=g_ok[:, None] & (d[None, :] < D), other=0.0)  # (BLOCK_G, BLOCK_D)
+
+    length = tl.load(Lengths + n).to(tl.int32)
+    k_lo = split * CHUNK
+    k_hi = tl.minimum(k_lo + CHUNK, length)
+    table = Tables + n.to(tl.int64) * st_n
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for first in range(k_lo, k_hi, BLOCK_N):
+        j = first + tl.arange(0, BLOCK_N)  # positions in the row's sequence
+        j_ok = j < k_hi
+        page = tl.load(table + j // block_size, mask=j_ok, other=0).to(tl.int64)
+        slot = j % block_size
+        k_ptr = K + page[:, None] * sk_b + h * sk_h + slot[:, None] * sk_s + d[None, :]
+        k = tl.load(k_ptr, mask=j_ok[:, None] & (d[None, :] < D), other=0.0)  # (BLOCK_N, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_G, BLOCK_N) float32
+        s = tl.where(g_ok[:, None] & j_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptr = V + page[:, None] * sv_b + h * sv_h + slot[:, None] * sv_s + dv[None, :]
+        v = tl.load(v_ptr, mask=j_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = tl.where(l_i[:, None] == 0.0, 0.0, acc / l_i[:, None])
+    part = (nh.to(tl.int64) * splits + split) * G + g  # (BLOCK_G,) the partials' rows, merge_splits' layout
+    tl.store(PartOut + part[:, None] * DV + dv[None, :], out, mask=g_ok[:, None] & (dv[None, :] < DV))
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i))
+    tl.store(PartLse + part, lse, mask=g_ok)

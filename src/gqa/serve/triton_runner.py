@@ -1,0 +1,99 @@
+"""The model side of a serving step on a GPU: the paged KV pool in device memory, and the scheduled batch's rows run
+through every layer with the Triton paged-attention kernel (``kernels.triton.paged``).
+
+The same contract as the CPU runner (``runner.ModelRunner``): one row per token — decode rows and prompt-chunk rows
+mixed, each with its own block table and position —, every row's K/V written to the pool before its layer's
+attention, logits and greedy tokens only for the rows whose next token is wanted. The projections are the fused
+ones of ``decoding.fused_step`` (one GEMM for q/k/v, one for gate/up). Attention of a row depends on that row alone
+(fixed splits); the GEMMs are cuBLAS's, whose rounding can depend on how many rows a call has, so batch invariance
+on a GPU is measured (``benchmarks/gpu_check.py``), not assumed. Runs on CPU tensors under ``TRITON_INTERPRET=1``
+(tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..decoding.fused_step import fused_applies, fused_layers, logits_of, step_weights
+from ..kernels.triton.paged import paged_attention
+from ..kernels.triton.split_kv import DTYPES, interpreted, triton_available
+from .config import EngineConfig
+from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
+from .request import EngineError, Request
+
+__all__ = ["TritonModelRunner", "default_device_kv_cache_mib"]
+
+
+class TritonModelRunner:
+    """A ``CausalLM`` on a GPU (float32, float16 or bfloat16, plain float linears) and its paged KV pool on the same
+    device, sized by ``config``."""
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
+        self.check_model(model)
+        self.model, cfg = model, model.config
+        mib = config.kv_cache_mib if config.kv_cache_mib is not None else default_device_kv_cache_mib(model, config)
+        num_blocks = blocks_in_budget(mib, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+                                      model.dtype)  # fmt: skip
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_mib={mib} holds no block of {config.block_size} tokens")
+        self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, config.block_size,
+                                  model.dtype, device=model.device)  # fmt: skip
+
+    @staticmethod
+    def check_model(model: torch.nn.Module) -> None:
+        """Raise ``EngineError`` unless this runner takes ``model``: on CUDA (or CPU under Triton's interpreter),
+        triton installed, a float dtype the kernel takes, plain float linears (``fused_step.fused_applies``)."""
+        device = model.device.type
+        if not triton_available() or not (device == "cuda" or (device == "cpu" and interpreted())):
+            raise EngineError("the GPU engine runs models on CUDA with triton installed")
+        if model.dtype not in DTYPES:
+            raise EngineError(f"the GPU engine runs float32, float16 or bfloat16 models, got {model.dtype}")
+        reason = fused_applies(model)
+        if reason is not None:
+            raise EngineError(f"the GPU engine cannot run this model: {reason}")
+
+    @torch.inference_mode()
+    def forward(self, work: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request's rows ``[start, end)`` (their K/V into the pool) through the model: the logits
+        ``(n, vocab)`` (float32, on the device) and greedy tokens ``(n,)`` (on the CPU) of the ``n`` requests fed up
+        to their last token, in order."""
+        model, device = self.model, self.model.device
+        ids, positions, tables, wanted = [], [], [], []
+        for r, start, end in work:
+            ids += r.tokens[start:end]
+            positions += range(start, end)
+            tables += [r.table.blocks] * (end - start)
+            if end == len(r.tokens):
+                wanted.append(len(ids) - 1)
+        N, block_size = len(ids), self.cache.block_size
+        host = torch.tensor([ids, positions], dtype=torch.long)
+        ids_t, pos = host.to(device, non_blocking=True)  # (N,) each
+        table = table_tensor(tables).to(device, non_blocking=True)  # (N, max_blocks)
+        rows = torch.arange(N, device=device)
+        blocks, slots = table[rows, pos // block_size], pos % block_size  # where each row's new K/V go
+        lengths = pos + 1
+        max_length = max(positions) + 1
+        context = model.config.max_position_embeddings
+        cos, sin = model.model.rope.cos_sin(pos.view(N, 1))  # (N, 1, rotary_dim) each
+        w = step_weights(model)
+        key, value = self.cache.key, self.cache.value
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            key[i][blocks, :, slots] = k[:, :, 0]  # (N, H_kv, D)
+            value[i][blocks, :, slots] = v[:, :, 0]
+            out = paged_attention(q[:, :, 0], key[i], value[i], table, lengths, max_length=max_length,
+                                  max_context=max(context, max_length))  # fmt: skip
+            return out[:, :, None]  # (N, H_q, 1, D)
+
+        x = fused_layers(model, w, model.model.embed_tokens(ids_t.view(N, 1)), cos, sin, attend)  # (N, 1, E)
+        picked = torch.tensor(wanted, dtype=torch.long, device=device)
+        logits = logits_of(model, x[picked, 0]).float()  # (n, vocab)
+        return logits, logits.argmax(-1).cpu()
+
+
+def default_device_kv_cache_mib(model: torch.nn.Module, config: EngineConfig) -> float:
+    """Half the device memory free now, at most what ``max_running`` full contexts need."""
+    cfg = model.config
+    full = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.max_position_embeddings * model.dtype.itemsize
+    free = torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else 2 * 2**30
+    return max(1.0, min(free / 2, full * config.max_running) / 2**20)

@@ -1,0 +1,186 @@
+"""The GPU serving path on CPU tensors through Triton's interpreter: the paged-attention kernel against a float64
+oracle written here, batch invariance of its rows, and the engine with ``TritonModelRunner`` against HF
+transformers' greedy generation and each request served alone (the same checks the CPU runner passes).
+
+The kernel tests run in a child process with ``TRITON_INTERPRET=1`` (``tests/helpers/interpreter.py`` says why).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import gqa
+from gqa.kernels.triton.paged import CHUNK, paged_attention
+from gqa.serve.engine import Engine
+from gqa.serve.sampling import SamplingParams
+from tests.helpers.interpreter import interpreting, run_interpreted
+
+transformers = pytest.importorskip("transformers")
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed: the paged kernel cannot run", allow_module_level=True)
+
+INTERPRETED = interpreting()
+CHILD = "GQA_TEST_TRITON_RUNNER_CHILD"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in the interpreter: -inf - -inf, log(0)
+
+
+@pytest.mark.skipif(bool(os.environ.get(CHILD)), reason="the child process itself")
+def test_triton_runner_in_interpreter_process():
+    run_interpreted(__file__, CHILD, min_passed=8)
+
+
+def _pools(num_blocks, H_kv, block_size, D, D_v, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    key = torch.randn(num_blocks, H_kv, block_size, D, generator=g).to(dtype)
+    value = torch.randn(num_blocks, H_kv, block_size, D_v, generator=g).to(dtype)
+    return key, value
+
+
+def _reference(q, key, value, tables, lengths):
+    """float64: each row's keys gathered position by position through its table, K/V repeated per query head."""
+    block_size = key.shape[2]
+    G = q.shape[1] // key.shape[1]
+    out = []
+    for n in range(q.shape[0]):
+        pos = torch.arange(int(lengths[n]))
+        blocks, slots = tables[n].long()[pos // block_size], pos % block_size
+        k = key[blocks, :, slots].double().repeat_interleave(G, dim=1).transpose(0, 1)  # (H_q, len, D)
+        v = value[blocks, :, slots].double().repeat_interleave(G, dim=1).transpose(0, 1)
+        scores = (q[n].double()[:, None] @ k.transpose(-1, -2))[:, 0] * q.shape[-1] ** -0.5  # (H_q, len)
+        out.append(torch.einsum("hs,hsd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("block_size, H_q, H_kv, D, D_v", [(16, 9, 3, 64, 64), (5, 18, 6, 40, 24), (16, 4, 4, 16, 16)])
+def test_paged_attention_matches_float64(dtype, tol, block_size, H_q, H_kv, D, D_v):
+    key, value = _pools(300, H_kv, block_size, D, D_v, dtype)
+    lengths = torch.tensor([1, 7, CHUNK + 3, 2 * CHUNK + 40, 33])  # one key, several splits, a partial split
+    width = -(-int(lengths.max()) // block_size)
+    g = torch.Generator().manual_seed(1)
+    tables = torch.stack([torch.randperm(300, generator=g)[:width] for _ in lengths]).int()  # scattered blocks
+    q = torch.randn(len(lengths), H_q, D, generator=g).to(dtype)
+    out = paged_attention(q, key, value, tables, lengths, max_length=int(lengths.max()), max_context=4096)
+    ref = _reference(q, key, value, tables, lengths)
+    assert out.shape == (len(lengths), H_q, D_v) and out.dtype == dtype
+    assert ((out.double() - ref).norm() / ref.norm()).item() < tol
+
+
+@needs_interpreter
+def test_a_row_is_computed_the_same_alone_and_in_any_batch():
+    key, value = _pools(200, 2, 16, 32, 32, torch.float32)
+    lengths = torch.tensor([CHUNK + 100, 3, 2 * CHUNK + 1])
+    tables = torch.stack([torch.randperm(200)[:80] for _ in lengths]).int()
+    q = torch.randn(3, 6, 32)
+    together = paged_attention(q, key, value, tables, lengths, max_length=2 * CHUNK + 1, max_context=2048)
+    for n in range(3):
+        alone = paged_attention(q[n : n + 1], key, value, tables[n : n + 1], lengths[n : n + 1],
+                                max_length=int(lengths[n]), max_context=2048)  # fmt: skip
+        assert torch.equal(alone[0], together[n])
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(tables=torch.zeros(2, 4)), "tables must be int32/int64"),
+        (dict(lengths=torch.ones(3, dtype=torch.long)), "lengths must be"),
+        (dict(max_length=0), "max_length must be a positive int"),
+        (dict(max_length=1000), "exceeds the tables"),
+        (dict(query=torch.randn(2, 5, 16)), "does not match pools"),
+    ],
+)
+def test_bad_arguments_are_named(change, words):
+    key, value = _pools(10, 2, 16, 16, 16, torch.float32)
+    args = dict(query=torch.randn(2, 4, 16), key_pool=key, value_pool=value,
+                tables=torch.zeros(2, 4, dtype=torch.int32), lengths=torch.ones(2, dtype=torch.long),
+                max_length=1) | change  # fmt: skip
+    with pytest.raises(ValueError, match=words):
+        paged_attention(**args)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 2-layer Qwen2 (H_q=6, H_kv=2, head_dim 16, q/k/v biases) saved by HF, and HF's own model."""
+    path = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=160, hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rope_theta=5000.0, eos_token_id=3,
+        bos_token_id=1, tie_word_embeddings=False,
+    )  # fmt: skip
+    ref = transformers.Qwen2ForCausalLM(config).eval()
+    ref.save_pretrained(path, safe_serialization=True)
+    return path, ref
+
+
+def _serve(engine: Engine, prompts, params) -> list[list[int]]:
+    ids = [engine.add(p, params).request_id for p in prompts]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    for _ in range(10_000):
+        if not engine.has_work:
+            break
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    assert not engine.has_work
+    return [out[i] for i in ids]
+
+
+def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        ids = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)  # fmt: skip
+    return ids[0, len(prompt) :].tolist()
+
+
+def _engine(model, **options) -> Engine:
+    from gqa.serve.triton_runner import TritonModelRunner
+
+    return Engine(model, runner=TritonModelRunner, **options)
+
+
+@needs_interpreter
+def test_engine_on_the_triton_runner_equals_hf_and_each_request_alone(tiny):
+    path, ref = tiny
+    model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
+    prompts = [[5, 9, 17, 33, 2, 8, 100, 41, 7], [11], list(range(20, 60))]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine = _engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=16)
+    free = engine.blocks.num_free
+    together = _serve(engine, prompts, params)
+    assert engine.blocks.num_free == free
+    for prompt, tokens in zip(prompts, together, strict=True):
+        assert tokens == _hf_greedy(ref, prompt, 6)
+        assert _serve(_engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=16), [prompt], params) == [tokens]
+
+
+@needs_interpreter
+def test_triton_runner_prefix_cache_and_seeded_sampling(tiny):
+    path, ref = tiny
+    model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
+    engine = _engine(model, kv_cache_mib=1, block_size=8, prefill_chunk=16)
+    system = list(range(30, 62))  # 4 full blocks
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    _serve(engine, [[*system, 5]], greedy)
+    hits = engine.blocks.prefix_hits
+    second = _serve(engine, [[*system, 7, 8]], greedy)[0]
+    assert engine.blocks.prefix_hits - hits == 4
+    assert second == _hf_greedy(ref, [*system, 7, 8], 4)
+    sampled = SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    first = _serve(engine, [[4, 5, 6]], sampled)
+    assert _serve(engine, [[4, 5, 6]], sampled) == first
+
+
+def test_the_engine_picks_the_runner_by_device(tiny):
+    from gqa.serve.engine import runner_for
+    from gqa.serve.runner import ModelRunner
+
+    path, _ = tiny
+    model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
+    assert runner_for(model) is ModelRunner  # CPU: the native one
