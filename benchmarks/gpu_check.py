@@ -47,18 +47,6 @@ DEFAULT_STEPS = STEPS[:-2]  # flex, sweep: measured in run 3
 TOKENIZER = ROOT / ".gpu" / "smollm2-tokenizer"  # SmolLM2's tokenizer files (carried: the GGUF cannot travel)
 
 # Whole-model configs (HF Llama config keys). SmolLM2-135M's shapes; a Llama-3-8B-like one with fewer layers.
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
-               max_position_embeddings=8192, rms_norm_eps=1e-5)  # fmt: skip
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
-                max_position_embeddings=8192, rms_norm_eps=1e-5)  # Llama-3.2-1B's shapes  # fmt: skip
-LLAMA3_8B_8L = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
-                    num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0,
-                    max_position_embeddings=8192, rms_norm_eps=1e-5)  # fmt: skip
-TINY = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-            vocab_size=256, tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=512,
-            rms_norm_eps=1e-5)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -426,52 +414,6 @@ def timeit_once(fn) -> float:
     return time.perf_counter() - start
 
 
-def _hf_model(config: dict, device: torch.device, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(**config, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    return model.to(dtype).eval()
-
-
-def _gqa_model(hf, device: torch.device, dtype: torch.dtype):
-    from gqa.models import CausalLM
-    from gqa.models.config import ModelConfig
-
-    cfg = ModelConfig.from_hf(hf.config.to_dict() | {"model_type": "llama"})
-    with torch.device(device):
-        model = CausalLM.from_state(cfg, hf.state_dict())
-    return model.to(dtype)
-
-
-def _timed(fn, device: torch.device, repeats: int, warm: bool = True) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up (``warm=False``: already warmed)."""
-    if warm:
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _decode_bytes(model, batch: int, context: float) -> float:
-    """Bytes one decode step must read: every weight matrix once (the embedding table only where it is also the
-    tied lm_head), and each row's K/V of ``context`` tokens."""
-    cfg = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not cfg.tie_word_embeddings:
-        weights -= model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    kv = cfg.num_layers * 2 * batch * cfg.num_kv_heads * cfg.head_dim * context * model.dtype.itemsize
-    return weights + kv
-
-
-@torch.inference_mode()
 def smollm2_tokenizer() -> Path:
     """SmolLM2's tokenizer as HF files under ``.gpu/`` (ignored by git, carried to the GPU machine, where the embedded
     GGUF cannot travel): made from the embedded model where it is installed, else it must have been carried."""
@@ -495,6 +437,8 @@ def serve_model(folder: Path, dry: bool) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = smollm2_tokenizer()
+    from gqa.bench.model_cuda import SMOLLM2
+
     config = dict(SMOLLM2, num_hidden_layers=2) if dry else SMOLLM2
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**config, bos_token_id=1, eos_token_id=2)).to(torch.bfloat16)
@@ -538,93 +482,14 @@ def kv_step(out: Path, device: torch.device, dry: bool, budget_s: float) -> dict
     return bench_serve(out / "kv", model, "cpu" if dry else str(device), extra, budget_s)
 
 
-def model_pair(config: dict, device: torch.device, dtype: torch.dtype) -> tuple:
-    """HF's Llama and gqa's on the same random weights in ``dtype``, and their float32 logits' relative error."""
-    hf = _hf_model(config, device, torch.float32)
-    model = _gqa_model(hf, device, torch.float32)
-    probe = torch.randint(3, config["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
-    ref = hf(probe).logits.float()
-    fp32_err = ((model(probe).float() - ref).norm() / ref.norm()).item()
-    return hf.to(dtype), model.to(dtype), fp32_err
-
-
-@torch.inference_mode()
-def model_row(name: str, pair: tuple, device: torch.device, *, batch: int, prompt_len: int, new_tokens: int,
-              hf_static: bool, deadline: float, repeats: int = 3, compile: bool = True) -> dict:  # fmt: skip
-    """Greedy decode of ``batch`` rows: gqa's default path (CUDA graphs over the fused step), gqa ``compile=True``
-    (the Inductor-compiled fused step in the graph), HF ``generate`` eager, and with ``hf_static`` HF with a static
-    cache (which transformers compiles itself, ``mode="reduce-overhead"``). Tokens/s count the new tokens over the
-    whole ``generate`` call (the prompt's prefill included, for every engine)."""
-    hf, model, fp32_err = pair
-    vocab = model.config.vocab_size
-    ids = torch.randint(3, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).to(device)
-    engines = {
-        "gqa": lambda: model.generate(ids, max_new_tokens=new_tokens, eos_token_ids=[]),
-        "hf": lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0),
-    }  # fmt: skip
-    if hf_static:
-        engines["hf-static-compile"] = lambda: hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, pad_token_id=0, cache_implementation="static")  # fmt: skip
-    if compile:
-        engines["gqa-compile"] = lambda: model.generate(ids, max_new_tokens=new_tokens, eos_token_ids=[], compile=True)
-    row = {"name": name, "dtype": str(model.dtype).removeprefix("torch."), "B": batch, "prompt": prompt_len,
-           "new_tokens": new_tokens, "logits_rel_err_fp32": fp32_err, "tokens_per_s": {}, "first_call_s": {},
-           "errors": {}}  # fmt: skip
-    outputs = {}
-    for engine, fn in engines.items():
-        if time.perf_counter() > deadline:
-            row["errors"][engine] = "skipped: out of time"
-            continue
-        try:
-            t0 = time.perf_counter()
-            out = fn()  # the first call: compilations, graph capture
-            _sync(device)
-            row["first_call_s"][engine] = time.perf_counter() - t0
-            outputs[engine] = torch.as_tensor(out, device=device)[..., -new_tokens:].reshape(batch, -1)
-            row["tokens_per_s"][engine] = batch * new_tokens / _timed(fn, device, repeats, warm=False)
-            if engine == "hf-static-compile":  # transformers compiles the forward itself on CUDA; did it?
-                row["hf_static_compiled"] = getattr(hf, "_compiled_call", None) is not None
-        except Exception as err:  # one engine failing must not lose the others
-            row["errors"][engine] = f"{type(err).__name__}: {str(err)[:300]}"
-            print(f"[gpu_check] model {name} B={batch} {engine}: {row['errors'][engine]}", file=sys.stderr, flush=True)
-    for engine in ("gqa-compile", "hf", "hf-static-compile"):
-        if engine in outputs and "gqa" in outputs:
-            row[f"agreement_{engine}"] = (outputs[engine] == outputs["gqa"]).float().mean().item()
-    best = max((row["tokens_per_s"].get(e, 0.0) for e in ("gqa", "gqa-compile")), default=0.0)
-    if best:
-        row["decode_gbs"] = _decode_bytes(model, batch, prompt_len + new_tokens / 2) * best / batch / 1e9
-        for peer in ("hf", "hf-static-compile"):
-            if row["tokens_per_s"].get(peer):
-                row[f"best_gqa_vs_{peer}"] = best / row["tokens_per_s"][peer]
-    return row
-
-
 def models(device: torch.device, dry: bool, deadline: float) -> list[dict]:
-    """B=1 of both shapes first, then the 1B shape's B=64 (the bandwidth target), then the rest, so that what the
-    deadline cuts is the least asked for."""
+    """``gqa bench model --device cuda``'s rows (``gqa.bench.model_cuda``); --dry: a tiny model on CPU."""
+    from gqa.bench.model_cuda import ENGINES, cuda_rows
+
     if dry:
-        pair = model_pair(TINY, device, torch.float32)
-        return [model_row("tiny", pair, device, batch=2, prompt_len=8, new_tokens=4, hf_static=False,
-                          deadline=deadline, repeats=1, compile=False)]  # fmt: skip
-    pairs, runs = {}, []
-    for name, config in (("SmolLM2-135M shapes", SMOLLM2), ("Llama-3.2-1B shapes", LLAMA_1B)):
-        try:
-            pairs[name] = model_pair(config, device, torch.bfloat16)
-        except Exception as err:
-            runs.append({"name": name, "B": "-", "error": f"{type(err).__name__}: {err}"})
-    names = list(pairs)
-    order = [(n, 1) for n in names] + [(n, 64) for n in reversed(names)] + [(n, 8) for n in names]
-    for name, batch in order:
-        try:
-            runs.append(model_row(name, pairs[name], device, batch=batch, prompt_len=128, new_tokens=64,
-                                  hf_static=batch == 1, deadline=deadline))  # fmt: skip
-        except Exception as err:  # one row failing must not lose the others
-            runs.append({"name": name, "B": batch, "error": f"{type(err).__name__}: {err}"})
-            print(f"[gpu_check] model {name} B={batch} failed: {runs[-1]['error']}", file=sys.stderr, flush=True)
-        torch.cuda.empty_cache()
-    return runs
+        return cuda_rows(device, ["tiny"], [2], ("gqa", "hf"), prompt_len=8, new_tokens=4, dtype=torch.float32,
+                         repeats=1)  # fmt: skip
+    return cuda_rows(device, ["smollm2", "llama-1b"], [1, 64, 8], ENGINES, deadline=deadline)
 
 
 def _ms(x: float | None) -> str:
@@ -681,7 +546,9 @@ def markdown(result: dict) -> str:
                          + " | ".join(cell(r[c]) for c in configs) + " |")  # fmt: skip
         lines.append("")
     if result.get("model"):
-        lines += _model_table(result["model"], copy)
+        from gqa.bench.model_cuda import table as model_table
+
+        lines += model_table(result["model"], copy)
     for step, title in (
         ("serve", "gqa serve on the GPU, random SmolLM2-shaped bf16 weights, 64 greedy tokens"),
         ("kv", "MHA / GQA / MQA under one 256 MiB KV budget (2048-token contexts, 64 clients)"),
@@ -708,32 +575,6 @@ def markdown(result: dict) -> str:
     if result.get("tests"):
         lines += ["## pytest -m cuda", "", "```", result["tests"]["tail"][-1500:].strip(), "```", ""]
     return "\n".join(lines)
-
-
-MODEL_ENGINES = ("gqa", "gqa-compile", "hf", "hf-static-compile")
-
-
-def _model_table(rows: list[dict], copy: float | None) -> list[str]:
-    lines = ["## Whole-model greedy decode, random weights (tokens/s over the whole generate call; first call s)", "",
-             "| model | B | " + " | ".join(MODEL_ENGINES) + " | best gqa vs HF static+compile | vs HF eager | "
-             "decode GB/s (% of copy) | agreement compile / hf / hf-static | fp32 logits rel. err |",
-             "|" + "---|" * (7 + len(MODEL_ENGINES))]  # fmt: skip
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['name']} | {r['B']} | failed: {r['error'][:200]} |")
-            continue
-        t, first, errors = r["tokens_per_s"], r["first_call_s"], r["errors"]
-        cells = [f"{t[e]:.0f} ({first[e]:.0f} s)" if e in t else (errors.get(e, "—")[:80]) for e in MODEL_ENGINES]
-        gbs = r.get("decode_gbs")
-        pct = f" ({100 * gbs / copy:.0f}%)" if gbs and copy else ""
-        agree = " / ".join(f"{r[k]:.2f}" if k in r else "—" for k in
-                           ("agreement_gqa-compile", "agreement_hf", "agreement_hf-static-compile"))  # fmt: skip
-        ratios = " | ".join("—" if r.get(k) is None else f"{r[k]:.2f}x"
-                            for k in ("best_gqa_vs_hf-static-compile", "best_gqa_vs_hf"))  # fmt: skip
-        gbs_cell = "—" if gbs is None else f"{gbs:.0f}{pct}"
-        lines.append(f"| {r['name']} | {r['B']} | " + " | ".join(cells) + f" | {ratios} | {gbs_cell} | {agree} | "
-                     f"{r['logits_rel_err_fp32']:.1e} |")  # fmt: skip
-    return [*lines, ""]
 
 
 def _write(out: Path, result: dict) -> None:

@@ -67,6 +67,9 @@ def test_run_over_head_counts_writes_json_markdown_and_png(tiny, tmp_path, monke
         (["--kv-heads", "0"], "--kv-heads must be positive"),
         (["--new-tokens", "1"], "--new-tokens must be >= 2"),
         (["--contexts", "100"], "max_position_embeddings 64"),
+        (["--engines", "hf-static-compile"], "runs with --device cuda"),
+        (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+        (["--device", "cuda"], "--device cuda"),  # CPU machine: no CUDA; a GPU one: --model is a CPU option
     ],
 )
 def test_bad_flags_give_clear_errors(tiny, flags, message, capsys):

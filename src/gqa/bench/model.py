@@ -27,7 +27,7 @@ from ..loaders import read_config
 from ..models.config import ModelConfig
 from ..options.common import model_label
 from . import write_json_atomic, write_text_atomic
-from .model_arguments import DESCRIPTION, add_arguments
+from .model_arguments import CPU_ENGINES, DESCRIPTION, add_arguments
 from .model_report import check_plotting, plot_model, table
 from .model_worker import DTYPES, QUANTIZED, gguf_format
 from .report import machine_description
@@ -109,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     """The benchmark on flags ``parser`` (``build_parser`` or ``add_arguments``'s parser) has parsed."""
+    if ns.device != "cpu":
+        from .model_cuda import run as run_cuda
+
+        return run_cuda(parser, ns)
+    if ns.engines is None:
+        ns.engines = list(CPU_ENGINES)
+    if "hf-static-compile" in ns.engines:
+        parser.error("--engines hf-static-compile runs with --device cuda (transformers compiles it on CUDA only)")
     if ns.contexts is None:
         ns.contexts = [512] if ns.tp else [128, 1024, 4096]
     if ns.quick:
@@ -235,7 +243,7 @@ def _run_tp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
 
     if min(ns.tp) < 1:
         parser.error(f"--tp must be positive, got {ns.tp}")
-    if ns.plot is not None or ns.kv_heads is not None or ns.engines != ["gqa", "hf", "llama.cpp"]:
+    if ns.plot is not None or ns.kv_heads is not None or ns.engines != list(CPU_ENGINES):
         parser.error("--tp runs the model as it is, eager: --plot, --kv-heads and --engines do not apply")
     started = time.perf_counter()
     tps = list(dict.fromkeys(ns.tp))

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..options.defaults import QUANT_FORMATS
 from ..options.dtypes import dtype_type
 
-__all__ = ["DESCRIPTION", "ENGINES", "FLOAT_DTYPES", "QUANTIZED", "add_arguments"]
+__all__ = ["CPU_ENGINES", "DESCRIPTION", "ENGINES", "FLOAT_DTYPES", "QUANTIZED", "SHAPES", "add_arguments"]
 
 DESCRIPTION = (  # the first paragraph of gqa.bench.model's docstring
     "Whole-model benchmark: KV-cache size, prefill and decode tokens/s of gqa vs HF transformers on the same weights, "
@@ -17,7 +17,9 @@ DESCRIPTION = (  # the first paragraph of gqa.bench.model's docstring
 )
 FLOAT_DTYPES = ("fp32", "bf16")  # the float weights the benchmark runs (and HF transformers with it)
 QUANTIZED = QUANT_FORMATS  # the block formats
-ENGINES = ("gqa", "gqa-compile", "hf", "llama.cpp")
+ENGINES = ("gqa", "gqa-compile", "hf", "hf-static-compile", "llama.cpp")
+CPU_ENGINES = ("gqa", "hf", "llama.cpp")  # --engines' default on CPU
+SHAPES = ("smollm2", "llama-1b")  # --device cuda: the model shapes run with random weights
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,11 +36,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "format, else quantized on load; activations bf16 where the CPU has native bf16)",
     )  # fmt: skip
     parser.add_argument(
-        "--engines", nargs="+", choices=ENGINES, default=["gqa", "hf", "llama.cpp"],
+        "--engines", nargs="+", choices=ENGINES, default=None,
         help="what runs the model: gqa (the default path of model.generate / gqa generate), gqa-compile "
-        "(compile=True), hf (transformers; float dtypes), llama.cpp (llama-cpp-python on the GGUF file in its own "
-        "format; skipped when not installed: make llama-cpp)",
+        "(compile=True), hf (transformers; float dtypes), hf-static-compile (transformers' static cache, which it "
+        "compiles; --device cuda), llama.cpp (llama-cpp-python on the GGUF file in its own format; skipped when not "
+        "installed: make llama-cpp) (default: gqa hf llama.cpp; on CUDA every one but llama.cpp)",
     )  # fmt: skip
+    parser.add_argument(
+        "--device", default="cpu", metavar="DEV",
+        help="cpu, or cuda / cuda:N: greedy decode of --shapes with random bf16 weights at --batch sizes (default "
+        "1 8 64), gqa (CUDA graphs; gqa-compile: the Inductor-compiled step) vs HF eager and static cache + compile, "
+        "with the bytes per step read as GB/s",
+    )  # fmt: skip
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES),
+                        help="--device cuda: the model shapes (SmolLM2-135M's, Llama-3.2-1B's)")  # fmt: skip
     parser.add_argument(
         "--batch", type=int, nargs="+", default=None, metavar="B",
         help="instead: decode throughput of B sequences at once (gqa engine; caches filled to each context)",
