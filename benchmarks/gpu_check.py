@@ -330,88 +330,15 @@ def sweep_step(device: torch.device, dry: bool) -> dict:
     return {"sweep": sweep}
 
 
-def _event_ms(fn, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` after two warm-ups (CUDA events; on CPU the wall clock)."""
-    fn()
-    fn()
-    if not torch.cuda.is_available():
-        return 1e3 * statistics.median(timeit_once(fn) for _ in range(repeats))
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def backward_step(device: torch.device, dry: bool) -> list[dict]:
-    """Forward + backward of causal prefill (bf16, D=128, B=1): gqa ``auto`` vs SDPA as torch picks and held to each
-    kernel; TFLOPS counts 3.5x the causal forward's 2 * 2 * H_q * L^2 / 2 * D."""
-    from torch.nn.attention import SDPBackend
+    """``gqa bench attention --backward``'s rows: forward + backward of causal prefill (bf16, D=128, B=1), GQA 32/8
+    and MQA at 4k-16k, gqa ``auto`` vs SDPA as torch picks and held to each kernel, gradients checked."""
+    from gqa.bench.backward import backward_row
 
-    shapes = [(32, 4, 64, 16)] if dry else [(32, 8, 4096, 128), (32, 8, 8192, 128), (32, 8, 16384, 128),
-                                            (32, 1, 4096, 128), (32, 1, 16384, 128)]  # fmt: skip
-    dtype = torch.float32 if dry else torch.bfloat16
-    kernels = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
-               "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}  # fmt: skip
-    rows = []
-    for H_q, H_kv, L, D in shapes:
-        rows.append(_backward_row(H_q, H_kv, L, D, device, dtype, {} if dry else kernels))
-        if not dry:
-            torch.cuda.empty_cache()
-    return rows
-
-
-def _backward_row(H_q: int, H_kv: int, L: int, D: int, device: torch.device, dtype: torch.dtype, kernels: dict) -> dict:
-    import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
-
-    import gqa
-
-    g = torch.Generator(device=device).manual_seed(L + H_kv)
-    q = torch.randn(1, H_q, L, D, device=device, dtype=dtype, generator=g).requires_grad_()
-    k = torch.randn(1, H_kv, L, D, device=device, dtype=dtype, generator=g).requires_grad_()
-    v = torch.randn(1, H_kv, L, D, device=device, dtype=dtype, generator=g).requires_grad_()
-    grad = torch.randn(1, H_q, L, D, device=device, dtype=dtype, generator=g)
-
-    def run(attend):
-        def fn():
-            for t in (q, k, v):
-                t.grad = None
-            attend().backward(grad)
-
-        return fn
-
-    def sdpa():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-    impls = {"gqa auto": run(lambda: gqa.grouped_attention(q, k, v, is_causal=True)), "torch-sdpa": run(sdpa)}
-    for name, kernel in kernels.items():
-
-        def held(kernel=kernel):
-            with sdpa_kernel(kernel):
-                return sdpa()
-
-        impls[name] = run(held)
-    flops = 3.5 * 2 * 2 * H_q * L * L / 2 * D
-    row = {"H_q": H_q, "H_kv": H_kv, "L": L, "D": D, "ms": {}, "tflops": {}}
-    for name, fn in impls.items():
-        try:
-            ms = _event_ms(fn, 10 if kernels else 3)
-            row["ms"][name], row["tflops"][name] = ms, flops / (ms * 1e-3) / 1e12
-        except Exception as err:  # a kernel that does not take the shape
-            row["ms"][name] = f"{type(err).__name__}: {str(err)[:100]}"
-    row["auto_backend"] = gqa.attention.last_backend()
-    return row
-
-
-def timeit_once(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    if dry:
+        return [backward_row(4, 1, 32, 16, torch.float32, device, repeats=1)]
+    shapes = ((8, 4096), (8, 8192), (8, 16384), (1, 4096), (1, 16384))
+    return [backward_row(32, h, L, 128, torch.bfloat16, device, repeats=10) for h, L in shapes]
 
 
 def smollm2_tokenizer() -> Path:
@@ -560,20 +487,10 @@ def markdown(result: dict) -> str:
             body = table(got["rows"]) if "rows" in got else f"failed:\n\n```\n{got.get('error', '')[-1500:]}\n```"
             lines += [f"## {title}", "", f"`{got.get('command', '')}`", "", body, ""]
     if result.get("backward"):
-        names = list(result["backward"][0]["ms"])
-        lines += ["## Prefill forward + backward (bf16, causal, B=1; ms (TFLOPS))", "",
-                  "| H_q | H_kv | L | D | " + " | ".join(names) + " | auto vs best SDPA |",
-                  "|" + "---|" * (5 + len(names))]  # fmt: skip
-        for r in result["backward"]:
-            cells = [f"{ms:.3f} ({r['tflops'][n]:.0f})" if isinstance(ms, float) else f"fails: {ms[:60]}"
-                     for n, ms in r["ms"].items()]  # fmt: skip
-            sdpa = [ms for n, ms in r["ms"].items() if n != "gqa auto" and isinstance(ms, float)]
-            auto = r["ms"].get("gqa auto")
-            ratio = f"{min(sdpa) / auto:.2f}x" if sdpa and isinstance(auto, float) else "—"
-            lines.append(f"| {r['H_q']} | {r['H_kv']} | {r['L']} | {r['D']} | " + " | ".join(cells) + f" | {ratio} |")
-        lines.append("")
-    if result.get("tests"):
-        lines += ["## pytest -m cuda", "", "```", result["tests"]["tail"][-1500:].strip(), "```", ""]
+        from gqa.bench.backward import table as backward_table
+
+        lines += ["## Prefill forward + backward (causal, B=1; ms (TFLOPS), gradients checked against SDPA's)", "",
+                  backward_table(result["backward"]), ""]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -356,3 +356,25 @@ def test_tolerances_are_meaningful():
     for dtype, (atol, rtol) in TOLERANCE.items():
         assert 0 < atol < 0.05 and 0 < rtol < 0.05, dtype
     assert math.isclose(TOLERANCE[torch.bfloat16][1], 2 * 2**-7)
+
+
+def test_backward_times_forward_and_backward_with_gradients_checked(tmp_path, capsys):
+    out = tmp_path / "bwd.json"
+    flags = ["--backward", "--q-heads", "6", "--head-dim", "16", "--kv-heads", "6", "2", "1", "--dtypes", "fp32",
+             "bf16", "--prefill-lens", "48", "--repeats", "1", "--json", str(out)]  # fmt: skip
+    assert bench.main(flags) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dtype"], r["H_kv"]) for r in rows] == [(d, h) for d in ("float32", "bfloat16") for h in (6, 2, 1)]
+    for r in rows:
+        assert not r["errors"] and r["ms"]["gqa auto"] > 0 and r["tflops"]["gqa auto"] > 0
+        assert r["grad_rel_err"]["gqa auto"] < (1e-5 if r["dtype"] == "float32" else 4e-2)
+    assert "auto vs best SDPA" in capsys.readouterr().out
+
+
+def test_backward_catches_wrong_gradients(monkeypatch, capsys):
+    real = gqa.grouped_attention
+    monkeypatch.setattr(gqa, "grouped_attention", lambda *a, **kw: real(*a, **kw) * 1.01)
+    flags = ["--backward", "--q-heads", "4", "--head-dim", "8", "--kv-heads", "1", "--dtypes", "fp32",
+             "--prefill-lens", "32", "--repeats", "1"]  # fmt: skip
+    assert bench.main(flags) == 1
+    assert "gradients differ from SDPA's" in capsys.readouterr().out

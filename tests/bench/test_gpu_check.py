@@ -71,7 +71,7 @@ def test_dry_run_writes_every_step(gpu_check, tmp_path):
     assert model["agreement_hf"] == 1.0 and not model["errors"]
     assert model["tokens_per_s"]["gqa"] > 0 and model["tokens_per_s"]["hf"] > 0 and model["decode_gbs"] > 0
     (backward,) = result["backward"]
-    assert all(isinstance(ms, float) for ms in backward["ms"].values()) and backward["tflops"]["gqa auto"] > 0
+    assert not backward["errors"] and backward["tflops"]["gqa auto"] > 0 and backward["auto_vs_best_sdpa"] > 0
     text = (out / "gpu_check.md").read_text()
     assert "## Attention decode" in text and "## Whole-model greedy decode" in text
     assert "## Prefill forward + backward" in text

@@ -138,6 +138,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=list(MASKS),
         help="how prefill gets its causal pattern",
     )
+    p.add_argument(
+        "--backward", action="store_true",
+        help="instead: forward + backward of causal prefill (--prefill-lens, default 4k 8k 16k on CUDA, 512 on CPU; "
+        "B=1) of gqa auto vs SDPA (on CUDA held to each kernel too), gradients checked, TFLOPS",
+    )  # fmt: skip
     p.add_argument("--impls", nargs="+", metavar="NAME", help="only these implementations (default: all)")
     p.add_argument("--q-heads", type=_positive_int, help="H_q (default: 32)")
     p.add_argument("--head-dim", type=_positive_int, help="D (default: 128)")

@@ -118,6 +118,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequenc
         parser.error("--device cuda: CUDA is not available in this torch build / machine")
     if device.type not in ("cpu", "cuda"):
         parser.error(f"--device {args.device!r}: only cpu and cuda are supported")
+    if args.backward:
+        from .backward import run as run_backward
+
+        return run_backward(parser, args, device)
     grid = resolve_grid(args, device)
     bad = [h for h in args.kv_heads if grid.q_heads % h]
     if bad:
