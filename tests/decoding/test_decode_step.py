@@ -4,6 +4,7 @@ float32 and bfloat16, quantized weights; and the cases it must leave to the eage
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -51,8 +52,10 @@ def hf_model(tmp_path, arch: str, heads: int, kv_heads: int, head_dim: int):
 
 
 def decode_logits(model, prompts: list[list[int]], steps: list[list[int]]) -> list[torch.Tensor]:
-    """Prefill left-padded ``prompts``, then feed ``steps[i]`` (one token per row) and collect each step's logits."""
+    """Prefill left-padded ``prompts``, then feed ``steps[i]`` (one token per row) through the step ``generate``
+    takes (``select_step``) and collect each step's logits."""
     from gqa.decoding.generate import _left_pad
+    from gqa.decoding.steps import select_step
 
     ids, pads = _left_pad(prompts, 0, torch.device("cpu"))
     caches = model.new_caches(len(prompts), ids.shape[1] + len(steps))
@@ -60,8 +63,9 @@ def decode_logits(model, prompts: list[list[int]], steps: list[list[int]]) -> li
     out = []
     with torch.inference_mode():
         model(ids, caches=caches, last_only=True)
+        decode = select_step(model, caches)
         for step in steps:
-            out.append(model(torch.tensor(step)[:, None], caches=caches)[:, 0])  # (B, vocab)
+            out.append(decode(torch.tensor(step)[:, None], caches)[:, 0])  # (B, vocab)
     return out
 
 
@@ -222,26 +226,34 @@ def dequantized_state(model) -> dict[str, torch.Tensor]:
 
 
 def test_cases_left_to_the_eager_path(tmp_path, counted):
+    from gqa.decoding.steps import select_step
+
     hf_model(tmp_path, "llama", 4, 2, 16)
     model = gqa.load_model(tmp_path, tokenizer=False)
     with torch.inference_mode():
         rows = decode_step.MAX_ROWS + 1
         caches = model.new_caches(rows, 4)
-        model(torch.ones(rows, 1, dtype=torch.long), caches=caches)  # more rows than the native step takes
+        step = select_step(model, caches)
+        assert step.name == "native"
+        step(torch.ones(rows, 1, dtype=torch.long), caches)  # more rows than the native step takes
         caches = model.new_caches(1, 4)
-        model(torch.ones(1, 2, dtype=torch.long), caches=caches)  # two tokens: a prefill
+        step(torch.ones(1, 2, dtype=torch.long), caches)  # two tokens: a prefill
+        model(torch.ones(1, 1, dtype=torch.long), caches=caches)  # the model's forward is always the eager one
     caches = model.new_caches(1, 4)
-    model(torch.ones(1, 1, dtype=torch.long), caches=caches)  # autograd on
+    step(torch.ones(1, 1, dtype=torch.long), caches)  # autograd on
     assert counted == []
     with torch.inference_mode():
         caches = model.new_caches(1, 2)
-        model(torch.ones(1, 1, dtype=torch.long), caches=caches)
-        model(torch.ones(1, 1, dtype=torch.long), caches=caches)
+        step(torch.ones(1, 1, dtype=torch.long), caches)
+        step(torch.ones(1, 1, dtype=torch.long), caches)
         assert len(counted) == 2
         # a full cache: the eager path's message, nothing written
         with pytest.raises(ValueError, match=r"overflow: 1 new tokens after 2 cached exceed max_len 2"):
-            model(torch.ones(1, 1, dtype=torch.long), caches=caches)
+            step(torch.ones(1, 1, dtype=torch.long), caches)
     assert len(counted) == 2 and caches[0].seq_len == 2
+    handle = model.register_forward_hook(lambda *a: None)
+    assert select_step(model, caches).name == "eager"  # a hooked model: its hooks must run
+    handle.remove()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -428,7 +440,7 @@ def test_a_full_cache_is_refused_before_any_work():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_generation_takes_the_native_argmax_and_gives_the_same_tokens(tmp_path, monkeypatch, dtype):
     """Greedy ``generate`` uses the argmax the one-call step finds while writing the logits, with the tokens that
-    ``sample_next`` picks from the same logits; a hooked model goes through ``model(...)`` as before."""
+    ``sample_next`` picks from the same logits; a hooked model goes through ``model(...)``, eager."""
     from gqa.decoding import generate as generation
 
     hf_model(tmp_path, "qwen2", 6, 2, 16)
@@ -445,8 +457,14 @@ def test_greedy_generation_takes_the_native_argmax_and_gives_the_same_tokens(tmp
     native = generation.generate(model, prompts, max_new_tokens=6, eos_token_ids=[])
     assert picked == [True] * 5  # every step after the prefill found its tokens natively
     picked.clear()
+    real_select = generation.select_step
+
+    def without_greedy(*args, **kwargs):  # the same native step, its argmax not asked for: sample_next picks
+        step = real_select(*args, **kwargs)
+        return dataclasses.replace(step, run=lambda t, c: step.run(t, c, None), finds_greedy=False)
+
     with monkeypatch.context() as m:
-        m.setattr(generation, "_plain", lambda model: False)
+        m.setattr(generation, "select_step", without_greedy)
         plain = generation.generate(model, prompts, max_new_tokens=6, eos_token_ids=[])
     assert picked == [False] * 5 and native == plain
     picked.clear()
@@ -455,4 +473,4 @@ def test_greedy_generation_takes_the_native_argmax_and_gives_the_same_tokens(tmp
         assert generation.generate(model, prompts, max_new_tokens=6, eos_token_ids=[]) == native
     finally:
         handle.remove()
-    assert picked == [False] * 5
+    assert picked == []  # a model with hooks decodes through its forward (eager), so every hook sees every step

@@ -141,12 +141,14 @@ def tiny_model(fmt: str = "q4_0"):
 
 def first_decode_logits(model, prompt: list[int], token: int) -> torch.Tensor:
     """Logits ``(vocab,)`` of one decode step after ``prompt``, through the native decode step (asserted)."""
+    from gqa.decoding.steps import select_step
+
     caches = model.new_caches(1, len(prompt) + 1)
     with torch.inference_mode():
         model(torch.tensor([prompt]), caches=caches, last_only=True)
-        calls = decode_step.calls
-        logits = model(torch.tensor([[token]]), caches=caches)[0, 0]
-    assert decode_step.calls == calls + 1, "the native decode step did not run"
+        step = select_step(model, caches)
+        assert step.name == "native" and decode_step.applies(model, torch.tensor([[token]]), caches)
+        logits = step(torch.tensor([[token]]), caches)[0, 0]
     return logits.float()
 
 

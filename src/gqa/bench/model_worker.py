@@ -109,8 +109,10 @@ def run_gqa(model: torch.nn.Module, contexts: list[int], new: int, compiled: boo
 def run_throughput(path: str | None, dtype: str, contexts: list[int], new: int, batches: list[int]) -> tuple[int, list]:
     """Decode throughput of ``B`` sequences at once, for each batch size and context: the caches are filled with
     random keys/values up to the context (decode time does not depend on their values, and a real prefill of 32 x 4k
-    tokens would take minutes here), then ``new`` steps of ``B`` greedy tokens run through ``model(...)`` as
-    ``generate`` calls it; tokens/s = ``B`` / the median step time."""
+    tokens would take minutes here), then ``new`` steps of ``B`` greedy tokens run through the step ``generate``
+    takes (``select_step``); tokens/s = ``B`` / the median step time."""
+    from gqa.decoding.steps import select_step
+
     model = load_gqa(path, dtype)
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -123,9 +125,10 @@ def run_throughput(path: str | None, dtype: str, contexts: list[int], new: int, 
                     cache.value.normal_(generator=g)
                     cache.cursor.fill_(context)
                 tokens = torch.randint(10, model.config.vocab_size, (batch, 1), generator=g)
+                step_fn = select_step(model, caches)
                 stamps = [time.perf_counter()]
                 for _ in range(new):
-                    tokens = model(tokens, caches=caches)[:, -1].argmax(-1, keepdim=True)
+                    tokens = step_fn(tokens, caches)[:, -1].argmax(-1, keepdim=True)
                     stamps.append(time.perf_counter())
                 step = statistics.median(b - a for a, b in itertools.pairwise(stamps))
                 kv = sum(c.nbytes for c in caches)

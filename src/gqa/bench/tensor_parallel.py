@@ -23,6 +23,7 @@ def tp_rank(path: str | None, dtype_name: str, contexts: list[int], new_tokens: 
     import torch.distributed as dist
 
     from ..cache.kv import kv_cache_bytes
+    from ..decoding.steps import select_step
     from ..loaders.model import load_model
     from ..parallel.tensor_parallel import ReducingLinear
     from .model_worker import DTYPES, prompt
@@ -43,9 +44,10 @@ def tp_rank(path: str | None, dtype_name: str, contexts: list[int], new_tokens: 
             prefill = time.perf_counter() - start
             ReducingLinear.seconds = 0.0
             steps = []
+            step = select_step(model, caches)
             for _ in range(new_tokens):
                 start = time.perf_counter()
-                logits = model(logits[:, -1].argmax(-1, keepdim=True), caches=caches)
+                logits = step(logits[:, -1].argmax(-1, keepdim=True), caches)
                 steps.append(time.perf_counter() - start)
             rows.append({
                 "context": context, "prefill_tok_s": context / prefill, "decode_tok_s": 1 / statistics.median(steps),

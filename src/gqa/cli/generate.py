@@ -8,7 +8,6 @@ import time
 
 import torch
 
-from ..decoding import native_step
 from ..hardware import auto_dtype
 from ..options.common import loading, model_label
 from ..options.dtypes import DTYPES
@@ -52,7 +51,7 @@ def generate_text(ns: argparse.Namespace) -> int:
     what = f"{model_label(ns.model)} as {shown}" + (f", quantized to {quantize}" if quantize else "")
     with loading(what, quiet=not lead):
         model = load_model(ns.model, dtype=dtype, tensor_parallel=getattr(ns, "sharded", False), quantize=quantize)
-    native_steps = native_step.calls
+    chosen: list = []  # the decode step select_step picked (--stats)
     tok = model.tokenizer
     if ns.raw:
         prompt_ids = tok.encode(ns.prompt)
@@ -75,6 +74,7 @@ def generate_text(ns: argparse.Namespace) -> int:
         seed=ns.seed,
         eos_token_ids=tok.eos_token_ids,
         compile=getattr(ns, "compile", False),
+        on_step=chosen.append,
     ):
         first = first or time.perf_counter()
         t = int(token[0])
@@ -97,10 +97,8 @@ def generate_text(ns: argparse.Namespace) -> int:
             f"{len(generated)} new tokens, decode {max(len(generated) - 1, 0) / max(decode_s, 1e-9):.1f} tok/s]",
             file=sys.stderr,
         )
-        path = (
-            "compiled (torch.compile)" if ns.compile else "native step" if native_step.calls > native_steps else "eager"
-        )
-        print(f"[decode: {path}; activations {str(model.dtype).removeprefix('torch.')}; weights "
+        path = chosen[0].name if chosen else "none (one token)"
+        print(f"[decode: {path} step; activations {str(model.dtype).removeprefix('torch.')}; weights "
               f"{describe_weights(model)}]", file=sys.stderr)  # fmt: skip
     return 0
 

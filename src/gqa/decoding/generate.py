@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import native_step
 from .sampling import check_sampling, sample_next
+from .steps import DecodeStep, select_step
 
 if TYPE_CHECKING:  # a type only: models.llama's CausalLM.generate imports this module
     from ..models.llama import CausalLM
@@ -56,7 +56,7 @@ def _prompt_batch(prompts: object) -> tuple[list[list[int]], bool]:
 # Finished rows stop being computed once no more than this share of the computed rows is still running: the caches
 # are cut to the running rows (a copy). A row's tokens do not depend on it: the native step computes each row the
 # same way whatever rows are beside it (the eager GEMMs up to float rounding), and a sampled row draws its own number
-# per step. Not with a step_fn (compiled or CUDA-graph steps have their batch size baked in).
+# per step. Not with a step whose batch size is baked in (``DecodeStep.fixed_batch``: compiled, CUDA graphs, a step_fn).
 DROP_FINISHED_AT = 0.75
 
 
@@ -74,6 +74,7 @@ def generate_stream(
     pad_token_id: int | None = None,
     step_fn: Callable[[torch.Tensor, list], torch.Tensor] | None = None,
     compile: bool = False,
+    on_step: Callable[[DecodeStep], None] | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row ``(B,)`` per step; a row that has finished yields ``pad_token_id``.
 
@@ -83,7 +84,8 @@ def generate_stream(
     ``compile``: decode through ``torch.compile`` (``gqa.decoding.compiled``): compiled once per batch size and cache
     bucket, kept on disk for the next process; on CUDA the compiled fused step inside the CUDA graph
     (``gqa.decoding.cuda_graphs``). Without it, decoding on CPU runs the native step (``decoding.native_step``),
-    and on CUDA a captured CUDA graph of the step (``gqa.decoding.cuda_graphs``) where triton is installed.
+    and on CUDA a captured CUDA graph of the step (``gqa.decoding.cuda_graphs``) where triton is installed: which one
+    ``decoding.steps.select_step`` decides, after the prompt, and ``on_step`` is told (``gqa generate --stats``).
     """
     cfg = model.config
     check_sampling(temperature, top_k, top_p)  # before the prompt is run, not at the first sampled token
@@ -110,18 +112,16 @@ def generate_stream(
 
     capacity = P + max_new_tokens
     if compile:
-        from .compiled import cache_bucket, compiled_step
+        from .compiled import cache_bucket
 
         capacity = cache_bucket(capacity, cfg.max_position_embeddings)  # a few cache sizes: a few compilations
-        if not (model.device.type == "cuda" and _cuda_graphs_apply(model)):
-            step_fn = compiled_step(model)
     caches = model.new_caches(B, capacity)
     for cache in caches:
         cache.set_left_padding(pads)
     logits = model(ids, caches=caches, last_only=True)[:, -1]  # (B, vocab)
-    if step_fn is None and model.device.type == "cuda":
-        step_fn = _cuda_step(model, caches, compile=compile)
-    step = step_fn or (lambda tok, c: model(tok, caches=c))
+    step = select_step(model, caches, compile=compile, step_fn=step_fn)
+    if on_step is not None:
+        on_step(step)
     eos_ids = torch.tensor(eos, dtype=torch.long, device=model.device)
     finished = torch.zeros(B, dtype=torch.bool, device=model.device)
     rows = torch.arange(B, device=model.device)  # the rows still computed (finished ones are dropped in bulk)
@@ -141,43 +141,17 @@ def generate_stream(
             return
         picked = None
         alive = ~finished[rows]
-        if step_fn is None and int(alive.sum()) <= DROP_FINISHED_AT * len(rows):
+        if not step.fixed_batch and int(alive.sum()) <= DROP_FINISHED_AT * len(rows):
             keep = alive.nonzero().squeeze(1)
             for cache in caches:
                 cache.keep_rows(keep)
             rows = rows[keep]
         new = token[rows][:, None]  # (rows, 1)
-        if temperature == 0 and step_fn is None and _plain(model) and native_step.applies(model, new, caches):
-            picked = torch.empty(len(rows), dtype=torch.long)
-            logits = native_step.decode_step(model, new, caches, greedy=picked)[:, -1]
+        if temperature == 0 and step.finds_greedy:
+            picked = torch.empty(len(rows), dtype=torch.long, device=model.device)
+            logits = step(new, caches, greedy=picked)[:, -1]
         else:
             logits = step(new, caches)[:, -1]  # (rows, vocab)
-
-
-def _plain(model: CausalLM) -> bool:
-    """Whether ``model(ids, caches=...)`` is exactly ``CausalLM.forward``: no subclass override, no forward hooks (so
-    calling its native decode step directly, for the greedy tokens it finds, skips nothing)."""
-    return model.runs_own_forward()
-
-
-def _cuda_graphs_apply(model: CausalLM) -> bool:
-    """Whether decoding ``model`` on CUDA goes through CUDA graphs (triton installed, no tensor parallelism, eval)."""
-    from ..kernels.triton.split_kv import triton_available
-
-    return triton_available() and getattr(model, "shard", None) is None and not model.training
-
-
-def _cuda_step(
-    model: CausalLM, caches: list, *, compile: bool = False
-) -> Callable[[torch.Tensor, list], torch.Tensor] | None:
-    """The CUDA-graph decode step (``gqa.decoding.cuda_graphs``; with ``compile``, the Inductor-compiled fused step
-    inside the graph) where it applies and triton is installed, else None."""
-    from ..kernels.triton.split_kv import triton_available
-    from .cuda_graphs import GraphedDecoder, graphs_apply
-
-    if not triton_available() or graphs_apply(model, caches) is not None:
-        return None
-    return GraphedDecoder(model, caches, compile=compile)
 
 
 def generate(

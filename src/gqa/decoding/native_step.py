@@ -10,8 +10,9 @@ pool of workers claim (``kernels/csrc/team.h``): a thread that loses its core to
 every op of the step. Models the one call cannot take run a ``gqa::decode_layer`` call per layer, and layers it
 cannot take whole (tensor parallelism's all-reducing projections) run the same ops one call each from Python. Values
 round to the model's dtype where the eager code rounds, so every path gives the eager path's results (tested against
-HF transformers, and bit for bit against each other); ``CausalLM.forward`` takes this path whenever it applies
-(``applies``) and the eager one otherwise. No compilation, so the first token is as fast as the rest.
+HF transformers, and bit for bit against each other); ``decoding.steps.select_step`` picks this step on CPU and runs
+it whenever it applies (``applies``), the eager forward otherwise. No compilation, so the first token is as fast as
+the rest.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from ..kernels import ops
 from ..models.linear import Linear, linears
 from ..models.quantized import QuantizedLinear
 
-calls = 0  # steps run here since import (``gqa generate --stats`` says which path decoded)
 # Batch rows per step. The GEMVs stream each weight chunk once for all rows (4 at a time from cache); measured on a
 # 2-core AVX2 VM against the eager step, SmolLM2-135M, 100 cached tokens: 1.8x faster at 8 rows, 1.4x at 64 (fp32;
 # 1.5x at 64 on its Q4_1 blocks). Beyond that the eager GEMMs are not measured.
@@ -61,8 +61,6 @@ def decode_step(
     """Logits ``(B, 1, vocab)`` of ``input_ids (B, 1)``, appending each layer's K/V to its cache (``applies`` must
     hold). ``greedy``, an int64 ``(B,)`` tensor, gets each row's argmax (``logits.float().argmax(-1)``), found by the
     native call while it writes the logits."""
-    global calls
-    calls += 1
     B = input_ids.shape[0]
     backbone = model.model
     cos, sin = backbone.rope.cos_sin(caches[0].positions(1))  # (B, 1, D) float32 each

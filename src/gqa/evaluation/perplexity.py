@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..decoding.steps import select_step
 from ..options.defaults import DEFAULT_WINDOW
 
 
@@ -133,7 +134,8 @@ def _next_token_log_probs_decoded(
         head = first - 1 - begin  # tokens before the first one whose logits are scored
         if head > 0:
             model(window[None, :head], caches=caches, last_only=True)
-        rows = [model(window[None, t : t + 1], caches=caches)[0, -1] for t in range(head, end - 1 - begin)]
+        step = select_step(model, caches)
+        rows = [step(window[None, t : t + 1], caches)[0, -1] for t in range(head, end - 1 - begin)]
         yield torch.stack(rows).double().log_softmax(-1).cpu()  # (T, vocab)
 
 

@@ -17,7 +17,6 @@ from ..attention.masks import padding_mask
 from ..attention.module import GroupedQueryAttention
 from ..attention.rope import RoPE
 from ..cache.kv import StaticKVCache
-from ..decoding import native_step
 from .config import ModelConfig
 from .linear import Linear, linears
 
@@ -163,8 +162,8 @@ class CausalLM(nn.Module):
         return self.model.norm.weight.device
 
     def runs_own_forward(self) -> bool:
-        """Whether calling the model runs exactly ``CausalLM.forward``: no subclass override, no forward hooks (so the
-        decode loop may call its native step directly, for the greedy tokens it finds, skipping nothing)."""
+        """Whether calling the model runs exactly ``CausalLM.forward``: no subclass override, no forward hooks (so a
+        native decode step in its place skips nothing: ``decoding.steps.select_step``)."""
         return type(self).forward is CausalLM.forward and not self._forward_hooks and not self._forward_pre_hooks
 
     def generate(self, prompts: list | torch.Tensor, **kwargs: object) -> list:
@@ -198,7 +197,8 @@ class CausalLM(nn.Module):
         """Logits ``(B, L, vocab)`` (``(B, 1, vocab)`` with ``last_only``) for ``input_ids (B, L)``.
 
         ``attention_mask (B, L)`` (1 = token, 0 = padding) is for cache-less calls on left-padded batches; with
-        ``caches`` the padding is the caches' (``set_left_padding``) and positions come from them.
+        ``caches`` the padding is the caches' (``set_left_padding``) and positions come from them. This is the eager
+        forward, always; the fast decode steps (native, CUDA graphs, compiled) are ``gqa.decoding.steps.select_step``'s.
         """
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
             raise ValueError(
@@ -210,8 +210,6 @@ class CausalLM(nn.Module):
             low, high = int(input_ids.min()), int(input_ids.max())
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(f"input_ids must be in [0, {self.config.vocab_size}), got values in [{low}, {high}]")
-        if attention_mask is None and position_ids is None and native_step.applies(self, input_ids, caches):
-            return native_step.decode_step(self, input_ids, caches)  # the native one-token step (native_step.py)
         mask = None
         if attention_mask is not None:
             if caches is not None:

@@ -1,0 +1,100 @@
+"""``select_step``: the one place that decides which decode step runs a model's next token, and names it.
+
+A decode step maps ``tokens (B, 1)`` and the model's static KV caches to the logits ``(B, 1, vocab)``, appending each
+layer's K/V. Which one runs depends on the device, the model and the caller; ``CausalLM.forward`` is always the eager
+one. The kinds, in the order ``select_step`` tries them:
+
+* ``custom``: the caller's ``step_fn``;
+* ``cuda-graphs`` (CUDA, triton installed, no tensor parallelism): the step replayed from a CUDA graph
+  (``cuda_graphs.GraphedDecoder``; with ``compile``, the Inductor-compiled fused step inside the graph);
+* ``compiled`` (``compile`` elsewhere): ``model.forward`` under ``torch.compile`` (``compiled.compiled_step``);
+* ``native`` (CPU, float32/bfloat16, native kernels built, the model's own forward): the whole step in one native call
+  (``native_step``), which also finds each row's argmax while writing the logits; a call it cannot take (more rows
+  than it handles, a full cache, autograd on) runs eagerly;
+* ``eager``: ``model(tokens, caches=caches)``.
+
+Steps whose batch size is baked in (``fixed_batch``: graphs, compiled, custom) keep every row to the end; the others
+let the generate loop drop finished rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from . import native_step
+
+__all__ = ["DecodeStep", "select_step"]
+
+Step = Callable[[torch.Tensor, list], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """A decode step and what it is (module docstring). ``step(tokens (B, 1), caches, greedy=None)`` -> logits
+    ``(B, 1, vocab)``; with ``finds_greedy``, an int64 ``greedy (B,)`` gets each row's argmax from the step itself."""
+
+    name: str
+    run: Callable[..., torch.Tensor]
+    fixed_batch: bool = False
+    finds_greedy: bool = False
+
+    def __call__(self, tokens: torch.Tensor, caches: list, greedy: torch.Tensor | None = None) -> torch.Tensor:
+        if greedy is not None and not self.finds_greedy:
+            raise ValueError(f"the {self.name} step does not find greedy tokens (finds_greedy is False)")
+        return self.run(tokens, caches, greedy) if self.finds_greedy else self.run(tokens, caches)
+
+
+def _native_possible(model: torch.nn.Module) -> bool:
+    """What of ``native_step.applies`` depends on the model alone (the rest is checked per call)."""
+    rope = model.model.rope
+    return (
+        model.device.type == "cpu"
+        and model.dtype in native_step.DTYPES
+        and not model.training
+        and not rope.interleaved
+        and rope.rotary_dim == rope.head_dim
+        and kernels.vectorized()
+        and model.runs_own_forward()
+    )
+
+
+def select_step(
+    model: torch.nn.Module, caches: list, *, compile: bool = False, step_fn: Step | None = None
+) -> DecodeStep:
+    """The decode step for ``model`` over ``caches`` (module docstring). ``compile``: a compiled step (on CUDA, inside
+    the CUDA graph); ``step_fn(tokens, caches) -> logits``: the caller's own."""
+
+    def eager(tokens: torch.Tensor, caches: list) -> torch.Tensor:
+        return model(tokens, caches=caches)
+
+    if step_fn is not None:
+        if compile:
+            raise ValueError("pass either compile=True or a step_fn, not both")
+        return DecodeStep("custom", step_fn, fixed_batch=True)
+    if model.device.type == "cuda":
+        from ..kernels.triton.split_kv import triton_available
+        from .cuda_graphs import GraphedDecoder, graphs_apply
+
+        if triton_available() and graphs_apply(model, caches) is None:
+            decoder = GraphedDecoder(model, caches, compile=compile)
+            return DecodeStep(f"cuda-graphs ({decoder.name} step)", decoder, fixed_batch=True)
+    if compile:
+        from .compiled import compiled_step
+
+        return DecodeStep("compiled", compiled_step(model), fixed_batch=True)
+    if _native_possible(model):
+
+        def native(tokens: torch.Tensor, caches: list, greedy: torch.Tensor | None) -> torch.Tensor:
+            if native_step.applies(model, tokens, caches):
+                return native_step.decode_step(model, tokens, caches, greedy=greedy)
+            logits = eager(tokens, caches)
+            if greedy is not None:
+                greedy.copy_(logits[:, -1].float().argmax(-1))
+            return logits
+
+        return DecodeStep("native", native, finds_greedy=True)
+    return DecodeStep("eager", eager)
