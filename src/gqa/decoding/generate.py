@@ -167,12 +167,13 @@ def generate(
     on_token: Callable[[torch.Tensor], None] | None = None,
     step_fn: Callable[[torch.Tensor, list], torch.Tensor] | None = None,
     compile: bool = False,
+    on_step: Callable[[DecodeStep], None] | None = None,
 ) -> list[list[int]] | list[int]:
     """Generate continuations of token-id prompts; returns the new tokens of each row, EOS included, padding not.
 
     A single prompt (a list of ints or a 1-D integer tensor) gives a single list back; a batch (a list of those, or
-    a ``(B, L)`` tensor) gives a list per row. ``on_token(tokens (B,))`` is called at every step; ``compile`` as in
-    ``generate_stream``.
+    a ``(B, L)`` tensor) gives a list per row. ``on_token(tokens (B,))`` is called at every step; ``compile`` and
+    ``on_step`` as in ``generate_stream``.
     """
     batch, single = _prompt_batch(prompts)
     eos = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
@@ -189,6 +190,7 @@ def generate(
         eos_token_ids=eos_token_ids,
         step_fn=step_fn,
         compile=compile,
+        on_step=on_step,
     ):
         if on_token is not None:
             on_token(token)
