@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default="cpu", metavar="DEV",
         help="cpu, or cuda / cuda:N: greedy decode of --shapes with random bf16 weights at --batch sizes (1 8 64 "
-        "unless given), gqa (CUDA graphs; gqa-compile: the Inductor-compiled step) vs HF eager and static cache + compile, "
-        "with the bytes per step read as GB/s",
+        "unless given), gqa (CUDA graphs; gqa-compile: the Inductor-compiled step) vs HF eager and static cache + "
+        "compile, with the bytes per step read as GB/s",
     )  # fmt: skip
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES),
                         help="--device cuda: the model shapes (SmolLM2-135M's, Llama-3.2-1B's)")  # fmt: skip
