@@ -16,9 +16,9 @@ import torch
 from gqa import __version__, convert
 from gqa.bench import model as bench_model
 from gqa.cli import build_parser
-from gqa.cli import eval as eval_command
 from gqa.cli import main as cli
 from gqa.decoding import generate as generation
+from gqa.evaluation import perplexity as eval_scoring
 from gqa.hardware import auto_dtype
 from gqa.loaders import lazy
 from gqa.loaders import model as api
@@ -275,7 +275,7 @@ def test_generate_says_what_it_loads_on_stderr_and_keeps_stdout_for_the_text(cap
         ),
         (
             ("eval", "--dtype", "bf16", "--reference", "r.gguf"),
-            (eval_command, "evaluate"),
+            (eval_scoring, "evaluate"),
             "Loading embedded SmolLM2-135M-Instruct as bf16 and reference r.gguf as fp32, then scoring",
         ),
         (

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
 
+HELP = "OpenAI-compatible servers under 1-64 concurrent streaming clients: tok/s, TTFT, ITL, memory"
 DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
 ENGINES = ("gqa", "llama.cpp")
 TOPICS = (

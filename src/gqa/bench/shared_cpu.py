@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+HELP = "decode tok/s alone and beside busy processes: the share of its alone speed each engine keeps"
 DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
 
 BUSY = {

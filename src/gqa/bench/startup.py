@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+HELP = "process wall time of import gqa, gqa info, a first token and load_model, beside llama.cpp's"
 DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
 
 _LOAD = """

@@ -3,15 +3,33 @@ a full causal forward exactly while reading ``H_q / H_kv`` times fewer cache byt
 
 from __future__ import annotations
 
+import argparse
 import time
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from .. import GroupedQueryAttention, RoPE, StaticKVCache, kv_cache_bytes
+    from ..attention import GroupedQueryAttention
+
+HELP = "MHA vs GQA vs MQA: cache size, cached decoding checked against a full forward"
+DESCRIPTION = HELP
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``gqa demo`` takes no flags."""
+
+
+def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    return main()
 
 
 def _decode(attn: GroupedQueryAttention, x: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Feed ``x (B, T, E)`` one token at a time through a static cache; return the outputs and seconds per token."""
+    import torch
+
+    from .. import StaticKVCache
+
     B, T, _ = x.shape
     cache = StaticKVCache(B, attn.num_kv_heads, attn.head_dim, T, dtype=x.dtype)
     start = time.perf_counter()
@@ -20,6 +38,10 @@ def _decode(attn: GroupedQueryAttention, x: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def main() -> int:
+    import torch
+
+    from .. import GroupedQueryAttention, RoPE, kv_cache_bytes
+
     torch.manual_seed(0)
     E, H_q, D, B, T = 2048, 32, 64, 4, 256
     x = torch.randn(B, T, E)

@@ -1,19 +1,69 @@
-"""``gqa eval``: perplexity of a model on a text, and its KL divergence from a reference model (the flags:
-``eval_args``)."""
+"""``gqa eval``: perplexity of a model on a text, and its KL divergence from a reference model; with ``--suite`` the
+measures that judge a converted chat model."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from ..evaluation.perplexity import check_windows, default_eval_text, evaluate
 from ..options.common import loading, model_label
-from ..options.dtypes import DTYPES
+from ..options.defaults import DEFAULT_WINDOW, HELD_OUT_CONVERSATIONS, QUANT_FORMATS
+from ..options.dtypes import add_dtype_argument
+
+HELP = "perplexity on a text, and mean KL divergence from a reference"
+DESCRIPTION = HELP
+
+EVAL_DTYPES = ("fp32", "bf16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``gqa eval`` on ``parser``."""
+    parser.add_argument("model", nargs="?", default=None, help="GGUF file or HF directory (default: embedded SmolLM2)")
+    parser.add_argument("--text", default=None, metavar="FILE", help="UTF-8 text file (default: CPython's LICENSE.txt)")
+    parser.add_argument(
+        "--reference",
+        default=None,
+        metavar="MODEL",
+        help="model to report mean KL(reference || model) against, loaded in fp32",
+    )
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="tokens per forward pass")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, metavar="N", help="evaluate only the first N tokens (default: all)"
+    )
+    add_dtype_argument(
+        parser, "--dtype", choices=EVAL_DTYPES, keywords=("auto",), default="fp32",
+        help="weight dtype; auto: as gqa generate's default (bf16 where native, a GGUF's q8_0/q4_0/q4_1 blocks kept)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--quantize",
+        choices=sorted(QUANT_FORMATS),
+        default=None,
+        help="quantize the layers' weights to this block format",
+    )
+    parser.add_argument(
+        "--decode", action="store_true",
+        help="score every token through a one-token decode step with a KV cache, as generation runs the model "
+        "(slower); a quantized model's int8 decode inputs only show this way",
+    )  # fmt: skip
+    suite = parser.add_argument_group(
+        "suite", "judge a converted chat model against its original (--reference, default the embedded SmolLM2) on "
+        "answers and prose: KL on held-out self-generated answers, agreement of greedy answers, the question set, "
+        "and perplexity on three genres (both models in fp32; --text, --window, --max-tokens and --dtype do not apply)",
+    )  # fmt: skip
+    suite.add_argument("--suite", action="store_true", help="run the four measures instead of one perplexity")
+    suite.add_argument(
+        "--conversations", type=int, default=HELD_OUT_CONVERSATIONS, metavar="N",
+        help="held-out conversations to score",
+    )  # fmt: skip
+    suite.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
+    suite.add_argument("--show-answers", action="store_true", help="print both models' replies to every question")
 
 
 def load_text(path: str | None) -> tuple[str, str]:
     """``(text, description)`` of a text file, or of the default evaluation text when ``path`` is ``None``."""
     if path is None:
+        from ..evaluation.perplexity import default_eval_text
+
         return default_eval_text()
     return Path(path).read_text(encoding="utf-8"), path
 
@@ -26,7 +76,10 @@ def model_name(path: str | None) -> str:
     return f"{default_model_path().name} (default)"
 
 
-def run_eval(ns: argparse.Namespace) -> int:
+def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from ..evaluation.perplexity import check_windows, evaluate
+    from ..options.dtypes import DTYPES
+
     if ns.suite:
         return run_suite_command(ns)
     if ns.json is not None or ns.show_answers:

@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING
 
 from ..cache.sizes import ITEMSIZE, kv_cache_elements
-from ..options.common import loading, model_label
+from ..options.common import add_model_arguments, loading, model_label
 from ..options.dtypes import NAMES
 
 if TYPE_CHECKING:
@@ -38,7 +38,18 @@ def kv_cache_table(num_layers: int, num_heads: int, num_kv_heads: int, head_dim:
     return "\n".join(lines)
 
 
-def run_info(ns: argparse.Namespace) -> int:
+HELP = "a model's architecture and KV-cache size vs MHA and MQA"
+DESCRIPTION = HELP
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``gqa info`` on ``parser``."""
+    add_model_arguments(parser, dtype_help="dtype of the KV cache (and weights, with --tp) in the tables")
+    parser.add_argument("--tp", type=int, default=None, metavar="N", help="also show each of N tensor-parallel ranks' "
+                        "heads, weight bytes and KV-cache bytes per token (default: off)")  # fmt: skip
+
+
+def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from ..loaders.lazy import open_lazy
 
     with loading(model_label(ns.model)):

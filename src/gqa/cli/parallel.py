@@ -52,7 +52,7 @@ def run_on_ranks(ns: argparse.Namespace, command: Callable[[argparse.Namespace],
         return command(ns)
     cfg = read_config(ns.model)
     check_tp(cfg.num_heads, cfg.num_kv_heads, tp)  # before any process group work
-    sharded = argparse.Namespace(**{k: v for k, v in vars(ns).items() if k != "handler"}, sharded=True)
+    sharded = argparse.Namespace(**{k: v for k, v in vars(ns).items() if k != "run"}, sharded=True)  # spawnable
     if in_launched_world():
         init_process_group()
         try:
