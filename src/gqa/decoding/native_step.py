@@ -28,9 +28,8 @@ from ..kernels import ops
 from ..models.linear import Linear, linears
 from ..models.quantized import QuantizedLinear
 
-# Batch rows per step. The GEMVs stream each weight chunk once for all rows (4 at a time from cache); measured on a
-# 2-core AVX2 VM against the eager step, SmolLM2-135M, 100 cached tokens: 1.8x faster at 8 rows, 1.4x at 64 (fp32;
-# 1.5x at 64 on its Q4_1 blocks). Beyond that the eager GEMMs are not measured.
+# Batch rows per step. The GEMVs stream each weight chunk once for all rows (4 at a time from cache), which beats the
+# eager GEMMs up to this many rows (docs/performance.md, "One native call per decoded token"); beyond it they win.
 MAX_ROWS = 64
 DTYPES = (torch.float32, torch.bfloat16)
 

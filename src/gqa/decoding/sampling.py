@@ -68,9 +68,8 @@ def sample_next(
 
 
 # The most likely tokens looked at first, then, for the rows whose nucleus does not end among them, NUCLEUS_GROWTH times
-# as many, and so on. SmolLM2 writing user turns (64 rows, temperature 0.9, top-p 0.95): nuclei of 17 tokens
-# (median), 589 (p90), 5,503 (max). Growing every row while one needed more cost 68 ms per step (a fifth of a
-# 64-row decode step); growing only the rows that need it, 32 ms.
+# as many, and so on: most nuclei are small and a few are very large, so only the rows that need it grow
+# (docs/performance.md, "Sampling": the nucleus sizes and the cost of growing every row).
 NUCLEUS_CANDIDATES = 128
 NUCLEUS_GROWTH = 8
 
