@@ -230,30 +230,15 @@ def test_cuda_engine_greedy_equals_hf_and_each_request_alone(tmp_path):
     from gqa.serve.engine import Engine
     from gqa.serve.sampling import SamplingParams
 
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=160, hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rope_theta=5000.0, eos_token_id=3,
-        bos_token_id=1, tie_word_embeddings=False,
-    )  # fmt: skip
-    ref = transformers.Qwen2ForCausalLM(config).eval()
-    ref.save_pretrained(tmp_path, safe_serialization=True)
+    pytest.importorskip("transformers")
+    from helpers.serving import hf_greedy, serve_all, tiny_qwen2
+
+    ref = tiny_qwen2(tmp_path)
     model = gqa.load_model(tmp_path, dtype=torch.float32, device="cuda", tokenizer=False)
     prompts = [[5, 9, 17, 33, 2, 8, 100, 41, 7], [11], list(range(20, 90))]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
 
-    def serve(engine, batch):
-        ids = [engine.add(p, params).request_id for p in batch]
-        out = {i: [] for i in ids}
-        while engine.has_work:
-            for o in engine.step():
-                out[o.request_id] += o.token_ids
-        return [out[i] for i in ids]
-
-    together = serve(Engine(model, kv_cache_mib=4, block_size=16, prefill_chunk=32), prompts)
+    together = serve_all(Engine(model, kv_cache_mib=4, block_size=16, prefill_chunk=32), prompts, params)
     for prompt, tokens in zip(prompts, together, strict=True):
-        want = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
-        assert tokens == want
-        assert serve(Engine(model, kv_cache_mib=4, block_size=16, prefill_chunk=32), [prompt]) == [tokens]
+        assert tokens == hf_greedy(ref, prompt, 8)
+        assert serve_all(Engine(model, kv_cache_mib=4, block_size=16, prefill_chunk=32), [prompt], params) == [tokens]

@@ -12,6 +12,7 @@ import gqa
 from gqa import kernels
 from gqa.serve.engine import Engine, EngineError
 from gqa.serve.sampling import SamplingParams
+from tests.helpers.serving import hf_greedy, serve_all, tiny_qwen2
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -22,35 +23,10 @@ pytestmark = pytest.mark.skipif(not kernels.vectorized(), reason="native SIMD ke
 def tiny(tmp_path_factory):
     """A 2-layer Qwen2 (H_q=6, H_kv=2, head_dim 16, q/k/v biases) saved by HF, and HF's own model."""
     path = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=160, hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rope_theta=5000.0, eos_token_id=3,
-        bos_token_id=1, tie_word_embeddings=False,
-    )  # fmt: skip
-    ref = transformers.Qwen2ForCausalLM(config).eval()
-    ref.save_pretrained(path, safe_serialization=True)
-    return path, ref
+    return path, tiny_qwen2(path)
 
 
-def run(engine: Engine, prompts, params) -> dict[str, list[int]]:
-    """Serve every prompt to completion; each request's output tokens."""
-    ids = [engine.add(p, params).request_id for p in prompts]
-    out: dict[str, list[int]] = {i: [] for i in ids}
-    for _ in range(10_000):
-        if not engine.has_work:
-            break
-        for o in engine.step():
-            out[o.request_id] += o.token_ids
-    assert not engine.has_work
-    return [out[i] for i in ids]
-
-
-def hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        ids = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)  # fmt: skip
-    return ids[0, len(prompt) :].tolist()
+run = serve_all
 
 
 PROMPTS = [[5, 9, 17, 33, 2, 8, 100, 41, 7], [11], [7] * 40 + [12, 13], list(range(20, 90))]

@@ -18,6 +18,7 @@ from gqa.kernels.triton.paged import CHUNK, paged_attention
 from gqa.serve.engine import Engine
 from gqa.serve.sampling import SamplingParams
 from tests.helpers.interpreter import interpreting, run_interpreted
+from tests.helpers.serving import hf_greedy, serve_all, tiny_qwen2
 
 transformers = pytest.importorskip("transformers")
 if importlib.util.find_spec("triton") is None:
@@ -107,36 +108,8 @@ def test_bad_arguments_are_named(change, words):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A 2-layer Qwen2 (H_q=6, H_kv=2, head_dim 16, q/k/v biases) saved by HF, and HF's own model."""
     path = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=160, hidden_size=72, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rope_theta=5000.0, eos_token_id=3,
-        bos_token_id=1, tie_word_embeddings=False,
-    )  # fmt: skip
-    ref = transformers.Qwen2ForCausalLM(config).eval()
-    ref.save_pretrained(path, safe_serialization=True)
-    return path, ref
-
-
-def _serve(engine: Engine, prompts, params) -> list[list[int]]:
-    ids = [engine.add(p, params).request_id for p in prompts]
-    out: dict[str, list[int]] = {i: [] for i in ids}
-    for _ in range(10_000):
-        if not engine.has_work:
-            break
-        for o in engine.step():
-            out[o.request_id] += o.token_ids
-    assert not engine.has_work
-    return [out[i] for i in ids]
-
-
-def _hf_greedy(ref, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        ids = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)  # fmt: skip
-    return ids[0, len(prompt) :].tolist()
+    return path, tiny_qwen2(path)
 
 
 def _engine(model, **options) -> Engine:
@@ -153,11 +126,11 @@ def test_engine_on_the_triton_runner_equals_hf_and_each_request_alone(tiny):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     engine = _engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=16)
     free = engine.blocks.num_free
-    together = _serve(engine, prompts, params)
+    together = serve_all(engine, prompts, params)
     assert engine.blocks.num_free == free
     for prompt, tokens in zip(prompts, together, strict=True):
-        assert tokens == _hf_greedy(ref, prompt, 6)
-        assert _serve(_engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=16), [prompt], params) == [tokens]
+        assert tokens == hf_greedy(ref, prompt, 6)
+        assert serve_all(_engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=16), [prompt], params) == [tokens]
 
 
 @needs_interpreter
@@ -167,14 +140,14 @@ def test_triton_runner_prefix_cache_and_seeded_sampling(tiny):
     engine = _engine(model, kv_cache_mib=1, block_size=8, prefill_chunk=16)
     system = list(range(30, 62))  # 4 full blocks
     greedy = SamplingParams(max_tokens=4, ignore_eos=True)
-    _serve(engine, [[*system, 5]], greedy)
+    serve_all(engine, [[*system, 5]], greedy)
     hits = engine.blocks.prefix_hits
-    second = _serve(engine, [[*system, 7, 8]], greedy)[0]
+    second = serve_all(engine, [[*system, 7, 8]], greedy)[0]
     assert engine.blocks.prefix_hits - hits == 4
-    assert second == _hf_greedy(ref, [*system, 7, 8], 4)
+    assert second == hf_greedy(ref, [*system, 7, 8], 4)
     sampled = SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
-    first = _serve(engine, [[4, 5, 6]], sampled)
-    assert _serve(engine, [[4, 5, 6]], sampled) == first
+    first = serve_all(engine, [[4, 5, 6]], sampled)
+    assert serve_all(engine, [[4, 5, 6]], sampled) == first
 
 
 def test_the_engine_picks_the_runner_by_device(tiny):

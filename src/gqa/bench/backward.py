@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -18,28 +17,15 @@ import torch.nn.functional as F
 import gqa
 
 from . import write_json_atomic, write_text_atomic
+from .limits import time_ms
 
 KERNELS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")  # held on CUDA, by SDPBackend name
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 4e-2}  # gradients' rel. error vs SDPA's
 
 
 def _median_ms(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    fn()  # warm: kernels chosen and compiled, workspaces allocated
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    """Median ms of ``fn()`` after two warm-up calls (kernels chosen and compiled, workspaces allocated)."""
+    return statistics.median(time_ms(fn, device, repeats, warmup=2))
 
 
 def _calls(q, k, v, device: torch.device) -> dict:

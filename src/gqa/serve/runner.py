@@ -21,7 +21,7 @@ from .config import EngineConfig
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
 from .request import EngineError, Request
 
-__all__ = ["ModelRunner", "default_kv_cache_mib"]
+__all__ = ["ModelRunner", "batch_rows", "default_kv_cache_mib"]
 
 
 class ModelRunner:
@@ -58,13 +58,7 @@ class ModelRunner:
         """One ``gqa::decode_paged`` call over every request's rows ``[start, end)`` (their K/V into the pool):
         the logits ``(N, vocab)`` and greedy tokens ``(N,)`` of the requests fed up to their last token, in order."""
         model, backbone = self.model, self.model.model
-        ids, positions, tables, wanted = [], [], [], []
-        for r, start, end in work:
-            ids += r.tokens[start:end]
-            positions += range(start, end)
-            tables += [r.table.blocks] * (end - start)
-            if end == len(r.tokens):
-                wanted.append(len(ids) - 1)
+        ids, positions, tables, wanted = batch_rows(work)
         B = len(ids)
         positions = torch.tensor(positions, dtype=torch.long)
         cos, sin = backbone.rope.cos_sin(positions.view(B, 1))  # (B, 1, D) each
@@ -75,6 +69,19 @@ class ModelRunner:
                                   self.cache.key, self.cache.value, table_tensor(tables), positions, greedy,
                                   torch.tensor(wanted, dtype=torch.long))  # fmt: skip
         return logits, greedy
+
+
+def batch_rows(work: list[tuple[Request, int, int]]) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+    """A step's rows, one per token: ``(ids, positions, block tables, wanted)`` for every request's tokens ``[start,
+    end)``; ``wanted``: the rows whose next token is asked for (a request fed up to its last token), in order."""
+    ids, positions, tables, wanted = [], [], [], []
+    for r, start, end in work:
+        ids += r.tokens[start:end]
+        positions += range(start, end)
+        tables += [r.table.blocks] * (end - start)
+        if end == len(r.tokens):
+            wanted.append(len(ids) - 1)
+    return ids, positions, tables, wanted
 
 
 def default_kv_cache_mib(model: torch.nn.Module, max_running: int) -> float:

@@ -20,6 +20,7 @@ from ..kernels.triton.split_kv import DTYPES, interpreted, triton_available
 from .config import EngineConfig
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
 from .request import EngineError, Request
+from .runner import batch_rows
 
 __all__ = ["TritonModelRunner", "default_device_kv_cache_mib"]
 
@@ -58,13 +59,7 @@ class TritonModelRunner:
         ``(n, vocab)`` (float32, on the device) and greedy tokens ``(n,)`` (on the CPU) of the ``n`` requests fed up
         to their last token, in order."""
         model, device = self.model, self.model.device
-        ids, positions, tables, wanted = [], [], [], []
-        for r, start, end in work:
-            ids += r.tokens[start:end]
-            positions += range(start, end)
-            tables += [r.table.blocks] * (end - start)
-            if end == len(r.tokens):
-                wanted.append(len(ids) - 1)
+        ids, positions, tables, wanted = batch_rows(work)
         N, block_size = len(ids), self.cache.block_size
         host = torch.tensor([ids, positions], dtype=torch.long)
         ids_t, pos = host.to(device, non_blocking=True)  # (N,) each
