@@ -5,13 +5,16 @@ mixes decode rows and prompt-chunk rows, each with its own block table and lengt
 query heads of KV head ``h`` are one tile of ``BLOCK_G >= 16`` rows, so each K/V tile is read once per group; the
 keys of a tile are gathered through the block table, one page lookup per key, so any block size works. Splits
 start at fixed multiples of ``CHUNK`` whatever else is in the batch, so a row's result depends on that row alone.
-The partial outputs are merged by ``split_kv_kernels.merge_splits``.
+The running softmax and the partial outputs' merge are ``split_kv_kernels``' (``online_softmax_step``, ``finish``,
+``merge_splits``).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .split_kv_kernels import finish, online_softmax_step
 
 
 @triton.jit
@@ -56,18 +59,11 @@ def paged_attend(
         k = tl.load(k_ptr, mask=j_ok[:, None] & (d[None, :] < D), other=0.0)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_G, BLOCK_N) float32
         s = tl.where(g_ok[:, None] & j_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v_ptr = V + page[:, None] * sv_b + h * sv_h + slot[:, None] * sv_s + dv[None, :]
         v = tl.load(v_ptr, mask=j_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
-    out = tl.where(l_i[:, None] == 0.0, 0.0, acc / l_i[:, None])
+    out, lse = finish(m_i, l_i, acc)
     part = (nh.to(tl.int64) * splits + split) * G + g  # (BLOCK_G,) the partials' rows, merge_splits' layout
     tl.store(PartOut + part[:, None] * DV + dv[None, :], out, mask=g_ok[:, None] & (dv[None, :] < DV))
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i))
     tl.store(PartLse + part, lse, mask=g_ok)

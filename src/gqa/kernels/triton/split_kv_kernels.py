@@ -20,6 +20,27 @@ import triton.language as tl
 
 
 @triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One tile of keys into a running softmax: scores ``s (M, N)`` float32 (-inf where not seen), values
+    ``v (N, DV)``, the running max ``m_i (M,)``, sum ``l_i (M,)`` and output ``acc (M, DV)`` -> their new values."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0 below
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])  # (M, N)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def finish(m_i, l_i, acc):
+    """The normalised output ``(M, DV)`` (zeros for a row that saw no key) and its log-sum-exp ``(M,)`` (-inf there)."""
+    out = tl.where(l_i[:, None] == 0.0, 0.0, acc / l_i[:, None])
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i))
+    return out, lse
+
+
+@triton.jit
 def split_kv_attend(
     Q, K, V, Mask, Start, End, Out, PartOut, PartLse,  # pointers
     scale, S, L, D, DV, rows, chunk, H_KV, splits,  # sizes
@@ -84,16 +105,10 @@ def split_kv_attend(
         if MASK_KIND == 2:
             s = s + tl.load(m_base + j[None, :] * sm_s, mask=seen, other=0.0).to(tl.float32)
         s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing seen yet: exp(-inf) = 0 below
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + j[:, None] * sv_s + dv[None, :], mask=j_ok[:, None] & (dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
-    out = tl.where(l_i[:, None] == 0.0, 0.0, acc / l_i[:, None])  # (BLOCK_M, BLOCK_DV); NaN stays NaN
+    out, lse = finish(m_i, l_i, acc)  # (BLOCK_M, BLOCK_DV), (BLOCK_M,); NaN stays NaN
     dv_ok = r_ok[:, None] & (dv[None, :] < DV)
     if DIRECT:
         o_ptr = Out + n.to(tl.int64) * so_n + h * so_h + g[:, None] * so_g + lq[:, None] * so_l + dv[None, :]
@@ -101,7 +116,6 @@ def split_kv_attend(
     else:
         part = (nh.to(tl.int64) * splits + split) * rows + r  # (BLOCK_M,) row index into the partials
         tl.store(PartOut + part[:, None] * DV + dv[None, :], out, mask=dv_ok)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_i))
         tl.store(PartLse + part, lse, mask=r_ok)
 
 
