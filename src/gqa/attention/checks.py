@@ -160,3 +160,47 @@ def check_dropout(dropout_p: float, name: str = "dropout_p") -> None:
         raise TypeError(f"{name} must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{name} must be in [0, 1), got {dropout_p}")
+
+
+Window = tuple[int | None, int | None]  # (left, right) keys around the bottom-right diagonal; None: unbounded
+
+
+def check_window(window: object) -> Window | None:
+    """``window`` as ``(left, right)``: an int is ``(left, None)``; each side an int >= 0 or None (unbounded)."""
+    if window is None:
+        return None
+    sides = (window, None) if isinstance(window, int) and not isinstance(window, bool) else window
+    if not isinstance(sides, tuple) or len(sides) != 2:
+        raise TypeError(f"window must be an int (left) or a (left, right) tuple, got {window!r}")
+    for name, n in zip(("left", "right"), sides, strict=True):
+        if n is None:
+            continue
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"window's {name} side must be an int or None, got {n!r}")
+        if n < 0:
+            raise ValueError(f"window's {name} side must be >= 0 (None for unbounded), got {n}")
+    return sides
+
+
+def check_softcap(softcap: object) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+    if not (softcap > 0 and softcap != float("inf")):
+        raise ValueError(f"softcap must be a finite number > 0, got {softcap}")
+    return float(softcap)
+
+
+def check_sinks(sinks: object, shape: AttnShape, query: torch.Tensor) -> None:
+    """Sinks: one logit per query head, ``(H_q,)``, floating point, on the query's device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape (H_q,) = ({shape.H_q},), got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a floating-point tensor, got dtype {sinks.dtype}")
+    if sinks.shape != (shape.H_q,):
+        raise ValueError(f"sinks must have shape (H_q,) = ({shape.H_q},), got {shape_str(sinks)}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks is on {sinks.device} but query is on {query.device}")

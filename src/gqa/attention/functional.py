@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from .backends import BACKENDS, bind_backend, choose_backend
-from .checks import check_dropout, check_mask, check_qkv, check_scale
+from .checks import check_dropout, check_mask, check_qkv, check_scale, check_sinks, check_softcap, check_window
+from .masks import merge_masks, window_mask
 from .routes import Route, find_route, remember_route, signature
 
 _last: list[str | None] = [None]
@@ -25,6 +26,9 @@ def grouped_attention(
     is_causal: bool = False,
     scale: float | None = None,
     *,
+    window: int | tuple[int | None, int | None] | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     return_weights: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -49,11 +53,22 @@ def grouped_attention(
         top-left (``j <= i``), which is wrong for cached decoding. Combines with ``attn_mask``.
     scale : float, optional
         Multiplies the scores; default ``D ** -0.5``.
+    window : int or (int | None, int | None), optional
+        Sliding window as FlashAttention's ``window_size``: ``(left, right)``, an int meaning ``(left, None)``, a side
+        that is None unbounded. Aligned bottom-right like ``is_causal``: query ``i`` sees keys ``j`` with
+        ``i + S - L - left <= j <= i + S - L + right``. Combines with ``is_causal`` and ``attn_mask``.
+    softcap : float, optional
+        Logit soft-capping (Gemma 2): ``softcap * tanh(scores / softcap)`` on the scaled scores, before any mask.
+    sinks : Tensor ``(H_q,)``, optional
+        A logit per query head joining every row's softmax as a key whose value is zero (gpt-oss's attention sinks);
+        the weights of the real keys then sum to less than 1. Gradients flow to it.
     return_weights : bool
         Also return the attention weights ``(*B, H_q, L, S)`` (after dropout, if any).
     backend : {"auto", "reference", "grouped", "sdpa", "fused", "triton"}
         ``auto`` picks per shape, device and dtype (``last_backend()`` says which ran); ``fused`` is the native CPU
         decode kernel (``gqa.kernels``), ``triton`` the GPU split-KV decode kernel (``gqa.kernels.triton.split_kv``).
+        A window is a mask to every backend; ``softcap`` and ``sinks`` run on ``reference`` and ``grouped`` (``auto``
+        picks ``grouped``), and any other backend refuses them.
 
     Returns
     -------
@@ -67,6 +82,9 @@ def grouped_attention(
     (``gqa.attention.routes``): a repeated call costs about what the backend's own call costs.
     """
     compiling = torch.compiler.is_compiling()
+    if window is not None or softcap is not None or sinks is not None:
+        return _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, window, softcap, sinks,
+                                  return_weights, backend)  # fmt: skip
     sig = None
     if not compiling:
         sig = signature(query, key, value, attn_mask, dropout_p, is_causal, scale, return_weights, backend)
@@ -96,4 +114,46 @@ def grouped_attention(
         _last[0] = backend
         call = bind_backend(backend, query, key, value, return_weights=return_weights, **kwargs)
         remember_route(sig, Route(backend, call))
+    return (out, weights) if return_weights else out
+
+
+SCORE_MOD_BACKENDS = ("grouped", "reference")  # the backends that take softcap and sinks
+
+
+def _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, window, softcap, sinks,
+                       return_weights, backend):  # fmt: skip
+    """``grouped_attention`` with a window, soft-capping or sinks (not remembered per signature: ``routes``): the
+    window becomes a bottom-right band mask merged with ``attn_mask``; softcap and sinks go to a backend that takes
+    them."""
+    shape = check_qkv(query, key, value)
+    check_mask(attn_mask, shape, query)
+    check_dropout(dropout_p)
+    check_scale(scale)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    sides = check_window(window)
+    softcap = check_softcap(softcap)
+    check_sinks(sinks, shape, query)
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    if sides is not None:
+        attn_mask = merge_masks(attn_mask, window_mask(shape.L, shape.S, *sides, query.device))
+    kwargs = dict(
+        shape=shape,
+        attn_mask=attn_mask,
+        dropout_p=float(dropout_p),
+        is_causal=is_causal,
+        scale=float(shape.D**-0.5 if scale is None else scale),
+    )
+    modified = softcap is not None or sinks is not None
+    if backend == "auto":
+        backend = "grouped" if modified else choose_backend(query, key, value, return_weights=return_weights, **kwargs)
+    elif modified and backend not in SCORE_MOD_BACKENDS:
+        raise ValueError(
+            f"backend={backend!r} cannot apply softcap or sinks; use 'auto' or one of {SCORE_MOD_BACKENDS}"
+        )
+    extra = dict(softcap=softcap, sinks=sinks) if modified else {}
+    out, weights = BACKENDS[backend](query, key, value, return_weights=return_weights, **kwargs, **extra)
+    if not torch.compiler.is_compiling():
+        _last[0] = backend
     return (out, weights) if return_weights else out

@@ -21,6 +21,33 @@ def causal_mask(L: int, S: int, device: torch.device | str | None = None) -> tor
     return torch.ones(L, S, dtype=torch.bool, device=device).tril(S - L)
 
 
+def window_mask(L: int, S: int, left: int | None, right: int | None, device: torch.device | str | None = None):
+    """Bool ``(L, S)``, True where query ``i`` may see key ``j``: ``i + S - L - left <= j <= i + S - L + right`` (a side
+    that is None is unbounded), the band aligned bottom-right like ``causal_mask``."""
+    i = torch.arange(L, device=device)[:, None] + (S - L)  # each query's own position among the keys
+    j = torch.arange(S, device=device)[None, :]
+    allowed = torch.ones(L, S, dtype=torch.bool, device=device)
+    if left is not None:
+        allowed &= j >= i - left
+    if right is not None:
+        allowed &= j <= i + right
+    return allowed
+
+
+def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's logit soft-capping), or the scores as they are."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim with one more logit per row, the head's sink (a key whose value is zero): the weights
+    of the real keys, which then sum to less than 1 (a row that sees no key gets zeros). ``sinks`` broadcasts to
+    ``scores.shape[:-1] + (1,)``."""
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)
+    return weights[..., :-1]
+
+
 def padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Turn an HF-style ``(B, S)`` mask (1/True = real token, 0/False = padding) into a bool ``(B, 1, 1, S)`` mask.
 

@@ -9,6 +9,7 @@ heads), since a half GEMM would round every score to 8 (bf16) or 11 (fp16) bits 
 float64 reference on peaked scores where float32 scores stay at the output's own rounding. Scaling, masking and the
 softmax run in float32; the weights are cast to the value dtype for the second matmul (float32 accumulation inside
 the GEMM). float16 on CPU, which has no fast float16 GEMM, runs that one in float32 too (V converted once).
+Soft-capping and sinks as in the reference backend.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import HALF_DTYPES, AttnShape
-from ..masks import apply_mask_, causal_mask, group_mask, softmax_rows
+from ..masks import apply_mask_, causal_mask, group_mask, soft_cap, softmax_rows, softmax_with_sinks
 
 # Up to this many query rows per KV head (G * L), float32/float64 scores are computed as K @ q^T (see below).
 GEMV_ROWS = 8
@@ -43,6 +44,8 @@ def grouped_attention_rows(
     is_causal: bool,
     scale: float,
     return_weights: bool,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     B, H_kv, G, L, S = shape.batch, shape.H_kv, shape.G, shape.L, shape.S
     out_dtype = query.dtype
@@ -67,6 +70,7 @@ def grouped_attention_rows(
         scores = torch.matmul(key, (q * scale).transpose(-1, -2)).transpose(-1, -2).contiguous()  # (*B_k, H_kv, R, S)
     else:
         scores = torch.matmul(q, key.transpose(-1, -2)).mul_(scale)  # (*B_kept, H_kv, R, S)
+    scores = soft_cap(scores, softcap)
 
     laid_out = (*B_kept, H_kv, *B_folded, G, L)  # the rows unfolded
     if attn_mask is not None or is_causal:
@@ -77,7 +81,11 @@ def grouped_attention_rows(
         if is_causal:
             grouped = apply_mask_(grouped, causal_mask(L, S, query.device))
         scores = grouped.view(*B_kept, H_kv, R, S)
-    weights = softmax_rows(scores, attn_mask is not None or (is_causal and L > S))
+    if sinks is not None:  # each row's head's sink: rows are (*B_folded, G, L) per KV head
+        sink_rows = sinks.view(H_kv, *[1] * len(B_folded), G, 1).expand(H_kv, *B_folded, G, L).reshape(H_kv, R, 1)
+        weights = softmax_with_sinks(scores, sink_rows.to(scores.dtype))
+    else:
+        weights = softmax_rows(scores, attn_mask is not None or (is_causal and L > S))
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
 

@@ -2,6 +2,8 @@
 
 The group lives in its own axis: ``q (*B, H_kv, G, L, D)`` against ``k (*B, H_kv, S, D)``. The einsum letter ``g``
 appears only on the query side, so K/V are shared by the ``G`` query heads of a group and never copied per head.
+Soft-capping (``softcap``) bends the scaled scores before any mask; sinks (``sinks``, one logit per query head) join
+each row's softmax as a key whose value is zero.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import HALF_DTYPES, AttnShape
-from ..masks import apply_mask_, causal_mask, group_mask, softmax_rows
+from ..masks import apply_mask_, causal_mask, group_mask, soft_cap, softmax_rows, softmax_with_sinks
 
 
 def reference_attention(
@@ -24,19 +26,24 @@ def reference_attention(
     is_causal: bool,
     scale: float,
     return_weights: bool,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     compute = torch.float32 if query.dtype in HALF_DTYPES else query.dtype
     q = query.to(compute).unflatten(-3, (shape.H_kv, shape.G))  # (*B, H_kv, G, L, D)
     k = key.to(compute)  # (*B, H_kv, S, D)
     v = value.to(compute)  # (*B, H_kv, S, D_v)
 
-    scores = torch.einsum("...hgld,...hsd->...hgls", q, k) * scale  # (*B, H_kv, G, L, S)
+    scores = soft_cap(torch.einsum("...hgld,...hsd->...hgls", q, k) * scale, softcap)  # (*B, H_kv, G, L, S)
     ndim = len(shape.scores)
     if attn_mask is not None:
         scores = apply_mask_(scores, group_mask(attn_mask, ndim, shape.H_kv, shape.G))
     if is_causal:
         scores = apply_mask_(scores, causal_mask(shape.L, shape.S, query.device))
-    weights = softmax_rows(scores, attn_mask is not None or (is_causal and shape.L > shape.S))
+    if sinks is not None:
+        weights = softmax_with_sinks(scores, sinks.to(compute).view(shape.H_kv, shape.G, 1, 1))
+    else:
+        weights = softmax_rows(scores, attn_mask is not None or (is_causal and shape.L > shape.S))
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
 

@@ -1,0 +1,159 @@
+"""Sliding windows, logit soft-capping and attention sinks: every backend that claims them against a float64
+oracle written here (explicit index comparisons, sinks as one more softmax column), against HF transformers' own
+eager functions (Gemma 2's soft-capping, gpt-oss's sinks), gradients by ``gradcheck``, and clear errors."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import gqa
+from tests.helpers.reference import TOL
+
+
+def oracle(q, k, v, *, mask=None, is_causal=False, window=None, softcap=None, sinks=None, scale=None):
+    """float64, K/V repeated per query head, every rule written out."""
+    q, k, v = q.double(), k.double(), v.double()
+    G = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(G, dim=-3), v.repeat_interleave(G, dim=-3)
+    L, S = q.shape[-2], k.shape[-2]
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(L)[:, None] + (S - L)
+    j = torch.arange(S)[None, :]
+    allowed = torch.ones(scores.shape, dtype=torch.bool)
+    if is_causal:
+        allowed &= j <= i
+    if window is not None:
+        left, right = (window, None) if isinstance(window, int) else window
+        if left is not None:
+            allowed &= j >= i - left
+        if right is not None:
+            allowed &= j <= i + right
+    if mask is not None:
+        allowed &= mask
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    top = scores.amax(-1, keepdim=True).clamp_min(-1e300)  # a row of -inf: no NaN
+    weights = (scores - top).exp()
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-300)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    return weights @ v
+
+
+def qkv(batch=(2,), H_q=18, H_kv=6, L=3, S=7, D=5, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*batch, h, n, D, generator=g).to(dtype) for h, n in ((H_q, L), (H_kv, S), (H_kv, S))]
+
+
+WINDOWS = [2, (1, 1), (0, 0), (0, None), (None, 1), 10, 0]
+
+
+@pytest.mark.parametrize("backend", ["auto", "grouped", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [(), (2,), (2, 3)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_every_option_and_their_combination_matches_float64(backend, dtype, batch, is_causal):
+    q, k, v = qkv(batch, dtype=dtype)
+    sinks = torch.randn(18, generator=torch.Generator().manual_seed(5))
+    mask = torch.rand(*batch, 1, 3, 7, generator=torch.Generator().manual_seed(6)) > 0.3
+    for window in WINDOWS:
+        for softcap, use_sinks, use_mask in ((None, False, False), (2.5, False, False), (None, True, False),
+                                             (1.5, True, True)):  # fmt: skip
+            s = sinks if use_sinks else None
+            m = mask if use_mask else None
+            out = gqa.grouped_attention(q, k, v, attn_mask=m, is_causal=is_causal, window=window, softcap=softcap,
+                                        sinks=s, backend=backend)  # fmt: skip
+            ref = oracle(q, k, v, mask=m, is_causal=is_causal, window=window, softcap=softcap, sinks=s)
+            torch.testing.assert_close(out.double(), ref, **TOL[dtype], msg=f"{window} {softcap} {use_sinks}")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "fused"])
+def test_a_window_alone_runs_on_every_mask_taking_backend(backend):
+    q, k, v = qkv((2,), H_q=8, H_kv=2, L=1 if backend == "fused" else 20, S=40, D=16)
+    try:
+        out = gqa.grouped_attention(q, k, v, is_causal=True, window=7, backend=backend)
+    except ValueError as err:  # this build or machine cannot run it: said, not a wrong answer
+        pytest.skip(str(err))
+    torch.testing.assert_close(out.double(), oracle(q, k, v, is_causal=True, window=7), **TOL[torch.float32])
+
+
+def test_long_decode_with_a_window_sees_only_the_window():
+    q, k, v = qkv((1,), H_q=8, H_kv=2, L=1, S=4096, D=32)
+    out = gqa.grouped_attention(q, k, v, window=256)
+    tail = gqa.grouped_attention(q, k[..., -257:, :], v[..., -257:, :])  # the same keys, nothing else
+    torch.testing.assert_close(out, tail, atol=1e-6, rtol=1e-6)
+
+
+def test_weights_with_sinks_sum_to_less_than_one_and_empty_rows_are_zero():
+    q, k, v = qkv((1,), L=4, S=4)
+    sinks = torch.full((18,), 3.0)
+    out, w = gqa.grouped_attention(q, k, v, is_causal=True, sinks=sinks, return_weights=True)
+    assert (w.sum(-1) < 1).all() and (w.sum(-1) > 0).all()
+    hidden = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
+    out = gqa.grouped_attention(q, k, v, attn_mask=hidden, sinks=sinks)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_sinks_match_gpt_oss_eager_attention():
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    q, k, v = qkv((2,), H_q=8, H_kv=2, L=6, S=6, D=16)
+    sinks = torch.randn(8)
+    module = types.SimpleNamespace(num_key_value_groups=4, sinks=sinks, training=False)
+    causal = torch.zeros(6, 6).masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    want, _ = gpt_oss.eager_attention_forward(module, q, k, v, causal[None, None], scaling=0.25)
+    out = gqa.grouped_attention(q, k, v, is_causal=True, scale=0.25, sinks=sinks)
+    torch.testing.assert_close(out.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
+
+
+def test_softcap_matches_gemma2_eager_attention():
+    gemma2 = pytest.importorskip("transformers.models.gemma2.modeling_gemma2")
+    q, k, v = qkv((2,), H_q=8, H_kv=2, L=6, S=6, D=16)
+    q = q * 4  # scores large enough for the cap to bend them
+    module = types.SimpleNamespace(num_key_value_groups=4, training=False)
+    causal = torch.zeros(6, 6).masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    want, _ = gemma2.eager_attention_forward(module, q, k, v, causal[None, None], scaling=0.25, softcap=3.0)
+    out = gqa.grouped_attention(q, k, v, is_causal=True, scale=0.25, softcap=3.0)
+    torch.testing.assert_close(out.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["grouped", "reference"])
+def test_gradients_through_window_softcap_and_sinks(backend):
+    q, k, v = (t.double().requires_grad_() for t in qkv((1,), H_q=4, H_kv=2, L=3, S=5, D=3))
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+
+    def fn(q, k, v, sinks):
+        return gqa.grouped_attention(q, k, v, is_causal=True, window=(2, 0), softcap=1.5, sinks=sinks,
+                                     backend=backend)  # fmt: skip
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(window=-1), ValueError, "window's left side must be >= 0"),
+        (dict(window=(1, -2)), ValueError, "window's right side must be >= 0"),
+        (dict(window=(1, 2, 3)), TypeError, "window must be an int"),
+        (dict(window=1.5), TypeError, "window must be an int"),
+        (dict(window=True), TypeError, "window must be an int"),
+        (dict(softcap=0.0), ValueError, "softcap must be a finite number > 0"),
+        (dict(softcap=float("inf")), ValueError, "softcap must be a finite number > 0"),
+        (dict(softcap=True), TypeError, "softcap must be a float"),
+        (dict(sinks=torch.zeros(5)), ValueError, r"sinks must have shape \(H_q,\) = \(18,\)"),
+        (dict(sinks=torch.zeros(18, dtype=torch.long)), TypeError, "sinks must be a floating-point tensor"),
+        (dict(sinks=[0.0] * 18), TypeError, "sinks must be a torch.Tensor"),
+        (dict(softcap=2.0, backend="sdpa"), ValueError, "backend='sdpa' cannot apply softcap or sinks"),
+        (dict(sinks=torch.zeros(18), backend="fused"), ValueError, "backend='fused' cannot apply softcap or sinks"),
+    ],
+)
+def test_bad_options_are_refused_by_name(kwargs, error, words):
+    q, k, v = qkv()
+    with pytest.raises(error, match=words):
+        gqa.grouped_attention(q, k, v, **kwargs)
