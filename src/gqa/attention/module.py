@@ -10,7 +10,7 @@ from torch import nn
 
 from ..cache.kv import _KVCache
 from ..models.linear import Linear, linears
-from .checks import check_dropout, check_heads, shape_str
+from .checks import check_dropout, check_heads, check_softcap, check_window, shape_str
 from .functional import grouped_attention
 from .masks import merge_masks
 from .rope import RoPE
@@ -35,7 +35,14 @@ class GroupedQueryAttention(nn.Module):
     dropout : float
         Dropout on the attention weights, in training mode only.
     rope : RoPE, optional
-        Rotary embedding applied to queries and keys in self-attention.
+        Rotary embedding applied to queries and keys in self-attention; None for a layer without positions (NoPE).
+    window, softcap : optional
+        A sliding window and logit soft-capping, as ``grouped_attention`` takes them (Mistral, Gemma 2/3, gpt-oss).
+    sinks : bool
+        A learned sink logit per query head, ``self.sinks (H_q,)`` (gpt-oss), initialised to zero.
+    qk_norm : bool
+        Per-head RMSNorm of queries and keys before RoPE, ``self.q_norm`` / ``self.k_norm`` with a ``(D,)`` weight each
+        (Qwen3, Gemma 3); ``norm_eps`` its epsilon.
     kdim, vdim : int, optional
         Feature sizes of the key and value inputs for cross-attention; default ``embed_dim``.
 
@@ -54,6 +61,11 @@ class GroupedQueryAttention(nn.Module):
         out_bias: bool = False,
         dropout: float = 0.0,
         rope: RoPE | None = None,
+        window: int | tuple[int | None, int | None] | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
         kdim: int | None = None,
         vdim: int | None = None,
         device: torch.device | str | None = None,
@@ -91,9 +103,21 @@ class GroupedQueryAttention(nn.Module):
         self.v_proj = Linear(self.vdim, num_kv_heads * head_dim, bias=qkv_bias, **factory)
         self.o_proj = Linear(num_heads * head_dim, embed_dim, bias=out_bias, **factory)
         self.rope = rope
+        self.window, self.softcap = check_window(window), check_softcap(softcap)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
+        self.q_norm = HeadRMSNorm(head_dim, norm_eps, **factory) if qk_norm else None
+        self.k_norm = HeadRMSNorm(head_dim, norm_eps, **factory) if qk_norm else None
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is plain attention: no window, soft-capping, sinks or q/k norm (what the fused decode steps
+        and kernels compute; they leave the rest to this module)."""
+        return self.window is None and self.softcap is None and self.sinks is None and self.q_norm is None
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        extra = "".join(f", {name}={value}" for name, value in (("window", self.window), ("softcap", self.softcap))
+                        if value is not None)  # fmt: skip
+        return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{extra}"
 
     def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
         return t.unflatten(-1, (n, self.head_dim)).transpose(-2, -3)  # (*B, L, n*D) -> (*B, n, L, D)
@@ -160,6 +184,8 @@ class GroupedQueryAttention(nn.Module):
         q = self._heads(q, self.num_heads)  # (*B, H_q, L, D)
         k = self._heads(k, self.num_kv_heads)  # (*B, H_kv, S, D)
         v = self._heads(v, self.num_kv_heads)  # (*B, H_kv, S, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None and kv_input is None:
             if rope_cos_sin is None:
                 if position_ids is None:
@@ -174,8 +200,23 @@ class GroupedQueryAttention(nn.Module):
 
         dropout_p = self.dropout if self.training else 0.0
         result = grouped_attention(
-            q, k, v, attn_mask, dropout_p, is_causal, return_weights=need_weights, backend=backend
-        )
+            q, k, v, attn_mask, dropout_p, is_causal, window=self.window, softcap=self.softcap, sinks=self.sinks,
+            return_weights=need_weights, backend=backend,
+        )  # fmt: skip
         out, weights = result if need_weights else (result, None)
         out = self.o_proj(out.transpose(-2, -3).flatten(-2))  # (*B, H_q, L, D) -> (*B, L, E)
         return (out, weights) if need_weights else out
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over each head's ``D`` features (Qwen3's and Gemma 3's q/k norm): ``weight * x / rms(x)``, computed in
+    float32 and cast back before the weight, as HF transformers does."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)

@@ -36,6 +36,8 @@ def graphs_apply(model: torch.nn.Module, caches: list) -> str | None:
         return "caches that are not StaticKVCache"
     if model.training:
         return "training mode"
+    if not all(layer.self_attn.plain for layer in model.model.layers):
+        return "attention with a window, soft-capping, sinks or q/k norm"
     return None
 
 

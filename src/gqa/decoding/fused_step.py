@@ -65,6 +65,8 @@ def fused_applies(model: nn.Module) -> str | None:
     """``None`` if ``StepWeights`` can be built for ``model``, else why not (quantized or hooked projections)."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if not attn.plain:
+            return "attention with a window, soft-capping, sinks or q/k norm (the eager forward takes it)"
         projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         for proj in projections:
             if not isinstance(proj, nn.Linear) or proj._forward_hooks or proj._forward_pre_hooks:

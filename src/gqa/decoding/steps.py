@@ -59,6 +59,7 @@ def _native_possible(model: torch.nn.Module) -> bool:
         and rope.rotary_dim == rope.head_dim
         and kernels.vectorized()
         and model.runs_own_forward()
+        and all(layer.self_attn.plain for layer in model.model.layers)
     )
 
 

@@ -47,6 +47,8 @@ class ModelRunner:
         built, layers the native step takes, full half-rotation RoPE."""
         if model.device.type != "cpu" or model.dtype not in native_step.DTYPES or not kernels.vectorized():
             raise EngineError("the engine runs float32 or bfloat16 models on CPU with the native kernels built")
+        if not all(layer.self_attn.plain for layer in model.model.layers):
+            raise EngineError("the engine runs plain attention (no window, soft-capping, sinks or q/k norm) for now")
         if native_step.decode_weights(model, model.dtype) is None:
             raise EngineError("the model's layers are not all ones the native step takes (see decoding.native_step)")
         rope = model.model.rope
