@@ -4,7 +4,6 @@ built without importing torch (``gqa bench attention --help``); what the flags s
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,6 +65,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
+RUN = "gqa.bench.attention"  # the module whose run(parser, args) runs ``gqa bench attention`` (it imports torch)
 HELP = "time gqa's attention backends and peer implementations against the machine's bandwidth and matmul rate"
 DESCRIPTION = (
     "Time gqa's attention backends, auto and the peer implementations side by side against the machine's measured "
@@ -226,11 +226,3 @@ def select_impls(parser: argparse.ArgumentParser, args: argparse.Namespace, devi
     if unknown:
         parser.error(f"--impls: unknown {unknown} on {device.type}; choose from {sorted(known)}")
     return [impl for impl in impls if impl.name in args.impls]
-
-
-def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """``gqa bench attention`` (``gqa.bench.attention.run``, which imports torch)."""
-    from .attention import run as run_attention
-
-    argv = getattr(args, "argv", None) or sys.argv[1:]
-    return run_attention(parser, args, argv[argv.index("attention") + 1 :] if "attention" in argv else argv)

@@ -92,12 +92,16 @@ def main(argv: Sequence[str | os.PathLike[str]] | None = None) -> int:
     """
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else [os.fspath(a) for a in argv]
-    return run(parser, parser.parse_args(argv), argv)
+    args = parser.parse_args(argv)
+    args.argv = ["attention", *argv]
+    return run(parser, args)
 
 
-def run(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """``main`` on the flags ``argv`` that ``parser`` (``build_parser``, or one ``add_arguments`` filled) parsed into
-    ``args``; bad flags are ``parser.error``."""
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The benchmark on the flags ``parser`` (``build_parser``, or one ``add_arguments`` filled) parsed into ``args``
+    (``args.argv``: the command line, recorded in the results); bad flags are ``parser.error``."""
+    full = list(getattr(args, "argv", None) or sys.argv[1:])
+    argv = full[full.index("attention") + 1 :] if "attention" in full else full
     check_output_paths(parser, args)
     resolve_dtypes(args)
     if args.from_json:

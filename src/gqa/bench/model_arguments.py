@@ -11,6 +11,7 @@ from ..options.dtypes import dtype_type
 
 __all__ = ["CPU_ENGINES", "DESCRIPTION", "ENGINES", "FLOAT_DTYPES", "QUANTIZED", "SHAPES", "add_arguments"]
 
+RUN = "gqa.bench.model"  # the module whose run(parser, args) runs ``gqa bench model`` (it imports torch)
 HELP = "KV-cache size, prefill and decode tokens/s of gqa vs HF transformers, the model as MHA, GQA and MQA"
 DESCRIPTION = (  # the first paragraph of gqa.bench.model's docstring
     "Whole-model benchmark: KV-cache size, prefill and decode tokens/s of gqa vs HF transformers on the same weights, "
@@ -73,10 +74,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot", type=Path, default=None, metavar="PATH", help="write the PNG plot here (needs matplotlib)"
     )
-
-
-def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """``gqa bench model`` (``gqa.bench.model.run``, which imports torch)."""
-    from .model import run as run_model
-
-    return run_model(parser, args)

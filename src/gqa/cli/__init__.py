@@ -16,17 +16,24 @@ from types import ModuleType
 from .. import __version__
 from ..options.common import HelpFormatter
 
-# Every command and benchmark is a module with HELP, DESCRIPTION, add_arguments(parser) and run(parser, args), and
-# imports no torch until run: the parser is built from all of them without it (gqa --help, gqa info).
+# Every command and benchmark is a module with HELP, DESCRIPTION, add_arguments(parser) and run(parser, args) (or
+# RUN, the module whose run that is), and imports no torch until run: the parser is built from all of them without
+# it (gqa --help, gqa info).
 COMMANDS = ("generate", "info", "eval", "demo", "serve", "convert")  # gqa.cli.NAME
 BENCHMARKS = {"attention": "arguments", "model": "model_arguments", "startup": "startup", "shared": "shared_cpu",
               "serve": "serve"}  # gqa bench NAME -> gqa.bench.MODULE  # fmt: skip
 
 
 def _add(sub: argparse._SubParsersAction, name: str, module: ModuleType) -> argparse.ArgumentParser:
-    """``name`` as a subcommand run by ``module``; its ``--help`` shows the defaults."""
+    """``name`` as a subcommand run by ``module``'s ``run``, or by the ``run`` of the module its ``RUN`` names (a
+    benchmark whose work imports torch at its top, imported when it runs); its ``--help`` shows the defaults."""
     parser = sub.add_parser(name, help=module.HELP, description=module.DESCRIPTION, formatter_class=HelpFormatter)
-    parser.set_defaults(run=lambda ns: module.run(parser, ns), prog=parser.prog)
+
+    def run(ns: argparse.Namespace) -> int:
+        runner = module if hasattr(module, "run") else importlib.import_module(module.RUN)
+        return runner.run(parser, ns)
+
+    parser.set_defaults(run=run, prog=parser.prog)
     module.add_arguments(parser)
     return parser
 
