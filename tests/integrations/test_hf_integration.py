@@ -167,10 +167,39 @@ def test_function_dropout_only_in_training():
     assert torch.isfinite(trained).all() and not torch.allclose(trained, plain)
 
 
-def test_function_rejects_softcap():
-    q, k, v = qkv(1, 2, 1, 3, 3)
-    with pytest.raises(ValueError, match="softcap"):
-        gqa.integrations.hf.gqa_attention_forward(FakeAttention(2), q, k, v, None, softcap=30.0)
+def test_softcap_and_sinks_reach_the_attention_call():
+    """``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks) as transformers passes them, against its own eager
+    functions of those models."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    q, k, v = qkv(2, 6, 2, 5, 5)
+    q = q * 4
+    causal = torch.zeros(5, 5).masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))[None, None]
+    module = FakeAttention(groups=3).eval()
+    ours, _ = gqa.integrations.hf.gqa_attention_forward(module, q, k, v, causal, scaling=0.3, softcap=2.0)
+    want, _ = gemma2_eager(module, q, k, v, causal, scaling=0.3, softcap=2.0)
+    torch.testing.assert_close(ours, want, **TOL)
+    module.sinks = torch.randn(6)
+    ours, _ = gqa.integrations.hf.gqa_attention_forward(module, q, k, v, causal, scaling=0.3, s_aux=module.sinks)
+    want, _ = gpt_oss_eager(module, q, k, v, causal, scaling=0.3)
+    torch.testing.assert_close(ours, want, **TOL)
+
+
+def test_gemma2_with_softcap_and_a_sliding_window_matches_eager():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=5.0,
+                       final_logit_softcapping=10.0, max_position_embeddings=64,
+                       attn_implementation="eager")  # fmt: skip
+    torch.manual_seed(0)
+    eager = Gemma2ForCausalLM(cfg).eval()
+    ours = copy.deepcopy(eager)
+    ours.set_attn_implementation("gqa")
+    ids = torch.randint(0, 64, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, eager(ids).logits, **TOL)
 
 
 # ==================================================================================== tiny Llama / Qwen2 vs eager

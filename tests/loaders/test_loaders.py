@@ -20,6 +20,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
+import gqa
 from gqa.loaders import default_model_path, load_tokenizer, read_model
 from gqa.loaders.gguf_file import unpermute_qk
 
@@ -38,6 +39,14 @@ def tiny_hf(arch: str = "llama", tied: bool = False, **sizes) -> torch.nn.Module
     kw |= dict(bos_token_id=1, eos_token_id=2) | sizes
     if arch == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    if arch == "qwen3":
+        config = transformers.Qwen3Config(**kw, head_dim=4, rope_theta=10000.0)  # as gguf_meta writes it
+        model = transformers.Qwen3ForCausalLM(config).eval()
+        with torch.no_grad():  # the q/k norms start at ones: make them tell q from k
+            for name, p in model.named_parameters():
+                if "_norm" in name:
+                    p.uniform_(0.5, 1.5)
+        return model
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw)).eval()
 
 
@@ -57,6 +66,8 @@ _GGUF_LAYER = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
@@ -234,6 +245,20 @@ def test_qwen2_gguf_is_not_permuted(tmp_path):
     assert set(sd) == set(src)
     for name, want in src.items():
         assert torch.equal(sd[name], want), name
+
+
+def test_qwen3_gguf_keeps_its_qk_norms_and_matches_transformers(tmp_path):
+    """llama.cpp's qwen3 architecture: q/k norms as attn_q_norm / attn_k_norm, q/k not permuted; logits as HF's."""
+    model = tiny_hf("qwen3", tied=True)
+    path = write_model_gguf(tmp_path / "qwen3.gguf", model)
+    cfg, sd = read_model(path)
+    assert cfg.arch == "qwen3" and cfg.qk_norm and not cfg.attention_bias
+    src = saved_state(model)
+    assert set(sd) == set(src)
+    ours = gqa.load_model(path, tokenizer=False)
+    ids = torch.randint(3, 32, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), model(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_gguf_rope_scaling_and_folder(tmp_path):
@@ -417,7 +442,7 @@ def test_gguf_shape_mismatch(tmp_path):
 def test_gguf_unsupported_architecture(tmp_path):
     meta = gguf_meta(tiny_hf("llama").config, "gemma")
     path = write_gguf(tmp_path / "g.gguf", "gemma", meta, {"token_embd.weight": (np.zeros((32, 16), np.float32), None)})
-    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma'; supported: llama, qwen2"):
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma'; supported: llama, qwen2, qwen3"):
         read_model(path)
 
 
@@ -434,7 +459,8 @@ def test_gguf_unsupported_quant_type(tmp_path):
     ("extra", "match"),
     [
         ("rope_freqs.weight", r"rope_freqs\.weight, Llama-3\.1-style rope scaling\) are not supported"),
-        ("blk.0.attn_q_norm.weight", r"tensors outside the llama layout: blk\.0\.attn_q_norm\.weight"),
+        ("blk.0.ffn_gate_exps.weight", r"tensors outside the llama layout: blk\.0\.ffn_gate_exps\.weight"),
+        ("blk.0.attn_q_norm.weight", r"unexpected tensor\(s\) for a llama model .*self_attn\.q_norm\.weight"),
     ],
 )
 def test_gguf_unexpected_tensor(tmp_path, extra, match):

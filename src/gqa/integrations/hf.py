@@ -60,8 +60,9 @@ def gqa_attention_forward(
         Dropout on the attention weights; applied only when ``module.training``.
     **kwargs
         ``is_causal`` (overrides ``module.is_causal``), ``output_attentions`` (return the weights, as eager does),
-        ``position_bias`` (an additive score bias, as in transformers' sdpa). ``softcap`` and paged caches are not
-        supported; other keyword arguments (``sliding_window``, ``position_ids``, ...) are encoded in the mask by
+        ``position_bias`` (an additive score bias, as in transformers' sdpa), ``softcap`` (Gemma 2's logit
+        soft-capping) and ``s_aux`` (gpt-oss's sink logits, ``(H_q,)``) go to ``grouped_attention``. Paged caches are
+        not supported; other keyword arguments (``sliding_window``, ``position_ids``, ...) are encoded in the mask by
         transformers and ignored here.
 
     Returns
@@ -79,8 +80,6 @@ def gqa_attention_forward(
     at offset 0), where the keys past ``L`` are unwritten slots: they are dropped, as transformers' sdpa does, so the
     two alignments agree again. A single query (``L == 1``) without a mask sees every key.
     """
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attn_implementation 'gqa' does not support `softcap`; use 'eager' for this model")
     if kwargs.get("cache") is not None:
         raise NotImplementedError("attn_implementation 'gqa' does not support paged caches (continuous batching)")
     output_attentions = bool(kwargs.get("output_attentions", False))
@@ -122,6 +121,8 @@ def gqa_attention_forward(
         dropout_p=float(dropout) if module.training else 0.0,
         is_causal=is_causal,
         scale=None if scaling is None else float(scaling),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
         return_weights=output_attentions,
     )
     out, weights = result if output_attentions else (result, None)

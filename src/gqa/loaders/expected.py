@@ -17,7 +17,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> torch shape for every tensor a checkpoint of ``cfg`` must hold.
 
     ``lm_head.weight`` ``(V, H)`` is expected only when ``cfg.tie_word_embeddings`` is false; q/k/v biases only
-    when ``cfg.attention_bias`` is true, the o_proj bias ``(H,)`` when ``cfg.output_bias`` is.
+    when ``cfg.attention_bias`` is true, the o_proj bias ``(H,)`` when ``cfg.output_bias`` is, the q/k norms ``(D,)``
+    when ``cfg.qk_norm`` is.
     """
     V, H, F = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim  # H_q * D, H_kv * D
@@ -32,6 +33,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q,)
             shapes[p + "self_attn.k_proj.bias"] = (kv,)
             shapes[p + "self_attn.v_proj.bias"] = (kv,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
         shapes[p + "self_attn.o_proj.weight"] = (H, q)
         if cfg.output_bias:
             shapes[p + "self_attn.o_proj.bias"] = (H,)

@@ -12,9 +12,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from ..models.config import ModelConfig
 from .expected import check_tensors
 from .gguf_reader import GGUFFile, GGUFTensorInfo
+
+# llama.cpp's architecture names gqa reads (a Mistral GGUF is written as "llama", without its window)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 __all__ = [
     "SUPPORTED_QUANT_TYPES",
@@ -43,6 +46,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -101,10 +106,8 @@ def _rope_scaling(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any] | N
 def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
     """The ``ModelConfig`` described by a GGUF file's metadata (``tie_word_embeddings``: no ``output.weight``)."""
     arch = _meta(reader, "general.architecture", path)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
     names = {t.name for t in reader.tensors}
     tokens = reader.metadata.get("tokenizer.ggml.tokens")
     vocab = _meta(reader, f"{arch}.vocab_size", path, len(tokens) if isinstance(tokens, list) else _MISSING)
@@ -130,6 +133,7 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
             tie_word_embeddings="output.weight" not in names,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
             output_bias="blk.0.attn_output.bias" in names,
+            qk_norm=arch == "qwen3",
             bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id", path, None),
             eos_token_id=list(dict.fromkeys(i for i in eos if i is not None)),
             pad_token_id=_meta(reader, "tokenizer.ggml.padding_token_id", path, None),

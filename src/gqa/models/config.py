@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "mistral": "MistralForCausalLM"}  # fmt: skip
 
 
-# transformers' defaults (LlamaConfig, Qwen2Config) for the keys ``from_hf`` reads and a config.json may leave out.
+# transformers' defaults (LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig) for the keys ``from_hf`` reads and a
+# config.json may leave out.
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
         "num_key_value_heads": None,  # None: as many as the query heads
@@ -33,6 +36,29 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False,
         "bos_token_id": None,
         "eos_token_id": None,
+        "pad_token_id": None,
+    },
+    "qwen3": {
+        "num_key_value_heads": 32,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    },
+    "mistral": {
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096 * 32,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "sliding_window": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
         "pad_token_id": None,
     },
 }
@@ -70,6 +96,8 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
     output_bias: bool = False  # bias on o_proj (an HF Llama with attention_bias=true has both; Qwen2 never)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # Mistral: each token sees itself and the sliding_window - 1 before it
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
@@ -81,10 +109,17 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = [self.eos_token_id]
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+
+    @property
+    def window(self) -> tuple[int, None] | None:
+        """The attention window as ``grouped_attention`` takes it: ``sliding_window`` keys including the token."""
+        return None if self.sliding_window is None else (self.sliding_window - 1, None)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """From the dict of an HF ``config.json`` (``model_type`` llama or qwen2).
+        """From the dict of an HF ``config.json`` (``model_type`` llama, qwen2, qwen3 or mistral).
 
         A key that is absent takes transformers' default for that architecture (``HF_DEFAULTS``; e.g.
         ``tie_word_embeddings`` False, ``max_position_embeddings`` 2048 for Llama and 32768 for Qwen2); the sizes
@@ -117,8 +152,11 @@ class ModelConfig:
                 max_position_embeddings=int(cfg["max_position_embeddings"]),
                 tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
                 # Qwen2's q/k/v projections always have biases (its attention has no such option)
-                attention_bias=arch == "qwen2" or bool(cfg["attention_bias"]),
-                output_bias=arch == "llama" and bool(cfg["attention_bias"]),  # transformers' LlamaAttention
+                attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+                # transformers' LlamaAttention and Qwen3Attention: one attention_bias for q/k/v and o_proj
+                output_bias=arch in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
+                qk_norm=arch == "qwen3",
+                sliding_window=int(cfg["sliding_window"]) if arch == "mistral" and cfg["sliding_window"] else None,
                 bos_token_id=cfg["bos_token_id"],
                 eos_token_id=cfg["eos_token_id"] if cfg["eos_token_id"] is not None else [],
                 pad_token_id=cfg["pad_token_id"],
@@ -129,7 +167,7 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """The HF ``config.json`` dict for this model (loads in transformers and in ``gqa.load_model``)."""
         cfg: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM" if self.arch == "llama" else "Qwen2ForCausalLM"],
+            "architectures": [HF_CLASSES[self.arch]],
             "model_type": self.arch,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -148,15 +186,18 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if self.arch == "llama":
+        if self.arch in ("llama", "qwen3"):
             if self.attention_bias != self.output_bias:
                 raise ValueError(
-                    f"an HF Llama config has one attention_bias for q/k/v and o_proj; this model has q/k/v biases "
-                    f"{self.attention_bias} and an o_proj bias {self.output_bias}"
+                    f"an HF {self.arch} config has one attention_bias for q/k/v and o_proj; this model has q/k/v "
+                    f"biases {self.attention_bias} and an o_proj bias {self.output_bias}"
                 )
-            cfg |= {"attention_bias": self.attention_bias, "mlp_bias": False}
-        elif self.output_bias:
-            raise ValueError(f"an HF {self.arch} config cannot hold an o_proj bias")
+            cfg |= {"attention_bias": self.attention_bias}
+            cfg |= {"mlp_bias": False} if self.arch == "llama" else {"use_sliding_window": False}
+        elif self.output_bias or (self.arch == "mistral" and self.attention_bias):
+            raise ValueError(f"an HF {self.arch} config cannot hold these attention biases")
+        if self.arch == "mistral":
+            cfg |= {"sliding_window": self.sliding_window}
         return cfg
 
     def as_dict(self) -> dict[str, Any]:

@@ -72,6 +72,9 @@ class DecoderLayer(nn.Module):
             qkv_bias=cfg.attention_bias,
             out_bias=cfg.output_bias,
             rope=rope,
+            window=cfg.window,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.rms_norm_eps,
         )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)

@@ -1,0 +1,83 @@
+"""Qwen3 (q/k norm) and Mistral (a sliding window) from HF folders: gqa's model against transformers' own on the same
+random weights — logits on sequences longer than the window, greedy generation well past it, and the config written
+back loads in transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import gqa
+
+transformers = pytest.importorskip("transformers")
+
+
+def _family(arch: str, path):
+    torch.manual_seed(0)
+    kw = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False, attn_implementation="eager")  # fmt: skip
+    if arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw, head_dim=16))
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**kw, sliding_window=5))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.3) if "norm" not in name else p.uniform_(0.5, 1.5)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_logits_match_transformers_past_the_window(tmp_path, arch):
+    ref = _family(arch, tmp_path)
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    assert model.config.arch == arch
+    assert model.config.qk_norm == (arch == "qwen3")
+    assert model.config.window == ((4, None) if arch == "mistral" else None)
+    ids = torch.randint(3, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_greedy_generation_equals_transformers_well_past_the_window(tmp_path, arch):
+    ref = _family(arch, tmp_path)
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    prompt = [5, 9, 17, 33, 2, 8, 40]
+    ours = model.generate(prompt, max_new_tokens=24, eos_token_ids=[])
+    with torch.no_grad():
+        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_the_config_written_back_loads_in_transformers(tmp_path, arch):
+    _family(arch, tmp_path / "src")
+    model = gqa.load_model(tmp_path / "src", tokenizer=False)
+    cfg = model.config.to_hf()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text(json.dumps(cfg))
+    hf_cfg = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert hf_cfg.model_type == arch
+    if arch == "mistral":
+        assert hf_cfg.sliding_window == 5
+
+
+@pytest.mark.filterwarnings("ignore:.*no usable tokenizer")  # the test folders hold weights only
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_converting_to_more_kv_heads_keeps_the_qk_norm_and_the_window_exact(tmp_path, arch):
+    """``gqa convert --kv-heads 6`` (MHA: heads copied) writes a checkpoint transformers loads and whose logits are
+    the original's: the q/k norms and the window survive the conversion."""
+    from gqa.cli import main as cli
+
+    ref = _family(arch, tmp_path / "src")
+    assert cli(["convert", str(tmp_path / "src"), str(tmp_path / "mha"), "--kv-heads", "6", "--no-conversations"]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mha", attn_implementation="eager").eval()
+    assert hf.config.num_key_value_heads == 6 and hf.config.model_type == arch
+    ids = torch.randint(3, 96, (1, 15), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
