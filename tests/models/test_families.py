@@ -81,3 +81,29 @@ def test_converting_to_more_kv_heads_keeps_the_qk_norm_and_the_window_exact(tmp_
     ids = torch.randint(3, 96, (1, 15), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_the_native_step_decodes_the_family_as_transformers_does(tmp_path, arch, monkeypatch):
+    """On CPU the native step takes Qwen3 (its q/k norms op by op) and Mistral while the context fits the window;
+    past it the eager step keeps the window. Greedy tokens equal transformers' either way."""
+    from gqa import kernels
+    from gqa.decoding import native_step
+    from gqa.decoding.steps import select_step
+
+    if not kernels.vectorized():
+        pytest.skip("the native step needs the SIMD kernels")
+    ref = _family(arch, tmp_path)
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    calls = []
+    real = native_step.decode_step
+    monkeypatch.setattr(native_step, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert select_step(model, model.new_caches(1, 8)).name == "native"
+    prompt = [5, 9, 17]
+    ours = model.generate(prompt, max_new_tokens=12, eos_token_ids=[])
+    with torch.no_grad():
+        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+    assert ours == theirs
+    # qwen3: every step native; mistral (window 5): native only while the 3-token prompt plus the new ones fit it
+    assert len(calls) == (11 if arch == "qwen3" else 2)

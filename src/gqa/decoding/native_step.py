@@ -81,6 +81,10 @@ def decode_step(
             continue
         h = ops.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
         q, k, v = linears(h, (attn.q_proj, attn.k_proj, attn.v_proj))  # (B, H_q*D), (B, H_kv*D), (B, H_kv*D)
+        if attn.q_norm is not None:  # Qwen3: each head's q and k normalised before RoPE (decode_attend applies it)
+            D = attn.head_dim
+            q = ops.rms_norm(q.reshape(-1, D), attn.q_norm.weight, attn.q_norm.eps).view(B, -1)
+            k = ops.rms_norm(k.reshape(-1, D), attn.k_norm.weight, attn.k_norm.eps).view(B, -1)
         a = ops.decode_attend(q, k, v, cos, sin, cache, scale)
         x = x + attn.o_proj(a)
         h = ops.rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
@@ -118,6 +122,7 @@ def _step_modules(model: torch.nn.Module) -> tuple:
     for layer in model._modules["model"]._modules["layers"]._modules.values():
         m = layer._modules
         attn, mlp = m["self_attn"]._modules, m["mlp"]._modules
+        modules += tuple(attn[name] for name in ("q_norm", "k_norm") if attn.get(name) is not None)
         modules += (m["input_layernorm"], m["post_attention_layernorm"], attn["q_proj"], attn["k_proj"])
         modules += (attn["v_proj"], attn["o_proj"], mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
     out = []
@@ -161,8 +166,8 @@ def _layer_weights(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[list, li
     all-reducing projections of tensor parallelism, output biases, norms with different eps): then the layer runs
     op by op."""
     attn, mlp = layer.self_attn, layer.mlp
-    if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
-        return None
+    if layer.input_layernorm.eps != layer.post_attention_layernorm.eps or attn.q_norm is not None:
+        return None  # q/k norm: op by op (the one-call kernels know no q/k norm)
     weights, formats = [], []
     for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
         if type(module) is QuantizedLinear:

@@ -8,9 +8,10 @@ one. The kinds, in the order ``select_step`` tries them:
 * ``cuda-graphs`` (CUDA, triton installed, no tensor parallelism): the step replayed from a CUDA graph
   (``cuda_graphs.GraphedDecoder``; with ``compile``, the Inductor-compiled fused step inside the graph);
 * ``compiled`` (``compile`` elsewhere): ``model.forward`` under ``torch.compile`` (``compiled.compiled_step``);
-* ``native`` (CPU, float32/bfloat16, native kernels built, the model's own forward): the whole step in one native call
-  (``native_step``), which also finds each row's argmax while writing the logits; a call it cannot take (more rows
-  than it handles, a full cache, autograd on) runs eagerly;
+* ``native`` (CPU, float32/bfloat16, native kernels built, the model's own forward, no soft-capping or sinks): the
+  whole step in one native call (``native_step``; q/k-normed layers op by op), which also finds each row's argmax
+  while writing the logits; a call it cannot take (more rows than it handles, a full cache, autograd on, a context
+  longer than a layer's sliding window) runs eagerly;
 * ``eager``: ``model(tokens, caches=caches)``.
 
 Steps whose batch size is baked in (``fixed_batch``: graphs, compiled, custom) keep every row to the end; the others
@@ -59,8 +60,21 @@ def _native_possible(model: torch.nn.Module) -> bool:
         and rope.rotary_dim == rope.head_dim
         and kernels.vectorized()
         and model.runs_own_forward()
-        and all(layer.self_attn.plain for layer in model.model.layers)
+        and all(layer.self_attn.softcap is None and layer.self_attn.sinks is None for layer in model.model.layers)
     )
+
+
+def _window_left(model: torch.nn.Module) -> int | None:
+    """The narrowest left side of the layers' sliding windows (None: no layer has one). A decoded token is the last
+    query, so a window's right side never hides a key from it."""
+    lefts = [a.window[0] for a in (layer.self_attn for layer in model.model.layers) if a.window is not None]
+    return min((n for n in lefts if n is not None), default=None)
+
+
+def _within(cache, left: int) -> bool:
+    """Whether every row's keys after this token is written (``[start, cursor]``) fit a window of ``left`` keys
+    before the token: then the window hides nothing and the windowless native step is exact."""
+    return int(cache.cursor) - int(cache.start.min()) <= left
 
 
 def select_step(
@@ -88,9 +102,10 @@ def select_step(
 
         return DecodeStep("compiled", compiled_step(model), fixed_batch=True)
     if _native_possible(model):
+        left = _window_left(model)
 
         def native(tokens: torch.Tensor, caches: list, greedy: torch.Tensor | None) -> torch.Tensor:
-            if native_step.applies(model, tokens, caches):
+            if native_step.applies(model, tokens, caches) and (left is None or _within(caches[0], left)):
                 return native_step.decode_step(model, tokens, caches, greedy=greedy)
             logits = eager(tokens, caches)
             if greedy is not None:
