@@ -297,3 +297,16 @@ def test_every_command_that_loads_a_model_says_so_first(capsys, monkeypatch, tmp
     assert code == 2 and out == ""
     assert err.startswith(line), err
     assert err.splitlines()[-1].endswith(": error: stopped before loading")  # on a line of its own
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
+    from gqa.cli.serve import api_key_of
+
+    monkeypatch.delenv("GQA_API_KEY", raising=False)
+    assert api_key_of(argparse.Namespace(api_key=None)) is None
+    monkeypatch.setenv("GQA_API_KEY", "from-env")
+    assert api_key_of(argparse.Namespace(api_key=None)) == "from-env"
+    assert api_key_of(argparse.Namespace(api_key="flag")) == "flag"  # the flag wins
+    monkeypatch.setenv("GQA_API_KEY", " ")
+    with pytest.raises(ValueError, match="must not be empty"):
+        api_key_of(argparse.Namespace(api_key=None))

@@ -194,6 +194,24 @@ def test_models_health_and_metrics(server, client):
         ("completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "token ids must be in"),
         ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 9000}, 400, "prompt", "exceed the model's"),
         ("completions", {"model": MODEL, "prompt": "word " * 9000}, 400, "prompt", "exceed the model's context"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400,
+         "messages", "exceed the model's context"),  # no max_tokens: said so, not "must be >= 1, got -839"
+        ("completions", {"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop", "must not be an empty string"),
+        ("completions", {"model": MODEL, "prompt": "a\ud800b"}, 400, "prompt", "cannot be tokenized"),
+        ("completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty",
+         "not supported"),
+        ("completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 3.0}, 400, "presence_penalty",
+         "not supported"),
+        ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
+        ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs", "not supported"),
+        ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo", "not supported"),
+        ("completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of", "not supported"),
+        ("completions", {"model": MODEL, "prompt": "hi", "min_tokens": 4}, 400, "min_tokens", "not supported"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+         "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+         "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400, "tools",
+         "not supported"),
     ],
 )  # fmt: skip
 def test_bad_requests_get_openai_errors_before_any_work(server, path, body, status, param, message):
@@ -216,6 +234,64 @@ def test_a_seed_torch_cannot_take_gets_a_400_and_the_server_serves_on(server, cl
                                   extra_body={"ignore_eos": True})  # fmt: skip
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
     assert get(server.url + "/health")[0] == 200
+
+
+def test_fields_that_mean_off_are_accepted_and_the_error_shapes_are_openais(server, client):
+    """The defaults clients send (penalties 0, logprobs false, response_format text, tool_choice none) are served;
+    an unknown model is a 404 with type invalid_request_error and code model_not_found."""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       frequency_penalty=0, presence_penalty=0, logprobs=False,
+                                       response_format={"type": "text"}, tool_choice="none")  # fmt: skip
+    assert r.usage.completion_tokens <= 2
+    code, answer, _ = post(f"{server.url}/v1/completions", {"model": "gpt-4", "prompt": "hi"})
+    assert code == 404 and answer["error"]["type"] == "invalid_request_error"
+    assert answer["error"]["code"] == "model_not_found"
+
+
+def test_max_completion_tokens_wins_and_a_tiny_temperature_is_greedy(client):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0,
+                                  extra_body={"max_completion_tokens": 3, "ignore_eos": True})  # fmt: skip
+    assert r.usage.completion_tokens == 3
+    greedy = client.completions.create(model=MODEL, prompt="The capital of France", max_tokens=8, temperature=0)
+    tiny = client.completions.create(model=MODEL, prompt="The capital of France", max_tokens=8, temperature=1e-300)
+    assert tiny.choices[0].text == greedy.choices[0].text
+
+
+def test_a_stream_keeps_one_created_time(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+    assert len(chunks) > 5 and len({c.created for c in chunks}) == 1
+
+
+def test_only_json_bodies_within_the_limit_are_read(server):
+    """A text/plain POST (which any web page may send cross-origin) gets 415; a body over the limit 413 before it is
+    read."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    code, answer, _ = post(f"{server.url}/v1/completions", body, {"Content-Type": "text/plain"})
+    assert code == 415 and "Content-Type must be application/json" in answer["error"]["message"]
+    assert post(f"{server.url}/v1/completions", body, {"Content-Type": "application/json; charset=utf-8"})[0] == 200
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 104857600\r\n\r\n{")  # fmt: skip  # 100 MiB announced, 1 byte sent
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert get(server.url + "/health")[0] == 200
+
+
+def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
+    before = wait_idle(server)
+    free, made = before["gqa_kv_blocks_free"], before["gqa_generation_tokens_total"]
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        for _ in range(100):  # until it is being decoded
+            if server.metrics()["gqa_requests_running"] == 1:
+                break
+            time.sleep(0.05)
+    m = wait_idle(server)  # aborted long before its 1,000 tokens
+    assert m["gqa_kv_blocks_free"] == free and m["gqa_generation_tokens_total"] - made < 800
 
 
 def test_the_openai_client_raises_its_own_errors(client):
@@ -255,6 +331,8 @@ def test_api_key_full_queue_and_sigterm():
         assert get(s.url + "/v1/models")[0] == 401
         auth = {"Authorization": "Bearer sekret"}
         assert post(s.url + "/v1/completions", body, auth)[0] == 200
+        assert post(s.url + "/v1/completions", body, {"Authorization": "bearer sekret"})[0] == 200  # any case
+        assert post(s.url + "/v1/completions", body, {"Authorization": "Bearer wrong"})[0] == 401
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", timeout=60, max_retries=0)
         stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})  # fmt: skip

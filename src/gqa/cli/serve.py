@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -45,7 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-chunk", type=int, default=64, metavar="N",
         help="prompt tokens per step while others decode (4x while none does; a long prompt delays streams a chunk)",
     )  # fmt: skip
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: open)")
+    parser.add_argument(
+        "--api-key", default=None,
+        help="require 'Authorization: Bearer KEY'; also read from $GQA_API_KEY, which keeps it out of ps "
+        "(default: open)",
+    )  # fmt: skip
+    parser.add_argument("--max-body-mib", type=float, default=16.0, metavar="N",
+                        help="the largest request body accepted, in MiB (a larger one gets 413)")  # fmt: skip
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: from --model)")
 
 
@@ -67,6 +74,14 @@ def serve_device(text: str):
     return device
 
 
+def api_key_of(ns: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$GQA_API_KEY``, else None (open); an empty key is refused."""
+    key = ns.api_key if ns.api_key is not None else os.environ.get("GQA_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("--api-key (or $GQA_API_KEY) must not be empty")
+    return key
+
+
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     import uvicorn
 
@@ -85,6 +100,9 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be {'in [0, 65535]' if flag == '--port' else f'>= {low}'}, got {value}")
     if ns.kv_cache_mib is not None and not ns.kv_cache_mib > 0:
         raise ValueError(f"--kv-cache-mib must be > 0, got {ns.kv_cache_mib}")
+    if not ns.max_body_mib > 0:
+        raise ValueError(f"--max-body-mib must be > 0, got {ns.max_body_mib}")
+    api_key = api_key_of(ns)
     device = serve_device(ns.device)
     if device.type == "cuda":  # the Triton runner takes float weights: auto is bf16, quantized ones are dequantized
         dtype = DTYPES["bf16"] if ns.dtype == "auto" else DTYPES[ns.dtype]
@@ -108,7 +126,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         f"{cfg.max_position_embeddings}-token contexts",
         file=sys.stderr,
     )
-    app = build_app(AsyncEngine(engine, ns.max_queue), model.tokenizer, name, ns.api_key)
+    app = build_app(AsyncEngine(engine, ns.max_queue), model.tokenizer, name, api_key,
+                    max_body_bytes=int(ns.max_body_mib * 2**20))  # fmt: skip
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=30)  # fmt: skip
     server = uvicorn.Server(config)

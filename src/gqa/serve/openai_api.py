@@ -4,6 +4,7 @@ built. No HTTP here (``server`` does that)."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -18,16 +19,51 @@ __all__ = ["ApiError", "ParsedRequest", "error_body", "parse_chat", "parse_compl
 class ApiError(Exception):
     """A request the API refuses: HTTP ``status`` with OpenAI's error body."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, kind: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        kind: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.message, self.status, self.param = message, status, param
-        self.kind = kind or {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        self.message, self.status, self.param, self.code = message, status, param, code
+        self.kind = kind or {401: "authentication_error", 429: "rate_limit_error"}.get(
             status, "invalid_request_error" if status < 500 else "server_error"
         )
 
 
 def error_body(e: ApiError) -> dict[str, Any]:
-    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": None}}
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+
+
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy decoding (as vLLM)
+# OpenAI / vLLM request fields gqa does not implement yet, with the values that mean "off": a request that sets one to
+# anything else is refused with a 400 naming it, never served as if it had not asked
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "min_tokens": (0,),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+}
+
+
+def _refuse_not_implemented(body: dict) -> None:
+    for name, off in NOT_IMPLEMENTED.items():
+        value = body.get(name)
+        if value is not None and not any(value == o and type(value) is type(o) for o in off):
+            raise ApiError(f"'{name}' is not supported by this server (got {json.dumps(value)[:80]})", param=name)
 
 
 @dataclass
@@ -68,27 +104,49 @@ def json_type(value: object) -> str:
             dict: "an object"}.get(type(value), type(value).__name__)  # fmt: skip
 
 
-def _common(body: object, models: list[str], context_left: int, default_max_tokens: int | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Room:
+    """Where a request's tokens must fit: the model's context and the KV pool's token slots (``None``: unbounded),
+    and the prompt's length and field name."""
+
+    context: int
+    pool: int | None
+    prompt: int
+    field: str
+
+    def left(self) -> int:
+        """The most new tokens a request of this prompt can ask for."""
+        return min(self.context, self.pool if self.pool is not None else self.context) - self.prompt
+
+
+def _common(body: object, models: list[str], room: Room, default_max_tokens: int | None) -> dict[str, Any]:
     """The fields both endpoints share, checked."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     model = _get(body, "model", "a string", required=True)
     if model not in models:
         raise ApiError(f"the model '{model}' does not exist; this server has {models}", 404, "model",
-                       "model_not_found")  # fmt: skip
+                       code="model_not_found")  # fmt: skip
+    _refuse_not_implemented(body)
     n = _get(body, "n", "an integer", 1)
     if n != 1:
         raise ApiError("only n=1 is supported", param="n")
-    max_tokens = _get(body, "max_completion_tokens", "an integer", None)
-    max_tokens = _get(body, "max_tokens", "an integer", max_tokens)
+    max_tokens = _get(body, "max_tokens", "an integer", None)
+    max_tokens = _get(body, "max_completion_tokens", "an integer", max_tokens)  # the newer name wins (as vLLM)
     if max_tokens is None:
-        max_tokens = default_max_tokens if default_max_tokens is not None else context_left
+        if room.left() < 1:
+            where, limit = ("context", room.context) if room.prompt >= room.context else ("KV cache", room.pool)
+            raise ApiError(f"the prompt's {room.prompt} tokens exceed the model's {where} of {limit} tokens",
+                           param=room.field)  # fmt: skip
+        max_tokens = min(default_max_tokens or room.left(), room.left())
     if max_tokens < 1:
         raise ApiError(f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
     stop = body.get("stop")
     if stop is None:
         stop = ()
     elif isinstance(stop, str):
+        if not stop:
+            raise ApiError("'stop' must not be an empty string", param="stop")
         stop = (stop,)
     elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)) or len(stop) > 4:
         raise ApiError("'stop' must be a string or an array of up to 4 non-empty strings", param="stop")
@@ -97,6 +155,8 @@ def _common(body: object, models: list[str], context_left: int, default_max_toke
     top_k = _get(body, "top_k", "an integer", None)
     if not 0 <= temperature <= 2:
         raise ApiError(f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     if top_p is not None and not 0 < top_p <= 1:
         raise ApiError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
     if top_k is not None and top_k < 1 and top_k != -1:
@@ -117,14 +177,20 @@ def _common(body: object, models: list[str], context_left: int, default_max_toke
     return {"params": params, "stream": stream, "include_usage": bool(options.get("include_usage")), "model": model}
 
 
-def parse_completion(body: object, tokenizer, models: list[str], context: int) -> ParsedRequest:
-    """``/v1/completions``: ``prompt`` is a string or token ids (one prompt); ``max_tokens`` defaults to 16."""
+def parse_completion(
+    body: object, tokenizer, models: list[str], context: int, pool: int | None = None
+) -> ParsedRequest:
+    """``/v1/completions``: ``prompt`` is a string or token ids (one prompt); ``max_tokens`` defaults to 16 (or what
+    fits). ``pool``: the KV cache's token slots."""
     if isinstance(body, dict):
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
-            ids = tokenizer.encode(prompt)
+            try:
+                ids = tokenizer.encode(prompt)
+            except (UnicodeError, ValueError, TypeError) as e:  # e.g. a lone surrogate, which no UTF-8 holds
+                raise ApiError(f"'prompt' cannot be tokenized: {e}", param="prompt") from e
         elif isinstance(prompt, list) and prompt and all(JSON_TYPES["an integer"](t) for t in prompt):
             ids = list(prompt)
         elif prompt is None:
@@ -135,13 +201,13 @@ def parse_completion(body: object, tokenizer, models: list[str], context: int) -
             raise ApiError("'prompt' is empty", param="prompt")
     else:
         ids = []
-    fields = _common(body, models, context - len(ids), 16)
+    fields = _common(body, models, Room(context, pool, len(ids), "prompt"), 16)
     return ParsedRequest(ids, **fields)
 
 
-def parse_chat(body: object, tokenizer, models: list[str], context: int) -> ParsedRequest:
+def parse_chat(body: object, tokenizer, models: list[str], context: int, pool: int | None = None) -> ParsedRequest:
     """``/v1/chat/completions``: ``messages`` rendered with the model's chat template; ``max_tokens`` defaults to
-    what is left of the context."""
+    what is left of the context and of the KV cache's ``pool`` token slots."""
     ids: list[int] = []
     if isinstance(body, dict):
         messages = _get(body, "messages", "an array", required=True)
@@ -163,7 +229,7 @@ def parse_chat(body: object, tokenizer, models: list[str], context: int) -> Pars
             ids = tokenizer.apply_chat(plain)
         except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
             raise ApiError(f"the chat template refused the messages: {e}", param="messages") from e
-    fields = _common(body, models, context - len(ids), None)
+    fields = _common(body, models, Room(context, pool, len(ids), "messages"), None)
     return ParsedRequest(ids, **fields)
 
 
@@ -176,9 +242,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
 
-def completion_body(rid: str, model: str, text: str, reason: str | None, use: dict | None, chat: bool) -> dict:
-    """A whole response (``use`` given) or one stream chunk (``use`` None; ``text`` the new piece)."""
-    created = int(time.time())
+def completion_body(
+    rid: str, model: str, text: str, reason: str | None, use: dict | None, chat: bool, created: int | None = None
+) -> dict:
+    """A whole response (``use`` given) or one stream chunk (``use`` None; ``text`` the new piece); ``created``: the
+    request's time, the same in every chunk of a stream."""
+    created = int(time.time()) if created is None else created
     if chat:
         if use is not None:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}

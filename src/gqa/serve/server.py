@@ -13,6 +13,7 @@ finish (up to ``graceful_seconds``; what is left is cancelled), then the engine 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -32,9 +33,16 @@ from .request import EngineError, RequestOutput
 __all__ = ["build_app"]
 
 
-def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None) -> Starlette:
+MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this gets 413 (--max-body-mib)
+
+
+def build_app(
+    engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
+) -> Starlette:
     """The ASGI app serving ``engine`` (started and stopped with the app's lifespan) as model ``model_name``."""
     context = engine.engine.config.max_position_embeddings
+    blocks = engine.engine.blocks
+    pool = blocks.num_blocks * blocks.block_size  # token slots of the KV cache: what one request can fill at most
     started = int(time.time())
 
     def fail(e: ApiError) -> JSONResponse:
@@ -44,8 +52,28 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
     def authorized(request: Request) -> bool:
         if api_key is None:
             return True
-        given = request.headers.get("authorization", "")
-        return secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
+
+    async def read_json(request: Request) -> object:
+        """The body as JSON: 415 unless its Content-Type is JSON (a plain-text POST is a request any web page can
+        send cross-origin), 413 past ``max_body_bytes`` (checked on the declared length, then while reading)."""
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise ApiError(f"Content-Type must be application/json, got {media or 'none'!r}", 415)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise ApiError(f"the request body ({int(declared)} bytes) exceeds the limit of {max_body_bytes}", 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise ApiError(f"the request body exceeds the limit of {max_body_bytes} bytes", 413)
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(f"the request body is not valid JSON: {e}") from e
 
     async def health(request: Request) -> Response:
         if not engine.alive:
@@ -84,12 +112,12 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
     async def completions(request: Request, chat: bool) -> Response:
         if not authorized(request):
             return fail(ApiError("a valid API key is required (Authorization: Bearer KEY)", 401))
+        created = int(time.time())
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return fail(ApiError(f"the request body is not valid JSON: {e}"))
-        try:
-            parsed = (parse_chat if chat else parse_completion)(body, tokenizer, [model_name], context)
+            body = await read_json(request)
+            parse = parse_chat if chat else parse_completion
+            # tokenizing and the chat template off the event loop: a huge prompt must not stall /health
+            parsed = await asyncio.to_thread(parse, body, tokenizer, [model_name], context, pool)
             outputs = engine.generate(parsed.prompt_ids, parsed.params)
             first = await anext(outputs)  # raises here, before any response, for a request the engine refuses
         except ApiError as e:
@@ -103,29 +131,44 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
         rid = new_id("chatcmpl" if chat else "cmpl")
         if parsed.stream:
             return StreamingResponse(
-                stream(rid, parsed.model, first, outputs, chat, parsed.include_usage), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                stream(rid, parsed.model, first, outputs, chat, parsed.include_usage, created),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )  # fmt: skip
-        text, last = first.text, first
-        try:
+        pieces, ends = [first.text], [first]
+
+        async def collect() -> None:
             async for out in outputs:
-                text, last = text + out.text, out
+                pieces.append(out.text)
+                ends.append(out)
+
+        task = asyncio.ensure_future(collect())
+        try:
+            while not task.done():  # a client that leaves before its whole response: the request is aborted
+                await asyncio.wait({task}, timeout=0.25)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    await outputs.aclose()
+                    return Response(status_code=499)
+            task.result()
         except Exception as e:
             return fail(engine_failure(e))
+        text, last = "".join(pieces), ends[-1]
         if last.finish_reason == "error":
             return fail(ApiError(f"the request failed in the engine: {last.error}", 500))
         use = usage(last.prompt_tokens, last.completion_tokens)
-        return JSONResponse(completion_body(rid, parsed.model, text, last.finish_reason, use, chat))
+        return JSONResponse(completion_body(rid, parsed.model, text, last.finish_reason, use, chat, created))
 
     async def stream(
-        rid: str, model: str, first: RequestOutput, outputs: AsyncIterator[RequestOutput], chat: bool, with_usage: bool
-    ) -> AsyncIterator[str]:
+        rid: str, model: str, first: RequestOutput, outputs: AsyncIterator[RequestOutput], chat: bool,
+        with_usage: bool, created: int,
+    ) -> AsyncIterator[str]:  # fmt: skip
         def event(body: dict) -> str:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
         try:
             if chat:
-                head = completion_body(rid, model, "", None, None, chat)
+                head = completion_body(rid, model, "", None, None, chat, created)
                 head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield event(head)
             out = first
@@ -134,10 +177,10 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, api_key: str | No
                     yield event(error_body(ApiError(f"the request failed in the engine: {out.error}", 500)))
                     break
                 if out.text or out.finished:
-                    yield event(completion_body(rid, model, out.text, out.finish_reason, None, chat))
+                    yield event(completion_body(rid, model, out.text, out.finish_reason, None, chat, created))
                 if out.finished:
                     if with_usage:
-                        body = completion_body(rid, model, "", None, None, chat)
+                        body = completion_body(rid, model, "", None, None, chat, created)
                         body["choices"], body["usage"] = [], usage(out.prompt_tokens, out.completion_tokens)
                         yield event(body)
                     break
