@@ -5,7 +5,16 @@ from __future__ import annotations
 import torch
 
 from .backends import BACKENDS, bind_backend, choose_backend
-from .checks import check_dropout, check_mask, check_qkv, check_scale, check_sinks, check_softcap, check_window
+from .checks import (
+    AttnShape,
+    check_dropout,
+    check_mask,
+    check_qkv,
+    check_scale,
+    check_sinks,
+    check_softcap,
+    check_window,
+)
 from .masks import merge_masks, window_mask
 from .routes import Route, find_route, remember_route, signature
 
@@ -92,14 +101,7 @@ def grouped_attention(
         if route is not None:
             _last[0] = route.backend
             return route.call(query, key, value, attn_mask)
-    shape = check_qkv(query, key, value)
-    check_mask(attn_mask, shape, query)
-    check_dropout(dropout_p)
-    check_scale(scale)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    shape = _check_call(query, key, value, attn_mask, dropout_p, is_causal, scale, backend)
     kwargs = dict(
         shape=shape,
         attn_mask=attn_mask,
@@ -117,6 +119,19 @@ def grouped_attention(
     return (out, weights) if return_weights else out
 
 
+def _check_call(query, key, value, attn_mask, dropout_p, is_causal, scale, backend) -> AttnShape:
+    """Every check of a call's tensors and plain options (``ValueError`` / ``TypeError`` naming the argument)."""
+    shape = check_qkv(query, key, value)
+    check_mask(attn_mask, shape, query)
+    check_dropout(dropout_p)
+    check_scale(scale)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    return shape
+
+
 SCORE_MOD_BACKENDS = ("grouped", "reference")  # the backends that take softcap and sinks
 
 
@@ -125,17 +140,10 @@ def _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale
     """``grouped_attention`` with a window, soft-capping or sinks (not remembered per signature: ``routes``): the
     window becomes a bottom-right band mask merged with ``attn_mask``; softcap and sinks go to a backend that takes
     them."""
-    shape = check_qkv(query, key, value)
-    check_mask(attn_mask, shape, query)
-    check_dropout(dropout_p)
-    check_scale(scale)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    shape = _check_call(query, key, value, attn_mask, dropout_p, is_causal, scale, backend)
     sides = check_window(window)
     softcap = check_softcap(softcap)
     check_sinks(sinks, shape, query)
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     if sides is not None:
         attn_mask = merge_masks(attn_mask, window_mask(shape.L, shape.S, *sides, query.device))
     kwargs = dict(
