@@ -74,7 +74,10 @@ def test_fast_decode_paths_leave_variant_layers_to_the_eager_forward():
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=8, max_position_embeddings=64)  # fmt: skip
     model = CausalLM(cfg).eval()
-    model.model.layers[1].self_attn.window = (4, None)
+    model.model.layers[1].self_attn.softcap = 5.0
     caches = model.new_caches(1, 8)
-    assert select_step(model, caches).name == "eager"
-    assert "window" in fused_applies(model)
+    assert select_step(model, caches).name == "eager"  # soft-capping: no native kernel takes it
+    assert "soft-capping" in fused_applies(model)
+    model.model.layers[1].self_attn.softcap = None
+    model.model.layers[1].self_attn.window = (4, None)
+    assert "window" in fused_applies(model)  # the GPU step: windows not yet
