@@ -144,7 +144,7 @@ def run_tests(dry: bool, budget_s: float, out: Path) -> dict:
 
 def attention(kind: str, out: Path, dry: bool, device: torch.device, budget_s: float) -> dict:
     """One ``gqa bench attention`` run (decode or prefill) in this process; its rows summarised per case."""
-    from gqa.bench.attention import main as bench_main
+    from gqa.bench.attention.benchmark import main as bench_main
 
     path = out / f"attention_{kind}.json"
     impls = ["auto", "triton", "torch-sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]
@@ -333,7 +333,7 @@ def sweep_step(device: torch.device, dry: bool) -> dict:
 def backward_step(device: torch.device, dry: bool) -> list[dict]:
     """``gqa bench attention --backward``'s rows: forward + backward of causal prefill (bf16, D=128, B=1), GQA 32/8
     and MQA at 4k-16k, gqa ``auto`` vs SDPA as torch picks and held to each kernel, gradients checked."""
-    from gqa.bench.backward import backward_row
+    from gqa.bench.attention.backward import backward_row
 
     if dry:
         return [backward_row(4, 1, 32, 16, torch.float32, device, repeats=1)]
@@ -364,7 +364,7 @@ def serve_model(folder: Path, dry: bool) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = smollm2_tokenizer()
-    from gqa.bench.model_cuda import SMOLLM2
+    from gqa.bench.model.cuda import SMOLLM2
 
     config = dict(SMOLLM2, num_hidden_layers=2) if dry else SMOLLM2
     torch.manual_seed(0)
@@ -410,8 +410,8 @@ def kv_step(out: Path, device: torch.device, dry: bool, budget_s: float) -> dict
 
 
 def models(device: torch.device, dry: bool, deadline: float) -> list[dict]:
-    """``gqa bench model --device cuda``'s rows (``gqa.bench.model_cuda``); --dry: a tiny model on CPU."""
-    from gqa.bench.model_cuda import ENGINES, cuda_rows
+    """``gqa bench model --device cuda``'s rows (``gqa.bench.model.cuda``); --dry: a tiny model on CPU."""
+    from gqa.bench.model.cuda import ENGINES, cuda_rows
 
     if dry:
         return cuda_rows(device, ["tiny"], [2], ("gqa", "hf"), prompt_len=8, new_tokens=4, dtype=torch.float32,
@@ -473,7 +473,7 @@ def markdown(result: dict) -> str:
                          + " | ".join(cell(r[c]) for c in configs) + " |")  # fmt: skip
         lines.append("")
     if result.get("model"):
-        from gqa.bench.model_cuda import table as model_table
+        from gqa.bench.model.cuda import table as model_table
 
         lines += model_table(result["model"], copy)
     for step, title in (
@@ -487,7 +487,7 @@ def markdown(result: dict) -> str:
             body = table(got["rows"]) if "rows" in got else f"failed:\n\n```\n{got.get('error', '')[-1500:]}\n```"
             lines += [f"## {title}", "", f"`{got.get('command', '')}`", "", body, ""]
     if result.get("backward"):
-        from gqa.bench.backward import table as backward_table
+        from gqa.bench.attention.backward import table as backward_table
 
         lines += ["## Prefill forward + backward (causal, B=1; ms (TFLOPS), gradients checked against SDPA's)", "",
                   backward_table(result["backward"]), ""]  # fmt: skip

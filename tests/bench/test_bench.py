@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import gqa.attention.backends
-from gqa.bench import attention as bench
-from gqa.bench.cases import CPU_QUICK, Case, build_cases, make_inputs
-from gqa.bench.implementations import (
+from gqa.bench.attention import benchmark as bench
+from gqa.bench.attention.cases import CPU_QUICK, Case, build_cases, make_inputs
+from gqa.bench.attention.implementations import (
     SDPA_KERNELS,
     Impl,
     _sdpa_kernel,
@@ -22,9 +22,9 @@ from gqa.bench.implementations import (
     implementations_for,
     repeat_kv,
 )
-from gqa.bench.plots import PLOT_FILES
-from gqa.bench.report import fmt_ms, summary_table
-from gqa.bench.timing import TOLERANCE, check_calls, reference_output
+from gqa.bench.attention.plots import PLOT_FILES
+from gqa.bench.attention.report import fmt_ms, summary_table
+from gqa.bench.attention.timing import TOLERANCE, check_calls, reference_output
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = ["--quick", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--batches", "2", "--contexts", "24"]

@@ -10,9 +10,9 @@ import pytest
 from helpers.checkpoints import tiny_dir
 
 from gqa import kernels
-from gqa.bench.model import default_kv_heads, kv_bytes_per_token
-from gqa.bench.model import main as bench_model
-from gqa.bench.model_report import kind
+from gqa.bench.model.benchmark import default_kv_heads, kv_bytes_per_token
+from gqa.bench.model.benchmark import main as bench_model
+from gqa.bench.model.report import kind
 from gqa.cli import main as cli
 
 pytest.importorskip("transformers")
@@ -82,7 +82,7 @@ def test_bad_flags_give_clear_errors(tiny, flags, message, capsys):
 
 
 def test_decode_rate_is_robust_to_one_slow_token():
-    from gqa.bench.model_worker import _row
+    from gqa.bench.model.worker import _row
 
     row = _row(16, prefill=0.5, stamps=[0.0, 0.1, 0.2, 1.0, 1.1])  # the third interval hit a burst of other work
     assert row["decode_tok_s"] == pytest.approx(10.0)
@@ -119,7 +119,7 @@ def test_llama_cpp_is_skipped_with_a_reason_for_a_float_model(tiny, capsys):
 
 
 def test_greedy_agreement_and_bandwidth_fraction_in_the_table():
-    from gqa.bench.model_report import agreement, table
+    from gqa.bench.model.report import agreement, table
 
     base = {"kv_heads": 3, "kv_bytes_per_token": 10, "peak_rss_mib": 100, "dtype": "q4_1"}
     row = {"context": 4, "prefill_tok_s": 10.0, "decode_tok_s": 50.0, "weight_bytes": 10**8, "kv_bytes": 0}

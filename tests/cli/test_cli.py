@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gqa import __version__, convert
-from gqa.bench import model as bench_model
+from gqa.bench.model import benchmark as bench_model
 from gqa.cli import build_parser
 from gqa.cli import main as cli
 from gqa.decoding import generate as generation

@@ -185,8 +185,8 @@ def test_kernels_probe_agrees_with_the_loaded_kernels():
 
 def test_what_help_shows_is_what_the_torch_modules_use():
     """The choices and defaults defined without torch for --help are those of the modules that use them."""
-    from gqa.bench import model as bench_model
-    from gqa.bench.model_arguments import DESCRIPTION
+    from gqa.bench.model import benchmark as bench_model
+    from gqa.bench.model.arguments import DESCRIPTION
     from gqa.cache.sizes import ITEMSIZE
     from gqa.convert import METHODS
     from gqa.models import quantized

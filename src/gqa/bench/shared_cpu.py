@@ -4,7 +4,7 @@ Each engine decodes ``--new-tokens`` tokens after a ``--context``-token prompt a
 busy processes (``--beside``), each a 2-thread torch matmul loop (``--busy torch``, like a training job or a test
 suite) or a pure-Python loop (``--busy python``); the table shows decode tok/s (new tokens over the wall time from the
 first to the last, so stalls count) and the share of its alone speed each engine keeps. Engines run one at a time in
-fresh processes (``gqa.bench.model_worker``), taking turns in every round (``--rounds``, median shown), so a busy
+fresh processes (``gqa.bench.model.worker``), taking turns in every round (``--rounds``, median shown), so a busy
 spell of the machine hits them alike.
 """
 
@@ -66,7 +66,7 @@ class Busy:
 
 def decode_tok_s(model: str | None, engine: str, context: int, new_tokens: int) -> float:
     """Tokens per second from the first to the last new token, in a fresh worker process."""
-    from .model import _run_worker
+    from .model.benchmark import _run_worker
 
     row = _run_worker(model, engine, DTYPE[engine], [context], new_tokens)["rows"][0]
     return row["decode_mean_tok_s"]
@@ -88,7 +88,7 @@ def table(rows: list[dict], beside: list[int], kind: str) -> str:
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from . import write_results
-    from .model import llama_cpp_available
+    from .model.benchmark import llama_cpp_available
 
     if ns.rounds < 1 or ns.context < 1 or ns.new_tokens < 2 or min(ns.beside) < 0:
         parser.error("--rounds and --context must be >= 1, --new-tokens >= 2, --beside counts >= 0")

@@ -113,7 +113,7 @@ def table(rows: list[dict]) -> str:
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from . import write_results
-    from .model import llama_cpp_available
+    from .model.benchmark import llama_cpp_available
 
     if ns.runs < 1:
         parser.error(f"--runs must be >= 1, got {ns.runs}")

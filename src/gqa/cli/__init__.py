@@ -20,8 +20,8 @@ from ..options.common import HelpFormatter
 # RUN, the module whose run that is), and imports no torch until run: the parser is built from all of them without
 # it (gqa --help, gqa info).
 COMMANDS = ("generate", "info", "eval", "demo", "serve", "convert")  # gqa.cli.NAME
-BENCHMARKS = {"attention": "arguments", "model": "model_arguments", "startup": "startup", "shared": "shared_cpu",
-              "serve": "serve"}  # gqa bench NAME -> gqa.bench.MODULE  # fmt: skip
+BENCHMARKS = {"attention": "attention", "model": "model", "startup": "startup", "shared": "shared_cpu",
+              "serve": "serve"}  # gqa bench NAME -> gqa.bench.MODULE (a package for the two larger ones)  # fmt: skip
 
 
 def _add(sub: argparse._SubParsersAction, name: str, module: ModuleType) -> argparse.ArgumentParser:

@@ -209,7 +209,7 @@ def copy_gbs(device: torch.device, nbytes: int = 2**30, repeats: int = 10) -> fl
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     """``gqa bench model --device cuda``: the rows of ``cuda_rows`` as a table (printed; ``--json``,
     ``--markdown``)."""
-    from . import write_json_atomic, write_text_atomic
+    from .. import write_json_atomic, write_text_atomic
 
     try:
         device = torch.device(ns.device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .plots import _pyplot, _save, check_plotting
+from ..attention.plots import _pyplot, _save, check_plotting
 
 __all__ = ["agreement", "check_plotting", "kind", "plot_model", "plot_throughput", "table", "throughput_table"]
 

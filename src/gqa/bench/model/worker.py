@@ -1,6 +1,6 @@
-"""One engine of ``gqa bench model`` in its own process: ``python -m gqa.bench.model_worker ENGINE ...`` prints one
-JSON line — the engine, dtype, peak RSS and a row per context. Run by ``gqa.bench.model``, one process per (model,
-engine, dtype), so that each one's peak memory (max RSS) is its own.
+"""One engine of ``gqa bench model`` in its own process: ``python -m gqa.bench.model.worker ENGINE ...`` prints one
+JSON line — the engine, dtype, peak RSS and a row per context. Run by ``gqa.bench.model.benchmark``, one process per
+(model, engine, dtype), so that each one's peak memory (max RSS) is its own.
 
 Engines:
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from gqa.bench.model_arguments import ENGINES, FLOAT_DTYPES, QUANTIZED
+from gqa.bench.model.arguments import ENGINES, FLOAT_DTYPES, QUANTIZED
 from gqa.options.dtypes import torch_dtype
 
 DTYPES = {name: torch_dtype(name) for name in FLOAT_DTYPES}
@@ -259,7 +259,7 @@ def run_llama_cpp(path: str | None, contexts: list[int], new: int) -> tuple[int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gqa.bench.model_worker", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m gqa.bench.model.worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("engine", choices=ENGINES)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", choices=[*DTYPES, *QUANTIZED], default="fp32")

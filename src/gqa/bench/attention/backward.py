@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import gqa
 
-from . import write_json_atomic, write_text_atomic
+from .. import write_json_atomic, write_text_atomic
 from .limits import time_ms
 
 KERNELS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")  # held on CUDA, by SDPBackend name

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..options.dtypes import dtype_type, torch_dtype
+from ...options.dtypes import dtype_type, torch_dtype
 from .workloads import KINDS, MASKS
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-RUN = "gqa.bench.attention"  # the module whose run(parser, args) runs ``gqa bench attention`` (it imports torch)
+RUN = "gqa.bench.attention.benchmark"  # the module whose run(parser, args) runs the benchmark (it imports torch)
 HELP = "time gqa's attention backends and peer implementations against the machine's bandwidth and matmul rate"
 DESCRIPTION = (
     "Time gqa's attention backends, auto and the peer implementations side by side against the machine's measured "
@@ -75,7 +75,7 @@ DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``gqa bench attention`` (what ``python benchmarks/attention.py`` runs)."""
-    from ..options.common import HelpFormatter
+    from ...options.common import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="gqa bench attention", description=DESCRIPTION, formatter_class=HelpFormatter)
     add_arguments(parser)

@@ -5,7 +5,7 @@ The source model (default: the embedded SmolLM2-135M-Instruct, 9 query / 3 KV he
 of ``--kv-heads`` (default: ``H_q``, its own ``H_kv`` and 1 — for SmolLM2, MHA 9, GQA 3, MQA 1). Other counts are
 made with ``gqa.convert`` into a temporary folder: more heads by exact expansion (the same model), fewer by the GQA
 paper's mean-pooling (speed does not depend on the weights: generation never stops early). Every (head count, engine,
-dtype) runs in its own subprocess (``gqa.bench.model_worker``), one after another, so each peak RSS is its own.
+dtype) runs in its own subprocess (``gqa.bench.model.worker``), one after another, so each peak RSS is its own.
 Run ``gqa bench model --help`` for the flags.
 """
 
@@ -23,19 +23,19 @@ from pathlib import Path
 
 import torch
 
-from ..loaders import read_config
-from ..models.config import ModelConfig
-from ..options.common import model_label
-from . import write_json_atomic, write_text_atomic
-from .model_arguments import CPU_ENGINES, DESCRIPTION, add_arguments
-from .model_report import check_plotting, plot_model, table
-from .model_worker import DTYPES, QUANTIZED, gguf_format
-from .report import machine_description
+from ...loaders import read_config
+from ...models.config import ModelConfig
+from ...options.common import model_label
+from .. import write_json_atomic, write_text_atomic
+from ..attention.report import machine_description
+from .arguments import CPU_ENGINES, DESCRIPTION, add_arguments
+from .report import check_plotting, plot_model, table
+from .worker import DTYPES, QUANTIZED, gguf_format
 
 
 def cache_dtype(dtype: str) -> torch.dtype:
     """The KV cache's dtype for a bench dtype: itself, or for a block format the activations' (``auto_dtype``)."""
-    from ..hardware import auto_dtype
+    from ...hardware import auto_dtype
 
     return auto_dtype() if dtype in QUANTIZED else DTYPES[dtype]
 
@@ -58,7 +58,7 @@ def default_kv_heads(num_heads: int, num_kv_heads: int) -> list[int]:
 
 def _head_counts(cfg: ModelConfig, kv_heads: list[int] | None) -> list[int]:
     """``kv_heads`` without repeats (default ``default_kv_heads``), each one checked against ``cfg``."""
-    from ..convert import check_kv_heads
+    from ...convert import check_kv_heads
 
     counts = default_kv_heads(cfg.num_heads, cfg.num_kv_heads) if kv_heads is None else list(dict.fromkeys(kv_heads))
     for n in counts:
@@ -69,7 +69,7 @@ def _head_counts(cfg: ModelConfig, kv_heads: list[int] | None) -> list[int]:
 def _variants(src: str | None, cfg: ModelConfig, counts: list[int], folder: Path) -> dict[int, str | None]:
     """Per head count, the model to run: ``src`` itself for its own count (``None``: the embedded model), else a
     conversion of it written into ``folder``."""
-    from ..convert import convert
+    from ...convert import convert
 
     paths: dict[int, str | None] = {}
     for n in counts:
@@ -82,7 +82,7 @@ def _variants(src: str | None, cfg: ModelConfig, counts: list[int], folder: Path
 
 
 def _run_worker(path: str | None, engine: str, dtype: str, contexts: list[int], new_tokens: int, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "gqa.bench.model_worker", engine, "--dtype", dtype, "--new-tokens", str(new_tokens),
+    cmd = [sys.executable, "-m", "gqa.bench.model.worker", engine, "--dtype", dtype, "--new-tokens", str(new_tokens),
            "--contexts", *map(str, contexts), *extra]  # fmt: skip
     if path is not None:
         cmd += ["--model", path]
@@ -95,7 +95,7 @@ def _run_worker(path: str | None, engine: str, dtype: str, contexts: list[int], 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``gqa bench model``."""
-    from ..options.common import HelpFormatter
+    from ...options.common import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="gqa bench model", description=DESCRIPTION, formatter_class=HelpFormatter)
     add_arguments(parser)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     """The benchmark on flags ``parser`` (``build_parser`` or ``add_arguments``'s parser) has parsed."""
     if ns.device != "cpu":
-        from .model_cuda import run as run_cuda
+        from .cuda import run as run_cuda
 
         return run_cuda(parser, ns)
     if ns.engines is None:
@@ -189,7 +189,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
 
 def read_bandwidth() -> float:
     """This machine's read bandwidth now, GB/s: ``x.sum()`` over 1 GiB of float32, all threads (``bench.limits``)."""
-    from .limits import _bandwidth
+    from ..attention.limits import _bandwidth
 
     return _bandwidth(torch.device("cpu"), 2**30, 5, {})[0]
 
@@ -205,7 +205,7 @@ def _applies(engine: str, dtype: str, original: bool, own_format: str | None) ->
 
 def _run_throughput(ns: argparse.Namespace, cfg: ModelConfig, counts: list[int], started: float) -> int:
     """Decode throughput at ``--batch`` sizes (and the ``--kv-budget`` batch) per KV head count, dtype, context."""
-    from .model_report import plot_throughput, throughput_table
+    from .report import plot_throughput, throughput_table
 
     results = []
     with tempfile.TemporaryDirectory(prefix="gqa-bench-model-") as tmp:

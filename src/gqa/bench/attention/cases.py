@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.masks import causal_mask
-from ..cache.kv import kv_cache_bytes
+from ...attention.masks import causal_mask
+from ...cache.kv import kv_cache_bytes
 from .workloads import KINDS, MASKS  # noqa: F401 - defined there, without torch (gqa bench attention --help)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

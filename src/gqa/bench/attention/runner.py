@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..hardware import available_memory
+from ...hardware import available_memory
 from .cases import Case, Inputs, make_inputs
 from .implementations import REFUSALS, Impl
 from .timing import TOLERANCE, check_calls, reference_output, time_round_robin
@@ -49,8 +49,8 @@ GPU_SETTINGS = {
 
 def auto_choice(inputs: Inputs) -> str:
     """The backend ``auto`` runs for these inputs (``"?"`` if the policy cannot be asked)."""
-    from ..attention.backends import choose_backend
-    from ..attention.checks import check_qkv
+    from ...attention.backends import choose_backend
+    from ...attention.checks import check_qkv
 
     try:
         shape = check_qkv(inputs.q, inputs.k, inputs.v)

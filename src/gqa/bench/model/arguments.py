@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..options.defaults import QUANT_FORMATS
-from ..options.dtypes import dtype_type
+from ...options.defaults import QUANT_FORMATS
+from ...options.dtypes import dtype_type
 
 __all__ = ["CPU_ENGINES", "DESCRIPTION", "ENGINES", "FLOAT_DTYPES", "QUANTIZED", "SHAPES", "add_arguments"]
 
-RUN = "gqa.bench.model"  # the module whose run(parser, args) runs ``gqa bench model`` (it imports torch)
+RUN = "gqa.bench.model.benchmark"  # the module whose run(parser, args) runs the benchmark (it imports torch)
 HELP = "KV-cache size, prefill and decode tokens/s of gqa vs HF transformers, the model as MHA, GQA and MQA"
 DESCRIPTION = (  # the first paragraph of gqa.bench.model's docstring
     "Whole-model benchmark: KV-cache size, prefill and decode tokens/s of gqa vs HF transformers on the same weights, "

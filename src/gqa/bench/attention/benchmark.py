@@ -1,18 +1,18 @@
 """Attention benchmark: every gqa backend, ``auto`` and the peers side by side on the same inputs, against the
 machine's limits measured in the same run. ``gqa bench attention --help`` (or ``python benchmarks/attention.py``).
 
-Per case (see :mod:`gqa.bench.cases` for the grid, the masks and how bytes and FLOPs are counted) the inputs are
-drawn once (fixed seed); every implementation (:mod:`gqa.bench.implementations`) is checked once against the
-reference backend (tolerance by dtype), warmed up, then timed round-robin (one call of each per repetition, the
+Per case (see :mod:`gqa.bench.attention.cases` for the grid, the masks and how bytes and FLOPs are counted) the inputs
+are drawn once (fixed seed); every implementation (:mod:`gqa.bench.attention.implementations`) is checked once against
+the reference backend (tolerance by dtype), warmed up, then timed round-robin (one call of each per repetition, the
 starting one rotated) so that drift of the machine hits all of them alike; the reports show the median. The read
-bandwidth and matmul rates (:mod:`gqa.bench.limits`) are measured at the start and the end of the run.
+bandwidth and matmul rates (:mod:`gqa.bench.attention.limits`) are measured at the start and the end of the run.
 
 What does not run is recorded with its reason, never a crash: a backend that raises ``ValueError`` /
-``NotImplementedError`` / ``RuntimeError`` for a case or device; an implementation whose estimated extra memory
-(copies of K/V, materialized scores) exceeds the memory budget; one whose checked call took longer than
-``--max-call-s`` (checked, not timed); a case whose inputs exceed the budget, or that the ``--max-seconds`` budget
-left no time for. Outputs: markdown on stdout (and ``--markdown``), ``--json`` with every raw number (rewritten
-atomically after each case, so an interrupted run keeps what it measured), ``--plots DIR`` (two PNGs).
+``NotImplementedError`` / ``RuntimeError`` for a case or device; an implementation whose estimated extra memory (copies
+of K/V, materialized scores) exceeds the memory budget; one whose checked call took longer than ``--max-call-s``
+(checked, not timed); a case whose inputs exceed the budget, or that the ``--max-seconds`` budget left no time for.
+Outputs: markdown on stdout (and ``--markdown``), ``--json`` with every raw number (rewritten atomically after each
+case, so an interrupted run keeps what it measured), ``--plots DIR`` (two PNGs).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from datetime import datetime, timezone
 
 import torch
 
-from ..attention.backends import BACKENDS
-from . import write_json_atomic, write_text_atomic
+from ...attention.backends import BACKENDS
+from .. import write_json_atomic, write_text_atomic
 from .arguments import (
     DESCRIPTION,
     add_arguments,

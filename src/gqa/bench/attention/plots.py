@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import atomic_path
+from .. import atomic_path
 
 PLOT_FILES = ("attention-decode.png", "attention-kv-bytes.png")
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

@@ -22,11 +22,11 @@ def tp_rank(path: str | None, dtype_name: str, contexts: list[int], new_tokens: 
     """One rank's measurements (run on every rank of a launch, or alone for tp 1)."""
     import torch.distributed as dist
 
-    from ..cache.kv import kv_cache_bytes
-    from ..decoding.steps import select_step
-    from ..loaders.model import load_model
-    from ..parallel.tensor_parallel import ReducingLinear
-    from .model_worker import DTYPES, prompt
+    from ...cache.kv import kv_cache_bytes
+    from ...decoding.steps import select_step
+    from ...loaders.model import load_model
+    from ...parallel.tensor_parallel import ReducingLinear
+    from .worker import DTYPES, prompt
 
     sharded = dist.is_initialized() and dist.get_world_size() > 1  # tp 1: the plain model
     dtype = DTYPES[dtype_name]
@@ -66,9 +66,9 @@ def tp_rank(path: str | None, dtype_name: str, contexts: list[int], new_tokens: 
 
 def run_tp(ns: argparse.Namespace, tps: list[int]) -> list[dict]:
     """Every ``tp`` of ``tps`` for each dtype of ``ns.dtypes``, one launch each: a result per (tp, dtype)."""
-    from ..loaders import read_config
-    from ..parallel.distributed import launch_local
-    from ..parallel.tensor_parallel import check_tp
+    from ...loaders import read_config
+    from ...parallel.distributed import launch_local
+    from ...parallel.tensor_parallel import check_tp
 
     cfg = read_config(ns.model)
     for tp in tps:

@@ -1,6 +1,6 @@
 """Every attention implementation the benchmark compares, behind one interface.
 
-An :class:`Impl` turns a case's :class:`~gqa.bench.cases.Inputs` into a zero-argument call returning
+An :class:`Impl` turns a case's :class:`~gqa.bench.attention.cases.Inputs` into a zero-argument call returning
 ``out (B, H_q, L, D)``. ``prepare`` does the per-case set-up outside the timing (expanding a mask to a peer's layout,
 building a FlexAttention block mask) and raises ``NotImplementedError`` (or ``ValueError`` / ``RuntimeError``) for a
 case the implementation cannot run; the benchmark records the message and skips it.
@@ -35,8 +35,8 @@ from torch.nn.attention import SDPBackend
 
 import gqa
 
-from ..attention.backends import BACKENDS
-from ..attention.masks import causal_mask
+from ...attention.backends import BACKENDS
+from ...attention.masks import causal_mask
 from .cases import Case, Inputs
 
 Call = Callable[[], torch.Tensor]
