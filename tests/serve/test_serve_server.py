@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -292,6 +293,26 @@ def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
             time.sleep(0.05)
     m = wait_idle(server)  # aborted long before its 1,000 tokens
     assert m["gqa_kv_blocks_free"] == free and m["gqa_generation_tokens_total"] - made < 800
+
+
+def test_a_pool_smaller_than_the_context_is_said_at_start_and_chat_defaults_fit_it():
+    """With a KV pool of fewer tokens than the model's context, the start says the largest request and the size that
+    holds a full context; a chat request without max_tokens (the openai client's default) is served, not refused."""
+    s = Server("--kv-cache-mib", "8")
+    try:
+        lines = [s.proc.stdout.readline() for _ in range(3)]  # the banner lines come before uvicorn's
+        note = next((line for line in lines if "gqa serve: note:" in line), "")
+        found = re.search(r"the KV cache holds (\d+) tokens, fewer than the model's context of 8192.*"
+                          r"--kv-cache-mib (\d+) holds a full context", note)  # fmt: skip
+        assert found, lines
+        slots, full_mib = int(found[1]), int(found[2])
+        # SmolLM2: 30 layers x 3 KV heads x 64 x 2 (K, V) x 8192 tokens: 180 MiB in bf16, 360 in fp32 (the auto dtype)
+        assert full_mib in (180, 360) and slots == 8 * 8192 // full_mib // 16 * 16
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}])
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.total_tokens <= slots
+    finally:
+        assert s.stop() == 0
 
 
 def test_the_openai_client_raises_its_own_errors(client):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -126,6 +127,12 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         f"{cfg.max_position_embeddings}-token contexts",
         file=sys.stderr,
     )
+    slots = blocks.num_blocks * blocks.block_size
+    if slots < cfg.max_position_embeddings:  # say it once, at start, not as a refusal per request
+        full = engine.cache.nbytes / slots * cfg.max_position_embeddings / 2**20
+        print(f"gqa serve: note: the KV cache holds {slots} tokens, fewer than the model's context of "
+              f"{cfg.max_position_embeddings}: a request's prompt and max_tokens together can use at most {slots} "
+              f"(--kv-cache-mib {math.ceil(full)} holds a full context)", file=sys.stderr)  # fmt: skip
     app = build_app(AsyncEngine(engine, ns.max_queue), model.tokenizer, name, api_key,
                     max_body_bytes=int(ns.max_body_mib * 2**20))  # fmt: skip
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info", access_log=False,
