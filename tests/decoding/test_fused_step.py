@@ -31,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in th
 
 @pytest.mark.skipif(bool(os.environ.get(CHILD)), reason="the child process itself")
 def test_fused_step_in_interpreter_process():
-    run_interpreted(__file__, CHILD, min_passed=5)
+    run_interpreted(__file__, CHILD, min_passed=6)
 
 
 def _models(arch: str):
@@ -123,3 +123,14 @@ def test_fused_step_refuses_hooked_projections():
     with pytest.raises(ValueError, match="fused decode step does not apply"):
         step_weights(model)
     handle.remove()
+
+
+@needs_interpreter
+def test_the_split_kv_custom_op_passes_opcheck():
+    """``gqa_triton::split_kv_decode``, the kernel as the compiler sees it: schema, fake kernel, dynamic shapes."""
+    from gqa.kernels.triton.split_kv import decode_op
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 6, 1, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g), torch.randn(2, 2, 40, 16)
+    results = torch.library.opcheck(decode_op, (q, k, v, torch.tensor([0, 3]), torch.tensor(30), 0.25))
+    assert set(results.values()) == {"SUCCESS"}, results
