@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -89,21 +88,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written over the median time)."""
-    src = torch.randn(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * src.nbytes / statistics.median(times) / 1e9
-
-
 def machine(device: torch.device, dry: bool) -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
     try:
@@ -117,7 +101,9 @@ def machine(device: torch.device, dry: bool) -> dict:
         info |= {"gpu": props.name, "capability": list(torch.cuda.get_device_capability(device)),
                  "memory_gib": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count,
                  "cuda": torch.version.cuda}  # fmt: skip
-    info["copy_gbs"] = copy_bandwidth(device, 2**22 if dry else 2**31)
+    from gqa.bench.model.cuda import copy_gbs
+
+    info["copy_gbs"] = copy_gbs(device, 2**22 if dry else 2**31)
     return info
 
 

@@ -92,6 +92,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from ..serve.async_engine import AsyncEngine
     from ..serve.config import EngineConfig
     from ..serve.engine import Engine, EngineError
+    from ..serve.runner import full_context_bytes
     from ..serve.server import build_app
 
     for flag, value, low in (("--port", ns.port, 0), ("--block-size", ns.block_size, 1),
@@ -129,7 +130,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     )
     slots = blocks.num_blocks * blocks.block_size
     if slots < cfg.max_position_embeddings:  # say it once, at start, not as a refusal per request
-        full = engine.cache.nbytes / slots * cfg.max_position_embeddings / 2**20
+        full = full_context_bytes(model) / 2**20
         print(f"gqa serve: note: the KV cache holds {slots} tokens, fewer than the model's context of "
               f"{cfg.max_position_embeddings}: a request's prompt and max_tokens together can use at most {slots} "
               f"(--kv-cache-mib {math.ceil(full)} holds a full context)", file=sys.stderr)  # fmt: skip

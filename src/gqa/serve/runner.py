@@ -15,13 +15,14 @@ import os
 import torch
 
 from .. import kernels
+from ..cache.sizes import kv_cache_elements
 from ..decoding import native_step
 from ..kernels import ops
 from .config import EngineConfig
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
 from .request import EngineError, Request
 
-__all__ = ["ModelRunner", "batch_rows", "default_kv_cache_mib"]
+__all__ = ["ModelRunner", "batch_rows", "default_kv_cache_mib", "full_context_bytes"]
 
 
 class ModelRunner:
@@ -86,10 +87,16 @@ def batch_rows(work: list[tuple[Request, int, int]]) -> tuple[list[int], list[in
     return ids, positions, tables, wanted
 
 
+def full_context_bytes(model: torch.nn.Module) -> int:
+    """K and V of one sequence as long as the model's context, in its dtype: what a pool must hold for any request."""
+    cfg = model.config
+    elements = kv_cache_elements(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings)
+    return elements * model.dtype.itemsize
+
+
 def default_kv_cache_mib(model: torch.nn.Module, max_running: int) -> float:
     """A quarter of the memory available now, at most what ``max_running`` full contexts need."""
-    cfg = model.config
-    full = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.max_position_embeddings * model.dtype.itemsize
+    full = full_context_bytes(model)
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -20,7 +20,7 @@ from ..kernels.triton.split_kv import DTYPES, interpreted, triton_available
 from .config import EngineConfig
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
 from .request import EngineError, Request
-from .runner import batch_rows
+from .runner import batch_rows, full_context_bytes
 
 __all__ = ["TritonModelRunner", "default_device_kv_cache_mib"]
 
@@ -88,7 +88,6 @@ class TritonModelRunner:
 
 def default_device_kv_cache_mib(model: torch.nn.Module, config: EngineConfig) -> float:
     """Half the device memory free now, at most what ``max_running`` full contexts need."""
-    cfg = model.config
-    full = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.max_position_embeddings * model.dtype.itemsize
+    full = full_context_bytes(model)
     free = torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else 2 * 2**30
     return max(1.0, min(free / 2, full * config.max_running) / 2**20)
