@@ -202,7 +202,7 @@ def test_bad_layout_refused_before_any_process(monkeypatch, tmp_path, capsys):
     cfg = ModelConfig(num_heads=8, num_kv_heads=2, hidden_size=32, head_dim=8, intermediate_size=40, num_layers=2)
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
     monkeypatch.setattr(parallel, "launch_local", lambda *a, **k: pytest.fail("launched"))
-    monkeypatch.setattr(parallel, "init_process_group", lambda *a, **k: pytest.fail("process group"))
+    monkeypatch.setattr(parallel, "launched_world", lambda *a, **k: pytest.fail("process group"))
     assert cli(["generate", "hi", "--model", str(tmp_path), "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert "H_q=8 query heads and H_kv=2 KV heads over tp=3 ranks" in err and "tp values that work: 1, 2, 4, 8" in err

@@ -279,23 +279,34 @@ def dry_run(ns: argparse.Namespace, checked: Checked) -> int:
 
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    import torch
-
-    from ..cache.kv import kv_cache_bytes
-    from ..convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, NEEDS_CALIBRATION, run_conversion
+    from ..convert import run_conversion
+    from ..parallel.distributed import launched_world
 
     checked = check(ns)  # the real run and --dry-run refuse alike, before anything slow
     for w in checked.warned:  # passed: now the check's warnings, once
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if ns.dry_run:
         return dry_run(ns, checked)
+    src, cfg = ns.src, checked.plan.source.config
+    merging = ns.kv_heads < cfg.num_kv_heads  # then progress bars follow the line
+    what = f"{model_label(src)} layer by layer and converting it to {ns.kv_heads} KV heads"
+    with launched_world(checked.plan.device) as (rank, _):  # the group ends with the command, after the report
+        with loading(what, timed=not merging):
+            out = run_conversion(checked.plan, force=ns.force)
+        if rank == 0:  # rank 0 reports
+            report(ns, checked, out)
+    return 0
+
+
+def report(ns: argparse.Namespace, checked: Checked, out: Path) -> None:
+    """What a finished conversion wrote, and what healing did."""
+    import torch
+
+    from ..cache.kv import kv_cache_bytes
+    from ..convert import HEAL_LOG_NAME, HEAL_PLOT_NAME, NEEDS_CALIBRATION
+
     src, heal = ns.src, checked.heal
     cfg = checked.plan.source.config
-    merging = ns.kv_heads < cfg.num_kv_heads  # then progress bars follow the line
-    with loading(f"{model_label(src)} layer by layer and converting it to {ns.kv_heads} KV heads", timed=not merging):
-        out = run_conversion(checked.plan, force=ns.force)
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-        return 0  # rank 0 reports
     n, h_kv = ns.kv_heads, cfg.num_kv_heads
     refit = ns.method in NEEDS_CALIBRATION if ns.refit is None else ns.refit
     how = "copied" if n == h_kv else "expanded exactly" if n > h_kv else f"merged with method {ns.method!r}"

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from ..options.common import add_tp_argument  # defined there, without torch (gqa generate --help)
-from ..parallel.distributed import in_launched_world, init_process_group, launch_local
+from ..parallel.distributed import in_launched_world, launch_local, launched_world
 
 __all__ = ["add_tp_argument", "is_lead", "run_on_ranks", "tp_size"]
 
@@ -54,9 +54,6 @@ def run_on_ranks(ns: argparse.Namespace, command: Callable[[argparse.Namespace],
     check_tp(cfg.num_heads, cfg.num_kv_heads, tp)  # before any process group work
     sharded = argparse.Namespace(**{k: v for k, v in vars(ns).items() if k != "run"}, sharded=True)  # spawnable
     if in_launched_world():
-        init_process_group()
-        try:
+        with launched_world():
             return command(sharded)
-        finally:
-            dist.destroy_process_group()
     return max(launch_local(tp, command, sharded).values())

@@ -28,7 +28,7 @@ from ..loaders import read_model, resolve_model_path
 from ..loaders.lazy import LazyModel, open_lazy
 from ..models.config import ModelConfig
 from ..options.defaults import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME
-from ..parallel.distributed import in_launched_world, init_process_group
+from ..parallel.distributed import launched_world
 from . import pca as _pca  # noqa: F401 - registers the "pca" method
 from .calibration import default_calibration_text, default_heal_text
 from .conversations import ConversationSet, has_chat_template, model_content_hash, self_generated_conversations
@@ -280,8 +280,18 @@ def convert(
 def run_conversion(plan: ConversionPlan, *, force: bool = False, progress: bool = True) -> Path:
     """The conversion ``check_conversion`` checked into ``plan`` (``convert``'s work after its checks; ``gqa convert``
     calls it with the plan its own check made, so the source is not checked twice). Returns the resolved ``dst``."""
+    global _WAITING
+    with launched_world(plan.device) as (rank, world):
+        try:
+            _convert_on_rank(plan, rank, world, force, progress)
+        finally:
+            _WAITING = None  # goes with the world it was made in
+    return plan.out
+
+
+def _convert_on_rank(plan: ConversionPlan, rank: int, world: int, force: bool, progress: bool) -> None:
+    """``run_conversion``'s work on one rank: rank 0 converts and writes, every rank heals its share."""
     heal = plan.heal
-    rank, world = init_process_group(plan.device) if in_launched_world() else (0, 1)
     if world > 1 and heal is None:
         raise ValueError("only healing runs across processes: run a conversion without healing as one process")
     with staged(plan.out, force) if rank == 0 else contextlib.nullcontext() as tmp:
@@ -294,7 +304,6 @@ def run_conversion(plan: ConversionPlan, *, force: bool = False, progress: bool 
             _write_extras(tmp, plan, data, None if heal is None else result)
     if world > 1:
         _waiting_group().barrier()  # every rank returns once the result is in place
-    return plan.out
 
 
 @dataclasses.dataclass

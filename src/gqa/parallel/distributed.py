@@ -14,11 +14,12 @@ waiting forever, and a rank that raises makes the launcher stop the rest and rep
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "in_launched_world",
     "init_process_group",
     "launch_local",
+    "launched_world",
     "shared_seed",
     "timeout_seconds",
 ]
@@ -78,6 +80,26 @@ def init_process_group(device: str | torch.device = "cpu") -> tuple[int, int]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds()))
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def launched_world(device: str | torch.device = "cpu") -> Iterator[tuple[int, int]]:
+    """``(rank, world_size)`` of torchrun's world (``(0, 1)`` outside one) for the ``with`` block.
+
+    A group this block creates is destroyed when it ends, however it ends: one left to the interpreter's exit can
+    abort the process there (gloo's threads, "terminate called without an active exception"). A group that existed
+    before (``launch_local``'s workers make their own) is left to its owner.
+    """
+    if not in_launched_world():
+        yield 0, 1
+        return
+    owned = not dist.is_initialized()
+    world = init_process_group(device)
+    try:
+        yield world
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def shared_seed() -> int:
