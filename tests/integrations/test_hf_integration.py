@@ -186,15 +186,21 @@ def test_softcap_and_sinks_reach_the_attention_call():
     torch.testing.assert_close(ours, want, **TOL)
 
 
-def test_gemma2_with_softcap_and_a_sliding_window_matches_eager():
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_with_softcap_and_a_sliding_window_matches_eager(family):
+    """Gemma 2 (attention soft-capping, sliding and global layers alternating) and Gemma 3 (q/k norm, a local RoPE
+    base, five sliding layers to one global, here two to one) with ``attn_implementation="gqa"``."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
-    cfg = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=5.0,
-                       final_logit_softcapping=10.0, max_position_embeddings=64,
-                       attn_implementation="eager")  # fmt: skip
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, sliding_window=4, query_pre_attn_scalar=6,
+              max_position_embeddings=64, attn_implementation="eager")  # fmt: skip
+    if family == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(**kw, attn_logit_softcapping=5.0, final_logit_softcapping=10.0))
+    else:
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**kw, sliding_window_pattern=3))
     torch.manual_seed(0)
-    eager = Gemma2ForCausalLM(cfg).eval()
+    eager = model.eval()
     ours = copy.deepcopy(eager)
     ours.set_attn_implementation("gqa")
     ids = torch.randint(0, 64, (2, 11))

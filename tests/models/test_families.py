@@ -1,6 +1,7 @@
-"""Qwen3 (q/k norm) and Mistral (a sliding window) from HF folders: gqa's model against transformers' own on the same
-random weights — logits on sequences longer than the window, greedy generation well past it, and the config written
-back loads in transformers."""
+"""Qwen3 (q/k norm), Mistral (a sliding window), Gemma 2 (soft-capping, interleaved windows, sandwich norms) and
+Gemma 3 (q/k norm, a local RoPE base, scaled global RoPE) from HF folders: gqa's model against transformers' own on
+the same random weights — logits on sequences longer than the window, greedy generation well past it, and the config
+written back loads in transformers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ import gqa
 transformers = pytest.importorskip("transformers")
 
 
+FAMILIES = ["qwen3", "mistral", "gemma2", "gemma3_text"]
+GEMMA = dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=12)  # a scale other than head_dim's
+
+
 def _family(arch: str, path):
     torch.manual_seed(0)
     kw = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
@@ -21,28 +26,40 @@ def _family(arch: str, path):
               tie_word_embeddings=False, attn_implementation="eager")  # fmt: skip
     if arch == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw, head_dim=16))
-    else:
+    elif arch == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**kw, sliding_window=5))
+    elif arch == "gemma2":  # soft-caps low enough to bend these scores; sliding and global layers alternate
+        kw |= dict(num_hidden_layers=4, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**kw, **GEMMA))
+    else:  # two sliding layers, then a global one whose RoPE is scaled
+        kw |= dict(num_hidden_layers=3, sliding_window_pattern=3, rope_scaling={"rope_type": "linear", "factor": 2.0})
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**kw, **GEMMA))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.normal_(0.0, 0.3) if "norm" not in name else p.uniform_(0.5, 1.5)
+            if "norm" not in name:
+                p.normal_(0.0, 0.3)
+            else:  # Gemma's norms scale by 1 + weight
+                p.uniform_(-0.5, 0.5) if arch.startswith("gemma") else p.uniform_(0.5, 1.5)
     model.eval().save_pretrained(path, safe_serialization=True)
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_logits_match_transformers_past_the_window(tmp_path, arch):
     ref = _family(arch, tmp_path)
     model = gqa.load_model(tmp_path, tokenizer=False)
     assert model.config.arch == arch
-    assert model.config.qk_norm == (arch == "qwen3")
-    assert model.config.window == ((4, None) if arch == "mistral" else None)
+    cfg = model.config
+    assert cfg.qk_norm == (arch in ("qwen3", "gemma3_text"))
+    windows = {"qwen3": [None] * 2, "mistral": [(4, None)] * 2, "gemma2": [(4, None), None] * 2,
+               "gemma3_text": [(4, None), (4, None), None]}  # fmt: skip
+    assert [cfg.layer_window(i) for i in range(cfg.num_layers)] == windows[arch]
     ids = torch.randint(3, 96, (2, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_greedy_generation_equals_transformers_well_past_the_window(tmp_path, arch):
     ref = _family(arch, tmp_path)
     model = gqa.load_model(tmp_path, tokenizer=False)
@@ -54,7 +71,7 @@ def test_greedy_generation_equals_transformers_well_past_the_window(tmp_path, ar
     assert ours == theirs
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_the_config_written_back_loads_in_transformers(tmp_path, arch):
     _family(arch, tmp_path / "src")
     model = gqa.load_model(tmp_path / "src", tokenizer=False)
@@ -63,12 +80,16 @@ def test_the_config_written_back_loads_in_transformers(tmp_path, arch):
     (tmp_path / "out" / "config.json").write_text(json.dumps(cfg))
     hf_cfg = transformers.AutoConfig.from_pretrained(tmp_path / "out")
     assert hf_cfg.model_type == arch
-    if arch == "mistral":
+    if arch != "qwen3":
         assert hf_cfg.sliding_window == 5
+    if arch.startswith("gemma"):
+        assert hf_cfg.layer_types == model.config.layer_types and hf_cfg.query_pre_attn_scalar == 12
+        again = gqa.models.ModelConfig.from_hf(hf_cfg.to_dict())
+        assert again == model.config
 
 
 @pytest.mark.filterwarnings("ignore:.*no usable tokenizer")  # the test folders hold weights only
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_converting_to_more_kv_heads_keeps_the_qk_norm_and_the_window_exact(tmp_path, arch):
     """``gqa convert --kv-heads 6`` (MHA: heads copied) writes a checkpoint transformers loads and whose logits are
     the original's: the q/k norms and the window survive the conversion."""
@@ -81,6 +102,16 @@ def test_converting_to_more_kv_heads_keeps_the_qk_norm_and_the_window_exact(tmp_
     ids = torch.randint(3, 96, (1, 15), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_merging_a_gemma_models_kv_heads_is_refused_by_name(tmp_path, arch, capsys):
+    from gqa.cli import main as cli
+
+    _family(arch, tmp_path / "src")
+    assert cli(["convert", str(tmp_path / "src"), str(tmp_path / "mqa"), "--kv-heads", "1"]) == 2
+    assert f"merging the KV heads of a {arch} model is not supported yet" in capsys.readouterr().err
+    assert not (tmp_path / "mqa").exists()
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
@@ -107,3 +138,26 @@ def test_the_native_step_decodes_the_family_as_transformers_does(tmp_path, arch,
     assert ours == theirs
     # qwen3: every step native; mistral (window 5): native only while the 3-token prompt plus the new ones fit it
     assert len(calls) == (11 if arch == "qwen3" else 2)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_gemma_decodes_through_its_eager_forward_and_bf16_stays_close(tmp_path, arch):
+    """Gemma's layers are not the native or fused steps' (Llama's): ``select_step`` picks the eager step, the serving
+    engine refuses the model by name, and bf16 logits are as close to transformers' float32 ones as transformers' own
+    bf16 logits are."""
+    from gqa.decoding.steps import select_step
+    from gqa.serve.request import EngineError
+    from gqa.serve.runner import ModelRunner
+
+    ref = _family(arch, tmp_path)
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    assert select_step(model, model.new_caches(1, 8)).name == "eager"
+    with pytest.raises(EngineError, match=f"{arch}'s are not yet"):
+        ModelRunner.check_model(model)
+    ids = torch.randint(3, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+    bf16 = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = ref(ids).logits
+        theirs = ref.to(torch.bfloat16)(ids).logits.float()
+        ours = bf16(ids).float()
+    assert (ours - want).abs().max() <= 1.25 * (theirs - want).abs().max()

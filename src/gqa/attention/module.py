@@ -10,7 +10,7 @@ from torch import nn
 
 from ..cache.kv import _KVCache
 from ..models.linear import Linear, linears
-from .checks import check_dropout, check_heads, check_softcap, check_window, shape_str
+from .checks import check_dropout, check_heads, check_scale, check_softcap, check_window, shape_str
 from .functional import grouped_attention
 from .masks import merge_masks
 from .rope import RoPE
@@ -42,7 +42,10 @@ class GroupedQueryAttention(nn.Module):
         A learned sink logit per query head, ``self.sinks (H_q,)`` (gpt-oss), initialised to zero.
     qk_norm : bool
         Per-head RMSNorm of queries and keys before RoPE, ``self.q_norm`` / ``self.k_norm`` with a ``(D,)`` weight each
-        (Qwen3, Gemma 3); ``norm_eps`` its epsilon.
+        (Qwen3, Gemma 3); ``norm_eps`` its epsilon; ``unit_offset_norm`` scales by ``1 + weight`` (Gemma's norms,
+        weights initialised to zero) instead of ``weight``.
+    scale : float, optional
+        The scores' scale; default ``1 / sqrt(D)`` (Gemma: ``query_pre_attn_scalar ** -0.5``).
     kdim, vdim : int, optional
         Feature sizes of the key and value inputs for cross-attention; default ``embed_dim``.
 
@@ -66,6 +69,8 @@ class GroupedQueryAttention(nn.Module):
         sinks: bool = False,
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
+        unit_offset_norm: bool = False,
+        scale: float | None = None,
         kdim: int | None = None,
         vdim: int | None = None,
         device: torch.device | str | None = None,
@@ -103,20 +108,29 @@ class GroupedQueryAttention(nn.Module):
         self.v_proj = Linear(self.vdim, num_kv_heads * head_dim, bias=qkv_bias, **factory)
         self.o_proj = Linear(num_heads * head_dim, embed_dim, bias=out_bias, **factory)
         self.rope = rope
+        check_scale(scale)
         self.window, self.softcap = check_window(window), check_softcap(softcap)
+        self.scale = None if scale is None else float(scale)
         self.sinks = nn.Parameter(torch.zeros(num_heads, **factory)) if sinks else None
-        self.q_norm = HeadRMSNorm(head_dim, norm_eps, **factory) if qk_norm else None
-        self.k_norm = HeadRMSNorm(head_dim, norm_eps, **factory) if qk_norm else None
+        norm = {"unit_offset": unit_offset_norm, **factory}
+        self.q_norm = HeadRMSNorm(head_dim, norm_eps, **norm) if qk_norm else None
+        self.k_norm = HeadRMSNorm(head_dim, norm_eps, **norm) if qk_norm else None
 
     @property
     def plain(self) -> bool:
-        """Whether this is plain attention: no window, soft-capping, sinks or q/k norm (what the fused decode steps
-        and kernels compute; they leave the rest to this module)."""
-        return self.window is None and self.softcap is None and self.sinks is None and self.q_norm is None
+        """Whether this is plain attention: no window, soft-capping, sinks, q/k norm or scale other than
+        ``1/sqrt(D)`` (what the fused decode steps and kernels compute; they leave the rest to this module)."""
+        return (
+            self.window is None
+            and self.softcap is None
+            and self.sinks is None
+            and self.q_norm is None
+            and self.scale is None
+        )
 
     def extra_repr(self) -> str:
-        extra = "".join(f", {name}={value}" for name, value in (("window", self.window), ("softcap", self.softcap))
-                        if value is not None)  # fmt: skip
+        options = (("window", self.window), ("softcap", self.softcap), ("scale", self.scale))
+        extra = "".join(f", {name}={value}" for name, value in options if value is not None)
         return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{extra}"
 
     def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
@@ -200,8 +214,8 @@ class GroupedQueryAttention(nn.Module):
 
         dropout_p = self.dropout if self.training else 0.0
         result = grouped_attention(
-            q, k, v, attn_mask, dropout_p, is_causal, window=self.window, softcap=self.softcap, sinks=self.sinks,
-            return_weights=need_weights, backend=backend,
+            q, k, v, attn_mask, dropout_p, is_causal, self.scale, window=self.window, softcap=self.softcap,
+            sinks=self.sinks, return_weights=need_weights, backend=backend,
         )  # fmt: skip
         out, weights = result if need_weights else (result, None)
         out = self.o_proj(out.transpose(-2, -3).flatten(-2))  # (*B, H_q, L, D) -> (*B, L, E)
@@ -209,14 +223,19 @@ class GroupedQueryAttention(nn.Module):
 
 
 class HeadRMSNorm(nn.Module):
-    """RMSNorm over each head's ``D`` features (Qwen3's and Gemma 3's q/k norm): ``weight * x / rms(x)``, computed in
-    float32 and cast back before the weight, as HF transformers does."""
+    """RMSNorm over each head's ``D`` features (Qwen3's and Gemma 3's q/k norm), in float32 as HF transformers does:
+    ``weight * x / rms(x)`` cast back before the weight (Qwen3), or with ``unit_offset`` ``x / rms(x) * (1 + weight)``
+    cast back after it (Gemma, whose weights are stored as offsets from 1)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, *, unit_offset: bool = False, device=None, dtype=None) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype) if unit_offset else
+                                   torch.ones(dim, device=device, dtype=dtype))  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)

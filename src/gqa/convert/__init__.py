@@ -370,6 +370,11 @@ def check_conversion(
     source = open_lazy(resolved)
     cfg = source.config
     check_kv_heads(cfg, kv_heads, method)
+    if cfg.gemma and kv_heads < cfg.num_kv_heads:
+        raise ValueError(
+            f"merging the KV heads of a {cfg.arch} model is not supported yet (its calibration runs Llama's layers); "
+            f"kv_heads >= {cfg.num_kv_heads} (exact) is"
+        )
     if heal is not None and kv_heads >= cfg.num_kv_heads:
         raise ValueError(
             f"healing only applies when merging KV heads (kv_heads < {cfg.num_kv_heads}); going to {kv_heads} is exact"

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from ..loaders.lazy import LazyModel
 from ..models.config import ModelConfig
-from ..models.llama import DecoderLayer, model_rope
+from ..models.llama import decoder_layer, model_rope
 from .methods import check_kv_heads, convert_layer, layer_tensor_names, layer_weights, put_layer_weights
 from .refit import CALIBRATION_WINDOW, RIDGE, calibration_windows, check_refit, refit_layer
 from .shards import DEFAULT_MAX_SHARD_SIZE, ShardedWriter
@@ -69,11 +69,11 @@ def write_dtypes(source: LazyModel, dtype: torch.dtype | None = None) -> dict[st
     return dict(source.dtypes) if dtype is None else dict.fromkeys(source.shapes, dtype)
 
 
-def _layer(cfg: ModelConfig, tensors: dict[str, Tensor], i: int, rope: torch.nn.Module) -> DecoderLayer:
+def _layer(cfg: ModelConfig, tensors: dict[str, Tensor], i: int, rope: torch.nn.Module) -> torch.nn.Module:
     """Source layer ``i`` as a module holding ``tensors`` (HF names, float32, on the rope's device)."""
     prefix = f"model.layers.{i}."
     with torch.device("meta"):
-        layer = DecoderLayer(cfg, rope)
+        layer = decoder_layer(cfg, rope, i)
     layer.load_state_dict({n.removeprefix(prefix): t for n, t in tensors.items()}, strict=True, assign=True)
     return layer.eval()
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..cache.kv import StaticKVCache
 from ..kernels.triton.split_kv import decode_op
+from ..models.llama import llama_layers
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ def _versions(model: nn.Module) -> tuple[int, ...]:
 
 def fused_applies(model: nn.Module) -> str | None:
     """``None`` if ``StepWeights`` can be built for ``model``, else why not (quantized or hooked projections)."""
+    if not llama_layers(model):
+        return f"{model.config.arch}'s own layers (the eager forward takes them)"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not attn.plain:

@@ -18,7 +18,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
     ``lm_head.weight`` ``(V, H)`` is expected only when ``cfg.tie_word_embeddings`` is false; q/k/v biases only
     when ``cfg.attention_bias`` is true, the o_proj bias ``(H,)`` when ``cfg.output_bias`` is, the q/k norms ``(D,)``
-    when ``cfg.qk_norm`` is.
+    when ``cfg.qk_norm`` is, Gemma's norms around the MLP ``(H,)`` when ``cfg.gemma`` is.
     """
     V, H, F = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim  # H_q * D, H_kv * D
@@ -40,6 +40,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.output_bias:
             shapes[p + "self_attn.o_proj.bias"] = (H,)
         shapes[p + "post_attention_layernorm.weight"] = (H,)
+        if cfg.gemma:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (H,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (H,)
         shapes[p + "mlp.gate_proj.weight"] = (F, H)
         shapes[p + "mlp.up_proj.weight"] = (F, H)
         shapes[p + "mlp.down_proj.weight"] = (H, F)

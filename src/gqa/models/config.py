@@ -1,18 +1,23 @@
-"""``ModelConfig``: the hyper-parameters of a Llama-family decoder (Llama, SmolLM, Qwen2), read from an HF
-``config.json`` or from GGUF metadata, and written back as an HF ``config.json``."""
+"""``ModelConfig``: the hyper-parameters of a Llama-family decoder (Llama, SmolLM, Qwen2/3, Mistral, Gemma 2/3), read
+from an HF ``config.json`` or from GGUF metadata, and written back as an HF ``config.json``."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "mistral": "MistralForCausalLM"}  # fmt: skip
+              "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM",
+              "gemma3_text": "Gemma3ForCausalLM"}  # fmt: skip
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
+GEMMA_ACT = "gelu_pytorch_tanh"
+ONE_ATTENTION_BIAS = ("llama", "qwen3", *GEMMA_ARCHITECTURES)  # HF configs whose attention_bias covers o_proj too
 
 
-# transformers' defaults (LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig) for the keys ``from_hf`` reads and a
-# config.json may leave out.
+# transformers' defaults (LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig, Gemma2Config, Gemma3TextConfig) for
+# the keys ``from_hf`` reads and a config.json may leave out.
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
         "num_key_value_heads": None,  # None: as many as the query heads
@@ -61,17 +66,94 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "eos_token_id": 2,
         "pad_token_id": None,
     },
+    "gemma2": {
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "hidden_activation": GEMMA_ACT,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+    },
+    "gemma3_text": {
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "hidden_activation": GEMMA_ACT,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+    },
 }
+GEMMA_PATTERN = {"gemma2": 2, "gemma3_text": 6}  # every n-th layer global, the rest sliding (no layer_types given)
 
 
 def _check_supported(cfg: dict[str, Any]) -> None:
     """Raise ``ValueError`` for config options that would make the HF model a different network than this one."""
-    if cfg.get("hidden_act") != "silu":
+    if cfg["model_type"] in GEMMA_ARCHITECTURES:
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act")
+        if act != GEMMA_ACT:
+            raise ValueError(f"unsupported hidden_activation {act!r} in config.json; supported: {GEMMA_ACT!r}")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("unsupported use_bidirectional_attention=true in config.json (an encoder)")
+    elif cfg.get("hidden_act") != "silu":
         raise ValueError(f"unsupported hidden_act {cfg.get('hidden_act')!r} in config.json; supported: 'silu'")
     if cfg.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=true in config.json (biases on the MLP projections)")
     if cfg.get("use_sliding_window"):
         raise ValueError("unsupported use_sliding_window=true in config.json (sliding-window attention)")
+
+
+def _gemma_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """``ModelConfig`` fields of a Gemma 2 / Gemma 3 text ``config.json`` (``cfg`` with the defaults filled in)."""
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or GEMMA_PATTERN[arch])
+    layer_types = cfg.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    fields: dict[str, Any] = {
+        "hidden_act": GEMMA_ACT,
+        "layer_types": list(layer_types),
+        "sliding_window": int(cfg["sliding_window"]) if cfg["sliding_window"] else None,
+        "query_pre_attn_scalar": float(cfg["query_pre_attn_scalar"]),
+        "attn_softcap": _optional_float(cfg["attn_logit_softcapping"]),
+        "final_softcap": _optional_float(cfg["final_logit_softcapping"]),
+    }
+    if arch == "gemma3_text":  # RoPE per layer type: scaled global base, unscaled local one
+        rope = cfg.get("rope_parameters") or {}
+        if FULL in rope or SLIDING in rope:  # transformers >= 5 writes them per layer type
+            full, local = dict(rope.get(FULL) or {}), dict(rope.get(SLIDING) or {})
+        else:
+            full = {"rope_theta": cfg.get("rope_theta", 1e6), **(cfg.get("rope_scaling") or {})}
+            local = {"rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported RoPE scaling {local!r} of the sliding layers in config.json")
+        full_type = full.get("rope_type", full.get("type", "default"))
+        fields |= {
+            "rope_theta": float(full.get("rope_theta", 1e6)),
+            "rope_scaling": None if full_type == "default" else full,
+            "rope_local_theta": float(local.get("rope_theta", 1e4)),
+        }
+    return fields
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _int_if_whole(value: float | None) -> float | int | None:
+    return int(value) if value is not None and float(value).is_integer() else value
 
 
 @dataclass
@@ -96,8 +178,14 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2: True)
     output_bias: bool = False  # bias on o_proj (an HF Llama with attention_bias=true has both; Qwen2 never)
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
-    sliding_window: int | None = None  # Mistral: each token sees itself and the sliding_window - 1 before it
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+    sliding_window: int | None = None  # each token sees itself and the sliding_window - 1 before it (Mistral, Gemma)
+    layer_types: list[str] | None = None  # per layer SLIDING or FULL; None: every layer windowed iff sliding_window
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu", or GEMMA_ACT (Gemma)
+    rope_local_theta: float | None = None  # Gemma 3: the RoPE base of sliding layers (unscaled); None: rope_theta
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power instead of head_dim's
+    attn_softcap: float | None = None  # Gemma 2: attention-logit soft-capping
+    final_softcap: float | None = None  # Gemma 2: final-logit soft-capping
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     pad_token_id: int | None = None
@@ -111,15 +199,38 @@ class ModelConfig:
             self.eos_token_id = [self.eos_token_id]
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
+            if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {SLIDING, FULL}:
+                raise ValueError(
+                    f"layer_types must list {SLIDING!r} or {FULL!r} for each of the {self.num_layers} layers, "
+                    f"got {self.layer_types!r}"
+                )
+        if self.gemma != (self.hidden_act == GEMMA_ACT):
+            raise ValueError(f"hidden_act {self.hidden_act!r} does not go with architecture {self.arch!r}")
 
     @property
-    def window(self) -> tuple[int, None] | None:
-        """The attention window as ``grouped_attention`` takes it: ``sliding_window`` keys including the token."""
-        return None if self.sliding_window is None else (self.sliding_window - 1, None)
+    def gemma(self) -> bool:
+        """Gemma's layer (norms scaling by ``1 + weight`` before and after attention and MLP, GELU-tanh MLP,
+        embeddings scaled by ``sqrt(hidden_size)``)."""
+        return self.arch in GEMMA_ARCHITECTURES
+
+    def layer_window(self, layer: int) -> tuple[int, None] | None:
+        """Layer ``layer``'s attention window as ``grouped_attention`` takes it (``sliding_window`` keys including
+        the token), or None for a global layer."""
+        if self.sliding_window is None or (self.layer_types is not None and self.layer_types[layer] == FULL):
+            return None
+        return (self.sliding_window - 1, None)
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The scores' scale when it is not ``1 / sqrt(head_dim)`` (Gemma's ``query_pre_attn_scalar``), else None."""
+        q = self.query_pre_attn_scalar
+        return None if q is None or q == self.head_dim else float(q) ** -0.5
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """From the dict of an HF ``config.json`` (``model_type`` llama, qwen2, qwen3 or mistral).
+        """From the dict of an HF ``config.json`` (``model_type`` llama, qwen2, qwen3, mistral, gemma2 or gemma3_text).
 
         A key that is absent takes transformers' default for that architecture (``HF_DEFAULTS``; e.g.
         ``tie_word_embeddings`` False, ``max_position_embeddings`` 2048 for Llama and 32768 for Qwen2); the sizes
@@ -137,7 +248,7 @@ class ModelConfig:
             hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
             rope = cfg.get("rope_parameters") or {}
             scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-            return cls(
+            fields = dict(
                 arch=arch,
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
@@ -153,14 +264,17 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
                 # Qwen2's q/k/v projections always have biases (its attention has no such option)
                 attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-                # transformers' LlamaAttention and Qwen3Attention: one attention_bias for q/k/v and o_proj
-                output_bias=arch in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
-                qk_norm=arch == "qwen3",
+                # transformers' Llama, Qwen3 and Gemma attention: one attention_bias for q/k/v and o_proj
+                output_bias=arch in ONE_ATTENTION_BIAS and bool(cfg.get("attention_bias", False)),
+                qk_norm=arch in ("qwen3", "gemma3_text"),
                 sliding_window=int(cfg["sliding_window"]) if arch == "mistral" and cfg["sliding_window"] else None,
                 bos_token_id=cfg["bos_token_id"],
                 eos_token_id=cfg["eos_token_id"] if cfg["eos_token_id"] is not None else [],
                 pad_token_id=cfg["pad_token_id"],
             )
+            if arch in GEMMA_ARCHITECTURES:
+                fields |= _gemma_fields(arch, cfg, fields["num_layers"])
+            return cls(**fields)
         except KeyError as e:
             raise ValueError(f"config.json lacks the required key {e.args[0]!r}") from None
 
@@ -176,7 +290,7 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling,
@@ -186,18 +300,30 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if self.arch in ("llama", "qwen3"):
+        if self.arch in ONE_ATTENTION_BIAS:
             if self.attention_bias != self.output_bias:
                 raise ValueError(
                     f"an HF {self.arch} config has one attention_bias for q/k/v and o_proj; this model has q/k/v "
                     f"biases {self.attention_bias} and an o_proj bias {self.output_bias}"
                 )
             cfg |= {"attention_bias": self.attention_bias}
-            cfg |= {"mlp_bias": False} if self.arch == "llama" else {"use_sliding_window": False}
+            if self.arch in ("llama", "qwen3"):
+                cfg |= {"mlp_bias": False} if self.arch == "llama" else {"use_sliding_window": False}
         elif self.output_bias or (self.arch == "mistral" and self.attention_bias):
             raise ValueError(f"an HF {self.arch} config cannot hold these attention biases")
         if self.arch == "mistral":
             cfg |= {"sliding_window": self.sliding_window}
+        if self.gemma:
+            cfg |= {
+                "hidden_activation": self.hidden_act,
+                "sliding_window": self.sliding_window,
+                "layer_types": self.layer_types,
+                "query_pre_attn_scalar": _int_if_whole(self.query_pre_attn_scalar),  # transformers wants an int
+                "attn_logit_softcapping": self.attn_softcap,
+                "final_logit_softcapping": self.final_softcap,
+            }
+            if self.arch == "gemma3_text":  # the format every transformers version reads (5.x converts it)
+                cfg |= {"rope_local_base_freq": self.rope_local_theta}
         return cfg
 
     def as_dict(self) -> dict[str, Any]:

@@ -60,22 +60,30 @@ def model_rope(cfg: ModelConfig) -> RoPE:
     )
 
 
+def layer_attention(cfg: ModelConfig, layer: int, rope: RoPE | None) -> GroupedQueryAttention:
+    """Layer ``layer``'s attention as ``cfg`` describes it (heads, biases, window, soft-cap, q/k norm, scale)."""
+    return GroupedQueryAttention(
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        qkv_bias=cfg.attention_bias,
+        out_bias=cfg.output_bias,
+        rope=rope,
+        window=cfg.layer_window(layer),
+        softcap=cfg.attn_softcap,
+        qk_norm=cfg.qk_norm,
+        norm_eps=cfg.rms_norm_eps,
+        unit_offset_norm=cfg.gemma,
+        scale=cfg.attention_scale,
+    )
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RoPE) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RoPE, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = GroupedQueryAttention(
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            qkv_bias=cfg.attention_bias,
-            out_bias=cfg.output_bias,
-            rope=rope,
-            window=cfg.window,
-            qk_norm=cfg.qk_norm,
-            norm_eps=cfg.rms_norm_eps,
-        )
+        self.self_attn = layer_attention(cfg, layer, rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -98,8 +106,16 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rope = rope = model_rope(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids (B, L)`` -> the first layer's input ``(B, L, E)``."""
+        return self.embed_tokens(input_ids)
+
+    def rotations(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What every layer's RoPE takes for ``position_ids``: one ``(cos, sin)`` lookup per forward, shared."""
+        return self.rope.cos_sin(position_ids)
 
 
 @contextmanager
@@ -125,10 +141,12 @@ class CausalLM(nn.Module):
     lives in ``gqa.decoding.generate``; ``tokenizer`` is attached by ``gqa.load_model``.
     """
 
+    backbone: type[nn.Module] = Backbone  # a family's own layers subclass CausalLM with theirs (models.gemma)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.model = self.backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -146,7 +164,7 @@ class CausalLM(nn.Module):
         absent when the embeddings are tied). ``assign=True`` keeps the given tensors instead of copying them. The
         model is built without random initialisation: every parameter is overwritten by ``state``."""
         with _no_random_init():
-            model = cls(cfg)
+            model = (family_class(cfg) if cls is CausalLM else cls)(cfg)
         state = dict(state)
         if cfg.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -165,9 +183,15 @@ class CausalLM(nn.Module):
         return self.model.norm.weight.device
 
     def runs_own_forward(self) -> bool:
-        """Whether calling the model runs exactly ``CausalLM.forward``: no subclass override, no forward hooks (so a
-        native decode step in its place skips nothing: ``decoding.steps.select_step``)."""
-        return type(self).forward is CausalLM.forward and not self._forward_hooks and not self._forward_pre_hooks
+        """Whether calling the model runs exactly ``CausalLM.forward`` over Llama's layers: no subclass override, no
+        forward hooks, no family's own layers (so a native or fused decode step in its place computes the same and
+        skips nothing: ``decoding.steps.select_step``)."""
+        return (
+            type(self).forward is CausalLM.forward
+            and type(self.model) is Backbone
+            and not self._forward_hooks
+            and not self._forward_pre_hooks
+        )
 
     def generate(self, prompts: list | torch.Tensor, **kwargs: object) -> list:
         """Generate continuations of token-id prompts (a list of ints or a 1-D tensor, or a batch of them); see
@@ -227,13 +251,40 @@ class CausalLM(nn.Module):
         if position_ids is None:  # one lookup of positions and cos/sin per forward, shared by every layer
             L = input_ids.shape[1]
             position_ids = caches[0].positions(L) if caches is not None else torch.arange(L, device=input_ids.device)
-        rope_cos_sin = self.model.rope.cos_sin(position_ids)  # (*P, L, D) each
-        x = self.model.embed_tokens(input_ids)  # (B, L, E)
+        rotations = self.model.rotations(position_ids)  # (cos, sin) (*P, L, D) each, or the family's per layer kind
+        x = self.model.embed(input_ids)  # (B, L, E)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, mask, rope_cos_sin, None if caches is None else caches[i])
+            x = layer(x, mask, rotations, None if caches is None else caches[i])
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x))  # (B, L, vocab)
+        logits = self.lm_head(self.model.norm(x))  # (B, L, vocab)
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def llama_layers(model: nn.Module) -> bool:
+    """Whether ``model``'s layers are Llama's (pre-norm, SwiGLU), the layer the native and fused decode steps compute;
+    a family with its own (``models.gemma``) decodes through its eager forward."""
+    return type(model.model) is Backbone
+
+
+def decoder_layer(cfg: ModelConfig, rope: RoPE, layer: int) -> nn.Module:
+    """Layer ``layer`` of ``cfg``'s family with every layer rotating by ``rope`` (Gemma 3's sliding layers have a
+    base of their own: its backbone builds those; this is for a layer's weights, as ``gqa convert`` streams them)."""
+    if cfg.gemma:
+        from .gemma import GemmaDecoderLayer
+
+        return GemmaDecoderLayer(cfg, rope, layer, local_rope=False)
+    return DecoderLayer(cfg, rope, layer)
+
+
+def family_class(cfg: ModelConfig) -> type[CausalLM]:
+    """The ``CausalLM`` class of ``cfg``'s family: ``CausalLM`` itself, or Gemma's (``models.gemma``)."""
+    if cfg.gemma:
+        from .gemma import GemmaCausalLM
+
+        return GemmaCausalLM
+    return CausalLM
 
 
 def _savable_state(module: CausalLM, state: dict, prefix: str, local_metadata: dict) -> None:
