@@ -91,6 +91,32 @@ def test_long_decode_with_a_window_sees_only_the_window():
     torch.testing.assert_close(out, tail, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["grouped", "reference", "sdpa"])
+def test_a_windowed_call_hands_its_backend_only_the_keys_a_window_reaches(monkeypatch, backend):
+    """L=3 queries, S=4096 keys, a 100-key left window: the first query sees from key 3993 - 100 on, so the backend
+    gets the last 103 keys (and the padding mask's last 103 columns); with ``return_weights`` it gets all of them."""
+    from gqa.attention import functional
+
+    seen = []
+    real = functional.BACKENDS[backend]
+
+    def spy(q, k, v, **kwargs):
+        seen.append((k.shape[-2], None if kwargs["attn_mask"] is None else kwargs["attn_mask"].shape[-1]))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setitem(functional.BACKENDS, backend, spy)
+    q, k, v = qkv((2,), H_q=8, H_kv=2, L=3, S=4096, D=8)
+    pad = torch.ones(2, 1, 1, 4096, dtype=torch.bool)
+    pad[1, ..., :4000] = False  # row 1: left padding that reaches into the window
+    out = gqa.grouped_attention(q, k, v, pad, is_causal=True, window=100, backend=backend)
+    assert seen == [(103, 103)]
+    want = oracle(q, k, v, mask=pad, is_causal=True, window=100)
+    torch.testing.assert_close(out.double(), want, **TOL[torch.float32])
+    if backend != "sdpa":
+        _, weights = gqa.grouped_attention(q, k, v, is_causal=True, window=100, backend=backend, return_weights=True)
+        assert seen[-1] == (4096, 4096) and weights.shape[-1] == 4096
+
+
 def test_weights_with_sinks_sum_to_less_than_one_and_empty_rows_are_zero():
     q, k, v = qkv((1,), L=4, S=4)
     sinks = torch.full((18,), 3.0)

@@ -378,3 +378,35 @@ def test_backward_catches_wrong_gradients(monkeypatch, capsys):
              "--prefill-lens", "32", "--repeats", "1"]  # fmt: skip
     assert bench.main(flags) == 1
     assert "gradients differ from SDPA's" in capsys.readouterr().out
+
+
+def test_variants_time_window_softcap_and_sinks_each_checked(tmp_path, capsys):
+    """``--variants``: one decode row per (dtype, H_kv) with plain, window, band mask, softcap and sinks timed; the
+    window's bytes are the window's."""
+    out = tmp_path / "variants.json"
+    flags = ["--variants", "--q-heads", "6", "--head-dim", "16", "--kv-heads", "2", "1", "--dtypes", "fp32", "bf16",
+             "--contexts", "640", "--window", "64", "--repeats", "1", "--json", str(out)]  # fmt: skip
+    assert bench.main(flags) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dtype"], r["H_kv"], r["S"], r["W"]) for r in rows] == [
+        (d, h, 640, 64) for d in ("float32", "bfloat16") for h in (2, 1)
+    ]
+    for r in rows:
+        assert not r["errors"] and set(r["ms"]) == {"plain", "window", "band mask", "softcap", "sinks"}
+        item = 4 if r["dtype"] == "float32" else 2
+        assert r["gbs"]["window"] == pytest.approx(2 * r["H_kv"] * 64 * 16 * item / (r["ms"]["window"] * 1e-3) / 1e9)
+    assert "window GB/s" in capsys.readouterr().out
+
+
+def test_variants_catch_a_wrong_window(monkeypatch, capsys):
+    """A windowed call that attends to keys outside its window is an error of that variant, not a timing."""
+    real = gqa.grouped_attention
+
+    def leaky(*args, window=None, **kwargs):
+        return real(*args, **kwargs)  # the window dropped
+
+    monkeypatch.setattr(gqa, "grouped_attention", leaky)
+    flags = ["--variants", "--q-heads", "4", "--head-dim", "8", "--kv-heads", "1", "--dtypes", "fp32",
+             "--contexts", "256", "--window", "16", "--repeats", "1"]  # fmt: skip
+    assert bench.main(flags) == 1
+    assert "window: differs from its reference" in capsys.readouterr().out

@@ -15,7 +15,7 @@ import gqa
 transformers = pytest.importorskip("transformers")
 
 
-FAMILIES = ["qwen3", "mistral", "gemma2", "gemma3_text"]
+FAMILIES = ["qwen3", "mistral", "gemma2", "gemma3_text", "smollm3"]
 GEMMA = dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=12)  # a scale other than head_dim's
 
 
@@ -31,6 +31,9 @@ def _family(arch: str, path):
     elif arch == "gemma2":  # soft-caps low enough to bend these scores; sliding and global layers alternate
         kw |= dict(num_hidden_layers=4, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**kw, **GEMMA))
+    elif arch == "smollm3":  # layers 1 and 3 without RoPE (NoPE)
+        kw |= dict(num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=0)
+        model = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**kw))
     else:  # two sliding layers, then a global one whose RoPE is scaled
         kw |= dict(num_hidden_layers=3, sliding_window_pattern=3, rope_scaling={"rope_type": "linear", "factor": 2.0})
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**kw, **GEMMA))
@@ -52,8 +55,11 @@ def test_logits_match_transformers_past_the_window(tmp_path, arch):
     cfg = model.config
     assert cfg.qk_norm == (arch in ("qwen3", "gemma3_text"))
     windows = {"qwen3": [None] * 2, "mistral": [(4, None)] * 2, "gemma2": [(4, None), None] * 2,
-               "gemma3_text": [(4, None), (4, None), None]}  # fmt: skip
+               "gemma3_text": [(4, None), (4, None), None], "smollm3": [None] * 4}  # fmt: skip
     assert [cfg.layer_window(i) for i in range(cfg.num_layers)] == windows[arch]
+    assert [cfg.layer_rotates(i) for i in range(cfg.num_layers)] == [
+        arch != "smollm3" or i % 2 == 0 for i in range(cfg.num_layers)
+    ]
     ids = torch.randint(3, 96, (2, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-5, rtol=1e-5)
@@ -80,12 +86,13 @@ def test_the_config_written_back_loads_in_transformers(tmp_path, arch):
     (tmp_path / "out" / "config.json").write_text(json.dumps(cfg))
     hf_cfg = transformers.AutoConfig.from_pretrained(tmp_path / "out")
     assert hf_cfg.model_type == arch
-    if arch != "qwen3":
+    if arch not in ("qwen3", "smollm3"):
         assert hf_cfg.sliding_window == 5
     if arch.startswith("gemma"):
         assert hf_cfg.layer_types == model.config.layer_types and hf_cfg.query_pre_attn_scalar == 12
-        again = gqa.models.ModelConfig.from_hf(hf_cfg.to_dict())
-        assert again == model.config
+    if arch == "smollm3":
+        assert hf_cfg.no_rope_layers == [1, 0, 1, 0]
+    assert gqa.models.ModelConfig.from_hf(hf_cfg.to_dict()) == model.config
 
 
 @pytest.mark.filterwarnings("ignore:.*no usable tokenizer")  # the test folders hold weights only
@@ -140,11 +147,11 @@ def test_the_native_step_decodes_the_family_as_transformers_does(tmp_path, arch,
     assert len(calls) == (11 if arch == "qwen3" else 2)
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
-def test_gemma_decodes_through_its_eager_forward_and_bf16_stays_close(tmp_path, arch):
-    """Gemma's layers are not the native or fused steps' (Llama's): ``select_step`` picks the eager step, the serving
-    engine refuses the model by name, and bf16 logits are as close to transformers' float32 ones as transformers' own
-    bf16 logits are."""
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "smollm3"])
+def test_gemma_and_smollm3_decode_through_the_eager_forward_and_bf16_stays_close(tmp_path, arch):
+    """Gemma's layers and SmolLM3's NoPE layers are not the native or fused steps' (Llama's, each with RoPE):
+    ``select_step`` picks the eager step, the serving engine refuses the model by name, and bf16 logits are as close
+    to transformers' float32 ones as transformers' own bf16 logits are."""
     from gqa.decoding.steps import select_step
     from gqa.serve.request import EngineError
     from gqa.serve.runner import ModelRunner
@@ -152,7 +159,7 @@ def test_gemma_decodes_through_its_eager_forward_and_bf16_stays_close(tmp_path, 
     ref = _family(arch, tmp_path)
     model = gqa.load_model(tmp_path, tokenizer=False)
     assert select_step(model, model.new_caches(1, 8)).name == "eager"
-    with pytest.raises(EngineError, match=f"{arch}'s are not yet"):
+    with pytest.raises(EngineError, match=f"each with RoPE; {arch}'s are not yet"):
         ModelRunner.check_model(model)
     ids = torch.randint(3, 96, (2, 17), generator=torch.Generator().manual_seed(1))
     bf16 = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.bfloat16)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .backends import BACKENDS, bind_backend, choose_backend
@@ -145,6 +147,8 @@ def _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale
     softcap = check_softcap(softcap)
     check_sinks(sinks, shape, query)
     if sides is not None:
+        if not return_weights:  # the keys no query's window reaches are not read at all
+            key, value, attn_mask, shape = _within_window(key, value, attn_mask, shape, sides[0])
         attn_mask = merge_masks(attn_mask, window_mask(shape.L, shape.S, *sides, query.device))
     kwargs = dict(
         shape=shape,
@@ -165,3 +169,16 @@ def _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale
     if not torch.compiler.is_compiling():
         _last[0] = backend
     return (out, weights) if return_weights else out
+
+
+def _within_window(key, value, attn_mask, shape: AttnShape, left: int | None):
+    """``key``, ``value`` and ``attn_mask`` without the keys before ``S - L - left``, which no query's window
+    reaches (query ``i`` sees keys from ``i + S - L - left`` on), and the call's shape with the new ``S``. The window
+    and a causal mask stay aligned bottom-right, so they mean the same keys over the shorter span: a decoded token
+    with a ``W``-key window reads ``W`` keys, not the whole cache."""
+    first = 0 if left is None else shape.S - shape.L - left
+    if first <= 0:
+        return key, value, attn_mask, shape
+    if attn_mask is not None and attn_mask.shape[-1] == shape.S:
+        attn_mask = attn_mask[..., first:]
+    return key[..., first:, :], value[..., first:, :], attn_mask, dataclasses.replace(shape, S=shape.S - first)

@@ -27,7 +27,6 @@ from torch import nn
 
 from ..cache.kv import StaticKVCache
 from ..kernels.triton.split_kv import decode_op
-from ..models.llama import llama_layers
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ def _versions(model: nn.Module) -> tuple[int, ...]:
 
 def fused_applies(model: nn.Module) -> str | None:
     """``None`` if ``StepWeights`` can be built for ``model``, else why not (quantized or hooked projections)."""
-    if not llama_layers(model):
+    if not model.runs_llama_layers():
         return f"{model.config.arch}'s own layers (the eager forward takes them)"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -60,6 +60,7 @@ def _native_possible(model: torch.nn.Module) -> bool:
         and rope.rotary_dim == rope.head_dim
         and kernels.vectorized()
         and model.runs_own_forward()
+        and model.runs_llama_layers()
         and all(layer.self_attn.softcap is None and layer.self_attn.sinks is None for layer in model.model.layers)
     )
 

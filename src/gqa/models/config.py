@@ -6,14 +6,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "smollm3")
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM",
-              "gemma3_text": "Gemma3ForCausalLM"}  # fmt: skip
+              "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}  # fmt: skip
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 GEMMA_ACT = "gelu_pytorch_tanh"
-ONE_ATTENTION_BIAS = ("llama", "qwen3", *GEMMA_ARCHITECTURES)  # HF configs whose attention_bias covers o_proj too
+# the HF configs whose one attention_bias covers o_proj too
+ONE_ATTENTION_BIAS = ("llama", "qwen3", "smollm3", *GEMMA_ARCHITECTURES)
 
 
 # transformers' defaults (LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig, Gemma2Config, Gemma3TextConfig) for
@@ -65,6 +66,21 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
         "pad_token_id": None,
+    },
+    "smollm3": {
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "rope_theta": 2000000.0,
+        "use_sliding_window": False,
+        "no_rope_layer_interval": 4,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "pad_token_id": 128004,
     },
     "gemma2": {
         "num_key_value_heads": 4,
@@ -181,6 +197,7 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
     sliding_window: int | None = None  # each token sees itself and the sliding_window - 1 before it (Mistral, Gemma)
     layer_types: list[str] | None = None  # per layer SLIDING or FULL; None: every layer windowed iff sliding_window
+    rope_layers: list[bool] | None = None  # per layer whether it rotates q and k (SmolLM3: not every 4th); None: all
     hidden_act: str = "silu"  # the MLP's gate activation: "silu", or GEMMA_ACT (Gemma)
     rope_local_theta: float | None = None  # Gemma 3: the RoPE base of sliding layers (unscaled); None: rope_theta
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power instead of head_dim's
@@ -206,6 +223,11 @@ class ModelConfig:
                     f"layer_types must list {SLIDING!r} or {FULL!r} for each of the {self.num_layers} layers, "
                     f"got {self.layer_types!r}"
                 )
+        if self.rope_layers is not None:
+            self.rope_layers = [bool(r) for r in self.rope_layers]
+            if len(self.rope_layers) != self.num_layers:
+                n = len(self.rope_layers)
+                raise ValueError(f"rope_layers must have one entry per layer ({self.num_layers}), got {n}")
         if self.gemma != (self.hidden_act == GEMMA_ACT):
             raise ValueError(f"hidden_act {self.hidden_act!r} does not go with architecture {self.arch!r}")
 
@@ -214,6 +236,10 @@ class ModelConfig:
         """Gemma's layer (norms scaling by ``1 + weight`` before and after attention and MLP, GELU-tanh MLP,
         embeddings scaled by ``sqrt(hidden_size)``)."""
         return self.arch in GEMMA_ARCHITECTURES
+
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether layer ``layer`` applies RoPE to q and k (a NoPE layer does not)."""
+        return self.rope_layers is None or self.rope_layers[layer]
 
     def layer_window(self, layer: int) -> tuple[int, None] | None:
         """Layer ``layer``'s attention window as ``grouped_attention`` takes it (``sliding_window`` keys including
@@ -274,6 +300,10 @@ class ModelConfig:
             )
             if arch in GEMMA_ARCHITECTURES:
                 fields |= _gemma_fields(arch, cfg, fields["num_layers"])
+            if arch == "smollm3":  # HF's no_rope_layers: 1 where the layer *uses* RoPE
+                n, every = fields["num_layers"], int(cfg["no_rope_layer_interval"])
+                uses = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
+                fields["rope_layers"] = None if all(uses) else [bool(u) for u in uses]
             return cls(**fields)
         except KeyError as e:
             raise ValueError(f"config.json lacks the required key {e.args[0]!r}") from None
@@ -313,6 +343,11 @@ class ModelConfig:
             raise ValueError(f"an HF {self.arch} config cannot hold these attention biases")
         if self.arch == "mistral":
             cfg |= {"sliding_window": self.sliding_window}
+        if self.arch == "smollm3":
+            uses = [int(self.layer_rotates(i)) for i in range(self.num_layers)]
+            cfg |= {"no_rope_layers": uses, "use_sliding_window": False, "mlp_bias": False}
+        elif self.rope_layers is not None:
+            raise ValueError(f"an HF {self.arch} config cannot hold layers without RoPE")
         if self.gemma:
             cfg |= {
                 "hidden_activation": self.hidden_act,

@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (text) on ``gqa.GroupedQueryAttention``: ``CausalLM`` with Gemma's layers.
+"""Gemma 2 and Gemma 3 (text) layers on ``gqa.GroupedQueryAttention``: the backbone ``CausalLM`` runs for them.
 
 What differs from Llama's layer (``models.llama``), with HF transformers' parameter names:
 
@@ -21,8 +21,8 @@ from ..attention.module import HeadRMSNorm
 from ..attention.rope import RoPE
 from ..cache.kv import StaticKVCache
 from .config import ModelConfig
+from .layers import layer_attention, model_rope
 from .linear import Linear, linears
-from .llama import CausalLM, layer_attention, model_rope
 
 Rotations = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (global, local) cos/sin
 
@@ -98,10 +98,3 @@ class GemmaBackbone(nn.Module):
         """``(global, local)`` ``(cos, sin)`` for ``position_ids``: one lookup per table per forward."""
         glob = self.rope.cos_sin(position_ids)
         return glob, glob if self.local_rope is None else self.local_rope.cos_sin(position_ids)
-
-
-class GemmaCausalLM(CausalLM):
-    """A Gemma 2 / Gemma 3 text model: ``CausalLM`` (forward, caches, ``generate``) on ``GemmaBackbone``. Its decode
-    steps are the eager forward's (the native and fused steps compute Llama's layer)."""
-
-    backbone = GemmaBackbone

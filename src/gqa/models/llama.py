@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.masks import padding_mask
-from ..attention.module import GroupedQueryAttention
 from ..attention.rope import RoPE
 from ..cache.kv import StaticKVCache
 from .config import ModelConfig
+from .gemma import GemmaBackbone, GemmaDecoderLayer
+from .layers import layer_attention, model_rope
 from .linear import Linear, linears
 
 
@@ -47,36 +48,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linears(x, (self.gate_proj, self.up_proj))
         return self.down_proj(F.silu(gate) * up)
-
-
-def model_rope(cfg: ModelConfig) -> RoPE:
-    """The ``RoPE`` every layer of a ``cfg`` model shares (tables up to ``min(context, 8192)`` positions, grown on
-    demand)."""
-    return RoPE(
-        cfg.head_dim,
-        theta=cfg.rope_theta,
-        scaling=cfg.rope_scaling,
-        max_position=min(cfg.max_position_embeddings, 8192),
-    )
-
-
-def layer_attention(cfg: ModelConfig, layer: int, rope: RoPE | None) -> GroupedQueryAttention:
-    """Layer ``layer``'s attention as ``cfg`` describes it (heads, biases, window, soft-cap, q/k norm, scale)."""
-    return GroupedQueryAttention(
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        qkv_bias=cfg.attention_bias,
-        out_bias=cfg.output_bias,
-        rope=rope,
-        window=cfg.layer_window(layer),
-        softcap=cfg.attn_softcap,
-        qk_norm=cfg.qk_norm,
-        norm_eps=cfg.rms_norm_eps,
-        unit_offset_norm=cfg.gemma,
-        scale=cfg.attention_scale,
-    )
 
 
 class DecoderLayer(nn.Module):
@@ -141,12 +112,10 @@ class CausalLM(nn.Module):
     lives in ``gqa.decoding.generate``; ``tokenizer`` is attached by ``gqa.load_model``.
     """
 
-    backbone: type[nn.Module] = Backbone  # a family's own layers subclass CausalLM with theirs (models.gemma)
-
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = self.backbone(cfg)
+        self.model = GemmaBackbone(cfg) if cfg.gemma else Backbone(cfg)  # a family with layers of its own: its own
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -164,7 +133,7 @@ class CausalLM(nn.Module):
         absent when the embeddings are tied). ``assign=True`` keeps the given tensors instead of copying them. The
         model is built without random initialisation: every parameter is overwritten by ``state``."""
         with _no_random_init():
-            model = (family_class(cfg) if cls is CausalLM else cls)(cfg)
+            model = cls(cfg)
         state = dict(state)
         if cfg.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -192,6 +161,12 @@ class CausalLM(nn.Module):
             and not self._forward_hooks
             and not self._forward_pre_hooks
         )
+
+    def runs_llama_layers(self) -> bool:
+        """Whether the layers are Llama's (pre-norm, SwiGLU), each with RoPE: the layer the native and fused decode
+        steps compute. A family with its own layers (``models.gemma``) or layers without RoPE (SmolLM3's) decodes
+        through its eager forward."""
+        return type(self.model) is Backbone and all(layer.self_attn.rope is not None for layer in self.model.layers)
 
     def generate(self, prompts: list | torch.Tensor, **kwargs: object) -> list:
         """Generate continuations of token-id prompts (a list of ints or a 1-D tensor, or a batch of them); see
@@ -262,29 +237,12 @@ class CausalLM(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def llama_layers(model: nn.Module) -> bool:
-    """Whether ``model``'s layers are Llama's (pre-norm, SwiGLU), the layer the native and fused decode steps compute;
-    a family with its own (``models.gemma``) decodes through its eager forward."""
-    return type(model.model) is Backbone
-
-
 def decoder_layer(cfg: ModelConfig, rope: RoPE, layer: int) -> nn.Module:
     """Layer ``layer`` of ``cfg``'s family with every layer rotating by ``rope`` (Gemma 3's sliding layers have a
     base of their own: its backbone builds those; this is for a layer's weights, as ``gqa convert`` streams them)."""
     if cfg.gemma:
-        from .gemma import GemmaDecoderLayer
-
         return GemmaDecoderLayer(cfg, rope, layer, local_rope=False)
     return DecoderLayer(cfg, rope, layer)
-
-
-def family_class(cfg: ModelConfig) -> type[CausalLM]:
-    """The ``CausalLM`` class of ``cfg``'s family: ``CausalLM`` itself, or Gemma's (``models.gemma``)."""
-    if cfg.gemma:
-        from .gemma import GemmaCausalLM
-
-        return GemmaCausalLM
-    return CausalLM
 
 
 def _savable_state(module: CausalLM, state: dict, prefix: str, local_metadata: dict) -> None:

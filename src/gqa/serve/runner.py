@@ -18,7 +18,6 @@ from .. import kernels
 from ..cache.sizes import kv_cache_elements
 from ..decoding import native_step
 from ..kernels import ops
-from ..models.llama import llama_layers
 from .config import EngineConfig
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
 from .request import EngineError, Request
@@ -49,8 +48,8 @@ class ModelRunner:
         built, layers the native step takes, full half-rotation RoPE."""
         if model.device.type != "cpu" or model.dtype not in native_step.DTYPES or not kernels.vectorized():
             raise EngineError("the engine runs float32 or bfloat16 models on CPU with the native kernels built")
-        if not llama_layers(model):
-            raise EngineError(f"the engine runs Llama-style layers; {model.config.arch}'s are not yet")
+        if not model.runs_llama_layers():
+            raise EngineError(f"the engine runs Llama-style layers, each with RoPE; {model.config.arch}'s are not yet")
         if not all(layer.self_attn.plain for layer in model.model.layers):
             raise EngineError("the engine runs plain attention (no window, soft-capping, sinks or q/k norm) for now")
         if native_step.decode_weights(model, model.dtype) is None:

@@ -145,6 +145,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="instead: forward + backward of causal prefill (--prefill-lens, default 4k 8k 16k on CUDA, 512 on CPU; "
         "B=1) of gqa auto vs SDPA (on CUDA held to each kernel too), gradients checked, TFLOPS",
     )  # fmt: skip
+    p.add_argument(
+        "--variants", action="store_true",
+        help="instead: decode (--contexts, default 32k; 4k with --quick) plain, with a --window, the same window as a "
+        "bool mask, soft-capping 50 and sinks, each checked, then timed: the window's speed-up, softcap's and sinks' "
+        "cost",
+    )  # fmt: skip
+    p.add_argument("--window", type=_positive_int, help="--variants: keys in the window (default 4096; --quick: 512)")
     p.add_argument("--impls", nargs="+", metavar="NAME", help="only these implementations (default: all)")
     p.add_argument("--q-heads", type=_positive_int, help="H_q (default: 32)")
     p.add_argument("--head-dim", type=_positive_int, help="D (default: 128)")

@@ -126,6 +126,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from .backward import run as run_backward
 
         return run_backward(parser, args, device)
+    if args.variants:
+        from .variants import run as run_variants
+
+        return run_variants(parser, args, device)
     grid = resolve_grid(args, device)
     bad = [h for h in args.kv_heads if grid.q_heads % h]
     if bad:
