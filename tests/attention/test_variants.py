@@ -74,6 +74,37 @@ def test_every_option_and_their_combination_matches_float64(backend, dtype, batc
             torch.testing.assert_close(out.double(), ref, **TOL[dtype], msg=f"{window} {softcap} {use_sinks}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [(), (2, 3)])
+@pytest.mark.parametrize("L", [1, 3])
+def test_the_native_kernel_takes_softcap_and_sinks(dtype, batch, L):
+    """``backend="fused"`` (the native CPU decode kernel, its vectorised tanh and the sinks in its final combine) on
+    odd shapes and a context long enough for several splits, every option combination, against the float64 oracle;
+    ``auto`` runs it for decode shapes."""
+    from gqa import kernels
+
+    if not kernels.available():
+        pytest.skip("native kernels not built")
+    q, k, v = qkv(batch, H_q=18, H_kv=6, L=L, S=1100, D=5, dtype=dtype)
+    q = q * 3  # scores large enough for the caps to bend them
+    sinks = torch.randn(18, generator=torch.Generator().manual_seed(5)) * 2
+    mask = torch.rand(*batch, 1, L, 1100, generator=torch.Generator().manual_seed(6)) > 0.3
+    cases = [(2.5, False, False, None, False), (None, True, False, None, True), (1.5, True, True, 300, True),
+             (30.0, True, False, (40, 0), False)]  # fmt: skip
+    for softcap, use_sinks, use_mask, window, is_causal in cases:
+        s = sinks if use_sinks else None
+        m = mask if use_mask else None
+        kw = dict(attn_mask=m, is_causal=is_causal, window=window, softcap=softcap, sinks=s)
+        out = gqa.grouped_attention(q, k, v, backend="fused", **kw)
+        ref = oracle(q, k, v, mask=m, is_causal=is_causal, window=window, softcap=softcap, sinks=s)
+        torch.testing.assert_close(out.double(), ref, **TOL[dtype], msg=f"{softcap} {use_sinks} {window}")
+    gqa.grouped_attention(q[..., -1:, :], k, v, softcap=2.5, sinks=sinks)
+    assert gqa.attention.last_backend() == "fused"
+    with torch.enable_grad():  # sinks being trained: the kernel has no backward, grouped runs it
+        gqa.grouped_attention(q[..., -1:, :], k, v, sinks=sinks.clone().requires_grad_())
+    assert gqa.attention.last_backend() == "grouped"
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "fused"])
 def test_a_window_alone_runs_on_every_mask_taking_backend(backend):
     q, k, v = qkv((2,), H_q=8, H_kv=2, L=1 if backend == "fused" else 20, S=40, D=16)
@@ -176,7 +207,7 @@ def test_gradients_through_window_softcap_and_sinks(backend):
         (dict(sinks=torch.zeros(18, dtype=torch.long)), TypeError, "sinks must be a floating-point tensor"),
         (dict(sinks=[0.0] * 18), TypeError, "sinks must be a torch.Tensor"),
         (dict(softcap=2.0, backend="sdpa"), ValueError, "backend='sdpa' cannot apply softcap or sinks"),
-        (dict(sinks=torch.zeros(18), backend="fused"), ValueError, "backend='fused' cannot apply softcap or sinks"),
+        (dict(sinks=torch.zeros(18), backend="triton"), ValueError, "backend='triton' cannot apply softcap or sinks"),
     ],
 )
 def test_bad_options_are_refused_by_name(kwargs, error, words):

@@ -78,8 +78,9 @@ def grouped_attention(
     backend : {"auto", "reference", "grouped", "sdpa", "fused", "triton"}
         ``auto`` picks per shape, device and dtype (``last_backend()`` says which ran); ``fused`` is the native CPU
         decode kernel (``gqa.kernels``), ``triton`` the GPU split-KV decode kernel (``gqa.kernels.triton.split_kv``).
-        A window is a mask to every backend; ``softcap`` and ``sinks`` run on ``reference`` and ``grouped`` (``auto``
-        picks ``grouped``), and any other backend refuses them.
+        A window is a mask to every backend (and the keys no window reaches are not read); ``softcap`` and ``sinks``
+        run on ``reference``, ``grouped`` and ``fused`` (``auto`` picks ``fused`` where it would for the plain call,
+        else ``grouped``), and any other backend refuses them.
 
     Returns
     -------
@@ -134,7 +135,7 @@ def _check_call(query, key, value, attn_mask, dropout_p, is_causal, scale, backe
     return shape
 
 
-SCORE_MOD_BACKENDS = ("grouped", "reference")  # the backends that take softcap and sinks
+SCORE_MOD_BACKENDS = ("grouped", "reference", "fused")  # the backends that take softcap and sinks
 
 
 def _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, window, softcap, sinks,
@@ -149,7 +150,12 @@ def _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale
     if sides is not None:
         if not return_weights:  # the keys no query's window reaches are not read at all
             key, value, attn_mask, shape = _within_window(key, value, attn_mask, shape, sides[0])
-        attn_mask = merge_masks(attn_mask, window_mask(shape.L, shape.S, *sides, query.device))
+        if _hides_nothing(sides, shape):  # e.g. a decoded token over its trimmed window: a plain call
+            if softcap is None and sinks is None:
+                return grouped_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                         return_weights=return_weights, backend=backend)  # fmt: skip
+        else:
+            attn_mask = merge_masks(attn_mask, window_mask(shape.L, shape.S, *sides, query.device))
     kwargs = dict(
         shape=shape,
         attn_mask=attn_mask,
@@ -159,7 +165,9 @@ def _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale
     )
     modified = softcap is not None or sinks is not None
     if backend == "auto":
-        backend = "grouped" if modified else choose_backend(query, key, value, return_weights=return_weights, **kwargs)
+        backend = choose_backend(query, key, value, return_weights=return_weights, **kwargs)
+        if modified and not (backend == "fused" and (sinks is None or not sinks.requires_grad)):
+            backend = "grouped"  # where the plain call would not run the native kernel (which takes both)
     elif modified and backend not in SCORE_MOD_BACKENDS:
         raise ValueError(
             f"backend={backend!r} cannot apply softcap or sinks; use 'auto' or one of {SCORE_MOD_BACKENDS}"
@@ -182,3 +190,10 @@ def _within_window(key, value, attn_mask, shape: AttnShape, left: int | None):
     if attn_mask is not None and attn_mask.shape[-1] == shape.S:
         attn_mask = attn_mask[..., first:]
     return key[..., first:, :], value[..., first:, :], attn_mask, dataclasses.replace(shape, S=shape.S - first)
+
+
+def _hides_nothing(sides: tuple[int | None, int | None], shape: AttnShape) -> bool:
+    """Whether the window ``(left, right)`` hides no key from any query: the last query's first key
+    (``S - 1 - left``) is key 0 at the latest, and the first query's last (``S - L + right``) the last key."""
+    left, right = sides
+    return (left is None or shape.S - 1 - left <= 0) and (right is None or right >= shape.L - 1)

@@ -101,11 +101,21 @@ def dequantize_rows(blocks: Tensor, format: int, K: int, dtype: torch.dtype) -> 
 
 
 def decode_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, query_len: int, causal: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    scale: float,
+    query_len: int,
+    causal: bool,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Grouped attention: ``q (B, H_kv, G * L, D)`` against ``k (B, H_kv, S, D)``, ``v (B, H_kv, S, D_v)`` (strided
-    views allowed), ``mask (B, H_kv, G, L, S)`` bool or float (any strides) -> ``(B, H_kv, G * L, D_v)``."""
-    return torch.ops.gqa.decode_attention(q, k, v, mask, scale, query_len, causal)
+    views allowed), ``mask (B, H_kv, G, L, S)`` bool or float (any strides) -> ``(B, H_kv, G * L, D_v)``. ``softcap``
+    > 0 soft-caps the scaled scores before the mask; ``sinks`` (float32 ``(H_kv * G,)``, one per query head) join
+    every row's softmax denominator."""
+    return torch.ops.gqa.decode_attention(q, k, v, mask, scale, query_len, causal, softcap, sinks)
 
 
 def paged_attention(
@@ -212,7 +222,8 @@ def register_fakes() -> None:
         return blocks.new_empty(blocks.shape[0], K, dtype=dtype)
 
     @register("gqa::decode_attention")
-    def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, query_len: int, causal: bool) -> Tensor:
+    def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, query_len: int, causal: bool,
+          softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:  # fmt: skip
         return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
 
     @register("gqa::paged_attention")

@@ -3,8 +3,9 @@
 The ``G * L`` query rows of one KV head (the whole group and every new token) go through that head's keys and
 values in one pass with an online softmax in float32: each K/V row is read from memory once for all of them, and
 the context is split into chunks so that every thread streams even when there is a single head. K/V may be strided
-views of a larger cache; masks are read through their broadcast strides (no expanded copy). float32 and bfloat16,
-inference only (no backward, no weights, no dropout); ``supports`` says why it refuses the rest.
+views of a larger cache; masks are read through their broadcast strides (no expanded copy); soft-capping and sinks
+are applied in the kernel. float32 and bfloat16, inference only (no backward, no weights, no dropout); ``supports``
+says why it refuses the rest.
 """
 
 from __future__ import annotations
@@ -50,11 +51,17 @@ def fused_attention(
     is_causal: bool,
     scale: float,
     return_weights: bool,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
     reason = supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
+    if reason is None and sinks is not None and sinks.requires_grad and torch.is_grad_enabled():
+        reason = "sinks that require grad (inference only)"
     if reason is not None:
         raise ValueError(f"backend 'fused' cannot run this call: {reason}")
-    return fused_run(query, key, value, shape=shape, attn_mask=attn_mask, is_causal=is_causal, scale=scale), None
+    out = fused_run(query, key, value, shape=shape, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                    softcap=softcap, sinks=sinks)  # fmt: skip
+    return out, None
 
 
 def fused_run(
@@ -66,8 +73,11 @@ def fused_run(
     attn_mask: torch.Tensor | None,
     is_causal: bool,
     scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The kernel on a call ``supports`` took (``attention.routes`` calls this for a signature already checked)."""
+    """The kernel on a call ``supports`` took (``attention.routes`` calls this for a signature already checked);
+    ``softcap`` and ``sinks (H_q,)`` as ``grouped_attention`` takes them."""
     H_kv, G, L, S, D = shape.H_kv, shape.G, shape.L, shape.S, shape.D
     q = query.reshape(-1, H_kv, G * L, D)  # (N, H_kv, G*L, D): rows g*L + l; a view unless query is strided
     if q.stride(-1) != 1:  # the kernel reads rows of D contiguous values; q is G*L rows per head, a copy is cheap
@@ -77,5 +87,7 @@ def fused_run(
     if attn_mask is not None:
         mask = attn_mask if attn_mask.dtype == torch.bool else attn_mask.float()
         mask = mask.expand(shape.scores).reshape(-1, H_kv, G, L, S)  # (N, H_kv, G, L, S): strided, stride-0 dims
-    out = ops.decode_attention(q, k, v, mask, scale, L, is_causal)  # (N, H_kv, G*L, D_v)
+    if sinks is not None:  # query head h * G + g: the kernel's order
+        sinks = sinks.detach().float().contiguous()
+    out = ops.decode_attention(q, k, v, mask, scale, L, is_causal, softcap or 0.0, sinks)  # (N, H_kv, G*L, D_v)
     return out.view(*shape.batch, shape.H_q, L, shape.D_v)

@@ -136,6 +136,21 @@ inline float max_of(const float* s, int64_t n) {
   return mx;
 }
 
+// s[0:n] = cap * tanh(s[0:n] / cap) (logit soft-capping), a NaN kept. tanh(u) = (e^2u - 1) / (e^2u + 1), u clamped
+// to [-9, 9], beyond which tanh is +-1 in float32.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  int64_t c = 0;
+#if GQA_SIMD > 1
+  const vec two_inv = vset(2.0f * inv), vcap = vset(cap), lo = vset(-18.0f), hi = vset(18.0f), one = vset(1.0f);
+  for (; c + LANES <= n; c += LANES) {
+    const vec e = vexp(vmin(hi, vmax(lo, vmul(vload(s + c), two_inv))));  // the operand order lets a NaN through
+    vstore(s + c, vmul(vcap, vdiv(vsub(e, one), vadd(e, one))));
+  }
+#endif
+  for (; c < n; ++c) s[c] = cap * std::tanh(s[c] * inv);
+}
+
 // p[0:n] = exp(s[0:n] - m), returns their sum.
 inline float exp_shifted(float* s, float m, int64_t n) {
   int64_t c = 0;
@@ -173,6 +188,8 @@ struct GroupedAttention {
   int64_t B, H, R, D, S, Dv, L;
   float scale;
   bool causal;
+  float softcap = 0.0f;           // > 0: scores become softcap * tanh(scores / softcap) before the mask
+  const float* sinks = nullptr;   // (H_kv * G) logits, one per query head, in every row's softmax, or nullptr
   MaskView mask;
   const int64_t* start;  // (B,) first visible slot per row (left padding), or nullptr
   // A paged cache: k and v are pools of blocks, dims 0..2 of ks/vs striding (block, head, slot in block); slot j of
@@ -294,6 +311,7 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
       }
 #endif
       if (!use_dpbf16) chunk_scores(qf + r * D, kc, kstride, visible, D, s);
+      if (softcap > 0.0f) soft_cap(s, visible, softcap);
       for (int64_t c = visible; c < n; ++c) s[c] = NEG_INF;
       if (mask.data) {
         const int64_t off = b * mask.sb + h * mask.sh + g * mask.sg + lr * mask.sl;
@@ -334,10 +352,12 @@ template <typename T>
 void GroupedAttention<T>::combine(int64_t i, float* row, T* out) const {
   const float NEG_INF = -std::numeric_limits<float>::infinity();
   const int64_t head = i / R, r = i % R;
-  float M = NEG_INF;
+  // A sink is one more key of the row's query head (h * G + r / L) whose value is zero: in the denominator only.
+  const float sink = sinks ? sinks[(head % H) * (R / L) + r / L] : NEG_INF;
+  float M = sink;
   for (int64_t s = 0; s < splits; ++s) M = max_nan(M, part_m[(head * splits + s) * R + r]);
   std::fill(row, row + Dv, 0.0f);
-  float denom = 0.0f;
+  float denom = sinks && M != NEG_INF ? std::exp(sink - M) : 0.0f;
   if (M != NEG_INF) {
     for (int64_t s = 0; s < splits; ++s) {
       const int64_t t = (head * splits + s) * R + r;

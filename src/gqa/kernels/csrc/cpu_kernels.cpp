@@ -7,7 +7,8 @@
 //       the same for several matrices of one input (q/k/v, gate/up) in one parallel region.
 //
 //   gqa::decode_attention(q (B, H_kv, R, D), k (B, H_kv, S, D), v (B, H_kv, S, Dv),
-//                         mask (B, H_kv, G, L, S)?, scale, query_len L, causal) -> (B, H_kv, R, Dv)
+//                         mask (B, H_kv, G, L, S)?, scale, query_len L, causal, softcap = 0, sinks (H_kv * G)?)
+//                         -> (B, H_kv, R, Dv)
 //       The R = G * L query rows of one KV head (the whole group, all new tokens) attend to that head's keys in one
 //       pass: each key and value row is read once for all R rows; softmax is online (running max and sum, float32),
 //       the context is split into chunks so that both threads stream even for one head. k/v may be strided views of a
@@ -154,13 +155,16 @@ void run_attention(GroupedAttention<T>& a, T* out) {
 
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const MaskView& mask,
-                           float scale, int64_t L, bool causal, at::Tensor& out, const int64_t* start = nullptr) {
+                           float scale, int64_t L, bool causal, at::Tensor& out, const int64_t* start = nullptr,
+                           float softcap = 0.0f, const float* sinks = nullptr) {
   GroupedAttention<T> a = grouped_attention<T>(q, k, v, mask, scale, L, causal, start);
+  a.softcap = softcap, a.sinks = sinks;
   run_attention(a, out.mutable_data_ptr<T>());
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const c10::optional<at::Tensor>& mask, double scale, int64_t query_len, bool causal) {
+                            const c10::optional<at::Tensor>& mask, double scale, int64_t query_len, bool causal,
+                            double softcap, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "gqa::decode_attention: q (B, H_kv, R, D), k (B, H_kv, S, D), v (B, H_kv, S, Dv) must be 4-D");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
@@ -185,12 +189,24 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     mv.is_bool = mk.scalar_type() == at::kBool;
     mv.sb = mk.stride(0), mv.sh = mk.stride(1), mv.sg = mk.stride(2), mv.sl = mk.stride(3), mv.ss = mk.stride(4);
   }
+  TORCH_CHECK(softcap >= 0.0, "gqa::decode_attention: softcap must be >= 0 (0: none), got ", softcap);
+  const float* sink_logits = nullptr;
+  if (sinks.has_value()) {
+    const at::Tensor& sk = *sinks;
+    TORCH_CHECK(sk.dim() == 1 && sk.size(0) == H * (R / query_len) && sk.scalar_type() == at::kFloat &&
+                    sk.is_contiguous(),
+                "gqa::decode_attention: sinks must be contiguous float32 (H_kv * G,), got ", sk.sizes());
+    sink_logits = sk.const_data_ptr<float>();
+  }
   at::Tensor out = at::empty({B, H, R, v.size(3)}, q.options());
-  if (S == 0 || B * H * R == 0) return out.zero_();
+  if (S == 0 || B * H * R == 0) return out.zero_();  // no key: zeros, with sinks too (their values are zero)
+  const float cap = static_cast<float>(softcap);
   if (q.scalar_type() == at::kFloat) {
-    decode_attention_impl<float>(q, k, v, mv, static_cast<float>(scale), query_len, causal, out);
+    decode_attention_impl<float>(q, k, v, mv, static_cast<float>(scale), query_len, causal, out, nullptr, cap,
+                                 sink_logits);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_attention_impl<BFloat16>(q, k, v, mv, static_cast<float>(scale), query_len, causal, out);
+    decode_attention_impl<BFloat16>(q, k, v, mv, static_cast<float>(scale), query_len, causal, out, nullptr, cap,
+                                    sink_logits);
   } else {
     TORCH_CHECK(false, "gqa::decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
   }
@@ -413,7 +429,8 @@ TORCH_LIBRARY(gqa, m) {
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_rows_n(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
   m.def(
-      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int query_len, bool causal) "
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int query_len, bool causal, "
+      "float softcap=0., Tensor? sinks=None) "
       "-> Tensor");
   m.def(
       "paged_attention(Tensor q, Tensor key_pool, Tensor value_pool, Tensor block_table, Tensor lengths, "

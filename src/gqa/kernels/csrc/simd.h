@@ -51,6 +51,7 @@ inline vec vblend_negative(vec x, vec a, vec b) {  // x < 0 ? b : a, lane by lan
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), a, b);
 }
 inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }  // a > b ? a : b: NaN in either gives b
+inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }  // a < b ? a : b: NaN in either gives b
 inline vec vmax_nan(vec m, vec x) {  // max(m, x) that keeps a NaN of either (so NaN scores give NaN, as in torch)
   return _mm512_mask_mov_ps(_mm512_max_ps(x, m), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
 }
@@ -97,6 +98,7 @@ inline vec vblend_negative(vec x, vec a, vec b) {  // x < 0 ? b : a, lane by lan
   return _mm256_blendv_ps(a, b, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
 }
 inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }  // a > b ? a : b: NaN in either gives b
+inline vec vmin(vec a, vec b) { return _mm256_min_ps(a, b); }  // a < b ? a : b: NaN in either gives b
 inline vec vmax_nan(vec m, vec x) {  // max(m, x) that keeps a NaN of either (so NaN scores give NaN, as in torch)
   return _mm256_blendv_ps(_mm256_max_ps(x, m), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
