@@ -40,8 +40,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SDPA_NAMES = ("torch-sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
-STEPS = ("machine", "tests", "kernel", "decode", "model", "serve", "backward", "fp32", "prefill", "kv", "flex",
-         "sweep")  # fmt: skip
+STEPS = ("machine", "tests", "kernel", "decode", "model", "serve", "backward", "fp32", "prefill", "variants", "kv",
+         "flex", "sweep")  # fmt: skip
 DEFAULT_STEPS = STEPS[:-2]  # flex, sweep: measured in run 3
 TOKENIZER = ROOT / ".gpu" / "smollm2-tokenizer"  # SmolLM2's tokenizer files (carried: the GGUF cannot travel)
 
@@ -343,6 +343,20 @@ def smollm2_tokenizer() -> Path:
     return TOKENIZER
 
 
+def variants_step(out: Path, device: torch.device, dry: bool) -> list[dict]:
+    """``gqa bench attention --variants``: decode at 32k with a 4k window, as a band mask, soft-capped and with sinks,
+    beside plain attention (bf16, 32/8 and 32/1 heads, D=128), each checked first."""
+    from gqa.bench.attention.benchmark import main as bench_main
+
+    path = out / "attention_variants.json"
+    argv = ["--variants", "--device", str(device), "--json", str(path)]
+    size = ["--q-heads", "4", "--head-dim", "16", "--kv-heads", "1"] if dry else \
+        ["--q-heads", "32", "--head-dim", "128", "--kv-heads", "8", "1", "--batches", "8"]  # fmt: skip
+    argv += ["--quick", "--dtypes", "fp32", *size] if dry else ["--dtypes", "bf16", *size]
+    bench_main(argv)
+    return json.loads(path.read_text())["rows"]
+
+
 def serve_model(folder: Path, dry: bool) -> Path:
     """Random SmolLM2-shaped weights (bf16) saved as an HF folder with SmolLM2's tokenizer, for ``gqa serve``."""
     import shutil
@@ -379,8 +393,9 @@ def serve_step(out: Path, device: torch.device, dry: bool, budget_s: float) -> d
     """gqa serve on the device with random SmolLM2-shaped weights: 1, 16 and 64 streaming clients (output tok/s,
     TTFT, every response compared with the same request alone)."""
     model = serve_model(out / "serve-model", dry)
+    # 64 prompts of 16 tokens: one client streams ~32 tok/s (H100 run 2: the step runs eagerly), so ~35 s of the budget
     extra = ["--clients", "1", "2", "--prompts", "2", "--max-tokens", "4"] if dry else \
-        ["--clients", "1", "16", "64", "--prompts", "64", "--max-tokens", "64", "--kv-cache-mib", "4096"]  # fmt: skip
+        ["--clients", "1", "16", "64", "--prompts", "64", "--max-tokens", "16", "--kv-cache-mib", "4096"]  # fmt: skip
     return bench_serve(out / "serve", model, "cpu" if dry else str(device), extra, budget_s)
 
 
@@ -391,7 +406,7 @@ def kv_step(out: Path, device: torch.device, dry: bool, budget_s: float) -> dict
         serve_model(model, dry)
     extra = ["--clients", "2", "--prompts", "2", "--max-tokens", "4", "--kv-heads", "1"] if dry else \
         ["--clients", "64", "--prompts", "64", "--max-tokens", "64", "--kv-heads", "9", "3", "1", "--kv-budget-mib",
-         "256", "--kv-context", "2048", "--kv-max-tokens", "256"]  # fmt: skip
+         "256", "--kv-context", "2048", "--kv-max-tokens", "64"]  # fmt: skip
     return bench_serve(out / "kv", model, "cpu" if dry else str(device), extra, budget_s)
 
 
@@ -472,6 +487,11 @@ def markdown(result: dict) -> str:
 
             body = table(got["rows"]) if "rows" in got else f"failed:\n\n```\n{got.get('error', '')[-1500:]}\n```"
             lines += [f"## {title}", "", f"`{got.get('command', '')}`", "", body, ""]
+    if result.get("variants"):
+        from gqa.bench.attention.variants import table as variants_table
+
+        lines += ["## Decode with a window, soft-capping and sinks (ms; each checked against its reference)", "",
+                  variants_table(result["variants"]), ""]  # fmt: skip
     if result.get("backward"):
         from gqa.bench.attention.backward import table as backward_table
 
@@ -496,8 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.dry else args.device)
     start = time.perf_counter()
     # shares of the budget per step; the model step runs until a deadline that leaves the later steps theirs
-    shares = {"tests": 0.11, "decode": 0.11, "serve": 0.12, "backward": 0.04, "fp32": 0.02, "prefill": 0.02,
-              "kv": 0.08, "flex": 0.08}  # fmt: skip
+    # serve and kv start servers (~12 s to load on the GPU each, H100 run 1 gave them too little: 64 and 42 s)
+    shares = {"tests": 0.11, "decode": 0.11, "serve": 0.2, "backward": 0.04, "fp32": 0.02, "prefill": 0.02,
+              "variants": 0.03, "kv": 0.2, "flex": 0.08}  # fmt: skip
     result: dict = {"argv": sys.argv[1:] if argv is None else argv, "dry": args.dry, "steps": {}}
     for step in STEPS:
         if step not in args.steps:
@@ -521,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
                 result[step] = fn(args.out, device, args.dry, max(30.0, shares[step] * args.budget_s))
             elif step == "backward":
                 result["backward"] = backward_step(device, args.dry)
+            elif step == "variants":
+                result["variants"] = variants_step(args.out, device, args.dry)
             elif step == "model":
                 later = sum(shares.get(s, 0.0) for s in STEPS[STEPS.index("model") + 1 :] if s in args.steps)
                 deadline = start + args.budget_s * (1.0 - later)

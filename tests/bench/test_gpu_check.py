@@ -56,7 +56,7 @@ def test_without_a_gpu_it_says_so(gpu_check, capsys):
 
 def test_dry_run_writes_every_step(gpu_check, tmp_path):
     out = tmp_path / "check"
-    steps = ["machine", "tests", "kernel", "decode", "model", "backward"]
+    steps = ["machine", "tests", "kernel", "decode", "model", "backward", "variants"]
     code = gpu_check.main(["--dry", "--out", str(out), "--steps", *steps])
     assert code == 0
     result = json.loads((out / "gpu_check.json").read_text())
@@ -68,6 +68,8 @@ def test_dry_run_writes_every_step(gpu_check, tmp_path):
     assert rows and all(r["status"] == "ran" and not r["mismatches"] for r in rows)
     (model,) = result["model"]
     assert model["logits_rel_err_fp32"] < 1e-5  # gqa and HF transformers on the same random weights
+    (variants,) = result["variants"]
+    assert not variants["errors"] and set(variants["ms"]) == {"plain", "window", "band mask", "softcap", "sinks"}
     assert model["agreement_hf"] == 1.0 and not model["errors"]
     assert model["tokens_per_s"]["gqa"] > 0 and model["tokens_per_s"]["hf"] > 0 and model["decode_gbs"] > 0
     (backward,) = result["backward"]
