@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .attention.module import GroupedQueryAttention
     from .attention.rope import RoPE
     from .cache.kv import DynamicKVCache, StaticKVCache, kv_cache_bytes
+    from .cache.window import WindowKVCache
     from .loaders import load_tokenizer
     from .loaders.model import load_model
 
@@ -41,6 +42,7 @@ __all__ = [
     "GroupedQueryAttention",
     "RoPE",
     "StaticKVCache",
+    "WindowKVCache",
     "causal_mask",
     "grouped_attention",
     "kv_cache_bytes",
@@ -58,6 +60,7 @@ _HOMES = {  # public name -> the submodule that defines it
     "BACKENDS": "attention.backends",
     "DynamicKVCache": "cache.kv",
     "StaticKVCache": "cache.kv",
+    "WindowKVCache": "cache.window",
     "kv_cache_bytes": "cache.kv",
     "grouped_attention": "attention.functional",
     "last_backend": "attention.functional",

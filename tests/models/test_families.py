@@ -19,11 +19,11 @@ FAMILIES = ["qwen3", "mistral", "gemma2", "gemma3_text", "smollm3"]
 GEMMA = dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=12)  # a scale other than head_dim's
 
 
-def _family(arch: str, path):
+def _family(arch: str, path, context: int = 128):
     torch.manual_seed(0)
     kw = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-              tie_word_embeddings=False, attn_implementation="eager")  # fmt: skip
+              num_key_value_heads=2, max_position_embeddings=context, rms_norm_eps=1e-6, bos_token_id=1,
+              eos_token_id=2, tie_word_embeddings=False, attn_implementation="eager")  # fmt: skip
     if arch == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw, head_dim=16))
     elif arch == "mistral":
@@ -168,3 +168,37 @@ def test_gemma_and_smollm3_decode_through_the_eager_forward_and_bf16_stays_close
         theirs = ref.to(torch.bfloat16)(ids).logits.float()
         ours = bf16(ids).float()
     assert (ours - want).abs().max() <= 1.25 * (theirs - want).abs().max()
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3_text"])
+def test_window_caches_hold_the_window_and_decode_as_transformers_does(tmp_path, arch):
+    """300 new tokens (past each layer's 5-key window and its 256 spare slots): the sliding layers get a
+    ``WindowKVCache`` of 261 slots, global layers a full static cache, and the greedy tokens are transformers'."""
+    from gqa.cache.window import WindowKVCache
+
+    ref = _family(arch, tmp_path, context=512)
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    prompt, new = [5, 9, 17, 33, 2, 8, 40], 300
+    caches = model.new_caches(1, len(prompt) + new)
+    rings = [isinstance(c, WindowKVCache) for c in caches]
+    assert rings == [model.config.layer_window(i) is not None for i in range(model.config.num_layers)]
+    assert all(c.slots == 261 for c in caches if isinstance(c, WindowKVCache))
+    ours = model.generate(prompt, max_new_tokens=new, eos_token_ids=[])
+    with torch.no_grad():
+        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+    assert ours == theirs
+
+
+def test_info_reports_the_window_caches_memory(tmp_path, capsys):
+    """``gqa info`` on Gemma 3 (two 5-key sliding layers, one global, 4096-token context): window-sized caches hold
+    2 x (5 + 256) + 4096 token slots of the full 3 x 4096."""
+    from gqa.cli import main as cli
+
+    _family("gemma3_text", tmp_path, context=4096)
+    assert cli(["info", "--model", str(tmp_path), "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    per_slot = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head dim 16, fp32
+    held, full = (2 * 261 + 4096) * per_slot, 3 * 4096 * per_slot
+    assert "sliding window   5 keys on 2 of 3 layers (their caches: 5 + 256 slots)" in out
+    assert f"{held / 2**20:.1f} MiB with window caches vs {full / 2**20:.1f} MiB full ({held / full:.2f}x)" in out

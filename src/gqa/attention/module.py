@@ -185,7 +185,9 @@ class GroupedQueryAttention(nn.Module):
             if kv_input is not None:
                 raise ValueError("cache is for self-attention; compute cross-attention K/V once and pass kv_input")
             if not isinstance(cache, _KVCache):
-                raise TypeError(f"cache must be a StaticKVCache or DynamicKVCache, got {type(cache).__name__}")
+                raise TypeError(
+                    f"cache must be a StaticKVCache, DynamicKVCache or WindowKVCache, got {type(cache).__name__}"
+                )
             if x.dim() != 3:
                 raise ValueError(f"with a cache, x must have shape (B, L, {self.embed_dim}), got {shape_str(x)}")
         key_in, value_in = self._kv_inputs(x, kv_input)
@@ -208,6 +210,10 @@ class GroupedQueryAttention(nn.Module):
             else:
                 q, k = self.rope.rotate(q, *rope_cos_sin), self.rope.rotate(k, *rope_cos_sin)
         if cache is not None:
+            keys = getattr(cache, "window", None)  # a WindowKVCache keeps only the keys its queries see
+            if keys is not None and (self.window is None or self.window[0] is None or self.window[0] + 1 > keys):
+                raise ValueError(f"a WindowKVCache of {keys} keys needs a module with a window of at most "
+                                 f"{keys - 1} keys to the left, this one has {self.window}")  # fmt: skip
             k, v = cache.update(k, v)  # (B, H_kv, S, D) with S = everything cached
             cache_mask, is_causal = cache.visibility(L, k.shape[-2], is_causal)
             attn_mask = merge_masks(attn_mask, cache_mask)

@@ -1,4 +1,5 @@
 """KV caches: ``kv`` — the static (preallocated, per-row cursor and left padding) and dynamic caches of decoding;
+``window`` — the ring of a sliding-window layer, holding the window rather than the context;
 ``sizes`` — the KV cache's size in elements, the one formula (without torch: ``gqa info`` uses it). The paged pool of
 serving is ``gqa.serve.paged_cache``. The torch classes are imported on first use."""
 
@@ -10,6 +11,8 @@ from .._lazy import lazy_names
 
 if TYPE_CHECKING:
     from .kv import DynamicKVCache, StaticKVCache, kv_cache_bytes
+    from .window import WindowKVCache
 
-__all__ = ["DynamicKVCache", "StaticKVCache", "kv_cache_bytes"]
-__getattr__ = lazy_names(__name__, dict.fromkeys(__all__, "kv"))
+__all__ = ["DynamicKVCache", "StaticKVCache", "WindowKVCache", "kv_cache_bytes"]
+__getattr__ = lazy_names(__name__, {**dict.fromkeys(["DynamicKVCache", "StaticKVCache", "kv_cache_bytes"], "kv"),
+                                    "WindowKVCache": "window"})  # fmt: skip

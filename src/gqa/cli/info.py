@@ -10,7 +10,7 @@ import argparse
 import math
 from typing import TYPE_CHECKING
 
-from ..cache.sizes import ITEMSIZE, kv_cache_elements
+from ..cache.sizes import ITEMSIZE, WINDOW_SPARE, kv_cache_elements, layer_cache_tokens
 from ..options.common import add_model_arguments, loading, model_label
 from ..options.dtypes import NAMES
 
@@ -72,6 +72,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     print(f"vocab            {cfg.vocab_size}")
     print(f"RoPE theta       {cfg.rope_theta:g}")
     print(f"native kernels   {native_kernels()}")
+    for line in window_lines(cfg, ITEMSIZE[NAMES[ns.dtype]]):
+        print(line)
     print()
     print(kv_cache_table(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, NAMES[ns.dtype]))
     if ns.tp is not None:
@@ -83,6 +85,25 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         print()
         print(tp_table(cfg, state, ns.tp, torch_dtype(ns.dtype)))
     return 0
+
+
+def window_lines(cfg: ModelConfig, itemsize: int) -> list[str]:
+    """For a model with sliding-window layers: which layers, and its KV cache over the whole context with
+    window-sized caches on those layers (``CausalLM.new_caches``) against full caches on all."""
+    windows = [cfg.layer_window(i) for i in range(cfg.num_layers)]
+    sliding = [w for w in windows if w is not None]
+    if not sliding:
+        return []
+    keys, context = sliding[0][0] + 1, cfg.max_position_embeddings
+    per_slot = kv_cache_elements(1, cfg.num_kv_heads, cfg.head_dim, 1) * itemsize  # one layer, one token
+    held = sum(layer_cache_tokens(None if w is None else w[0] + 1, context) for w in windows) * per_slot
+    full = cfg.num_layers * context * per_slot
+    return [
+        f"sliding window   {keys} keys on {len(sliding)} of {cfg.num_layers} layers (their caches: {keys} + "
+        f"{WINDOW_SPARE} slots)",
+        f"KV at context    {held / 2**20:.1f} MiB with window caches vs {full / 2**20:.1f} MiB full "
+        f"({held / full:.2f}x) for one {context}-token sequence",
+    ]
 
 
 def native_kernels() -> str:

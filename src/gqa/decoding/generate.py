@@ -115,7 +115,7 @@ def generate_stream(
         from .compiled import cache_bucket
 
         capacity = cache_bucket(capacity, cfg.max_position_embeddings)  # a few cache sizes: a few compilations
-    caches = model.new_caches(B, capacity)
+    caches = model.new_caches(B, capacity, window_caches=not compile)  # compiled steps take static caches
     for cache in caches:
         cache.set_left_padding(pads)
     logits = model(ids, caches=caches, last_only=True)[:, -1]  # (B, vocab)

@@ -16,6 +16,8 @@ from torch import nn
 from ..attention.masks import padding_mask
 from ..attention.rope import RoPE
 from ..cache.kv import StaticKVCache
+from ..cache.sizes import layer_cache_tokens
+from ..cache.window import WindowKVCache
 from .config import ModelConfig
 from .gemma import GemmaBackbone, GemmaDecoderLayer
 from .layers import layer_attention, model_rope
@@ -175,17 +177,25 @@ class CausalLM(nn.Module):
 
         return generate(self, prompts, **kwargs)
 
-    def new_caches(self, batch_size: int, max_len: int) -> list[StaticKVCache]:
-        """One preallocated ``StaticKVCache`` per layer, ``H_kv`` heads each, in the model's dtype and device."""
+    def new_caches(self, batch_size: int, max_len: int, *, window_caches: bool = True) -> list:
+        """One cache per layer, ``H_kv`` heads each, in the model's dtype and device: a preallocated
+        ``StaticKVCache`` of ``max_len`` tokens, or for a sliding-window layer (with ``window_caches``, when
+        ``max_len`` exceeds its window and ``spare``) a ``WindowKVCache`` that holds the window only. Compiled and
+        graphed decoding take static caches (``window_caches=False``)."""
         if max_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"max_len ({max_len}) exceeds the model's context of {self.config.max_position_embeddings} tokens"
             )
-        cfg = self.config
-        return [
-            StaticKVCache(batch_size, cfg.num_kv_heads, cfg.head_dim, max_len, dtype=self.dtype, device=self.device)
-            for _ in range(cfg.num_layers)
-        ]
+        cfg, caches = self.config, []
+        for layer in self.model.layers:
+            window = layer.self_attn.window
+            keys = None if window is None or window[1] is not None else window[0] + 1  # keys a query sees
+            kw = dict(dtype=self.dtype, device=self.device)
+            if window_caches and layer_cache_tokens(keys, max_len) < max_len:
+                caches.append(WindowKVCache(batch_size, cfg.num_kv_heads, cfg.head_dim, max_len, keys, **kw))
+            else:
+                caches.append(StaticKVCache(batch_size, cfg.num_kv_heads, cfg.head_dim, max_len, **kw))
+        return caches
 
     def forward(
         self,

@@ -1,0 +1,125 @@
+"""``WindowKVCache``: the KV cache of a sliding-window layer, holding the window and not the whole context.
+
+A layer whose queries see only their last ``window`` keys (themselves included) needs no older key. This cache keeps
+``window + spare`` slots in sequence order, slot ``s`` holding position ``offset + s``: tokens are appended as in a
+static cache, and when the next call's tokens do not fit, the last ``window - 1`` keys (all that its first query can
+see) move to the front and ``offset`` moves on. That copy of ``window - 1`` rows happens once per ``spare`` decoded
+tokens, and between copies the slots are what a static cache would hold, trimmed: the bottom-right window and causal
+masks mean the same keys, so attention needs no mask of the cache's (only left padding gets one) and reads only the
+window (``grouped_attention`` skips the keys no window reaches). Keys are stored after RoPE, so moving them changes
+nothing. A call with more new tokens than ``spare + 1`` (a long prompt) attends to the kept keys joined to its own.
+
+Eager only (the offset is a Python int); ``StaticKVCache`` is the one for compiled and graphed decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.checks import shape_str
+from .kv import _KVCache
+from .sizes import WINDOW_SPARE as DEFAULT_SPARE  # slots beyond the window: decoded tokens between two moves
+
+
+class WindowKVCache(_KVCache):
+    """``min(max_len, window + spare)`` slots for a layer whose queries see their last ``window`` keys.
+
+    Buffers ``key (B, H_kv, slots, D)``, ``value (B, H_kv, slots, D_v)``; ``capacity`` is ``max_len``, the tokens the
+    cache takes in all (writing past it raises ``ValueError``), ``nbytes`` what the slots hold.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        window: int,
+        *,
+        spare: int = DEFAULT_SPARE,
+        value_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        for name, n in (("max_len", max_len), ("window", window)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
+            raise ValueError(f"spare must be an int >= 0, got {spare!r}")
+        slots = min(max_len, window + spare)
+        super().__init__(batch_size, num_kv_heads, head_dim, slots, value_dim=value_dim, dtype=dtype, device=device)
+        self.max_len, self.window = max_len, window
+        self.offset = 0  # the position slot 0 holds
+        self._returned_offset = 0  # the position of the first key the last update returned
+
+    @property
+    def capacity(self) -> int:
+        return self.max_len
+
+    @property
+    def slots(self) -> int:
+        return self.key.shape[2]
+
+    def reset(self) -> None:
+        super().reset()
+        self.offset = self._returned_offset = 0
+
+    def _reserve(self, needed: int) -> None:
+        if needed > self.max_len:
+            raise ValueError(
+                f"WindowKVCache overflow: {needed - self.seq_len} new tokens after {self.seq_len} cached exceed "
+                f"max_len {self.max_len}"
+            )
+
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key (B, H_kv, L, D)`` and ``value (B, H_kv, L, D_v)``; return the keys and values to attend to,
+        in sequence order and ending with the new ones: the slots in use (views), or for a call longer than
+        ``spare + 1`` tokens the kept keys joined to the new ones."""
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("WindowKVCache is eager only; compiled decoding takes a StaticKVCache")
+        B, H, n, D = self.key.shape
+        for name, t, feat in (("key", key, D), ("value", value, self.value.shape[-1])):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[:2] != (B, H) or t.shape[3] != feat:
+                got = shape_str(t) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must have shape ({B}, {H}, L, {feat}) for this cache, got {got}")
+            if t.dtype != self.key.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype} but the cache stores {self.key.dtype}")
+        L = key.shape[2]
+        if value.shape[2] != L:
+            raise ValueError(f"key {shape_str(key)} and value {shape_str(value)} must have the same length")
+        cursor = self.seq_len
+        self._reserve(cursor + L)
+        used = cursor - self.offset
+        if used + L > n:  # keep the window - 1 keys the first new query sees, at the front
+            keep = min(used, self.window - 1)
+            if keep:
+                src = slice(used - keep, used)
+                self.key[:, :, :keep] = self.key[:, :, src].clone()
+                self.value[:, :, :keep] = self.value[:, :, src].clone()
+            self.offset, used = cursor - keep, keep
+        self.cursor.add_(L)
+        self._returned_offset = self.offset
+        if used + L <= n:
+            self.key[:, :, used : used + L] = key
+            self.value[:, :, used : used + L] = value
+            return self.key[:, :, : used + L], self.value[:, :, : used + L]
+        # a call longer than the free slots: attend to the kept keys and the new ones; keep the last n of them
+        keys = torch.cat([self.key[:, :, :used], key], dim=2)
+        values = torch.cat([self.value[:, :, :used], value], dim=2)
+        self.key.copy_(keys[:, :, -n:])
+        self.value.copy_(values[:, :, -n:])
+        self.offset = cursor + L - n
+        return keys, values
+
+    def visibility(self, L: int, S: int, is_causal: bool) -> tuple[torch.Tensor | None, bool]:
+        """As ``StaticKVCache.visibility``, with the returned keys starting at position ``offset``: nothing beyond
+        the bottom-right ``is_causal`` without padding, else a bool ``(B, 1, L, S)`` mask hiding the padding."""
+        if not self.padded:
+            return None, is_causal
+        positions = self._returned_offset + torch.arange(S, device=self.cursor.device)  # (S,)
+        mask = positions[None, None, :] >= self.start[:, None, None]  # (B, 1, S)
+        if is_causal:
+            first = self.seq_len - L  # position of the first new token
+            query = first + torch.arange(L, device=positions.device)[:, None]  # (L, 1)
+            mask = mask & (positions <= query)[None]  # (B, L, S)
+        return mask[:, None].expand(-1, -1, L, -1), False
