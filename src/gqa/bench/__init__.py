@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .._atomic import atomic_path, write_json_atomic, write_text_atomic
 
-__all__ = ["atomic_path", "write_json_atomic", "write_results", "write_text_atomic"]
+__all__ = ["atomic_path", "print_and_save", "write_json_atomic", "write_results", "write_text_atomic"]
 
 
 def write_results(out: Path, benchmark: str, fields: dict, table: str) -> None:
@@ -28,3 +28,13 @@ def write_results(out: Path, benchmark: str, fields: dict, table: str) -> None:
     text = f"`{result['command']}` ({result['date']}, {os.cpu_count()} CPUs)\n\n{table}\n"
     write_text_atomic(out / "results.md", text)
     print(text)
+
+
+def print_and_save(text: str, payload: dict, json_path: Path | None, markdown_path: Path | None) -> None:
+    """Print the markdown ``text``; write ``payload`` to ``json_path`` and ``text`` to ``markdown_path`` (each
+    atomically, when given): what ``--json`` and ``--markdown`` of a ``gqa bench attention`` mode do."""
+    print(text, end="")
+    if json_path:
+        write_json_atomic(json_path, payload)
+    if markdown_path:
+        write_text_atomic(markdown_path, text)

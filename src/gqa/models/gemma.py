@@ -14,15 +14,13 @@ What differs from Llama's layer (``models.llama``), with HF transformers' parame
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention.module import HeadRMSNorm
 from ..attention.rope import RoPE
 from ..cache.kv import StaticKVCache
 from .config import ModelConfig
-from .layers import layer_attention, model_rope
-from .linear import Linear, linears
+from .layers import MLP, layer_attention, model_rope
 
 Rotations = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (global, local) cos/sin
 
@@ -30,20 +28,6 @@ Rotations = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.T
 def gemma_norm(dim: int, eps: float) -> HeadRMSNorm:
     """Gemma's RMSNorm over the last ``dim`` features: ``x / rms(x) * (1 + weight)``, weight initialised to 0."""
     return HeadRMSNorm(dim, eps, unit_offset=True)
-
-
-class GemmaMLP(nn.Module):
-    """``down(gelu_tanh(gate(x)) * up(x))``."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = Linear(dim, hidden, bias=False)
-        self.up_proj = Linear(dim, hidden, bias=False)
-        self.down_proj = Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linears(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -55,7 +39,7 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn = layer_attention(cfg, layer, rope)
         self.post_attention_layernorm = gemma_norm(H, eps)
         self.pre_feedforward_layernorm = gemma_norm(H, eps)
-        self.mlp = GemmaMLP(H, cfg.intermediate_size)
+        self.mlp = MLP(H, cfg.intermediate_size, act=cfg.hidden_act)
         self.post_feedforward_layernorm = gemma_norm(H, eps)
 
     def forward(

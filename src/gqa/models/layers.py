@@ -1,10 +1,34 @@
-"""What every family's layers share: the RoPE table of a model and a layer's attention as its config describes it."""
+"""What every family's layers share: the RoPE table of a model, a layer's attention as its config describes it, and
+the gated MLP."""
 
 from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from ..attention.module import GroupedQueryAttention
 from ..attention.rope import RoPE
 from .config import ModelConfig
+from .linear import Linear, linears
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # HF's names
+
+
+class MLP(nn.Module):
+    """A gated MLP: ``down(act(gate(x)) * up(x))``, SwiGLU with ``act="silu"`` (Llama), GELU-tanh with
+    ``"gelu_pytorch_tanh"`` (Gemma)."""
+
+    def __init__(self, dim: int, hidden: int, act: str = "silu") -> None:
+        super().__init__()
+        self.act = act
+        self.gate_proj = Linear(dim, hidden, bias=False)
+        self.up_proj = Linear(dim, hidden, bias=False)
+        self.down_proj = Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linears(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
 def model_rope(cfg: ModelConfig) -> RoPE:

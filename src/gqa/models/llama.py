@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention.masks import padding_mask
@@ -20,8 +19,8 @@ from ..cache.sizes import layer_cache_tokens
 from ..cache.window import WindowKVCache
 from .config import ModelConfig
 from .gemma import GemmaBackbone, GemmaDecoderLayer
-from .layers import layer_attention, model_rope
-from .linear import Linear, linears
+from .layers import MLP, layer_attention, model_rope
+from .linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -36,20 +35,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = Linear(dim, hidden, bias=False)
-        self.up_proj = Linear(dim, hidden, bias=False)
-        self.down_proj = Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linears(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import gqa
 
-from .. import write_json_atomic, write_text_atomic
+from .. import print_and_save
 from .limits import time_ms
 
 KERNELS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")  # held on CUDA, by SDPBackend name
@@ -109,10 +109,6 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch
     repeats = args.repeats or (10 if cuda else 3)
     rows = [backward_row(H_q, h, L, D, dtype, device, repeats) for dtype in args.dtypes for h in args.kv_heads
             for L in lens]  # fmt: skip
-    text = table(rows)
-    print(text, end="")
-    if args.json:
-        write_json_atomic(args.json, {"benchmark": "attention-backward", "device": str(device), "rows": rows})
-    if args.markdown:
-        write_text_atomic(args.markdown, text)
+    payload = {"benchmark": "attention-backward", "device": str(device), "rows": rows}
+    print_and_save(table(rows), payload, args.json, args.markdown)
     return 1 if any("gqa auto" in r["errors"] for r in rows) else 0

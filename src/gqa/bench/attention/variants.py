@@ -23,7 +23,7 @@ import torch
 
 import gqa
 
-from .. import write_json_atomic, write_text_atomic
+from .. import print_and_save
 from .limits import time_ms
 
 SOFTCAP = 50.0
@@ -116,10 +116,6 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace, device: torch
     repeats = args.repeats or (20 if cuda else 7)
     rows = [variant_row(B, H_q, h, S, D, window, dtype, device, repeats) for dtype in args.dtypes
             for h in args.kv_heads for S in contexts]  # fmt: skip
-    text = table(rows)
-    print(text, end="")
-    if args.json:
-        write_json_atomic(args.json, {"benchmark": "attention-variants", "device": str(device), "rows": rows})
-    if args.markdown:
-        write_text_atomic(args.markdown, text)
+    payload = {"benchmark": "attention-variants", "device": str(device), "rows": rows}
+    print_and_save(table(rows), payload, args.json, args.markdown)
     return 1 if any(r["errors"] for r in rows) else 0
