@@ -141,18 +141,23 @@ def build_app(
                 pieces.append(out.text)
                 ends.append(out)
 
-        task = asyncio.ensure_future(collect())
+        async def client_left() -> None:  # the body is read: the next message is the disconnect
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        task, left = asyncio.ensure_future(collect()), asyncio.ensure_future(client_left())
         try:
-            while not task.done():  # a client that leaves before its whole response: the request is aborted
-                await asyncio.wait({task}, timeout=0.25)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    await outputs.aclose()
-                    return Response(status_code=499)
+            await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():  # a client that leaves before its whole response: the request is aborted
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await outputs.aclose()
+                return Response(status_code=499)
             task.result()
         except Exception as e:
             return fail(engine_failure(e))
+        finally:
+            left.cancel()
         text, last = "".join(pieces), ends[-1]
         if last.finish_reason == "error":
             return fail(ApiError(f"the request failed in the engine: {last.error}", 500))

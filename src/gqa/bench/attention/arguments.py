@@ -151,7 +151,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "bool mask, soft-capping 50 and sinks, each checked, then timed: the window's speed-up, softcap's and sinks' "
         "cost",
     )  # fmt: skip
-    p.add_argument("--window", type=_positive_int, help="--variants: keys in the window (default 4096; --quick: 512)")
+    p.add_argument(
+        "--window", type=_positive_int, help="--variants: keys in the window (default: 4096, 512 with --quick)"
+    )
     p.add_argument("--impls", nargs="+", metavar="NAME", help="only these implementations (default: all)")
     p.add_argument("--q-heads", type=_positive_int, help="H_q (default: 32)")
     p.add_argument("--head-dim", type=_positive_int, help="D (default: 128)")
