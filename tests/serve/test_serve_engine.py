@@ -48,6 +48,51 @@ def test_greedy_responses_equal_hf_and_each_request_alone(tiny, block_size):
         assert run(Engine(model, kv_cache_mib=1, block_size=block_size, prefill_chunk=32), [prompt], params) == [tokens]
 
 
+def _penalized_greedy(ref, prompt: list[int], n: int, frequency: float, presence: float) -> list[int]:
+    """Greedy tokens with OpenAI's penalties written out on HF's logits: each step, the logit of every token generated
+    so far loses ``count * frequency + presence``."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = ref(torch.tensor([tokens])).logits[0, -1].double()
+            counts = torch.bincount(torch.tensor(tokens[len(prompt) :], dtype=torch.long), minlength=logits.shape[0])
+            logits -= counts * frequency + (counts > 0) * presence
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :]
+
+
+def test_penalties_and_logit_bias_match_their_references_together_and_alone(tiny):
+    """Greedy requests with a repetition penalty (HF's ``repetition_penalty``), a logit bias (HF's ``sequence_bias``),
+    frequency/presence penalties (written out on HF's logits) and none, decoded in one batch: each equals its
+    reference and the same request alone; the penalties change the tokens (a test that could not fail is none)."""
+    path, ref = tiny
+    model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
+    prompt, n = [7] * 6 + [12, 13], 16
+    plain = hf_greedy(ref, prompt, n)
+    favoured = plain[0] + 1
+    cases = [
+        (SamplingParams(max_tokens=n, ignore_eos=True), plain),
+        (SamplingParams(max_tokens=n, ignore_eos=True, repetition_penalty=1.8),
+         ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, repetition_penalty=1.8,
+                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()),
+        (SamplingParams(max_tokens=n, ignore_eos=True, logit_bias=((favoured, 3.0),)),
+         ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, sequence_bias={(favoured,): 3.0},
+                      eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()),
+        (SamplingParams(max_tokens=n, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5),
+         _penalized_greedy(ref, prompt, n, 1.5, 0.5)),
+    ]  # fmt: skip
+    assert all(want != plain for _, want in cases[1:]), "a penalty that changes nothing tests nothing"
+    engine = Engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=32)
+    ids = [engine.add(prompt, params).request_id for params, _ in cases]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_work:
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    for i, (params, want) in zip(ids, cases, strict=True):
+        assert out[i] == want, params
+        assert run(Engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=32), [prompt], params) == [want]
+
+
 def test_preemption_recomputes_and_changes_nothing(tiny):
     """A pool too small for every request at once: requests are preempted and recomputed, and every response is
     still HF's greedy one; all blocks come back."""

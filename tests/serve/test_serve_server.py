@@ -18,6 +18,8 @@ from contextlib import closing
 import pytest
 import torch
 
+import gqa
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
@@ -199,11 +201,16 @@ def test_models_health_and_metrics(server, client):
          "messages", "exceed the model's context"),  # no max_tokens: said so, not "must be >= 1, got -839"
         ("completions", {"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop", "must not be an empty string"),
         ("completions", {"model": MODEL, "prompt": "a\ud800b"}, 400, "prompt", "cannot be tokenized"),
-        ("completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty",
-         "not supported"),
+        ("completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": -2.5}, 400, "frequency_penalty",
+         "must be in [-2, 2]"),
         ("completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 3.0}, 400, "presence_penalty",
-         "not supported"),
-        ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias", "not supported"),
+         "must be in [-2, 2]"),
+        ("completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty",
+         "must be > 0"),
+        ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 10}}, 400, "logit_bias", "token ids"),
+        ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
+        ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "prompt",
+         "logit_bias names token ids outside the vocabulary"),
         ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs", "not supported"),
         ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo", "not supported"),
         ("completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of", "not supported"),
@@ -235,6 +242,24 @@ def test_a_seed_torch_cannot_take_gets_a_400_and_the_server_serves_on(server, cl
                                   extra_body={"ignore_eos": True})  # fmt: skip
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
     assert get(server.url + "/health")[0] == 200
+
+
+def test_logit_bias_and_penalties_through_the_openai_client(server, client):
+    """A +100 bias on one token makes every greedy token that one (the text is that token four times); a -100 bias
+    on the first greedy token changes the first token; frequency and presence penalties are served."""
+    tok = gqa.load_tokenizer()
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    forced = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                       logit_bias={"1234": 100})  # fmt: skip
+    assert forced.choices[0].text == tok.decode([1234] * 4)
+    first = tok.encode(plain.choices[0].text)[0]
+    banned = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                       logit_bias={str(first): -100})  # fmt: skip
+    assert tok.encode(banned.choices[0].text)[:1] != [first]
+    messages = [{"role": "user", "content": "Count to ten."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                       frequency_penalty=1.0, presence_penalty=0.5)  # fmt: skip
+    assert r.usage.completion_tokens >= 1
 
 
 def test_fields_that_mean_off_are_accepted_and_the_error_shapes_are_openais(server, client):

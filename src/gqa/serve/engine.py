@@ -114,6 +114,9 @@ class Engine:
         V = self.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= V:
             raise EngineError(f"token ids must be in [0, {V})")
+        outside = [t for t, _ in params.logit_bias if t >= V]
+        if outside:
+            raise EngineError(f"logit_bias names token ids outside the vocabulary of {V}: {outside[:5]}")
         context = self.config.max_position_embeddings
         if len(prompt) + params.max_tokens > context:
             raise EngineError(
@@ -176,7 +179,8 @@ class Engine:
         picked = []  # (request, its greedy token or None when sampled, its logits row), in row order
         for items, (logits, greedy) in groups:
             for row, r in enumerate(self.scheduler.fed(items)):
-                picked.append((r, int(greedy[row]) if r.params.greedy else None, logits[row]))
+                found = r.params.greedy and not r.params.adjusts_logits  # the kernel's argmax is the token
+                picked.append((r, int(greedy[row]) if found else None, logits[row]))
         drawn = iter(sample_rows([(r, x) for r, token, x in picked if token is None]))
         sampled, tokens = [], []
         for r, token, _ in picked:

@@ -42,10 +42,6 @@ GREEDY_BELOW = 1e-5  # a temperature under this is greedy decoding (as vLLM)
 # OpenAI / vLLM request fields gqa does not implement yet, with the values that mean "off": a request that sets one to
 # anything else is refused with a 400 naming it, never served as if it had not asked
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},),
     "logprobs": (False, 0),
     "top_logprobs": (0,),
     "echo": (False,),
@@ -119,6 +115,17 @@ class Room:
         return min(self.context, self.pool if self.pool is not None else self.context) - self.prompt
 
 
+def _logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token id as a string -> a number in [-100, 100]) as ``(id, bias)`` pairs."""
+    pairs = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()) or not JSON_TYPES["a number"](value) or abs(value) > 100:
+            raise ApiError(f"'logit_bias' must map token ids to numbers in [-100, 100], got {key!r}: {value!r}",
+                           param="logit_bias")  # fmt: skip
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
 def _common(body: object, models: list[str], room: Room, default_max_tokens: int | None) -> dict[str, Any]:
     """The fields both endpoints share, checked."""
     if not isinstance(body, dict):
@@ -166,11 +173,19 @@ def _common(body: object, models: list[str], room: Room, default_max_tokens: int
         raise ApiError(f"'seed' must be in [-2**63, 2**64), got {seed}", param="seed")
     stream = _get(body, "stream", "a boolean", False)
     options = _get(body, "stream_options", "an object", {})
+    penalties: dict[str, Any] = {}
+    for name, default in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
+        value = float(_get(body, name, "a number", default))
+        repetition = name == "repetition_penalty"
+        if not (value > 0 if repetition else -2 <= value <= 2):
+            raise ApiError(f"'{name}' must be {'> 0' if repetition else 'in [-2, 2]'}, got {value:g}", param=name)
+        penalties[name] = value
+    penalties["logit_bias"] = _logit_bias(_get(body, "logit_bias", "an object", None) or {})
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=None if top_p is None else float(top_p),
             top_k=None if top_k in (None, -1) else top_k, stop=tuple(stop), seed=seed,
-            ignore_eos=bool(_get(body, "ignore_eos", "a boolean", False)),
+            ignore_eos=bool(_get(body, "ignore_eos", "a boolean", False)), **penalties,
         )  # fmt: skip
     except ValueError as e:  # what the fields above do not check themselves: never past this point
         raise ApiError(str(e)) from e

@@ -11,17 +11,36 @@ from .request import Request
 __all__ = ["sample_rows"]
 
 
+def adjusted(r: Request, logits: torch.Tensor) -> torch.Tensor:
+    """``logits (vocab,)`` with ``r``'s penalties and bias applied (``SamplingParams``), in float32; a copy."""
+    p, x = r.params, logits.float().clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.tokens)), dtype=torch.long, device=x.device)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if p.frequency_penalty or p.presence_penalty:
+        out = torch.tensor(r.tokens[len(r.prompt) :], dtype=torch.long, device=x.device)
+        counts = torch.bincount(out, minlength=x.shape[0])[: x.shape[0]].to(x.dtype)
+        x -= counts * p.frequency_penalty + (counts > 0).to(x.dtype) * p.presence_penalty
+    for token, bias in p.logit_bias:
+        if token < x.shape[0]:
+            x[token] += bias
+    return x
+
+
 def sample_rows(rows: list[tuple[Request, torch.Tensor]]) -> list[int | Exception]:
-    """A token for each ``(request, logits (vocab,))`` row. A row that cannot be sampled (NaN logits) gets its
-    exception instead; the others are sampled."""
+    """A token for each ``(request, logits (vocab,))`` row, after its penalties and bias. A row that cannot be
+    sampled (NaN logits) gets its exception instead; the others are sampled."""
     out: list[int | Exception] = [0] * len(rows)
     settings: dict[tuple, list[int]] = {}
     for i, (r, _) in enumerate(rows):
         settings.setdefault((r.params.temperature, r.params.top_k, r.params.top_p), []).append(i)
     for (temperature, top_k, top_p), idx in settings.items():
-        u = torch.cat([torch.rand(1, generator=rows[i][0].generator) for i in idx])  # (n,)
-        x = torch.stack([rows[i][1] for i in idx])  # (n, vocab), on the runner's device
-        u = u.to(x.device)
+        x = torch.stack([adjusted(*rows[i]) if rows[i][0].params.adjusts_logits else rows[i][1]
+                         for i in idx])  # (n, vocab), on the runner's device  # fmt: skip
+        u = None  # greedy rows (here for their penalties) draw nothing
+        if temperature > 0:
+            u = torch.cat([torch.rand(1, generator=rows[i][0].generator) for i in idx]).to(x.device)  # (n,)
         how = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         try:
             got: list[int | Exception] = sample_next(x, uniforms=u, **how).tolist()
@@ -29,7 +48,7 @@ def sample_rows(rows: list[tuple[Request, torch.Tensor]]) -> list[int | Exceptio
             got = []
             for k in range(len(idx)):
                 try:
-                    got.append(int(sample_next(x[k : k + 1], uniforms=u[k : k + 1], **how)))
+                    got.append(int(sample_next(x[k : k + 1], uniforms=None if u is None else u[k : k + 1], **how)))
                 except Exception as e:
                     got.append(e)
         for i, token in zip(idx, got, strict=True):

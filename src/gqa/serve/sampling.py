@@ -17,7 +17,13 @@ SEED_RANGE = (-(2**63), 2**64)
 class SamplingParams:
     """How one request is decoded: greedy when ``temperature == 0``, else sampled from a generator seeded with
     ``seed`` (fresh randomness without one); ``stop``: strings that end the output (not included in it);
-    ``max_tokens``: new tokens at most; ``ignore_eos``: go on past the end-of-sequence token."""
+    ``max_tokens``: new tokens at most; ``ignore_eos``: go on past the end-of-sequence token.
+
+    Logit adjustments before sampling (or the greedy choice), OpenAI's and vLLM's: ``frequency_penalty`` and
+    ``presence_penalty`` (in [-2, 2]) subtract ``count * frequency + (count > 0) * presence`` from each token's logit,
+    counting the tokens generated so far; ``repetition_penalty`` (> 0, HF's and vLLM's) divides the positive logits
+    and multiplies the negative ones of every token in the prompt or the output; ``logit_bias`` adds a bias in
+    [-100, 100] to the logits of the token ids it names."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -26,6 +32,10 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -45,7 +55,27 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        p = self.repetition_penalty
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (math.isfinite(p) and p > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {p!r}")
+        bias = tuple(dict(self.logit_bias).items()) if isinstance(self.logit_bias, dict) else tuple(self.logit_bias)
+        for pair in bias:
+            token, value = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100
+            if not (isinstance(token, int) and not isinstance(token, bool) and token >= 0 and number):
+                raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {pair!r}")
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes the logits before the choice (then no kernel's argmax is the token)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)  # fmt: skip
