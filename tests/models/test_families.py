@@ -175,6 +175,7 @@ def test_window_caches_hold_the_window_and_decode_as_transformers_does(tmp_path,
     """300 new tokens (past each layer's 5-key window and its 256 spare slots): the sliding layers get a
     ``WindowKVCache`` of 261 slots, global layers a full static cache, and the greedy tokens are transformers'."""
     from gqa.cache.window import WindowKVCache
+    from gqa.decoding.steps import select_step
 
     ref = _family(arch, tmp_path, context=512)
     model = gqa.load_model(tmp_path, tokenizer=False)
@@ -183,6 +184,7 @@ def test_window_caches_hold_the_window_and_decode_as_transformers_does(tmp_path,
     rings = [isinstance(c, WindowKVCache) for c in caches]
     assert rings == [model.config.layer_window(i) is not None for i in range(model.config.num_layers)]
     assert all(c.slots == 261 for c in caches if isinstance(c, WindowKVCache))
+    assert select_step(model, caches).name == "eager"  # the native step takes static caches only
     ours = model.generate(prompt, max_new_tokens=new, eos_token_ids=[])
     with torch.no_grad():
         theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..cache.kv import StaticKVCache
 from . import native_step
 
 __all__ = ["DecodeStep", "select_step"]
@@ -102,7 +103,7 @@ def select_step(
         from .compiled import compiled_step
 
         return DecodeStep("compiled", compiled_step(model), fixed_batch=True)
-    if _native_possible(model):
+    if _native_possible(model) and all(isinstance(c, StaticKVCache) for c in caches):  # not WindowKVCaches
         left = _window_left(model)
 
         def native(tokens: torch.Tensor, caches: list, greedy: torch.Tensor | None) -> torch.Tensor:
