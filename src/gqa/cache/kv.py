@@ -39,6 +39,13 @@ def kv_cache_bytes(
     return elements * dtype.itemsize
 
 
+def check_positive(**counts: object) -> None:
+    """``ValueError`` naming the first of ``counts`` that is not a positive int."""
+    for name, n in counts.items():
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+
+
 class _KVCache(nn.Module):
     """Shared machinery: buffers ``key (B, H_kv, capacity, D)``, ``value (B, H_kv, capacity, D_v)``, ``start (B,)``
     (left padding per row) and ``cursor`` (slots written, a 0-dim tensor so compiled code never guards on it)."""
@@ -55,9 +62,7 @@ class _KVCache(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        for name, n in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        check_positive(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
         value_dim = head_dim if value_dim is None else value_dim
         B, H = batch_size, num_kv_heads
         self.register_buffer("key", torch.zeros(B, H, capacity, head_dim, dtype=dtype, device=device))
@@ -138,18 +143,7 @@ class _KVCache(nn.Module):
         Eagerly ``S`` is the number of slots written; under ``torch.compile`` it is the whole capacity (static shapes),
         and ``visibility`` masks the unwritten slots.
         """
-        B, H, _, D = self.key.shape
-        D_v = self.value.shape[-1]
-        for name, t, feat in (("key", key, D), ("value", value, D_v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 4 or t.shape[0] != B or t.shape[1] != H or t.shape[3] != feat:
-                raise ValueError(f"{name} must have shape ({B}, {H}, L, {feat}) for this cache, got {shape_str(t)}")
-            if t.dtype != self.key.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype} but the cache stores {self.key.dtype}")
-        L = key.shape[2]
-        if value.shape[2] != L:
-            raise ValueError(f"key {shape_str(key)} and value {shape_str(value)} must have the same length")
+        L = self._new_tokens(key, value)
         compiling = torch.compiler.is_compiling()
         if compiling:
             self._reserve_while_compiling(L)
@@ -163,6 +157,21 @@ class _KVCache(nn.Module):
             return self.key, self.value
         S = self.seq_len
         return self.key[:, :, :S], self.value[:, :, :S]
+
+    def _new_tokens(self, key: torch.Tensor, value: torch.Tensor) -> int:
+        """``L``, the tokens ``update`` was given, after checking ``key (B, H_kv, L, D)`` and ``value (B, H_kv, L,
+        D_v)`` against the cache (``TypeError`` / ``ValueError`` naming the argument)."""
+        B, H, _, D = self.key.shape
+        for name, t, feat in (("key", key, D), ("value", value, self.value.shape[-1])):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4 or t.shape[0] != B or t.shape[1] != H or t.shape[3] != feat:
+                raise ValueError(f"{name} must have shape ({B}, {H}, L, {feat}) for this cache, got {shape_str(t)}")
+            if t.dtype != self.key.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype} but the cache stores {self.key.dtype}")
+        if value.shape[2] != key.shape[2]:
+            raise ValueError(f"key {shape_str(key)} and value {shape_str(value)} must have the same length")
+        return key.shape[2]
 
     def visibility(self, L: int, S: int, is_causal: bool) -> tuple[torch.Tensor | None, bool]:
         """After ``update`` of ``L`` tokens returned ``S`` slots: which slots the ``L`` new queries may see.
@@ -201,8 +210,7 @@ class StaticKVCache(_KVCache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        check_positive(max_len=max_len)
         super().__init__(batch_size, num_kv_heads, head_dim, max_len, value_dim=value_dim, dtype=dtype, device=device)
 
     def _reserve(self, needed: int) -> None:

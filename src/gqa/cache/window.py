@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.checks import shape_str
-from .kv import _KVCache
+from .kv import _KVCache, check_positive
 from .sizes import WINDOW_SPARE as DEFAULT_SPARE  # slots beyond the window: decoded tokens between two moves
 
 
@@ -41,9 +40,7 @@ class WindowKVCache(_KVCache):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        for name, n in (("max_len", max_len), ("window", window)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        check_positive(max_len=max_len, window=window)
         if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
             raise ValueError(f"spare must be an int >= 0, got {spare!r}")
         slots = min(max_len, window + spare)
@@ -77,16 +74,7 @@ class WindowKVCache(_KVCache):
         ``spare + 1`` tokens the kept keys joined to the new ones."""
         if torch.compiler.is_compiling():
             raise NotImplementedError("WindowKVCache is eager only; compiled decoding takes a StaticKVCache")
-        B, H, n, D = self.key.shape
-        for name, t, feat in (("key", key, D), ("value", value, self.value.shape[-1])):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[:2] != (B, H) or t.shape[3] != feat:
-                got = shape_str(t) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name} must have shape ({B}, {H}, L, {feat}) for this cache, got {got}")
-            if t.dtype != self.key.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype} but the cache stores {self.key.dtype}")
-        L = key.shape[2]
-        if value.shape[2] != L:
-            raise ValueError(f"key {shape_str(key)} and value {shape_str(value)} must have the same length")
+        L, n = self._new_tokens(key, value), self.slots
         cursor = self.seq_len
         self._reserve(cursor + L)
         used = cursor - self.offset

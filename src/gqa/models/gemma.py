@@ -59,13 +59,8 @@ class GemmaBackbone(nn.Module):
         self.hidden_size = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rope = model_rope(cfg)
-        # Gemma 3's sliding layers: their own base, no scaling; the layer modules keep the global rope (as ``rope``)
-        # for calls without precomputed rotations
-        self.local_rope = None
-        if cfg.rope_local_theta is not None:
-            self.local_rope = RoPE(
-                cfg.head_dim, theta=cfg.rope_local_theta, max_position=min(cfg.max_position_embeddings, 8192)
-            )
+        # Gemma 3's sliding layers rotate with their own base, unscaled
+        self.local_rope = None if cfg.rope_local_theta is None else model_rope(cfg, local=True)
         layers = []
         for i in range(cfg.num_layers):
             local = self.local_rope is not None and cfg.layer_window(i) is not None

@@ -31,13 +31,13 @@ class MLP(nn.Module):
         return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
-def model_rope(cfg: ModelConfig) -> RoPE:
-    """The ``RoPE`` every layer of a ``cfg`` model shares (tables up to ``min(context, 8192)`` positions, grown on
-    demand)."""
+def model_rope(cfg: ModelConfig, *, local: bool = False) -> RoPE:
+    """The ``RoPE`` the layers of a ``cfg`` model share (tables up to ``min(context, 8192)`` positions, grown on
+    demand); ``local``: Gemma 3's sliding layers' (base ``rope_local_theta``, unscaled)."""
     return RoPE(
         cfg.head_dim,
-        theta=cfg.rope_theta,
-        scaling=cfg.rope_scaling,
+        theta=cfg.rope_local_theta if local else cfg.rope_theta,
+        scaling=None if local else cfg.rope_scaling,
         max_position=min(cfg.max_position_embeddings, 8192),
     )
 

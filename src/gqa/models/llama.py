@@ -139,15 +139,10 @@ class CausalLM(nn.Module):
         return self.model.norm.weight.device
 
     def runs_own_forward(self) -> bool:
-        """Whether calling the model runs exactly ``CausalLM.forward`` over Llama's layers: no subclass override, no
-        forward hooks, no family's own layers (so a native or fused decode step in its place computes the same and
-        skips nothing: ``decoding.steps.select_step``)."""
-        return (
-            type(self).forward is CausalLM.forward
-            and type(self.model) is Backbone
-            and not self._forward_hooks
-            and not self._forward_pre_hooks
-        )
+        """Whether calling the model runs exactly ``CausalLM.forward``: no subclass override, no forward hooks (so a
+        native decode step in its place skips nothing: ``decoding.steps.select_step``; which layers that step
+        computes is ``runs_llama_layers``)."""
+        return type(self).forward is CausalLM.forward and not self._forward_hooks and not self._forward_pre_hooks
 
     def runs_llama_layers(self) -> bool:
         """Whether the layers are Llama's (pre-norm, SwiGLU), each with RoPE: the layer the native and fused decode
