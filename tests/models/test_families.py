@@ -19,24 +19,25 @@ FAMILIES = ["qwen3", "mistral", "gemma2", "gemma3_text", "smollm3"]
 GEMMA = dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=12)  # a scale other than head_dim's
 
 
-def _family(arch: str, path, context: int = 128):
+def _family(arch: str, path, context: int = 128, **extra):
+    """A random transformers model of ``arch`` saved in ``path``; ``extra`` overrides its config's keys."""
     torch.manual_seed(0)
     kw = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, max_position_embeddings=context, rms_norm_eps=1e-6, bos_token_id=1,
               eos_token_id=2, tie_word_embeddings=False, attn_implementation="eager")  # fmt: skip
     if arch == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw, head_dim=16))
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw | dict(head_dim=16) | extra))
     elif arch == "mistral":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**kw, sliding_window=5))
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**kw | dict(sliding_window=5) | extra))
     elif arch == "gemma2":  # soft-caps low enough to bend these scores; sliding and global layers alternate
         kw |= dict(num_hidden_layers=4, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
-        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**kw, **GEMMA))
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**kw | GEMMA | extra))
     elif arch == "smollm3":  # layers 1 and 3 without RoPE (NoPE)
         kw |= dict(num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=0)
-        model = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**kw))
+        model = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**kw | extra))
     else:  # two sliding layers, then a global one whose RoPE is scaled
         kw |= dict(num_hidden_layers=3, sliding_window_pattern=3, rope_scaling={"rope_type": "linear", "factor": 2.0})
-        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**kw, **GEMMA))
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**kw | GEMMA | extra))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
@@ -204,3 +205,62 @@ def test_info_reports_the_window_caches_memory(tmp_path, capsys):
     held, full = (2 * 261 + 4096) * per_slot, 3 * 4096 * per_slot
     assert "sliding window   5 keys on 2 of 3 layers (their caches: 5 + 256 slots)" in out
     assert f"{held / 2**20:.1f} MiB with window caches vs {full / 2**20:.1f} MiB full ({held / full:.2f}x)" in out
+
+
+# llama.cpp's fixed layouts (tests/helpers/llamacpp_gguf.py): Gemma's scores scaled by head_dim's -1/2 power, Gemma 3's
+# five sliding layers to one global, SmolLM3's NoPE on every fourth layer; Gemma files are tied
+GGUF_LAYOUTS = {
+    "qwen3": {},
+    "gemma2": dict(query_pre_attn_scalar=16, tie_word_embeddings=True),
+    "gemma3_text": dict(num_hidden_layers=6, sliding_window_pattern=6, query_pre_attn_scalar=16, tie_word_embeddings=True),
+    "smollm3": dict(no_rope_layer_interval=4),
+}
+
+
+@pytest.mark.parametrize("arch", list(GGUF_LAYOUTS))
+def test_a_gguf_file_as_llama_cpp_writes_it_loads_as_transformers_runs_it(tmp_path, arch):
+    """Each family written by llama.cpp's converter's rules (names from ``gguf``'s own map, Gemma norms plus one,
+    SmolLM3's q/k permuted): the config as the HF one reads, logits equal to transformers' past the window, greedy
+    decoding equal; with Q8_0 projections, logits within the int8 tolerance of transformers on the same blocks."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    from tests.helpers.llamacpp_gguf import write_family_gguf
+
+    ref = _family(arch, tmp_path / "hf", **GGUF_LAYOUTS[arch])
+    path = write_family_gguf(tmp_path / f"{arch}.gguf", ref)
+    model = gqa.load_model(path, tokenizer=False)
+    want = gqa.models.ModelConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    got = model.config
+    assert (got.arch, got.qk_norm, got.rope_layers, got.layer_types) == (want.arch, want.qk_norm, want.rope_layers,
+                                                                          want.layer_types)  # fmt: skip
+    assert (got.sliding_window, got.attention_scale, got.attn_softcap, got.final_softcap) == (
+        want.sliding_window, want.attention_scale, want.attn_softcap, want.final_softcap)  # fmt: skip
+
+    def rope(cfg):
+        scaling = {k: v for k, v in (cfg.rope_scaling or {}).items() if k != "rope_theta"}
+        return cfg.rope_theta, cfg.rope_local_theta, scaling
+
+    assert rope(got) == rope(want)
+    ids = torch.randint(3, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-5, rtol=1e-5)
+    prompt = [5, 9, 17, 33, 2, 8, 40]
+    ours = model.generate(prompt, max_new_tokens=16, eos_token_ids=[])
+    with torch.no_grad():
+        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+    assert ours == theirs
+
+    def q8(name):
+        return Q.Q8_0 if "proj" in name else Q.F32
+
+    quantized = gqa.load_model(write_family_gguf(tmp_path / "q8.gguf", ref, q8), tokenizer=False)
+    with torch.no_grad():  # transformers on the weights the blocks hold
+        for name, p in ref.named_parameters():
+            if "proj" in name and p.shape[-1] % 32 == 0:  # the rows that fill Q8_0 blocks
+                p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), Q.Q8_0), Q.Q8_0)))
+        want_q = ref(ids).logits
+        got_q = quantized(ids)
+    err = (got_q - want_q).abs().max() / want_q.abs().max()
+    assert err < 0.03, err

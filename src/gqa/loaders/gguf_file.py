@@ -1,10 +1,11 @@
-"""Read a llama.cpp GGUF file (architecture ``llama`` or ``qwen2``) as a ``ModelConfig`` and tensors with HF names:
+"""Read a llama.cpp GGUF file (``gguf_meta.GGUF_ARCHITECTURES``: llama, qwen2/3, gemma2/3, smollm3) as a ``ModelConfig`` and tensors with HF names:
 float tensors and kept quantized blocks are views of the file's memory map (``gguf_reader``), other blocks are
 dequantized (the native kernels for Q8_0/Q4_0/Q4_1, ``gguf.quants`` for the rest).
 
-Two layout facts: GGUF lists a tensor's dims fastest-first (``ne0`` = columns), the reverse of torch's shape; and
-llama.cpp's converter reorders the rows of each llama q/k head from HF's rotate-half order to interleaved pairs,
-which ``unpermute_qk`` undoes. Qwen2 files are not permuted (llama.cpp runs qwen2 with NEOX-style rope).
+Three layout facts: GGUF lists a tensor's dims fastest-first (``ne0`` = columns), the reverse of torch's shape;
+llama.cpp's converter reorders the rows of each llama/smollm3 q/k head from HF's rotate-half order to interleaved
+pairs, which ``unpermute_qk`` undoes (Qwen and Gemma files are not permuted: llama.cpp runs them with NEOX-style
+rope); and it stores Gemma's norm weights plus one (its ``1 + weight`` folded in), which the reader takes off.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from ..models.config import ModelConfig
 from ..models.quantized import FORMATS, QuantizedTensor, dequantize
-from .gguf_meta import _FLOAT_NAMES, gguf_tensors, stored_dtype_name
+from .gguf_meta import _FLOAT_NAMES, PERMUTED_QK, gguf_tensors, stored_dtype_name
 from .gguf_reader import GGUFFile, GGUFTensorInfo
 
 _FLOATS = {kind: getattr(torch, name) for kind, name in _FLOAT_NAMES.items()}
@@ -71,7 +72,8 @@ def gguf_tensor(
 ) -> Any:
     """The HF-layout torch tensor of GGUF tensor ``t`` (HF name ``name``, torch ``shape``) from its raw bytes
     ``data`` (``uint8 (t.nbytes,)``: a view of the file's map or the same bytes read from it): in
-    ``stored_dtype(t)`` (or a ``QuantizedTensor``, see ``read_gguf``), llama q/k rows put back in HF order. Float
+    ``stored_dtype(t)`` (or a ``QuantizedTensor``, see ``read_gguf``), llama q/k rows put back in HF order, Gemma's
+    norm weights back to HF's offsets from one. Float
     tensors and kept blocks are views of ``data`` where no reordering or alignment fix is needed."""
     kind = t.type.name
     if keep_quantized and kind.lower() in FORMATS and len(shape) == 2:
@@ -82,17 +84,20 @@ def gguf_tensor(
         w = torch.from_numpy(data).view(_FLOATS[kind]).reshape(shape)
     else:
         w = _dequantize(t, data, shape)
-    if cfg.arch == "llama" and ".q_proj." in name:
+    if cfg.arch in PERMUTED_QK and ".q_proj." in name:
         w = unpermute_qk(w, cfg.num_heads)
-    elif cfg.arch == "llama" and ".k_proj." in name:
+    elif cfg.arch in PERMUTED_QK and ".k_proj." in name:
         w = unpermute_qk(w, cfg.num_kv_heads)
+    elif cfg.gemma and name.endswith("norm.weight"):
+        w = w - 1  # HF's offset from one
+
     if w.dtype == torch.uint8:
         w = QuantizedTensor(w.contiguous(), FORMATS[kind.lower()], shape)
     return w
 
 
 def read_gguf(path: str | Path | GGUFFile, *, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
-    """Read a llama/qwen2 GGUF file.
+    """Read a GGUF file of a supported architecture.
 
     Returns
     -------

@@ -13,11 +13,28 @@ from pathlib import Path
 from typing import Any
 
 from ..models.config import ModelConfig
+from ..models.hf_config import FULL, GEMMA_ACT, SLIDING
 from .expected import check_tensors
 from .gguf_reader import GGUFFile, GGUFTensorInfo
 
-# llama.cpp's architecture names gqa reads (a Mistral GGUF is written as "llama", without its window)
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# llama.cpp's architecture name -> gqa's (HF's model_type); a Mistral GGUF is written as "llama", without its window
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "smollm3": "smollm3",
+}
+# the architectures whose q/k rows llama.cpp's converter permutes for its interleaved ("normal") RoPE (gqa's names)
+PERMUTED_QK = ("llama", "smollm3")
+# llama.cpp's fixed facts of these families, not in their files: every n-th layer global (Gemma), every 4th layer
+# without RoPE (SmolLM3), the RoPE base of Gemma 3's sliding layers, the layer counts of the 27B models (whose scores
+# scale by hidden / heads instead of head_dim)
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_SMOLLM3_NOPE_EVERY = 4
+_GEMMA3_LOCAL_THETA = 10000.0
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 __all__ = [
     "SUPPORTED_QUANT_TYPES",
@@ -38,7 +55,7 @@ _TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
+_LAYER_NAMES = {  # Llama's, Qwen's and SmolLM3's layers
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_q.bias": "self_attn.q_proj.bias",
@@ -55,18 +72,26 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_GEMMA_LAYER_NAMES = {  # Gemma's: norms on both sides of attention and the MLP (their weights stored plus one)
+    **{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _MISSING = object()
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, gemma: bool = False) -> str | None:
     """The HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``), or
-    ``None`` for a name outside the Llama family's tensors."""
+    ``None`` for a name outside the family's tensors (``gemma``: Gemma's layer, where ``ffn_norm`` is the norm before
+    the MLP and two more norms follow attention and the MLP)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -103,6 +128,35 @@ def _rope_scaling(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any] | N
     return scaling
 
 
+def _family_fields(reader: GGUFFile, arch: str, path: Path, layers: int, hidden: int, heads: int) -> dict[str, Any]:
+    """``ModelConfig`` fields beyond Llama's of a ``gemma2``/``gemma3``/``smollm3`` file, as llama.cpp runs it."""
+    if arch == "smollm3":
+        return {"rope_layers": [(i + 1) % _SMOLLM3_NOPE_EVERY != 0 for i in range(layers)]}
+    if arch not in _GEMMA_PATTERN:
+        return {}
+    pattern = _meta(reader, f"{arch}.attention.sliding_window_pattern", path, _GEMMA_PATTERN[arch])
+    if isinstance(pattern, int):  # every pattern-th layer global
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    else:  # one flag per layer (newer files): true where the layer slides
+        sliding = [bool(x) for x in pattern]
+        if len(sliding) != layers:
+            raise ValueError(f"{path}: {arch}.attention.sliding_window_pattern has {len(sliding)} flags for {layers} layers")
+    softcaps = [_meta(reader, f"{arch}.{k}_logit_softcapping", path, None) for k in ("attn", "final")]
+    head_dim = _meta(reader, f"{arch}.attention.key_length", path, None) or hidden // heads
+    fields: dict[str, Any] = {
+        "hidden_act": GEMMA_ACT,
+        "layer_types": [SLIDING if s else FULL for s in sliding],
+        "sliding_window": int(_meta(reader, f"{arch}.attention.sliding_window", path)),
+        # llama.cpp: the 27B models scale scores by (hidden / heads) ** -0.5, the others by head_dim's
+        "query_pre_attn_scalar": float(hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim),
+        "attn_softcap": None if softcaps[0] is None else float(softcaps[0]),
+        "final_softcap": None if softcaps[1] is None else float(softcaps[1]),
+    }
+    if arch == "gemma3":
+        fields["rope_local_theta"] = _GEMMA3_LOCAL_THETA
+    return fields
+
+
 def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
     """The ``ModelConfig`` described by a GGUF file's metadata (``tie_word_embeddings``: no ``output.weight``)."""
     arch = _meta(reader, "general.architecture", path)
@@ -117,12 +171,13 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
         heads = int(_meta(reader, f"{arch}.attention.head_count", path))
         head_dim = _meta(reader, f"{arch}.attention.key_length", path, None)
         head_dim = head_dim or _meta(reader, f"{arch}.rope.dimension_count", path, None) or hidden // heads
+        layers = int(_meta(reader, f"{arch}.block_count", path))
         return ModelConfig(
-            arch=arch,
+            arch=GGUF_ARCHITECTURES[arch],
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length", path)),
-            num_layers=int(_meta(reader, f"{arch}.block_count", path)),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", path, heads)),
             head_dim=int(head_dim),
@@ -133,10 +188,11 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
             tie_word_embeddings="output.weight" not in names,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
             output_bias="blk.0.attn_output.bias" in names,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id", path, None),
             eos_token_id=list(dict.fromkeys(i for i in eos if i is not None)),
             pad_token_id=_meta(reader, "tokenizer.ggml.padding_token_id", path, None),
+            **_family_fields(reader, arch, path, layers, hidden, heads),
         )
     except (TypeError, ValueError) as e:
         msg = str(e) if str(e).startswith(str(path)) else f"{path}: bad GGUF metadata: {e}"
@@ -146,7 +202,7 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
 def gguf_tensors(
     path: Path | GGUFFile,
 ) -> tuple[GGUFFile, ModelConfig, dict[str, GGUFTensorInfo], dict[str, tuple[int, ...]]]:
-    """Open (unless given opened) and check a llama/qwen2 GGUF file without reading its weights: the header, the
+    """Open (unless given opened) and check a GGUF file of a supported architecture without reading its weights: the header, the
     config, and by HF name the file's tensors and their torch shapes (``ValueError`` for a damaged file, an
     unsupported architecture or quantization type, or missing/unexpected/misshapen tensors)."""
     reader = path if isinstance(path, GGUFFile) else open_gguf(path)
@@ -155,7 +211,7 @@ def gguf_tensors(
     by_name: dict[str, GGUFTensorInfo] = {}
     unknown = []
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.gemma)
         if name is None:
             unknown.append(t.name)
         elif t.type.name not in SUPPORTED_QUANT_TYPES:
