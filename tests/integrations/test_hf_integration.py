@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 import transformers.integrations.sdpa_attention as hf_sdpa
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -186,26 +186,42 @@ def test_softcap_and_sinks_reach_the_attention_call():
     torch.testing.assert_close(ours, want, **TOL)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
-def test_gemma_with_softcap_and_a_sliding_window_matches_eager(family):
-    """Gemma 2 (attention soft-capping, sliding and global layers alternating) and Gemma 3 (q/k norm, a local RoPE
-    base, five sliding layers to one global, here two to one) with ``attn_implementation="gqa"``."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
-
+@pytest.mark.parametrize("reference", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma2", "gemma3_text", "smollm3"])
+def test_each_family_with_its_norms_windows_and_softcaps_matches_eager_and_sdpa(family, reference):
+    """Qwen3 (q/k norm), Mistral (a 4-key sliding window on an 11-token sequence), Gemma 2 (attention soft-capping,
+    sliding and global layers alternating), Gemma 3 (q/k norm, a local RoPE base, two sliding layers to one global)
+    and SmolLM3 (a NoPE layer) with ``attn_implementation="gqa"``, left-padded, against transformers' own eager and
+    sdpa implementations of the same weights."""
+    if (family, reference) == ("gemma2", "sdpa"):
+        pytest.skip("transformers refuses sdpa for Gemma 2 (it cannot soft-cap)")
     kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=8, sliding_window=4, query_pre_attn_scalar=6,
-              max_position_embeddings=64, attn_implementation="eager")  # fmt: skip
-    if family == "gemma2":
-        model = Gemma2ForCausalLM(Gemma2Config(**kw, attn_logit_softcapping=5.0, final_logit_softcapping=10.0))
-    else:
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**kw, sliding_window_pattern=3))
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0)  # fmt: skip
+    gemma = dict(sliding_window=4, query_pre_attn_scalar=6)
+    configs = {
+        "qwen3": lambda: transformers.Qwen3Config(**kw),
+        "mistral": lambda: transformers.MistralConfig(**kw, sliding_window=4),
+        "gemma2": lambda: transformers.Gemma2Config(**kw, **gemma, attn_logit_softcapping=5.0,
+                                                    final_logit_softcapping=10.0),  # fmt: skip
+        "gemma3_text": lambda: transformers.Gemma3TextConfig(**kw, **gemma, sliding_window_pattern=3),
+        "smollm3": lambda: transformers.SmolLM3Config(**kw, no_rope_layer_interval=3),
+    }
     torch.manual_seed(0)
-    eager = model.eval()
-    ours = copy.deepcopy(eager)
+    base = transformers.AutoModelForCausalLM.from_config(configs[family](), attn_implementation="eager")
+    with torch.no_grad():  # weights far from their init (norms at ones/zeros, attention near uniform)
+        for name, p in base.named_parameters():
+            p.normal_(0.0, 0.3) if "norm" not in name else p.uniform_(0.5, 1.5)
+    ref = copy.deepcopy(base).eval()
+    ref.set_attn_implementation(reference)
+    ours = copy.deepcopy(base).eval()
     ours.set_attn_implementation("gqa")
-    ids = torch.randint(0, 64, (2, 11))
+    ids = torch.randint(1, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, :3] = 0
     with torch.no_grad():
-        torch.testing.assert_close(ours(ids).logits, eager(ids).logits, **TOL)
+        want = ref(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], **TOL)
 
 
 # ==================================================================================== tiny Llama / Qwen2 vs eager
