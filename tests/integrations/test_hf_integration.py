@@ -25,8 +25,9 @@ import pytest
 import torch
 from torch import nn
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
+import transformers
 import transformers.integrations.sdpa_attention as hf_sdpa
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
@@ -201,8 +202,9 @@ def test_each_family_with_its_norms_windows_and_softcaps_matches_eager_and_sdpa(
     configs = {
         "qwen3": lambda: transformers.Qwen3Config(**kw),
         "mistral": lambda: transformers.MistralConfig(**kw, sliding_window=4),
-        "gemma2": lambda: transformers.Gemma2Config(**kw, **gemma, attn_logit_softcapping=5.0,
-                                                    final_logit_softcapping=10.0),  # fmt: skip
+        "gemma2": lambda: transformers.Gemma2Config(
+            **kw, **gemma, attn_logit_softcapping=5.0, final_logit_softcapping=10.0
+        ),
         "gemma3_text": lambda: transformers.Gemma3TextConfig(**kw, **gemma, sliding_window_pattern=3),
         "smollm3": lambda: transformers.SmolLM3Config(**kw, no_rope_layer_interval=3),
     }

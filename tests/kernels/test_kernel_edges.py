@@ -306,3 +306,24 @@ def test_the_build_command_rebuilds_a_library_that_cannot_be_loaded(tmp_path, mo
     build_command.main()
     assert built == [False]
     assert "cannot be loaded" in capsys.readouterr().out
+
+
+@native
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (([torch.ones(8)], 1e-6, [], []), r"qk_norms must hold 2 norms per layer \(4\), got 1"),
+        ((None, 1e-6, [3], []), r"windows must be empty or one per layer \(2\), got 1"),
+        ((None, 1e-6, [3, -2], []), r"layer 1's window must be >= 0 or -1, got -2"),
+        ((None, 1e-6, [], [1, 0, 1]), r"rotates must be empty or one per layer \(2\), got 3"),
+        (([torch.ones(8)] * 3 + [torch.ones(7)], 1e-6, [], []), r"layer 1's q/k norms must be contiguous"),
+    ],
+)
+def test_decode_model_refuses_bad_layer_options_by_name(options, message):
+    s = Step()
+    cos, sin = s.rope(1)
+    caches = s.caches(1, 8)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.gqa.decode_model(*s.head_args(torch.randn(1, s.E), cos, sin), [k for k, _ in caches],
+                                   [v for _, v in caches], [torch.zeros(1, dtype=torch.long)] * 2,
+                                   [torch.tensor(3)] * 2, *s.tail(), None, *options)  # fmt: skip

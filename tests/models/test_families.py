@@ -122,10 +122,10 @@ def test_merging_a_gemma_models_kv_heads_is_refused_by_name(tmp_path, arch, caps
     assert not (tmp_path / "mqa").exists()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "smollm3"])
 def test_the_native_step_decodes_the_family_as_transformers_does(tmp_path, arch, monkeypatch):
-    """On CPU the native step takes Qwen3 (its q/k norms op by op) and Mistral while the context fits the window;
-    past it the eager step keeps the window. Greedy tokens equal transformers' either way."""
+    """On CPU the one-call native step (``gqa::decode_model``) takes Qwen3 (q/k norms), Mistral (a 5-key window, here
+    far exceeded) and SmolLM3 (NoPE layers) on every step: greedy tokens equal transformers' 40 tokens on."""
     from gqa import kernels
     from gqa.decoding import native_step
     from gqa.decoding.steps import select_step
@@ -134,25 +134,25 @@ def test_the_native_step_decodes_the_family_as_transformers_does(tmp_path, arch,
         pytest.skip("the native step needs the SIMD kernels")
     ref = _family(arch, tmp_path)
     model = gqa.load_model(tmp_path, tokenizer=False)
+    assert native_step.whole_model(model)
     calls = []
     real = native_step.decode_step
     monkeypatch.setattr(native_step, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert select_step(model, model.new_caches(1, 8)).name == "native"
     prompt = [5, 9, 17]
-    ours = model.generate(prompt, max_new_tokens=12, eos_token_ids=[])
+    ours = model.generate(prompt, max_new_tokens=40, eos_token_ids=[])
     with torch.no_grad():
-        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
     assert ours == theirs
-    # qwen3: every step native; mistral (window 5): native only while the 3-token prompt plus the new ones fit it
-    assert len(calls) == (11 if arch == "qwen3" else 2)
+    assert len(calls) == 39  # every step after the prompt's
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "smollm3"])
-def test_gemma_and_smollm3_decode_through_the_eager_forward_and_bf16_stays_close(tmp_path, arch):
-    """Gemma's layers and SmolLM3's NoPE layers are not the native or fused steps' (Llama's, each with RoPE):
-    ``select_step`` picks the eager step, the serving engine refuses the model by name, and bf16 logits are as close
-    to transformers' float32 ones as transformers' own bf16 logits are."""
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_gemma_decodes_through_the_eager_forward_and_bf16_stays_close(tmp_path, arch):
+    """Gemma's layers are not the native or fused steps' (Llama's): ``select_step`` picks the eager step, the serving
+    engine refuses the model by name, and bf16 logits are as close to transformers' float32 ones as transformers' own
+    bf16 logits are."""
     from gqa.decoding.steps import select_step
     from gqa.serve.request import EngineError
     from gqa.serve.runner import ModelRunner
@@ -160,7 +160,7 @@ def test_gemma_and_smollm3_decode_through_the_eager_forward_and_bf16_stays_close
     ref = _family(arch, tmp_path)
     model = gqa.load_model(tmp_path, tokenizer=False)
     assert select_step(model, model.new_caches(1, 8)).name == "eager"
-    with pytest.raises(EngineError, match=f"each with RoPE; {arch}'s are not yet"):
+    with pytest.raises(EngineError, match=f"with q/k norms, sliding windows or NoPE layers\\); {arch}'s are not yet"):
         ModelRunner.check_model(model)
     ids = torch.randint(3, 96, (2, 17), generator=torch.Generator().manual_seed(1))
     bf16 = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.bfloat16)
@@ -212,7 +212,9 @@ def test_info_reports_the_window_caches_memory(tmp_path, capsys):
 GGUF_LAYOUTS = {
     "qwen3": {},
     "gemma2": dict(query_pre_attn_scalar=16, tie_word_embeddings=True),
-    "gemma3_text": dict(num_hidden_layers=6, sliding_window_pattern=6, query_pre_attn_scalar=16, tie_word_embeddings=True),
+    "gemma3_text": dict(
+        num_hidden_layers=6, sliding_window_pattern=6, query_pre_attn_scalar=16, tie_word_embeddings=True
+    ),
     "smollm3": dict(no_rope_layer_interval=4),
 }
 
@@ -264,3 +266,28 @@ def test_a_gguf_file_as_llama_cpp_writes_it_loads_as_transformers_runs_it(tmp_pa
         got_q = quantized(ids)
     err = (got_q - want_q).abs().max() / want_q.abs().max()
     assert err < 0.03, err
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "smollm3"])
+def test_the_serving_engine_serves_the_family_as_transformers_decodes_it(tmp_path, arch):
+    """Through the paged one-call step (``gqa::decode_paged``): Qwen3's q/k norms, Mistral's 5-key window on prompts
+    and answers far longer than it (chunked prefill of 8, blocks of 4), SmolLM3's NoPE layers; four requests together
+    give transformers' greedy tokens and each the same tokens served alone."""
+    from gqa import kernels
+    from gqa.serve.engine import Engine
+    from gqa.serve.sampling import SamplingParams
+    from tests.helpers.serving import hf_greedy, serve_all
+
+    if not kernels.vectorized():
+        pytest.skip("the engine needs the SIMD kernels")
+    ref = _family(arch, tmp_path)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
+    prompts = [[5, 9, 17, 33, 2, 8, 40, 41, 7], [11], [7] * 20 + [12, 13], list(range(20, 50))]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    engine = Engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=8)
+    free = engine.blocks.num_free
+    together = serve_all(engine, prompts, params)
+    assert engine.blocks.num_free == free
+    for prompt, tokens in zip(prompts, together, strict=True):
+        assert tokens == hf_greedy(ref, prompt, 16)
+        assert serve_all(Engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=8), [prompt], params) == [tokens]

@@ -133,10 +133,13 @@ def _step_modules(model: torch.nn.Module) -> tuple:
 
 def _decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWeights | None:
     """``DecodeWeights`` of ``model``, or ``None`` when a layer cannot be fused (``_layer_weights``), the layers'
-    norms differ in eps, or lm_head is neither a float ``Linear`` in ``dtype`` nor a ``QuantizedLinear`` without
-    bias."""
+    norms differ in eps, lm_head is neither a float ``Linear`` in ``dtype`` nor a ``QuantizedLinear`` without
+    bias, or the attention has what the one call does not compute (``_layer_options``)."""
     backbone = model.model
     layers = backbone.layers
+    options = _layer_options(model, dtype)
+    if options is None:
+        return None
     eps = layers[0].input_layernorm.eps
     head = model.lm_head
     if type(head) is QuantizedLinear and head.bias is None:
@@ -147,7 +150,7 @@ def _decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWei
         return None
     norms1, norms2, weights, formats, biases = [], [], [], [], []
     for layer in layers:
-        fused = _layer_weights(layer, dtype)
+        fused = _layer_weights(layer, dtype, qk_norm=True)
         if fused is None or layer.input_layernorm.eps != eps:
             return None
         norms1.append(layer.input_layernorm.weight)
@@ -157,17 +160,51 @@ def _decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWei
         biases += fused[2]
     scale = 1.0 / math.sqrt(layers[0].self_attn.head_dim)
     return ops.DecodeWeights(norms1, norms2, eps, weights, formats, biases, scale, backbone.norm.weight,
-                             backbone.norm.eps, head_weight, head_format)  # fmt: skip
+                             backbone.norm.eps, head_weight, head_format, **options)  # fmt: skip
 
 
-def _layer_weights(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[list, list[int], list] | None:
+def _layer_options(model: torch.nn.Module, dtype: torch.dtype) -> dict | None:
+    """``DecodeWeights``' per-layer options of ``model``: q/k norms (every layer's or none, one eps), windows (a left
+    side only: a decoded token is the last query, so a right side hides nothing) and which layers rotate; ``None``
+    for Gemma's layers or attention the one call does not compute (soft-capping, sinks, another score scale)."""
+    if model.config.gemma:
+        return None
+    attns = [layer.self_attn for layer in model.model.layers]
+    if any(a.softcap is not None or a.sinks is not None or a.scale is not None for a in attns):
+        return None
+    if any(a.window is not None and a.window[0] is None for a in attns):
+        return None
+    options: dict = {}
+    normed = [a.q_norm is not None for a in attns]
+    if any(normed):
+        eps = {n.eps for a in attns for n in (a.q_norm, a.k_norm) if n is not None}
+        norms = [n.weight for a in attns for n in (a.q_norm, a.k_norm) if n is not None]
+        if not all(normed) or len(eps) != 1 or any(w.dtype != dtype or not w.is_contiguous() for w in norms):
+            return None
+        options |= {"qk_norms": norms, "qk_eps": eps.pop()}
+    if any(a.window is not None for a in attns):
+        options["windows"] = [-1 if a.window is None else int(a.window[0]) for a in attns]
+    if any(a.rope is None for a in attns):
+        options["rotates"] = [int(a.rope is not None) for a in attns]
+    return options
+
+
+def whole_model(model: torch.nn.Module) -> bool:
+    """Whether ``decode_step`` runs ``model`` in one native call (``decode_weights``): then its windows, q/k norms and
+    NoPE layers are computed there; otherwise layer by layer, which knows q/k norms but neither windows nor NoPE."""
+    return decode_weights(model, model.dtype) is not None
+
+
+def _layer_weights(
+    layer: torch.nn.Module, dtype: torch.dtype, qk_norm: bool = False
+) -> tuple[list, list[int], list] | None:
     """``(weights, formats, qkv_biases)`` for ``ops.decode_layer`` — q, k, v, o, gate, up, down as float matrices
     (format -1) or quantized blocks (their format's code) — or ``None`` when a part is something else (e.g. the
     all-reducing projections of tensor parallelism, output biases, norms with different eps): then the layer runs
-    op by op."""
+    op by op. ``qk_norm``: the caller computes q/k norms (the one call does, ``gqa::decode_layer`` does not)."""
     attn, mlp = layer.self_attn, layer.mlp
-    if layer.input_layernorm.eps != layer.post_attention_layernorm.eps or attn.q_norm is not None:
-        return None  # q/k norm: op by op (the one-call kernels know no q/k norm)
+    if layer.input_layernorm.eps != layer.post_attention_layernorm.eps or (attn.q_norm is not None and not qk_norm):
+        return None  # q/k norm: op by op (gqa::decode_layer knows no q/k norm)
     weights, formats = [], []
     for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
         if type(module) is QuantizedLinear:

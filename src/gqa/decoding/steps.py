@@ -61,7 +61,7 @@ def _native_possible(model: torch.nn.Module) -> bool:
         and rope.rotary_dim == rope.head_dim
         and kernels.vectorized()
         and model.runs_own_forward()
-        and model.runs_llama_layers()
+        and (model.runs_llama_layers() or native_step.whole_model(model))
         and all(layer.self_attn.softcap is None and layer.self_attn.sinks is None for layer in model.model.layers)
     )
 
@@ -104,7 +104,8 @@ def select_step(
 
         return DecodeStep("compiled", compiled_step(model), fixed_batch=True)
     if _native_possible(model) and all(isinstance(c, StaticKVCache) for c in caches):  # not WindowKVCaches
-        left = _window_left(model)
+        # the one native call computes windows; the call per layer does not, so it runs while they hide nothing
+        left = None if native_step.whole_model(model) else _window_left(model)
 
         def native(tokens: torch.Tensor, caches: list, greedy: torch.Tensor | None) -> torch.Tensor:
             if native_step.applies(model, tokens, caches) and (left is None or _within(caches[0], left)):

@@ -12,7 +12,7 @@ heads, ``D``/``D_v`` head sizes, ``C`` cache slots, ``V`` vocabulary. float32 or
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -56,7 +56,10 @@ class DecodeWeights:
     """Everything the one-call decode step (``decode_model``, ``decode_paged``) reads besides the activations and
     the caches, built once per model (``decoding.native_step.decode_weights``). Per layer, in layer order: two norms,
     seven matrices ``q, k, v, o, gate, up, down`` (float ``(M, K)`` with format ``-1``, or block-quantized rows with
-    their format's code) and three q/k/v biases (or ``None``)."""
+    their format's code) and three q/k/v biases (or ``None``). The options of families beyond Llama's layer, per
+    layer: ``qk_norms`` (Qwen3's q and k norms ``(D,)``, two per layer, eps ``qk_eps``; ``None``: none),
+    ``windows`` (keys a token sees to its left, ``-1``: all; empty: no windows) and ``rotates`` (``0`` for a layer
+    without RoPE; empty: all rotate)."""
 
     norms1: list[Tensor]  # [(E,)] per layer
     norms2: list[Tensor]
@@ -69,6 +72,15 @@ class DecodeWeights:
     final_eps: float
     head: Tensor  # lm_head: (V, E) float, or blocks
     head_format: int
+    qk_norms: list[Tensor] | None = None  # [(D,)] q_norm, k_norm per layer
+    qk_eps: float = 1e-6
+    windows: list[int] = field(default_factory=list)
+    rotates: list[int] = field(default_factory=list)
+
+    @property
+    def options(self) -> tuple:
+        """The per-layer options as the ops take them, after ``greedy`` (and ``logit_rows``)."""
+        return self.qk_norms, self.qk_eps, self.windows, self.rotates
 
 
 def simd_width() -> int:
@@ -171,7 +183,7 @@ def decode_model(
     return torch.ops.gqa.decode_model(
         x, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin, [c.key for c in caches],
         [c.value for c in caches], [c.start for c in caches], [c.cursor for c in caches], w.scale, w.final_norm,
-        w.final_eps, w.head, w.head_format, greedy,
+        w.final_eps, w.head, w.head_format, greedy, *w.options,
     )  # fmt: skip
 
 
@@ -194,7 +206,7 @@ def decode_paged(
     return torch.ops.gqa.decode_paged(
         x, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin, list(key_pools),
         list(value_pools), block_table, positions, w.scale, w.final_norm, w.final_eps, w.head, w.head_format, greedy,
-        logit_rows,
+        logit_rows, *w.options,
     )  # fmt: skip
 
 
@@ -249,11 +261,13 @@ def register_fakes() -> None:
 
     @register("gqa::decode_model")
     def _(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_caches, value_caches, starts, cursors,
-          scale, final_norm, final_eps, head, head_format, greedy=None) -> Tensor:  # fmt: skip
+          scale, final_norm, final_eps, head, head_format, greedy=None, qk_norms=None, qk_eps=1e-6, windows=(),
+          rotates=()) -> Tensor:  # fmt: skip
         return x.new_empty(x.shape[0], head.shape[0])
 
     @register("gqa::decode_paged")
     def _(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_pools, value_pools, block_table,
-          positions, scale, final_norm, final_eps, head, head_format, greedy=None, logit_rows=None):  # fmt: skip
+          positions, scale, final_norm, final_eps, head, head_format, greedy=None, logit_rows=None, qk_norms=None,
+          qk_eps=1e-6, windows=(), rotates=()):  # fmt: skip
         rows = x.shape[0] if logit_rows is None else logit_rows.shape[0]
         return x.new_empty(rows, head.shape[0])

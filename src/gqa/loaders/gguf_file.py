@@ -1,6 +1,6 @@
-"""Read a llama.cpp GGUF file (``gguf_meta.GGUF_ARCHITECTURES``: llama, qwen2/3, gemma2/3, smollm3) as a ``ModelConfig`` and tensors with HF names:
-float tensors and kept quantized blocks are views of the file's memory map (``gguf_reader``), other blocks are
-dequantized (the native kernels for Q8_0/Q4_0/Q4_1, ``gguf.quants`` for the rest).
+"""Read a llama.cpp GGUF file (llama, qwen2/3, gemma2/3, smollm3: ``gguf_meta.GGUF_ARCHITECTURES``) as a
+``ModelConfig`` and tensors with HF names: float tensors and kept quantized blocks are views of the file's memory map
+(``gguf_reader``), other blocks are dequantized (the native kernels for Q8_0/Q4_0/Q4_1, ``gguf.quants`` for the rest).
 
 Three layout facts: GGUF lists a tensor's dims fastest-first (``ne0`` = columns), the reverse of torch's shape;
 llama.cpp's converter reorders the rows of each llama/smollm3 q/k head from HF's rotate-half order to interleaved

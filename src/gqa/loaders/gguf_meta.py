@@ -140,7 +140,8 @@ def _family_fields(reader: GGUFFile, arch: str, path: Path, layers: int, hidden:
     else:  # one flag per layer (newer files): true where the layer slides
         sliding = [bool(x) for x in pattern]
         if len(sliding) != layers:
-            raise ValueError(f"{path}: {arch}.attention.sliding_window_pattern has {len(sliding)} flags for {layers} layers")
+            n = len(sliding)
+            raise ValueError(f"{path}: {arch}.attention.sliding_window_pattern has {n} flags for {layers} layers")
     softcaps = [_meta(reader, f"{arch}.{k}_logit_softcapping", path, None) for k in ("attn", "final")]
     head_dim = _meta(reader, f"{arch}.attention.key_length", path, None) or hidden // heads
     fields: dict[str, Any] = {
@@ -202,9 +203,9 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
 def gguf_tensors(
     path: Path | GGUFFile,
 ) -> tuple[GGUFFile, ModelConfig, dict[str, GGUFTensorInfo], dict[str, tuple[int, ...]]]:
-    """Open (unless given opened) and check a GGUF file of a supported architecture without reading its weights: the header, the
-    config, and by HF name the file's tensors and their torch shapes (``ValueError`` for a damaged file, an
-    unsupported architecture or quantization type, or missing/unexpected/misshapen tensors)."""
+    """Open (unless given opened) and check a GGUF file of a supported architecture without reading its weights: the
+    header, the config, and by HF name the file's tensors and their torch shapes (``ValueError`` for a damaged file,
+    an unsupported architecture or quantization type, or missing/unexpected/misshapen tensors)."""
     reader = path if isinstance(path, GGUFFile) else open_gguf(path)
     path = reader.path
     cfg = gguf_config(reader, path)

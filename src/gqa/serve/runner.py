@@ -45,15 +45,18 @@ class ModelRunner:
     @staticmethod
     def check_model(model: torch.nn.Module) -> None:
         """Raise ``EngineError`` unless the engine takes ``model``: float32 or bfloat16 on CPU with the native kernels
-        built, layers the native step takes, full half-rotation RoPE."""
+        built, layers the one-call native step takes (Llama's; Qwen3's q/k norms, Mistral's window and SmolLM3's
+        NoPE layers too), full half-rotation RoPE."""
         if model.device.type != "cpu" or model.dtype not in native_step.DTYPES or not kernels.vectorized():
             raise EngineError("the engine runs float32 or bfloat16 models on CPU with the native kernels built")
-        if not model.runs_llama_layers():
-            raise EngineError(f"the engine runs Llama-style layers, each with RoPE; {model.config.arch}'s are not yet")
-        if not all(layer.self_attn.plain for layer in model.model.layers):
-            raise EngineError("the engine runs plain attention (no window, soft-capping, sinks or q/k norm) for now")
-        if native_step.decode_weights(model, model.dtype) is None:
-            raise EngineError("the model's layers are not all ones the native step takes (see decoding.native_step)")
+        if model.config.gemma:
+            raise EngineError(
+                f"the engine runs Llama-style layers (with q/k norms, sliding windows or NoPE layers); "
+                f"{model.config.arch}'s are not yet"
+            )
+        if not native_step.whole_model(model):
+            raise EngineError("the model's layers are not all ones the native step takes in one call (see "
+                              "decoding.native_step: no soft-capping, sinks or other score scale)")  # fmt: skip
         rope = model.model.rope
         if rope.interleaved or rope.rotary_dim != rope.head_dim:
             raise EngineError("the engine needs full half-rotation RoPE")

@@ -190,6 +190,7 @@ struct GroupedAttention {
   bool causal;
   float softcap = 0.0f;           // > 0: scores become softcap * tanh(scores / softcap) before the mask
   const float* sinks = nullptr;   // (H_kv * G) logits, one per query head, in every row's softmax, or nullptr
+  int64_t window = -1;            // >= 0 (one query row per sequence, L == 1): it sees only the window + 1 last keys
   MaskView mask;
   const int64_t* start;  // (B,) first visible slot per row (left padding), or nullptr
   // A paged cache: k and v are pools of blocks, dims 0..2 of ks/vs striding (block, head, slot in block); slot j of
@@ -271,7 +272,8 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
   std::fill(m, m + R, NEG_INF);
   std::fill(l, l + R, 0.0f);
   std::fill(acc, acc + R * Dv, 0.0f);
-  const int64_t first = start ? std::max(j_begin, start[b]) : j_begin;  // left padding: slots before start[b]
+  int64_t first = start ? std::max(j_begin, start[b]) : j_begin;  // left padding: slots before start[b]
+  if (window >= 0) first = std::max(first, S_b - 1 - window);     // a sliding window: the last window + 1 slots
 
   for (int64_t c0 = first, n; c0 < j_end; c0 += n) {
     n = std::min(CHUNK, j_end - c0);

@@ -19,6 +19,10 @@
 //                     blocks, head_format, greedy (B,) int64?) -> logits (B, V); each cache gets the new K/V at its
 //                     cursor, cursor += 1; greedy, when given, gets each row's argmax (torch.argmax's, on the logits
 //                     as returned: the first of equal maxima, NaN as the largest), found chunk by chunk in lm_head.
+//                     Per-layer options, for the families beyond Llama's layer: qk_norms [2 per layer: q_norm, k_norm
+//                     (D,)] (Qwen3: each head's q and k RMS-normed, eps qk_eps, before RoPE), windows [per layer: keys
+//                     a token sees to its left, -1 for all] (Mistral, sliding layers), rotates [per layer: 0 for a
+//                     layer without RoPE] (SmolLM3's NoPE layers); empty lists: none of them.
 
 #include "attention.h"
 #include "gemv.h"
@@ -66,6 +70,8 @@ enum Phase : int { QKV = 0, ATTENTION = 1, O_PROJ = 2, GATE_UP = 3, DOWN = 4, PH
 template <typename T>
 struct Layer {
   const T *norm1, *norm2;
+  const T *q_norm = nullptr, *k_norm = nullptr;  // per-head RMSNorm of q and k before RoPE, or none
+  bool rotates = true;                            // RoPE on q and k (a NoPE layer: false)
   Matrix q, k, v, o, gate, up, down;
   T *key_cache, *value_cache;
   int64_t kc_stride[3], vc_stride[3];  // (B, H_kv, C) strides of the caches; paged: (block, H_kv, slot) of the pools
@@ -101,7 +107,7 @@ struct ThreadState {
 template <typename T>
 struct Step {
   int64_t B, E, Hq, Hkv, D, Dv, F, V;
-  float eps, final_eps;
+  float eps, final_eps, qk_eps = 0.0f;
   T* x;           // (B, E) the residual stream, updated in place
   T* qr;          // (B, Hq * D) roped queries
   T* m;           // (B, F) silu(gate) * up
@@ -179,17 +185,21 @@ struct Step {
     const int64_t h = is_q ? c : is_k ? c - Hq : c - Hq - Hkv, width = is_q || is_k ? D : Dv;
     gemv(s, w, h * width, width, s.sums);
     round_out(s.sums, w, h * width, width, s.rounded);
+    const T* norm = is_q ? l.q_norm : is_k ? l.k_norm : nullptr;
+    if (norm != nullptr) s.rounded2.resize(D);
     for (int64_t b = 0; b < B; ++b) {
       const T* r = s.rounded.data() + b * width;
-      if (is_q) {
-        rope_row(r, cos + b * D, sin + b * D, qr + (b * Hq + h) * D, D);
+      if (norm != nullptr) {  // as the op-by-op path's rms_norm of the head's row
+        rms_norm_impl<T>(r, norm, s.rounded2.data(), 1, D, qk_eps);
+        r = s.rounded2.data();
+      }
+      T* out = is_q ? qr + (b * Hq + h) * D : l.slot(is_k, b, h);
+      if (!is_q && !is_k) {
+        std::copy(r, r + Dv, out);
+      } else if (l.rotates) {
+        rope_row(r, cos + b * D, sin + b * D, out, D);
       } else {
-        T* slot = l.slot(is_k, b, h);
-        if (is_k) {
-          rope_row(r, cos + b * D, sin + b * D, slot, D);
-        } else {
-          std::copy(r, r + Dv, slot);
-        }
+        std::copy(r, r + D, out);
       }
     }
   }
@@ -303,13 +313,21 @@ struct Caches {
   at::Tensor lengths;                              // paged: positions + 1
 };
 
+// The per-layer options (see the top of the file).
+struct LayerOptions {
+  c10::optional<at::TensorList> qk_norms;
+  double qk_eps = 0.0;
+  at::IntArrayRef windows, rotates;
+};
+
 template <typename T>
 at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
                              at::TensorList weights, at::IntArrayRef formats,
                              const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
                              const at::Tensor& sin, Caches& caches, double scale, const at::Tensor& final_norm,
                              double final_eps, const at::Tensor& head, int64_t head_format,
-                             const c10::optional<at::Tensor>& greedy, const c10::optional<at::Tensor>& logit_rows) {
+                             const c10::optional<at::Tensor>& greedy, const c10::optional<at::Tensor>& logit_rows,
+                             const LayerOptions& options) {
   at::TensorList key_caches = caches.keys, value_caches = caches.values;
   const bool paged = caches.table != nullptr;
   const at::ScalarType dtype = x.scalar_type();
@@ -324,6 +342,17 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   st.Hq = weights[0].size(0) / st.D;
   st.F = weights[4].size(0), st.V = head.size(0);
   st.eps = static_cast<float>(eps), st.final_eps = static_cast<float>(final_eps);
+  st.qk_eps = static_cast<float>(options.qk_eps);
+  const int64_t n_layers = static_cast<int64_t>(norms1.size());
+  TORCH_CHECK(!options.qk_norms.has_value() || static_cast<int64_t>(options.qk_norms->size()) == 2 * n_layers,
+              "gqa::decode_model: qk_norms must hold 2 norms per layer (", 2 * n_layers, "), got ",
+              options.qk_norms->size());
+  TORCH_CHECK(options.windows.empty() || static_cast<int64_t>(options.windows.size()) == n_layers,
+              "gqa::decode_model: windows must be empty or one per layer (", n_layers, "), got ",
+              options.windows.size());
+  TORCH_CHECK(options.rotates.empty() || static_cast<int64_t>(options.rotates.size()) == n_layers,
+              "gqa::decode_model: rotates must be empty or one per layer (", n_layers, "), got ",
+              options.rotates.size());
   TORCH_CHECK(st.Hq % st.Hkv == 0 && st.Hq * st.D == weights[0].size(0), "gqa::decode_model: q_proj has ",
               weights[0].size(0), " rows, not a multiple of H_kv * head_dim = ", st.Hkv * st.D);
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
@@ -364,6 +393,15 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
                   "gqa::decode_model: layer ", li, "'s norms must be contiguous (E,) of x's dtype");
     Layer<T> l;
     l.norm1 = norms1[i].const_data_ptr<T>(), l.norm2 = norms2[i].const_data_ptr<T>();
+    if (options.qk_norms.has_value()) {
+      const at::Tensor &qn = (*options.qk_norms)[2 * i], &kn = (*options.qk_norms)[2 * i + 1];
+      for (const at::Tensor* n : {&qn, &kn})
+        TORCH_CHECK(n->dim() == 1 && n->size(0) == st.D && n->is_contiguous() && n->scalar_type() == dtype,
+                    "gqa::decode_model: layer ", li, "'s q/k norms must be contiguous (head_dim,) of x's dtype, got ",
+                    n->sizes());
+      l.q_norm = qn.const_data_ptr<T>(), l.k_norm = kn.const_data_ptr<T>();
+    }
+    if (!options.rotates.empty()) l.rotates = options.rotates[i] != 0;
     const int64_t* f = formats.data() + 7 * i;
     const at::Tensor* w = weights.data() + 7 * i;
     const c10::optional<at::Tensor> none;
@@ -400,6 +438,11 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
     a.B = st.B, a.H = st.Hkv, a.R = st.Hq / st.Hkv, a.D = st.D, a.S = paged ? max_length : l.pos + 1;
     a.Dv = st.Dv, a.L = 1, a.scale = static_cast<float>(scale), a.causal = false, a.mask = MaskView{};
     a.start = l.start;
+    if (!options.windows.empty()) {
+      TORCH_CHECK(options.windows[i] >= -1, "gqa::decode_model: layer ", li, "'s window must be >= 0 or -1, got ",
+                  options.windows[i]);
+      a.window = options.windows[i];
+    }
     if (paged) {
       a.table = l.table, a.table_stride = l.table_stride, a.block = l.block;
       a.lengths = caches.lengths.const_data_ptr<int64_t>();
@@ -470,14 +513,16 @@ at::Tensor dispatch(const at::Tensor& x, at::TensorList norms1, at::TensorList n
                     const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
                     const at::Tensor& sin, Caches& caches, double scale, const at::Tensor& final_norm,
                     double final_eps, const at::Tensor& head, int64_t head_format,
-                    const c10::optional<at::Tensor>& greedy, const c10::optional<at::Tensor>& logit_rows) {
+                    const c10::optional<at::Tensor>& greedy, const c10::optional<at::Tensor>& logit_rows,
+                    const LayerOptions& options) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gqa::decode_model: x must be contiguous (B, E), got ", x.sizes());
   if (x.scalar_type() == at::kFloat)
     return decode_model_impl<float>(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale,
-                                    final_norm, final_eps, head, head_format, greedy, logit_rows);
+                                    final_norm, final_eps, head, head_format, greedy, logit_rows, options);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gqa::decode_model: float32 or bfloat16 only, got ", x.scalar_type());
   return decode_model_impl<at::BFloat16>(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches,
-                                         scale, final_norm, final_eps, head, head_format, greedy, logit_rows);
+                                         scale, final_norm, final_eps, head, head_format, greedy, logit_rows,
+                                         options);
 }
 
 at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
@@ -486,7 +531,8 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
                         const at::Tensor& sin, at::TensorList key_caches, at::TensorList value_caches,
                         at::TensorList starts, at::TensorList cursors, double scale, const at::Tensor& final_norm,
                         double final_eps, const at::Tensor& head, int64_t head_format,
-                        const c10::optional<at::Tensor>& greedy) {
+                        const c10::optional<at::Tensor>& greedy, c10::optional<at::TensorList> qk_norms,
+                        double qk_eps, at::IntArrayRef windows, at::IntArrayRef rotates) {
   const size_t L = norms1.size();
   TORCH_CHECK(L >= 1 && norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
                   qkv_biases.size() == 3 * L && key_caches.size() == L && value_caches.size() == L &&
@@ -495,7 +541,7 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
               "and a cursor; got ", L, " layers' norms1 and ", weights.size(), " weights");
   Caches caches{key_caches, value_caches, starts, cursors};
   return dispatch(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale, final_norm,
-                  final_eps, head, head_format, greedy, c10::nullopt);
+                  final_eps, head, head_format, greedy, c10::nullopt, LayerOptions{qk_norms, qk_eps, windows, rotates});
 }
 
 // decode_model over paged caches: key_pools / value_pools [(blocks, H_kv, block_size, D)] per layer, block_table
@@ -511,7 +557,9 @@ at::Tensor decode_paged(const at::Tensor& x, at::TensorList norms1, at::TensorLi
                         const at::Tensor& sin, at::TensorList key_pools, at::TensorList value_pools,
                         const at::Tensor& block_table, const at::Tensor& positions, double scale,
                         const at::Tensor& final_norm, double final_eps, const at::Tensor& head, int64_t head_format,
-                        const c10::optional<at::Tensor>& greedy, const c10::optional<at::Tensor>& logit_rows) {
+                        const c10::optional<at::Tensor>& greedy, const c10::optional<at::Tensor>& logit_rows,
+                        c10::optional<at::TensorList> qk_norms, double qk_eps, at::IntArrayRef windows,
+                        at::IntArrayRef rotates) {
   const size_t L = norms1.size();
   TORCH_CHECK(L >= 1 && norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
                   qkv_biases.size() == 3 * L && key_pools.size() == L && value_pools.size() == L,
@@ -519,7 +567,7 @@ at::Tensor decode_paged(const at::Tensor& x, at::TensorList norms1, at::TensorLi
               L, " layers' norms1 and ", weights.size(), " weights");
   Caches caches{key_pools, value_pools, {}, {}, &block_table, &positions};
   return dispatch(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale, final_norm,
-                  final_eps, head, head_format, greedy, logit_rows);
+                  final_eps, head, head_format, greedy, logit_rows, LayerOptions{qk_norms, qk_eps, windows, rotates});
 }
 
 }  // namespace
@@ -529,12 +577,14 @@ TORCH_LIBRARY_FRAGMENT(gqa, m) {
       "decode_model(Tensor x, Tensor[] norms1, Tensor[] norms2, float eps, Tensor[] weights, int[] formats, "
       "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
       "Tensor[] starts, Tensor(c!)[] cursors, float scale, Tensor final_norm, float final_eps, Tensor head, "
-      "int head_format, Tensor(d!)? greedy=None) -> Tensor");
+      "int head_format, Tensor(d!)? greedy=None, Tensor[]? qk_norms=None, float qk_eps=1e-6, int[] windows=[], "
+      "int[] rotates=[]) -> Tensor");
   m.def(
       "decode_paged(Tensor x, Tensor[] norms1, Tensor[] norms2, float eps, Tensor[] weights, int[] formats, "
       "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_pools, Tensor(b!)[] value_pools, "
       "Tensor block_table, Tensor positions, float scale, Tensor final_norm, float final_eps, Tensor head, "
-      "int head_format, Tensor(d!)? greedy=None, Tensor? logit_rows=None) -> Tensor");
+      "int head_format, Tensor(d!)? greedy=None, Tensor? logit_rows=None, Tensor[]? qk_norms=None, "
+      "float qk_eps=1e-6, int[] windows=[], int[] rotates=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gqa, CPU, m) {
