@@ -291,3 +291,27 @@ def test_the_serving_engine_serves_the_family_as_transformers_decodes_it(tmp_pat
     for prompt, tokens in zip(prompts, together, strict=True):
         assert tokens == hf_greedy(ref, prompt, 16)
         assert serve_all(Engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=8), [prompt], params) == [tokens]
+
+
+def test_serving_a_sliding_window_model_gives_blocks_behind_the_window_back(tmp_path):
+    """Mistral with a 5-key window on every layer, blocks of 4: once decoding, a 40-token prompt's request holds at
+    most the 3 blocks its window can reach (not the 18 its 70 tokens fill), and its answer is transformers'."""
+    from gqa import kernels
+    from gqa.serve.engine import Engine
+    from gqa.serve.sampling import SamplingParams
+    from tests.helpers.serving import hf_greedy
+
+    if not kernels.vectorized():
+        pytest.skip("the engine needs the SIMD kernels")
+    ref = _family("mistral", tmp_path)
+    engine = Engine(gqa.load_model(tmp_path, tokenizer=False), kv_cache_mib=1, block_size=4, prefill_chunk=8)
+    total = engine.blocks.num_free
+    prompt = list(range(10, 50))
+    r = engine.add(prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    tokens, held = [], []
+    while engine.has_work:
+        for out in engine.step():
+            tokens += out.token_ids
+        held.append(total - engine.blocks.num_free)
+    assert tokens == hf_greedy(ref, prompt, 30) and r.finish_reason == "length"
+    assert max(held[-25:]) <= 3 and held[-1] == 0 and engine.blocks.num_free == total

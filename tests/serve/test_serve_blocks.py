@@ -23,6 +23,26 @@ def test_a_sequence_takes_blocks_as_it_grows_and_gives_them_back():
     assert m.num_free == 8 and m.refs == [0] * 8
 
 
+def test_blocks_behind_a_sliding_window_go_back_early_and_once():
+    """``release_before``: the blocks wholly before a position return to the pool (a shared prefix block only loses
+    this sequence's reference, a computed one stays cached), their ids stay in the table, and ``free`` gives back the
+    rest only."""
+    m = BlockManager(num_blocks=8, block_size=4)
+    a = m.allocate(list(range(10)))  # 3 blocks
+    m.computed(a, 10)
+    b = m.allocate([*range(8), 42])  # shares a's two full blocks
+    assert b.cached_tokens == 8 and m.num_free == 4
+    ids = list(a.blocks)
+    assert m.release_before(a, 7) == 1 and a.blocks == ids and a.released == 1  # slots 0-3 only
+    assert m.refs[ids[0]] == 1 and m.num_free == 4  # b still holds it
+    assert m.release_before(a, 9) == 1 and m.release_before(a, 9) == 0 and m.release_before(a, -3) == 0
+    m.free(b)  # b's references go: the two cached blocks are idle (reclaimable), b's own block fresh
+    assert m.num_free == 7 and m.refs[ids[0]] == 0 and m.refs[ids[2]] == 1
+    m.free(a)
+    assert m.num_free == 8 and sum(m.refs) == 0 and a.released == 0
+    assert m.allocate([*range(8), 7]).cached_tokens == 8  # released blocks kept their prefix
+
+
 def test_a_common_prefix_is_shared_once_computed():
     m = BlockManager(num_blocks=16, block_size=4)
     system = list(range(100, 108))  # two full blocks

@@ -14,6 +14,7 @@ recently freed first) when fresh blocks run out.
     table = manager.allocate(prompt_ids)      # BlockTable: .blocks, .cached_tokens (a prefix-cache hit)
     manager.computed(table, len(prompt_ids))  # after the step wrote their K/V: full blocks become shareable
     manager.append(table, next_id)            # one more token; a new block when the last one is full
+    manager.release_before(table, position)   # a sliding window moved past its first blocks: they go back early
     manager.free(table)                       # blocks go back (full ones stay cached until reclaimed)
 """
 
@@ -38,6 +39,7 @@ class BlockTable:
     tokens: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     hashes: list[bytes] = field(default_factory=list)  # chained hash of each full block, in order
+    released: int = 0  # leading blocks given back already (no window reaches them); their ids stay, never read
 
     def slot(self, position: int, block_size: int) -> tuple[int, int]:
         """``(block id, offset)`` of token ``position``."""
@@ -122,18 +124,34 @@ class BlockManager:
             table.blocks.append(self._new_block())
 
     def free(self, table: BlockTable) -> None:
-        """Gives ``table``'s blocks back: unused cached blocks stay reusable until reclaimed."""
-        for block in reversed(table.blocks):
-            self.refs[block] -= 1
-            if self.refs[block] < 0:
-                raise RuntimeError(f"block {block} freed more often than taken")
-            if self.refs[block] == 0:
-                if block in self._hash_of:
-                    self._idle[block] = None
-                else:
-                    self._fresh.append(block)
+        """Gives ``table``'s blocks back (those not released before): unused cached blocks stay reusable until
+        reclaimed."""
+        for block in reversed(table.blocks[table.released :]):
+            self._drop(block)
         table.blocks.clear()
         table.hashes.clear()
+        table.released = 0
+
+    def release_before(self, table: BlockTable, position: int) -> int:
+        """Give back ``table``'s blocks that hold only slots before ``position``: no query of the sequence reads them
+        again (every layer's sliding window starts at or after it). Their ids stay in the table, in place, for the
+        kernels' block arithmetic; the blocks may serve other sequences now. Returns how many were given back."""
+        end = min(max(position, 0) // self.block_size, len(table.blocks))
+        first = table.released
+        for i in range(first, end):
+            self._drop(table.blocks[i])
+        table.released = max(first, end)
+        return table.released - first
+
+    def _drop(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] < 0:
+            raise RuntimeError(f"block {block} freed more often than taken")
+        if self.refs[block] == 0:
+            if block in self._hash_of:
+                self._idle[block] = None
+            else:
+                self._fresh.append(block)
 
     def _take(self, block: int) -> None:
         if self.refs[block] == 0:

@@ -74,7 +74,7 @@ class Engine:
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_id
         self.scheduler = Scheduler(self.blocks, config.max_running, config.prefill_chunk,
-                                   {int(t) for t in eos_token_ids or []})  # fmt: skip
+                                   {int(t) for t in eos_token_ids or []}, window=self.runner.window)  # fmt: skip
         self._ids = itertools.count()
 
     @staticmethod

@@ -41,6 +41,9 @@ class ModelRunner:
             raise ValueError(f"kv_cache_mib={mib} holds no block of {config.block_size} tokens")
         self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, config.block_size,
                                   model.dtype)  # fmt: skip
+        # when every layer slides: the most keys a query reads to its left (older blocks can go back to the pool)
+        lefts = [layer.self_attn.window for layer in model.model.layers]
+        self.window = None if None in lefts else max(w[0] for w in lefts)
 
     @staticmethod
     def check_model(model: torch.nn.Module) -> None:

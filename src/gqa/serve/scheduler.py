@@ -40,8 +40,11 @@ class Scheduler:
     """The queue and the running batch of an engine whose KV pool ``blocks`` manages; ``eos``: the token ids that end
     a response."""
 
-    def __init__(self, blocks: BlockManager, max_running: int, prefill_chunk: int, eos: set[int]) -> None:
+    def __init__(
+        self, blocks: BlockManager, max_running: int, prefill_chunk: int, eos: set[int], window: int | None = None
+    ) -> None:
         self.blocks, self.max_running, self.prefill_chunk, self.eos = blocks, max_running, prefill_chunk, eos
+        self.window = window  # every layer's query sees at most this many keys to its left: older blocks go back
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -92,6 +95,8 @@ class Scheduler:
         for r, _, end in work:
             r.computed = end
             self.blocks.computed(r.table, end)
+            if self.window is not None:  # the next query (position end) reads from end - window on
+                self.blocks.release_before(r.table, end - self.window)
             if end < len(r.tokens):
                 continue  # a prompt chunk that does not reach the prompt's end: no logits
             if r.state is PREFILL:

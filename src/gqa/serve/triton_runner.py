@@ -39,6 +39,7 @@ class TritonModelRunner:
             raise ValueError(f"kv_cache_mib={mib} holds no block of {config.block_size} tokens")
         self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, config.block_size,
                                   model.dtype, device=model.device)  # fmt: skip
+        self.window = None  # plain attention only (fused_applies): every key stays read
 
     @staticmethod
     def check_model(model: torch.nn.Module) -> None:
