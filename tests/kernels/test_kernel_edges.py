@@ -316,6 +316,11 @@ def test_the_build_command_rebuilds_a_library_that_cannot_be_loaded(tmp_path, mo
         ((None, 1e-6, [3], []), r"windows must be empty or one per layer \(2\), got 1"),
         ((None, 1e-6, [3, -2], []), r"layer 1's window must be >= 0 or -1, got -2"),
         ((None, 1e-6, [], [1, 0, 1]), r"rotates must be empty or one per layer \(2\), got 3"),
+        ((None, 1e-6, [], [1, 3]), r"layer 1's rotates must be 0, 1 or 2, got 3"),
+        ((None, 1e-6, [], [2, 1]), r"layer 0 rotates with the local tables: cos_local and sin_local needed"),
+        ((None, 1e-6, [], [], [torch.ones(32)]), r"post_norms must hold 2 norms per layer \(4\), got 1"),
+        ((None, 1e-6, [], [], None, True, True, [1.0]), r"softcaps must be empty or one per layer \(2\), got 1"),
+        ((None, 1e-6, [], [], None, True, True, [1.0, -1.0]), r"layer 1's softcap must be >= 0, got -1"),
         (([torch.ones(8)] * 3 + [torch.ones(7)], 1e-6, [], []), r"layer 1's q/k norms must be contiguous"),
     ],
 )

@@ -122,10 +122,12 @@ def test_merging_a_gemma_models_kv_heads_is_refused_by_name(tmp_path, arch, caps
     assert not (tmp_path / "mqa").exists()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral", "smollm3"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "smollm3", "gemma2", "gemma3_text"])
 def test_the_native_step_decodes_the_family_as_transformers_does(tmp_path, arch, monkeypatch):
     """On CPU the one-call native step (``gqa::decode_model``) takes Qwen3 (q/k norms), Mistral (a 5-key window, here
-    far exceeded) and SmolLM3 (NoPE layers) on every step: greedy tokens equal transformers' 40 tokens on."""
+    far exceeded), SmolLM3 (NoPE layers), Gemma 2 (sandwich norms, GELU, attention and final soft-caps, alternating
+    windows) and Gemma 3 (q/k norms, local RoPE) on every step: greedy tokens equal transformers' 40 tokens on, and
+    the step's logits its eager forward's."""
     from gqa import kernels
     from gqa.decoding import native_step
     from gqa.decoding.steps import select_step
@@ -146,22 +148,22 @@ def test_the_native_step_decodes_the_family_as_transformers_does(tmp_path, arch,
                               pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
     assert ours == theirs
     assert len(calls) == 39  # every step after the prompt's
+    caches = model.new_caches(2, 32)
+    ids = torch.tensor([[5, 9, 17, 3, 40], [8, 1, 2, 60, 7]])
+    with torch.no_grad():
+        model(ids[:, :4], caches=caches)
+    eager_caches = model.new_caches(2, 32)
+    with torch.no_grad():
+        model(ids[:, :4], caches=eager_caches)
+        want = model(ids[:, 4:], caches=eager_caches)
+        got = native_step.decode_step(model, ids[:, 4:], caches)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
-def test_gemma_decodes_through_the_eager_forward_and_bf16_stays_close(tmp_path, arch):
-    """Gemma's layers are not the native or fused steps' (Llama's): ``select_step`` picks the eager step, the serving
-    engine refuses the model by name, and bf16 logits are as close to transformers' float32 ones as transformers' own
-    bf16 logits are."""
-    from gqa.decoding.steps import select_step
-    from gqa.serve.request import EngineError
-    from gqa.serve.runner import ModelRunner
-
+def test_gemma_in_bf16_stays_as_close_to_float32_as_transformers_does(tmp_path, arch):
+    """bf16 logits are as close to transformers' float32 ones as transformers' own bf16 logits are."""
     ref = _family(arch, tmp_path)
-    model = gqa.load_model(tmp_path, tokenizer=False)
-    assert select_step(model, model.new_caches(1, 8)).name == "eager"
-    with pytest.raises(EngineError, match=f"with q/k norms, sliding windows or NoPE layers\\); {arch}'s are not yet"):
-        ModelRunner.check_model(model)
     ids = torch.randint(3, 96, (2, 17), generator=torch.Generator().manual_seed(1))
     bf16 = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -268,11 +270,11 @@ def test_a_gguf_file_as_llama_cpp_writes_it_loads_as_transformers_runs_it(tmp_pa
     assert err < 0.03, err
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral", "smollm3"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "smollm3", "gemma2", "gemma3_text"])
 def test_the_serving_engine_serves_the_family_as_transformers_decodes_it(tmp_path, arch):
     """Through the paged one-call step (``gqa::decode_paged``): Qwen3's q/k norms, Mistral's 5-key window on prompts
-    and answers far longer than it (chunked prefill of 8, blocks of 4), SmolLM3's NoPE layers; four requests together
-    give transformers' greedy tokens and each the same tokens served alone."""
+    and answers far longer than it (chunked prefill of 8, blocks of 4), SmolLM3's NoPE layers, Gemma's layers; four
+    requests together give transformers' greedy tokens and each the same tokens served alone."""
     from gqa import kernels
     from gqa.serve.engine import Engine
     from gqa.serve.sampling import SamplingParams

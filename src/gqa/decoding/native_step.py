@@ -62,13 +62,14 @@ def decode_step(
     native call while it writes the logits."""
     B = input_ids.shape[0]
     backbone = model.model
-    cos, sin = backbone.rope.cos_sin(caches[0].positions(1))  # (B, 1, D) float32 each
-    cos, sin = cos.view(B, -1).contiguous(), sin.view(B, -1).contiguous()
-    x = backbone.embed_tokens(input_ids).view(B, -1)  # (B, E)
+    (cos, sin), local_rope = rope_rows(model, caches[0].positions(1))
+    x = backbone.embed(input_ids).view(B, -1)  # (B, E)
     whole = decode_weights(model, x.dtype)
     if whole is not None:  # every layer, the final norm and lm_head in one native call
-        logits = ops.decode_model(x, whole, cos, sin, caches, greedy)
-        return logits.view(B, 1, -1)
+        logits = ops.decode_model(x, whole, cos, sin, caches, greedy, local_rope=local_rope)
+        return final_softcap(model, logits, greedy).view(B, 1, -1)
+    if not model.runs_llama_layers():
+        raise RuntimeError(f"the native step computes {model.config.arch}'s layers in one call only (whole_model)")
     for layer, cache in zip(backbone.layers, caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         scale = 1.0 / math.sqrt(attn.head_dim)
@@ -97,6 +98,30 @@ def decode_step(
     return logits.view(B, 1, -1)
 
 
+def rope_rows(
+    model: torch.nn.Module, positions: torch.Tensor
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
+    """``(cos, sin)`` ``(B, D)`` float32 of ``positions (B, 1)``, and those of the local RoPE (Gemma 3's sliding
+    layers) or ``None``, as the native calls take them."""
+    rotations = model.model.rotations(positions)  # (cos, sin) (B, 1, D), or Gemma's (global, local) pair of them
+    glob, local = rotations if model.config.gemma else (rotations, None)
+    B = positions.shape[0]
+    rows = tuple(t.view(B, -1).contiguous() for t in glob)
+    return rows, None if local is None or local is glob else tuple(t.view(B, -1).contiguous() for t in local)
+
+
+def final_softcap(model: torch.nn.Module, logits: torch.Tensor, greedy: torch.Tensor | None) -> torch.Tensor:
+    """Gemma 2's final-logit soft-capping on the native call's ``logits``, as the eager forward applies it (and the
+    greedy picks taken again on the capped logits); other models' logits as they are."""
+    cap = model.config.final_softcap
+    if cap is None:
+        return logits
+    logits = torch.tanh(logits / cap) * cap
+    if greedy is not None:
+        greedy.copy_(logits.float().argmax(-1))
+    return logits
+
+
 _WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (modules, dtype, DecodeWeights | None)
 
 
@@ -123,6 +148,7 @@ def _step_modules(model: torch.nn.Module) -> tuple:
         m = layer._modules
         attn, mlp = m["self_attn"]._modules, m["mlp"]._modules
         modules += tuple(attn[name] for name in ("q_norm", "k_norm") if attn.get(name) is not None)
+        modules += tuple(m[name] for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm") if name in m)
         modules += (m["input_layernorm"], m["post_attention_layernorm"], attn["q_proj"], attn["k_proj"])
         modules += (attn["v_proj"], attn["o_proj"], mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"])
     out = []
@@ -148,29 +174,43 @@ def _decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWei
         head_weight, head_format = head.weight, -1
     else:
         return None
-    norms1, norms2, weights, formats, biases = [], [], [], [], []
+    gemma = model.config.gemma
+    norms1, norms2, post_norms, weights, formats, biases = [], [], [], [], [], []
     for layer in layers:
         fused = _layer_weights(layer, dtype, qk_norm=True)
         if fused is None or layer.input_layernorm.eps != eps:
             return None
         norms1.append(layer.input_layernorm.weight)
-        norms2.append(layer.post_attention_layernorm.weight)
+        if gemma:  # the norm before the MLP, and the two after attention and the MLP
+            if layer.pre_feedforward_layernorm.eps != eps or layer.post_feedforward_layernorm.eps != eps:
+                return None
+            norms2.append(layer.pre_feedforward_layernorm.weight)
+            post_norms += [layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight]
+        else:
+            norms2.append(layer.post_attention_layernorm.weight)
         weights += fused[0]
         formats += fused[1]
         biases += fused[2]
-    scale = 1.0 / math.sqrt(layers[0].self_attn.head_dim)
+    if any(n.dtype != dtype or not n.is_contiguous() for n in norms1 + norms2 + post_norms):
+        return None
+    if gemma:
+        options |= {"post_norms": post_norms, "offset_norms": True, "gelu": True}
+    attn = layers[0].self_attn
+    scale = attn.scale if attn.scale is not None else 1.0 / math.sqrt(attn.head_dim)
     return ops.DecodeWeights(norms1, norms2, eps, weights, formats, biases, scale, backbone.norm.weight,
                              backbone.norm.eps, head_weight, head_format, **options)  # fmt: skip
 
 
 def _layer_options(model: torch.nn.Module, dtype: torch.dtype) -> dict | None:
     """``DecodeWeights``' per-layer options of ``model``: q/k norms (every layer's or none, one eps), windows (a left
-    side only: a decoded token is the last query, so a right side hides nothing) and which layers rotate; ``None``
-    for Gemma's layers or attention the one call does not compute (soft-capping, sinks, another score scale)."""
-    if model.config.gemma:
-        return None
+    side only: a decoded token is the last query, so a right side hides nothing), which layers rotate and with which
+    tables, and soft-caps; ``None`` for attention the one call does not compute (sinks, a score scale that differs
+    between layers or, outside Gemma, from ``1/sqrt(D)``)."""
+    cfg = model.config
     attns = [layer.self_attn for layer in model.model.layers]
-    if any(a.softcap is not None or a.sinks is not None or a.scale is not None for a in attns):
+    if any(a.sinks is not None or a.scale != attns[0].scale for a in attns):
+        return None
+    if not cfg.gemma and any(a.softcap is not None or a.scale is not None for a in attns):
         return None
     if any(a.window is not None and a.window[0] is None for a in attns):
         return None
@@ -184,7 +224,10 @@ def _layer_options(model: torch.nn.Module, dtype: torch.dtype) -> dict | None:
         options |= {"qk_norms": norms, "qk_eps": eps.pop()}
     if any(a.window is not None for a in attns):
         options["windows"] = [-1 if a.window is None else int(a.window[0]) for a in attns]
-    if any(a.rope is None for a in attns):
+    if cfg.gemma:  # the sliding layers of Gemma 3 rotate with the local tables
+        options["rotates"] = [2 if layer.local_rope else 1 for layer in model.model.layers]
+        options["softcaps"] = [float(a.softcap or 0.0) for a in attns]
+    elif any(a.rope is None for a in attns):
         options["rotates"] = [int(a.rope is not None) for a in attns]
     return options
 

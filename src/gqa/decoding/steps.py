@@ -61,9 +61,13 @@ def _native_possible(model: torch.nn.Module) -> bool:
         and rope.rotary_dim == rope.head_dim
         and kernels.vectorized()
         and model.runs_own_forward()
-        and (model.runs_llama_layers() or native_step.whole_model(model))
-        and all(layer.self_attn.softcap is None and layer.self_attn.sinks is None for layer in model.model.layers)
+        # the one call computes every option it takes; the call per layer, Llama's layers without soft-caps or sinks
+        and (native_step.whole_model(model) or (model.runs_llama_layers() and not _scores_modified(model)))
     )
+
+
+def _scores_modified(model: torch.nn.Module) -> bool:
+    return any(layer.self_attn.softcap is not None or layer.self_attn.sinks is not None for layer in model.model.layers)
 
 
 def _window_left(model: torch.nn.Module) -> int | None:

@@ -59,7 +59,10 @@ class DecodeWeights:
     their format's code) and three q/k/v biases (or ``None``). The options of families beyond Llama's layer, per
     layer: ``qk_norms`` (Qwen3's q and k norms ``(D,)``, two per layer, eps ``qk_eps``; ``None``: none),
     ``windows`` (keys a token sees to its left, ``-1``: all; empty: no windows) and ``rotates`` (``0`` for a layer
-    without RoPE; empty: all rotate)."""
+    without RoPE, ``1`` the call's cos/sin, ``2`` its ``local_rope`` tables; empty: all ``1``). Gemma's layer:
+    ``post_norms`` (after attention, after the MLP: two per layer; ``norms2`` is then the norm before the MLP),
+    ``offset_norms`` (every norm scales by ``1 + w``), ``gelu`` (a GELU-tanh gate), ``softcaps`` (per layer, ``0``:
+    none)."""
 
     norms1: list[Tensor]  # [(E,)] per layer
     norms2: list[Tensor]
@@ -76,11 +79,17 @@ class DecodeWeights:
     qk_eps: float = 1e-6
     windows: list[int] = field(default_factory=list)
     rotates: list[int] = field(default_factory=list)
+    post_norms: list[Tensor] | None = None  # [(E,)] post-attention, post-MLP norm per layer (Gemma)
+    offset_norms: bool = False
+    gelu: bool = False
+    softcaps: list[float] = field(default_factory=list)
 
-    @property
-    def options(self) -> tuple:
-        """The per-layer options as the ops take them, after ``greedy`` (and ``logit_rows``)."""
-        return self.qk_norms, self.qk_eps, self.windows, self.rotates
+    def options(self, local_rope: tuple[Tensor, Tensor] | None) -> tuple:
+        """The per-layer options as the ops take them, after ``greedy`` (and ``logit_rows``), with the local RoPE
+        tables ``(cos, sin)`` of this call where a layer rotates with them."""
+        cos_local, sin_local = local_rope if local_rope is not None else (None, None)
+        return (self.qk_norms, self.qk_eps, self.windows, self.rotates, self.post_norms, self.offset_norms, self.gelu,
+                self.softcaps, cos_local, sin_local)  # fmt: skip
 
 
 def simd_width() -> int:
@@ -175,15 +184,22 @@ def decode_layer(
 
 
 def decode_model(
-    x: Tensor, w: DecodeWeights, cos: Tensor, sin: Tensor, caches: Sequence[RowCache], greedy: Tensor | None = None
+    x: Tensor,
+    w: DecodeWeights,
+    cos: Tensor,
+    sin: Tensor,
+    caches: Sequence[RowCache],
+    greedy: Tensor | None = None,
+    local_rope: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """The whole decode step in one call: ``x (B, E)`` (the new tokens' embeddings) through every layer, the final
     norm and lm_head -> logits ``(B, V)``, a cache per layer as in ``decode_attend``; ``greedy (B,)`` int64, when
-    given, gets each row's argmax."""
+    given, gets each row's argmax; ``local_rope``: ``(cos, sin)`` like ``cos``, ``sin`` for the layers whose
+    ``w.rotates`` is 2."""
     return torch.ops.gqa.decode_model(
         x, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin, [c.key for c in caches],
         [c.value for c in caches], [c.start for c in caches], [c.cursor for c in caches], w.scale, w.final_norm,
-        w.final_eps, w.head, w.head_format, greedy, *w.options,
+        w.final_eps, w.head, w.head_format, greedy, *w.options(local_rope),
     )  # fmt: skip
 
 
@@ -198,6 +214,7 @@ def decode_paged(
     positions: Tensor,
     greedy: Tensor | None = None,
     logit_rows: Tensor | None = None,
+    local_rope: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """``decode_model`` over paged caches: per layer pools ``(blocks, H_kv, block_size, D | D_v)``, ``block_table
     (B, M)`` shared by the layers, ``positions (B,)``: row b's new K/V go to its slot ``positions[b]`` and it attends
@@ -206,7 +223,7 @@ def decode_paged(
     return torch.ops.gqa.decode_paged(
         x, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin, list(key_pools),
         list(value_pools), block_table, positions, w.scale, w.final_norm, w.final_eps, w.head, w.head_format, greedy,
-        logit_rows, *w.options,
+        logit_rows, *w.options(local_rope),
     )  # fmt: skip
 
 
@@ -262,12 +279,14 @@ def register_fakes() -> None:
     @register("gqa::decode_model")
     def _(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_caches, value_caches, starts, cursors,
           scale, final_norm, final_eps, head, head_format, greedy=None, qk_norms=None, qk_eps=1e-6, windows=(),
-          rotates=()) -> Tensor:  # fmt: skip
+          rotates=(), post_norms=None, offset_norms=False, gelu=False, softcaps=(), cos_local=None,
+          sin_local=None) -> Tensor:  # fmt: skip
         return x.new_empty(x.shape[0], head.shape[0])
 
     @register("gqa::decode_paged")
     def _(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_pools, value_pools, block_table,
           positions, scale, final_norm, final_eps, head, head_format, greedy=None, logit_rows=None, qk_norms=None,
-          qk_eps=1e-6, windows=(), rotates=()):  # fmt: skip
+          qk_eps=1e-6, windows=(), rotates=(), post_norms=None, offset_norms=False, gelu=False, softcaps=(),
+          cos_local=None, sin_local=None):  # fmt: skip
         rows = x.shape[0] if logit_rows is None else logit_rows.shape[0]
         return x.new_empty(rows, head.shape[0])

@@ -48,18 +48,15 @@ class ModelRunner:
     @staticmethod
     def check_model(model: torch.nn.Module) -> None:
         """Raise ``EngineError`` unless the engine takes ``model``: float32 or bfloat16 on CPU with the native kernels
-        built, layers the one-call native step takes (Llama's; Qwen3's q/k norms, Mistral's window and SmolLM3's
-        NoPE layers too), full half-rotation RoPE."""
+        built, layers the one-call native step takes (Llama's; Qwen3's q/k norms, Mistral's window, SmolLM3's NoPE
+        layers and Gemma's too), full half-rotation RoPE."""
         if model.device.type != "cpu" or model.dtype not in native_step.DTYPES or not kernels.vectorized():
             raise EngineError("the engine runs float32 or bfloat16 models on CPU with the native kernels built")
-        if model.config.gemma:
-            raise EngineError(
-                f"the engine runs Llama-style layers (with q/k norms, sliding windows or NoPE layers); "
-                f"{model.config.arch}'s are not yet"
-            )
         if not native_step.whole_model(model):
-            raise EngineError("the model's layers are not all ones the native step takes in one call (see "
-                              "decoding.native_step: no soft-capping, sinks or other score scale)")  # fmt: skip
+            raise EngineError(
+                f"the engine runs the layers the native step takes in one call (Llama's, Qwen3's, Mistral's, "
+                f"SmolLM3's, Gemma 2/3's: see decoding.native_step; no sinks); this {model.config.arch} model's are not"
+            )
         rope = model.model.rope
         if rope.interleaved or rope.rotary_dim != rope.head_dim:
             raise EngineError("the engine needs full half-rotation RoPE")
@@ -72,14 +69,14 @@ class ModelRunner:
         ids, positions, tables, wanted = batch_rows(work)
         B = len(ids)
         positions = torch.tensor(positions, dtype=torch.long)
-        cos, sin = backbone.rope.cos_sin(positions.view(B, 1))  # (B, 1, D) each
-        x = backbone.embed_tokens(torch.tensor(ids, dtype=torch.long).view(B, 1)).view(B, -1)
+        (cos, sin), local_rope = native_step.rope_rows(model, positions.view(B, 1))  # (B, D) each
+        x = backbone.embed(torch.tensor(ids, dtype=torch.long).view(B, 1)).view(B, -1)
         weights = native_step.decode_weights(model, model.dtype)
         greedy = torch.empty(len(wanted), dtype=torch.long)
-        logits = ops.decode_paged(x, weights, cos.view(B, -1).contiguous(), sin.view(B, -1).contiguous(),
-                                  self.cache.key, self.cache.value, table_tensor(tables), positions, greedy,
-                                  torch.tensor(wanted, dtype=torch.long))  # fmt: skip
-        return logits, greedy
+        logits = ops.decode_paged(x, weights, cos, sin, self.cache.key, self.cache.value, table_tensor(tables),
+                                  positions, greedy, torch.tensor(wanted, dtype=torch.long),
+                                  local_rope=local_rope)  # fmt: skip
+        return native_step.final_softcap(model, logits, greedy), greedy
 
 
 def batch_rows(work: list[tuple[Request, int, int]]) -> tuple[list[int], list[int], list[list[int]], list[int]]:

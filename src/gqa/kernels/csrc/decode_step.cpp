@@ -1,11 +1,13 @@
 // gqa::decode_model: a whole decode step for one new token per row — every layer, the final norm and lm_head — in one
-// call and one parallel region (team.h). Per layer, five phases, each cut into chunks the threads claim:
+// call and one parallel region (team.h). Per layer, seven phases, each cut into chunks the threads claim:
 //   1. q/k/v GEMV in chunks of whole heads; a chunk ropes its q heads (into qr) or its k heads (into the cache slot),
 //      or writes its v heads to the cache;
 //   2. attention: (row, KV head, split of the context) tasks, as gqa::decode_attention cuts them;
-//   3. o_proj GEMV and the residual add, in row chunks;
-//   4. gate/up GEMV and silu(gate) * up, chunks of matching gate and up rows;
-//   5. down_proj GEMV and the residual add;
+//   3. o_proj GEMV and the residual add, in row chunks (Gemma: into a buffer, for phase 4);
+//   4. Gemma only: per batch row, the attention output's norm added to the residual;
+//   5. gate/up GEMV and silu(gate) * up (Gemma: gelu_tanh(gate) * up), chunks of matching gate and up rows;
+//   6. down_proj GEMV and the residual add (Gemma: into the buffer);
+//   7. Gemma only: per batch row, the MLP output's norm added to the residual;
 // then lm_head in row chunks. What every chunk of a phase reads — the RMSNorm of the residual, the attention splits
 // combined, and for block-quantized weights that input quantized to int8 — each thread computes for itself when it
 // takes its first chunk of the phase: a few hundred values, cheaper than a phase of its own. Each value comes from the
@@ -20,9 +22,13 @@
 //                     cursor, cursor += 1; greedy, when given, gets each row's argmax (torch.argmax's, on the logits
 //                     as returned: the first of equal maxima, NaN as the largest), found chunk by chunk in lm_head.
 //                     Per-layer options, for the families beyond Llama's layer: qk_norms [2 per layer: q_norm, k_norm
-//                     (D,)] (Qwen3: each head's q and k RMS-normed, eps qk_eps, before RoPE), windows [per layer: keys
-//                     a token sees to its left, -1 for all] (Mistral, sliding layers), rotates [per layer: 0 for a
-//                     layer without RoPE] (SmolLM3's NoPE layers); empty lists: none of them.
+//                     (D,)] (Qwen3, Gemma 3: each head's q and k RMS-normed, eps qk_eps, before RoPE), windows [per
+//                     layer: keys a token sees to its left, -1 for all] (Mistral, sliding layers), rotates [per layer:
+//                     0 for a layer without RoPE (SmolLM3's NoPE layers), 1 the cos/sin tables, 2 cos_local/sin_local
+//                     (Gemma 3's sliding layers)]; empty lists: none of them. Gemma's layer: post_norms [2 per layer:
+//                     after attention, after the MLP] (norms1 then the input norm, norms2 the one before the MLP),
+//                     offset_norms (every norm scales by 1 + w, in float32), gelu (GELU-tanh gate), softcaps [per
+//                     layer: attention-logit soft-capping, 0 for none].
 
 #include "attention.h"
 #include "gemv.h"
@@ -65,13 +71,23 @@ struct Best {
   }
 };
 
-enum Phase : int { QKV = 0, ATTENTION = 1, O_PROJ = 2, GATE_UP = 3, DOWN = 4, PHASES_PER_LAYER = 5 };
+enum Phase : int {
+  QKV = 0,
+  ATTENTION = 1,
+  O_PROJ = 2,
+  POST_ATTENTION = 3,
+  GATE_UP = 4,
+  DOWN = 5,
+  POST_MLP = 6,
+  PHASES_PER_LAYER = 7
+};
 
 template <typename T>
 struct Layer {
   const T *norm1, *norm2;
   const T *q_norm = nullptr, *k_norm = nullptr;  // per-head RMSNorm of q and k before RoPE, or none
-  bool rotates = true;                            // RoPE on q and k (a NoPE layer: false)
+  const T *post_attn_norm = nullptr, *post_ff_norm = nullptr;  // Gemma: norms of the attention and MLP outputs
+  int64_t rope = 1;  // 0: no RoPE (a NoPE layer), 1: the cos/sin tables, 2: the local ones
   Matrix q, k, v, o, gate, up, down;
   T *key_cache, *value_cache;
   int64_t kc_stride[3], vc_stride[3];  // (B, H_kv, C) strides of the caches; paged: (block, H_kv, slot) of the pools
@@ -108,6 +124,9 @@ template <typename T>
 struct Step {
   int64_t B, E, Hq, Hkv, D, Dv, F, V;
   float eps, final_eps, qk_eps = 0.0f;
+  bool offset_norms = false, gelu = false;  // Gemma: norms scale by 1 + w; the gate's activation is GELU-tanh
+  T* out = nullptr;  // (B, E) Gemma: o_proj's (then down_proj's) output, before its norm joins the residual
+  const float *cos_local = nullptr, *sin_local = nullptr;  // (B, D) RoPE of the layers with rope == 2
   T* x;           // (B, E) the residual stream, updated in place
   T* qr;          // (B, Hq * D) roped queries
   T* m;           // (B, F) silu(gate) * up
@@ -127,8 +146,10 @@ struct Step {
       c.push_back(Hq + 2 * Hkv);
       c.push_back(l.attention.tasks());
       c.push_back(ceil_div(E, l.o_rows));
+      c.push_back(l.post_attn_norm ? B : 0);
       c.push_back(ceil_div(F, l.f_rows));
       c.push_back(ceil_div(E, l.down_rows));
+      c.push_back(l.post_ff_norm ? B : 0);
     }
     c.push_back(ceil_div(V, head_rows));
     return c;
@@ -141,12 +162,21 @@ struct Step {
     if (n < 0) n = B;
     s.in.resize(n * E);
     if (rows == nullptr) {
-      rms_norm_impl<T>(x, w, s.in.data(), n, E, e);
+      norm(x, w, s.in.data(), n, E, e);
     } else {
-      for (int64_t j = 0; j < n; ++j) rms_norm_impl<T>(x + rows[j] * E, w, s.in.data() + j * E, 1, E, e);
+      for (int64_t j = 0; j < n; ++j) norm(x + rows[j] * E, w, s.in.data() + j * E, 1, E, e);
     }
     s.input = s.in.data();
     if (quantize) s.quantized = gqa::quantize_input(s.input, n, E);
+  }
+
+  // The model's RMSNorm of n rows of width E: Llama's, or Gemma's (offset_norms).
+  void norm(const T* in, const T* w, T* y, int64_t n, int64_t width, float e) const {
+    if (offset_norms) {
+      rms_norm_offset_impl<T>(in, w, y, n, width, e);
+    } else {
+      rms_norm_impl<T>(in, w, y, n, width, e);
+    }
   }
 
   // sums (B, rows) = input @ W[m0 : m0 + rows]^T.
@@ -185,34 +215,47 @@ struct Step {
     const int64_t h = is_q ? c : is_k ? c - Hq : c - Hq - Hkv, width = is_q || is_k ? D : Dv;
     gemv(s, w, h * width, width, s.sums);
     round_out(s.sums, w, h * width, width, s.rounded);
-    const T* norm = is_q ? l.q_norm : is_k ? l.k_norm : nullptr;
-    if (norm != nullptr) s.rounded2.resize(D);
+    const T* head_norm = is_q ? l.q_norm : is_k ? l.k_norm : nullptr;
+    if (head_norm != nullptr) s.rounded2.resize(D);
     for (int64_t b = 0; b < B; ++b) {
       const T* r = s.rounded.data() + b * width;
-      if (norm != nullptr) {  // as the op-by-op path's rms_norm of the head's row
-        rms_norm_impl<T>(r, norm, s.rounded2.data(), 1, D, qk_eps);
+      if (head_norm != nullptr) {  // as the op-by-op path's rms_norm of the head's row
+        this->norm(r, head_norm, s.rounded2.data(), 1, D, qk_eps);
         r = s.rounded2.data();
       }
-      T* out = is_q ? qr + (b * Hq + h) * D : l.slot(is_k, b, h);
+      T* dst = is_q ? qr + (b * Hq + h) * D : l.slot(is_k, b, h);
       if (!is_q && !is_k) {
-        std::copy(r, r + Dv, out);
-      } else if (l.rotates) {
-        rope_row(r, cos + b * D, sin + b * D, out, D);
+        std::copy(r, r + Dv, dst);
+      } else if (l.rope == 0) {
+        std::copy(r, r + D, dst);
       } else {
-        std::copy(r, r + D, out);
+        const float *c = l.rope == 2 ? cos_local : cos, *sn = l.rope == 2 ? sin_local : sin;
+        rope_row(r, c + b * D, sn + b * D, dst, D);
       }
     }
   }
 
-  // Rows [m0, m0 + rows) of o_proj or down_proj, added to the residual: x = T(x + T(sum)).
-  void residual_chunk(ThreadState<T>& s, const Matrix& w, int64_t m0, int64_t rows) const {
+  // Rows [m0, m0 + rows) of o_proj or down_proj, added to the residual: x = T(x + T(sum)); with `post` (Gemma),
+  // written to `out` instead, for post_chunk.
+  void residual_chunk(ThreadState<T>& s, const Matrix& w, int64_t m0, int64_t rows, bool post) const {
     gemv(s, w, m0, rows, s.sums);
     round_out(s.sums, w, m0, rows, s.rounded);
     for (int64_t b = 0; b < B; ++b)
       for (int64_t i = 0; i < rows; ++i) {
+        if (post) {
+          out[b * E + m0 + i] = s.rounded[b * rows + i];
+          continue;
+        }
         T& xi = x[b * E + m0 + i];
         xi = static_cast<T>(to_float(xi) + to_float(s.rounded[b * rows + i]));
       }
+  }
+
+  // Batch row b of Gemma's sandwich: x = T(x + norm(out)).
+  void post_chunk(ThreadState<T>& s, const T* w, int64_t b) const {
+    s.rounded.resize(E);
+    norm(out + b * E, w, s.rounded.data(), 1, E, eps);
+    for (int64_t i = 0; i < E; ++i) x[b * E + i] = static_cast<T>(to_float(x[b * E + i]) + to_float(s.rounded[i]));
   }
 
   // Rows [m0, m0 + rows) of gate and up: m = T(silu(gate)) * up.
@@ -221,8 +264,13 @@ struct Step {
     gemv(s, l.up, m0, rows, s.sums2);
     round_out(s.sums, l.gate, m0, rows, s.rounded);
     round_out(s.sums2, l.up, m0, rows, s.rounded2);
-    for (int64_t b = 0; b < B; ++b)  // each element by one formula, wherever it is: a row's result alone or batched
-      silu_mul_impl(s.rounded.data() + b * rows, s.rounded2.data() + b * rows, m + b * F + m0, rows);
+    for (int64_t b = 0; b < B; ++b) {  // each element by one formula, wherever it is: a row alone or batched
+      if (gelu) {
+        gelu_tanh_mul_impl(s.rounded.data() + b * rows, s.rounded2.data() + b * rows, m + b * F + m0, rows);
+      } else {
+        silu_mul_impl(s.rounded.data() + b * rows, s.rounded2.data() + b * rows, m + b * F + m0, rows);
+      }
+    }
   }
 
   void run_chunk(ThreadState<T>& s, size_t phase, int64_t c, bool first) const {
@@ -258,9 +306,15 @@ struct Step {
           if (l.o.format >= 0) s.quantized = gqa::quantize_input(s.input, B, Hq * Dv);
         }
         const int64_t m0 = c * l.o_rows;
-        residual_chunk(s, l.o, m0, std::min(l.o_rows, E - m0));
+        residual_chunk(s, l.o, m0, std::min(l.o_rows, E - m0), l.post_attn_norm != nullptr);
         break;
       }
+      case POST_ATTENTION:
+        post_chunk(s, l.post_attn_norm, c);
+        break;
+      case POST_MLP:
+        post_chunk(s, l.post_ff_norm, c);
+        break;
       case GATE_UP: {
         if (first) prepare_norm(s, l.norm2, eps, l.gate.format >= 0 || l.up.format >= 0);
         const int64_t m0 = c * l.f_rows;
@@ -273,7 +327,7 @@ struct Step {
           if (l.down.format >= 0) s.quantized = gqa::quantize_input(m, B, F);
         }
         const int64_t m0 = c * l.down_rows;
-        residual_chunk(s, l.down, m0, std::min(l.down_rows, E - m0));
+        residual_chunk(s, l.down, m0, std::min(l.down_rows, E - m0), l.post_ff_norm != nullptr);
       }
     }
   }
@@ -318,6 +372,10 @@ struct LayerOptions {
   c10::optional<at::TensorList> qk_norms;
   double qk_eps = 0.0;
   at::IntArrayRef windows, rotates;
+  c10::optional<at::TensorList> post_norms;  // Gemma
+  bool offset_norms = false, gelu = false;
+  at::ArrayRef<double> softcaps;
+  c10::optional<at::Tensor> cos_local, sin_local;
 };
 
 template <typename T>
@@ -353,6 +411,27 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   TORCH_CHECK(options.rotates.empty() || static_cast<int64_t>(options.rotates.size()) == n_layers,
               "gqa::decode_model: rotates must be empty or one per layer (", n_layers, "), got ",
               options.rotates.size());
+  TORCH_CHECK(!options.post_norms.has_value() || static_cast<int64_t>(options.post_norms->size()) == 2 * n_layers,
+              "gqa::decode_model: post_norms must hold 2 norms per layer (", 2 * n_layers, "), got ",
+              options.post_norms->size());
+  TORCH_CHECK(options.softcaps.empty() || static_cast<int64_t>(options.softcaps.size()) == n_layers,
+              "gqa::decode_model: softcaps must be empty or one per layer (", n_layers, "), got ",
+              options.softcaps.size());
+  st.offset_norms = options.offset_norms, st.gelu = options.gelu;
+  for (int64_t li = 0; li < static_cast<int64_t>(options.rotates.size()); ++li) {
+    TORCH_CHECK(options.rotates[li] >= 0 && options.rotates[li] <= 2, "gqa::decode_model: layer ", li,
+                "'s rotates must be 0, 1 or 2, got ", options.rotates[li]);
+    TORCH_CHECK(options.rotates[li] != 2 || (options.cos_local.has_value() && options.sin_local.has_value()),
+                "gqa::decode_model: layer ", li, " rotates with the local tables: cos_local and sin_local needed");
+  }
+  if (options.cos_local.has_value() || options.sin_local.has_value()) {
+    TORCH_CHECK(options.cos_local.has_value() && options.sin_local.has_value(),
+                "gqa::decode_model: cos_local and sin_local go together");
+    for (const at::Tensor* t : {&*options.cos_local, &*options.sin_local})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == cos.sizes(),
+                  "gqa::decode_model: cos_local and sin_local must be contiguous float32 like cos, got ", t->sizes());
+    st.cos_local = options.cos_local->const_data_ptr<float>(), st.sin_local = options.sin_local->const_data_ptr<float>();
+  }
   TORCH_CHECK(st.Hq % st.Hkv == 0 && st.Hq * st.D == weights[0].size(0), "gqa::decode_model: q_proj has ",
               weights[0].size(0), " rows, not a multiple of H_kv * head_dim = ", st.Hkv * st.D);
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
@@ -401,7 +480,15 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
                     n->sizes());
       l.q_norm = qn.const_data_ptr<T>(), l.k_norm = kn.const_data_ptr<T>();
     }
-    if (!options.rotates.empty()) l.rotates = options.rotates[i] != 0;
+    if (!options.rotates.empty()) l.rope = options.rotates[i];
+    if (options.post_norms.has_value()) {
+      const at::Tensor &pa = (*options.post_norms)[2 * i], &pf = (*options.post_norms)[2 * i + 1];
+      for (const at::Tensor* n : {&pa, &pf})
+        TORCH_CHECK(n->dim() == 1 && n->size(0) == st.E && n->is_contiguous() && n->scalar_type() == dtype,
+                    "gqa::decode_model: layer ", li, "'s post norms must be contiguous (E,) of x's dtype, got ",
+                    n->sizes());
+      l.post_attn_norm = pa.const_data_ptr<T>(), l.post_ff_norm = pf.const_data_ptr<T>();
+    }
     const int64_t* f = formats.data() + 7 * i;
     const at::Tensor* w = weights.data() + 7 * i;
     const c10::optional<at::Tensor> none;
@@ -443,6 +530,11 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
                   options.windows[i]);
       a.window = options.windows[i];
     }
+    if (!options.softcaps.empty()) {
+      TORCH_CHECK(options.softcaps[i] >= 0.0, "gqa::decode_model: layer ", li, "'s softcap must be >= 0, got ",
+                  options.softcaps[i]);
+      a.softcap = static_cast<float>(options.softcaps[i]);
+    }
     if (paged) {
       a.table = l.table, a.table_stride = l.table_stride, a.block = l.block;
       a.lengths = caches.lengths.const_data_ptr<int64_t>();
@@ -483,9 +575,11 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   at::Tensor h = x.clone();
   at::Tensor qr = at::empty({st.B, st.Hq * st.D}, x.options());
   at::Tensor m = at::empty({st.B, st.F}, x.options());
+  at::Tensor post_out = options.post_norms.has_value() ? at::empty({st.B, st.E}, x.options()) : at::Tensor();
   at::Tensor logits = at::empty({st.NL, st.V}, x.options());
   std::vector<float> parts(part_floats);
   st.x = h.mutable_data_ptr<T>(), st.qr = qr.mutable_data_ptr<T>(), st.m = m.mutable_data_ptr<T>();
+  if (post_out.defined()) st.out = post_out.mutable_data_ptr<T>();
   st.logits = logits.mutable_data_ptr<T>();
   st.cos = cos.const_data_ptr<float>(), st.sin = sin.const_data_ptr<float>();
   for (Layer<T>& l : st.layers) {
@@ -532,7 +626,10 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
                         at::TensorList starts, at::TensorList cursors, double scale, const at::Tensor& final_norm,
                         double final_eps, const at::Tensor& head, int64_t head_format,
                         const c10::optional<at::Tensor>& greedy, c10::optional<at::TensorList> qk_norms,
-                        double qk_eps, at::IntArrayRef windows, at::IntArrayRef rotates) {
+                        double qk_eps, at::IntArrayRef windows, at::IntArrayRef rotates,
+                        c10::optional<at::TensorList> post_norms, bool offset_norms, bool gelu,
+                        at::ArrayRef<double> softcaps, const c10::optional<at::Tensor>& cos_local,
+                        const c10::optional<at::Tensor>& sin_local) {
   const size_t L = norms1.size();
   TORCH_CHECK(L >= 1 && norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
                   qkv_biases.size() == 3 * L && key_caches.size() == L && value_caches.size() == L &&
@@ -541,7 +638,9 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
               "and a cursor; got ", L, " layers' norms1 and ", weights.size(), " weights");
   Caches caches{key_caches, value_caches, starts, cursors};
   return dispatch(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale, final_norm,
-                  final_eps, head, head_format, greedy, c10::nullopt, LayerOptions{qk_norms, qk_eps, windows, rotates});
+                  final_eps, head, head_format, greedy, c10::nullopt,
+                  LayerOptions{qk_norms, qk_eps, windows, rotates, post_norms, offset_norms, gelu, softcaps, cos_local,
+                               sin_local});
 }
 
 // decode_model over paged caches: key_pools / value_pools [(blocks, H_kv, block_size, D)] per layer, block_table
@@ -559,7 +658,9 @@ at::Tensor decode_paged(const at::Tensor& x, at::TensorList norms1, at::TensorLi
                         const at::Tensor& final_norm, double final_eps, const at::Tensor& head, int64_t head_format,
                         const c10::optional<at::Tensor>& greedy, const c10::optional<at::Tensor>& logit_rows,
                         c10::optional<at::TensorList> qk_norms, double qk_eps, at::IntArrayRef windows,
-                        at::IntArrayRef rotates) {
+                        at::IntArrayRef rotates, c10::optional<at::TensorList> post_norms, bool offset_norms,
+                        bool gelu, at::ArrayRef<double> softcaps, const c10::optional<at::Tensor>& cos_local,
+                        const c10::optional<at::Tensor>& sin_local) {
   const size_t L = norms1.size();
   TORCH_CHECK(L >= 1 && norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
                   qkv_biases.size() == 3 * L && key_pools.size() == L && value_pools.size() == L,
@@ -567,7 +668,9 @@ at::Tensor decode_paged(const at::Tensor& x, at::TensorList norms1, at::TensorLi
               L, " layers' norms1 and ", weights.size(), " weights");
   Caches caches{key_pools, value_pools, {}, {}, &block_table, &positions};
   return dispatch(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale, final_norm,
-                  final_eps, head, head_format, greedy, logit_rows, LayerOptions{qk_norms, qk_eps, windows, rotates});
+                  final_eps, head, head_format, greedy, logit_rows,
+                  LayerOptions{qk_norms, qk_eps, windows, rotates, post_norms, offset_norms, gelu, softcaps, cos_local,
+                               sin_local});
 }
 
 }  // namespace
@@ -578,13 +681,15 @@ TORCH_LIBRARY_FRAGMENT(gqa, m) {
       "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
       "Tensor[] starts, Tensor(c!)[] cursors, float scale, Tensor final_norm, float final_eps, Tensor head, "
       "int head_format, Tensor(d!)? greedy=None, Tensor[]? qk_norms=None, float qk_eps=1e-6, int[] windows=[], "
-      "int[] rotates=[]) -> Tensor");
+      "int[] rotates=[], Tensor[]? post_norms=None, bool offset_norms=False, bool gelu=False, float[] softcaps=[], "
+      "Tensor? cos_local=None, Tensor? sin_local=None) -> Tensor");
   m.def(
       "decode_paged(Tensor x, Tensor[] norms1, Tensor[] norms2, float eps, Tensor[] weights, int[] formats, "
       "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_pools, Tensor(b!)[] value_pools, "
       "Tensor block_table, Tensor positions, float scale, Tensor final_norm, float final_eps, Tensor head, "
       "int head_format, Tensor(d!)? greedy=None, Tensor? logit_rows=None, Tensor[]? qk_norms=None, "
-      "float qk_eps=1e-6, int[] windows=[], int[] rotates=[]) -> Tensor");
+      "float qk_eps=1e-6, int[] windows=[], int[] rotates=[], Tensor[]? post_norms=None, bool offset_norms=False, "
+      "bool gelu=False, float[] softcaps=[], Tensor? cos_local=None, Tensor? sin_local=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gqa, CPU, m) {

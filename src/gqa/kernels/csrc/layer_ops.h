@@ -20,6 +20,53 @@ void rms_norm_impl(const T* x, const T* w, T* y, int64_t N, int64_t E, float eps
   }
 }
 
+// y = T(x / rms(x) * (1 + w)), all in float32 before the one rounding (Gemma's RMSNorm: weights stored as offsets
+// from one). x (N, E), w (E,), both of one dtype.
+template <typename T>
+void rms_norm_offset_impl(const T* x, const T* w, T* y, int64_t N, int64_t E, float eps) {
+  for (int64_t n = 0; n < N; ++n) {
+    const T* xn = x + n * E;
+    float ss = 0.0f;
+    for (int64_t e = 0; e < E; ++e) ss += to_float(xn[e]) * to_float(xn[e]);
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(E) + eps);
+    for (int64_t e = 0; e < E; ++e) y[n * E + e] = static_cast<T>(to_float(xn[e]) * r * (1.0f + to_float(w[e])));
+  }
+}
+
+// y = T(gelu_tanh(gate)) * up (Gemma's GeGLU): gelu(x) = x / 2 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))), in
+// float32, rounded to T before the product with up as torch rounds gelu's output. tanh(u) = 1 - 2 / (e^2u + 1), u
+// clamped to [-9, 9] (tanh is +-1 there in float32). Each element by one formula wherever it sits (as silu_mul_impl).
+template <typename T>
+void gelu_tanh_mul_impl(const T* g, const T* u, T* y, int64_t n) {
+  constexpr float C = 0.7978845608028654f, A = 0.044715f;
+  int64_t i = 0;
+#if GQA_SIMD > 1
+  const auto lanes = [](const T* gv, const T* uv, T* yv) {
+    float tmp[LANES];
+    const vec x = vload(gv);
+    const vec inner = vmul(vset(2.0f * C), vfma(vmul(vset(A), vmul(x, x)), x, x));
+    const vec e = vexp(vmin(vset(18.0f), vmax(vset(-18.0f), inner)));
+    const vec t = vsub(vset(1.0f), vdiv(vset(2.0f), vadd(e, vset(1.0f))));
+    vstore(tmp, vmul(vmul(vset(0.5f), x), vadd(vset(1.0f), t)));
+    for (int j = 0; j < LANES; ++j) yv[j] = static_cast<T>(to_float(static_cast<T>(tmp[j])) * to_float(uv[j]));
+  };
+  for (; i + LANES <= n; i += LANES) lanes(g + i, u + i, y + i);
+  if (i < n) {  // the last partial vector, padded: the lanes are independent
+    T gp[LANES] = {}, up[LANES] = {}, yp[LANES];
+    std::copy(g + i, g + n, gp);
+    std::copy(u + i, u + n, up);
+    lanes(gp, up, yp);
+    std::copy(yp, yp + (n - i), y + i);
+  }
+#else
+  for (; i < n; ++i) {
+    const float x = to_float(g[i]);
+    const float gelu = 0.5f * x * (1.0f + std::tanh(C * (x + A * x * x * x)));
+    y[i] = static_cast<T>(to_float(static_cast<T>(gelu)) * to_float(u[i]));
+  }
+#endif
+}
+
 // y = T(silu(gate)) * up (SwiGLU) over n elements of gate and up of one dtype. Every element takes the same formula
 // (with SIMD, a last partial vector is padded), so an element's value does not depend on n or on where it sits: a
 // row computed alone equals the same row inside a batch, bit for bit.
