@@ -175,9 +175,11 @@ def test_gemma_in_bf16_stays_as_close_to_float32_as_transformers_does(tmp_path, 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3_text"])
 def test_window_caches_hold_the_window_and_decode_as_transformers_does(tmp_path, arch):
-    """300 new tokens (past each layer's 5-key window and its 256 spare slots): the sliding layers get a
-    ``WindowKVCache`` of 261 slots, global layers a full static cache, and the greedy tokens are transformers'."""
+    """300 new tokens (past each layer's 5-key window and its 256 spare slots, so the slots move once): the sliding
+    layers get a ``WindowKVCache`` of 261 slots, global layers a full static cache, and the greedy tokens are
+    transformers', through the one-call native step (it reads window caches' slots) and through the eager one."""
     from gqa.cache.window import WindowKVCache
+    from gqa.decoding import native_step
     from gqa.decoding.steps import select_step
 
     ref = _family(arch, tmp_path, context=512)
@@ -187,12 +189,15 @@ def test_window_caches_hold_the_window_and_decode_as_transformers_does(tmp_path,
     rings = [isinstance(c, WindowKVCache) for c in caches]
     assert rings == [model.config.layer_window(i) is not None for i in range(model.config.num_layers)]
     assert all(c.slots == 261 for c in caches if isinstance(c, WindowKVCache))
-    assert select_step(model, caches).name == "eager"  # the native step takes static caches only
+    assert select_step(model, caches).name == "native"
     ours = model.generate(prompt, max_new_tokens=new, eos_token_ids=[])
     with torch.no_grad():
         theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
     assert ours == theirs
+    with pytest.MonkeyPatch.context() as m:  # the eager step over the same caches
+        m.setattr(native_step, "applies", lambda *a: False)
+        assert model.generate(prompt, max_new_tokens=new, eos_token_ids=[]) == theirs
 
 
 def test_info_reports_the_window_caches_memory(tmp_path, capsys):

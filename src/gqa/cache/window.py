@@ -9,15 +9,33 @@ masks mean the same keys, so attention needs no mask of the cache's (only left p
 window (``grouped_attention`` skips the keys no window reaches). Keys are stored after RoPE, so moving them changes
 nothing. A call with more new tokens than ``spare + 1`` (a long prompt) attends to the kept keys joined to its own.
 
-Eager only (the offset is a Python int); ``StaticKVCache`` is the one for compiled and graphed decoding.
+Eager or through the native one-call decode step (``native_rows``: the slots as a dense cache, in slot numbers);
+``StaticKVCache`` is the one for compiled and graphed decoding (the offset is a Python int).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from .kv import _KVCache, check_positive
 from .sizes import WINDOW_SPARE as DEFAULT_SPARE  # slots beyond the window: decoded tokens between two moves
+
+
+@dataclass
+class SlotRows:
+    """A ``WindowKVCache``'s slots as a dense cache (``kernels.ops.RowCache``) for one native decode step."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    start: torch.Tensor  # (B,) int64, slot numbers
+    cursor: torch.Tensor  # () int64: the new token's slot (the step adds 1)
+    cache: WindowKVCache
+
+    def advance(self) -> None:
+        """Count the token the step wrote."""
+        self.cache.cursor.add_(1)
 
 
 class WindowKVCache(_KVCache):
@@ -77,14 +95,7 @@ class WindowKVCache(_KVCache):
         L, n = self._new_tokens(key, value), self.slots
         cursor = self.seq_len
         self._reserve(cursor + L)
-        used = cursor - self.offset
-        if used + L > n:  # keep the window - 1 keys the first new query sees, at the front
-            keep = min(used, self.window - 1)
-            if keep:
-                src = slice(used - keep, used)
-                self.key[:, :, :keep] = self.key[:, :, src].clone()
-                self.value[:, :, :keep] = self.value[:, :, src].clone()
-            self.offset, used = cursor - keep, keep
+        used = self._make_room(L)
         self.cursor.add_(L)
         self._returned_offset = self.offset
         if used + L <= n:
@@ -98,6 +109,30 @@ class WindowKVCache(_KVCache):
         self.value.copy_(values[:, :, -n:])
         self.offset = cursor + L - n
         return keys, values
+
+    def _make_room(self, L: int) -> int:
+        """Slots in use once room is made for ``L`` more tokens: where they do not fit, the ``window - 1`` keys the
+        first new query sees move to the front (``offset`` moves on)."""
+        cursor, used = self.seq_len, self.seq_len - self.offset
+        if used + L > self.slots:
+            keep = min(used, self.window - 1)
+            if keep:
+                src = slice(used - keep, used)
+                self.key[:, :, :keep] = self.key[:, :, src].clone()
+                self.value[:, :, :keep] = self.value[:, :, src].clone()
+            self.offset, used = cursor - keep, keep
+        return used
+
+    def native_rows(self) -> SlotRows:
+        """Room for one more token, and the slots as the native decode step reads a dense cache: ``key``, ``value``,
+        ``start`` (each row's first slot past its left padding) and ``cursor`` (the new token's slot), in slot
+        numbers. The step writes the token at ``cursor`` and reads the window before it; ``advance`` then counts
+        it."""
+        self._reserve(self.seq_len + 1)
+        used = self._make_room(1)
+        self._returned_offset = self.offset
+        start = (self.start - self.offset).clamp_min(0)
+        return SlotRows(self.key, self.value, start, torch.tensor(used, dtype=torch.long), self)
 
     def visibility(self, L: int, S: int, is_causal: bool) -> tuple[torch.Tensor | None, bool]:
         """As ``StaticKVCache.visibility``, with the returned keys starting at position ``offset``: nothing beyond

@@ -24,6 +24,7 @@ import torch
 
 from .. import kernels
 from ..cache.kv import StaticKVCache
+from ..cache.window import SlotRows, WindowKVCache
 from ..kernels import ops
 from ..models.linear import Linear, linears
 from ..models.quantized import QuantizedLinear
@@ -35,9 +36,10 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def applies(model: torch.nn.Module, input_ids: torch.Tensor, caches: list | None) -> bool:
-    """Whether ``decode_step`` runs this call: one token per row (B <= MAX_ROWS) into static caches on CPU, float32 or
-    bfloat16, native kernels built, no autograd, eval mode, full half-rotation RoPE, not under ``torch.compile``,
-    and room left in the caches (a full cache goes the eager way, which says so)."""
+    """Whether ``decode_step`` runs this call: one token per row (B <= MAX_ROWS) into static caches (or, where the
+    one call runs the model, window caches too) on CPU, float32 or bfloat16, native kernels built, no autograd, eval
+    mode, full half-rotation RoPE, not under ``torch.compile``, and room left in the caches (a full cache goes the
+    eager way, which says so)."""
     if caches is None or input_ids.shape[1] != 1 or input_ids.shape[0] > MAX_ROWS or torch.compiler.is_compiling():
         return False
     if torch.is_grad_enabled() or model.training or model.dtype not in DTYPES or model.device.type != "cpu":
@@ -46,8 +48,9 @@ def applies(model: torch.nn.Module, input_ids: torch.Tensor, caches: list | None
     if rope.interleaved or rope.rotary_dim != rope.head_dim or not kernels.vectorized():
         return False
     first = caches[0]
+    kinds = (StaticKVCache, WindowKVCache) if whole_model(model) else StaticKVCache
     return (
-        isinstance(first, StaticKVCache)
+        all(isinstance(c, kinds) for c in caches)
         and first.key.dtype == model.dtype
         and first.key.shape[0] == input_ids.shape[0]
         and first.seq_len < first.capacity
@@ -55,7 +58,10 @@ def applies(model: torch.nn.Module, input_ids: torch.Tensor, caches: list | None
 
 
 def decode_step(
-    model: torch.nn.Module, input_ids: torch.Tensor, caches: list[StaticKVCache], greedy: torch.Tensor | None = None
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    caches: list[StaticKVCache | WindowKVCache],
+    greedy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits ``(B, 1, vocab)`` of ``input_ids (B, 1)``, appending each layer's K/V to its cache (``applies`` must
     hold). ``greedy``, an int64 ``(B,)`` tensor, gets each row's argmax (``logits.float().argmax(-1)``), found by the
@@ -66,7 +72,11 @@ def decode_step(
     x = backbone.embed(input_ids).view(B, -1)  # (B, E)
     whole = decode_weights(model, x.dtype)
     if whole is not None:  # every layer, the final norm and lm_head in one native call
-        logits = ops.decode_model(x, whole, cos, sin, caches, greedy, local_rope=local_rope)
+        rows = [c.native_rows() if isinstance(c, WindowKVCache) else c for c in caches]  # window caches: their slots
+        logits = ops.decode_model(x, whole, cos, sin, rows, greedy, local_rope=local_rope)
+        for r in rows:
+            if isinstance(r, SlotRows):
+                r.advance()
         return final_softcap(model, logits, greedy).view(B, 1, -1)
     if not model.runs_llama_layers():
         raise RuntimeError(f"the native step computes {model.config.arch}'s layers in one call only (whole_model)")

@@ -107,9 +107,10 @@ def select_step(
         from .compiled import compiled_step
 
         return DecodeStep("compiled", compiled_step(model), fixed_batch=True)
-    if _native_possible(model) and all(isinstance(c, StaticKVCache) for c in caches):  # not WindowKVCaches
+    whole = _native_possible(model) and native_step.whole_model(model)  # the one call: window caches too
+    if _native_possible(model) and all(isinstance(c, StaticKVCache) or whole for c in caches):
         # the one native call computes windows; the call per layer does not, so it runs while they hide nothing
-        left = None if native_step.whole_model(model) else _window_left(model)
+        left = None if whole else _window_left(model)
 
         def native(tokens: torch.Tensor, caches: list, greedy: torch.Tensor | None) -> torch.Tensor:
             if native_step.applies(model, tokens, caches) and (left is None or _within(caches[0], left)):

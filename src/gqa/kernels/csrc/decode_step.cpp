@@ -455,11 +455,12 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
     const int64_t rows = paged ? kc0.size(0) : st.B;  // dim 0: blocks or batch rows
     TORCH_CHECK(kc.dim() == 4 && vc.dim() == 4 && kc.stride(3) == 1 && vc.stride(3) == 1 && kc.size(0) == rows &&
                     vc.size(0) == rows && kc.size(1) == st.Hkv && vc.size(1) == st.Hkv && kc.size(3) == st.D &&
-                    vc.size(3) == st.Dv && vc.size(2) == kc.size(2) && kc.size(2) == kc0.size(2) &&
+                    vc.size(3) == st.Dv && vc.size(2) == kc.size(2) && (!paged || kc.size(2) == kc0.size(2)) &&
                     kc.scalar_type() == dtype && vc.scalar_type() == dtype,
                 "gqa::", paged ? "decode_paged" : "decode_model", ": layer ", li, "'s caches must be ",
                 paged ? "(blocks, H_kv, block_size, D)" : "(B, H_kv, C, D)",
-                " of x's dtype with contiguous rows, like layer 0's; got ", kc.sizes(), " and ", vc.sizes());
+                " of x's dtype with contiguous rows, like layer 0's (dense caches: of any length); got ", kc.sizes(),
+                " and ", vc.sizes());
     if (!paged) {
       const at::Tensor &start = caches.starts[i], &cursor = caches.cursors[i];
       TORCH_CHECK(start.scalar_type() == at::kLong && start.is_contiguous() &&
