@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import gqa
+from tests.helpers.serving import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,9 +73,7 @@ def test_greedy_generation_equals_transformers_well_past_the_window(tmp_path, ar
     model = gqa.load_model(tmp_path, tokenizer=False)
     prompt = [5, 9, 17, 33, 2, 8, 40]
     ours = model.generate(prompt, max_new_tokens=24, eos_token_ids=[])
-    with torch.no_grad():
-        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+    theirs = hf_greedy(ref, prompt, 24)
     assert ours == theirs
 
 
@@ -143,9 +142,7 @@ def test_the_native_step_decodes_the_family_as_transformers_does(tmp_path, arch,
     assert select_step(model, model.new_caches(1, 8)).name == "native"
     prompt = [5, 9, 17]
     ours = model.generate(prompt, max_new_tokens=40, eos_token_ids=[])
-    with torch.no_grad():
-        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+    theirs = hf_greedy(ref, prompt, 40)
     assert ours == theirs
     assert len(calls) == 39  # every step after the prompt's
     caches = model.new_caches(2, 32)
@@ -191,9 +188,7 @@ def test_window_caches_hold_the_window_and_decode_as_transformers_does(tmp_path,
     assert all(c.slots == 261 for c in caches if isinstance(c, WindowKVCache))
     assert select_step(model, caches).name == "native"
     ours = model.generate(prompt, max_new_tokens=new, eos_token_ids=[])
-    with torch.no_grad():
-        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+    theirs = hf_greedy(ref, prompt, new)
     assert ours == theirs
     with pytest.MonkeyPatch.context() as m:  # the eager step over the same caches
         m.setattr(native_step, "applies", lambda *a: False)
@@ -256,9 +251,7 @@ def test_a_gguf_file_as_llama_cpp_writes_it_loads_as_transformers_runs_it(tmp_pa
         torch.testing.assert_close(model(ids), ref(ids).logits, atol=1e-5, rtol=1e-5)
     prompt = [5, 9, 17, 33, 2, 8, 40]
     ours = model.generate(prompt, max_new_tokens=16, eos_token_ids=[])
-    with torch.no_grad():
-        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+    theirs = hf_greedy(ref, prompt, 16)
     assert ours == theirs
 
     def q8(name):
@@ -283,7 +276,7 @@ def test_the_serving_engine_serves_the_family_as_transformers_decodes_it(tmp_pat
     from gqa import kernels
     from gqa.serve.engine import Engine
     from gqa.serve.sampling import SamplingParams
-    from tests.helpers.serving import hf_greedy, serve_all
+    from tests.helpers.serving import serve_all
 
     if not kernels.vectorized():
         pytest.skip("the engine needs the SIMD kernels")
@@ -306,7 +299,6 @@ def test_serving_a_sliding_window_model_gives_blocks_behind_the_window_back(tmp_
     from gqa import kernels
     from gqa.serve.engine import Engine
     from gqa.serve.sampling import SamplingParams
-    from tests.helpers.serving import hf_greedy
 
     if not kernels.vectorized():
         pytest.skip("the engine needs the SIMD kernels")

@@ -20,6 +20,23 @@ void rms_norm_impl(const T* x, const T* w, T* y, int64_t N, int64_t E, float eps
   }
 }
 
+#if GQA_SIMD > 1
+// y[0:n] from gate g and up u, LANES elements per `lanes(g, u, y)` call; a last partial vector is padded, so every
+// element takes the same formula wherever it sits (a row alone equals the same row in a batch, bit for bit).
+template <typename T, typename Lanes>
+inline void gated_by_lanes(const Lanes& lanes, const T* g, const T* u, T* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) lanes(g + i, u + i, y + i);
+  if (i < n) {  // the lanes are independent
+    T gp[LANES] = {}, up[LANES] = {}, yp[LANES];
+    std::copy(g + i, g + n, gp);
+    std::copy(u + i, u + n, up);
+    lanes(gp, up, yp);
+    std::copy(yp, yp + (n - i), y + i);
+  }
+}
+#endif
+
 // y = T(x / rms(x) * (1 + w)), all in float32 before the one rounding (Gemma's RMSNorm: weights stored as offsets
 // from one). x (N, E), w (E,), both of one dtype.
 template <typename T>
@@ -39,7 +56,6 @@ void rms_norm_offset_impl(const T* x, const T* w, T* y, int64_t N, int64_t E, fl
 template <typename T>
 void gelu_tanh_mul_impl(const T* g, const T* u, T* y, int64_t n) {
   constexpr float C = 0.7978845608028654f, A = 0.044715f;
-  int64_t i = 0;
 #if GQA_SIMD > 1
   const auto lanes = [](const T* gv, const T* uv, T* yv) {
     float tmp[LANES];
@@ -50,16 +66,9 @@ void gelu_tanh_mul_impl(const T* g, const T* u, T* y, int64_t n) {
     vstore(tmp, vmul(vmul(vset(0.5f), x), vadd(vset(1.0f), t)));
     for (int j = 0; j < LANES; ++j) yv[j] = static_cast<T>(to_float(static_cast<T>(tmp[j])) * to_float(uv[j]));
   };
-  for (; i + LANES <= n; i += LANES) lanes(g + i, u + i, y + i);
-  if (i < n) {  // the last partial vector, padded: the lanes are independent
-    T gp[LANES] = {}, up[LANES] = {}, yp[LANES];
-    std::copy(g + i, g + n, gp);
-    std::copy(u + i, u + n, up);
-    lanes(gp, up, yp);
-    std::copy(yp, yp + (n - i), y + i);
-  }
+  gated_by_lanes(lanes, g, u, y, n);
 #else
-  for (; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const float x = to_float(g[i]);
     const float gelu = 0.5f * x * (1.0f + std::tanh(C * (x + A * x * x * x)));
     y[i] = static_cast<T>(to_float(static_cast<T>(gelu)) * to_float(u[i]));
@@ -72,7 +81,6 @@ void gelu_tanh_mul_impl(const T* g, const T* u, T* y, int64_t n) {
 // row computed alone equals the same row inside a batch, bit for bit.
 template <typename T>
 void silu_mul_impl(const T* g, const T* u, T* y, int64_t n) {
-  int64_t i = 0;
 #if GQA_SIMD > 1
   // silu(x) = x * sigmoid(x), with e = exp(-|x|) (vexp takes arguments <= 0): sigmoid = 1 / (1 + e) for x >= 0,
   // e / (1 + e) for x < 0. The result is rounded to T before the product with up, as torch rounds silu's output.
@@ -84,16 +92,9 @@ void silu_mul_impl(const T* g, const T* u, T* y, int64_t n) {
     vstore(tmp, vmul(x, vblend_negative(x, r, vmul(e, r))));
     for (int j = 0; j < LANES; ++j) yv[j] = static_cast<T>(to_float(static_cast<T>(tmp[j])) * to_float(uv[j]));
   };
-  for (; i + LANES <= n; i += LANES) lanes(g + i, u + i, y + i);
-  if (i < n) {  // the last partial vector, padded: the lanes are independent
-    T gp[LANES] = {}, up[LANES] = {}, yp[LANES];
-    std::copy(g + i, g + n, gp);
-    std::copy(u + i, u + n, up);
-    lanes(gp, up, yp);
-    std::copy(yp, yp + (n - i), y + i);
-  }
+  gated_by_lanes(lanes, g, u, y, n);
 #else
-  for (; i < n; ++i) {
+  for (int64_t i = 0; i < n; ++i) {
     const float x = to_float(g[i]);
     y[i] = static_cast<T>(to_float(static_cast<T>(x / (1.0f + std::exp(-x)))) * to_float(u[i]));
   }
