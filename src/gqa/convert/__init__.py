@@ -41,8 +41,10 @@ from .methods import (
     check_kv_heads,
     convert_layer,
     layer_weights,
+    local_rope,
     put_layer_weights,
     register_method,
+    rope_config,
 )
 from .refit import refit_convert_state
 from .shards import DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_DTYPES, parse_size
@@ -103,8 +105,9 @@ def convert_state(
     out = dict(state)
     for i in range(cfg.num_layers):
         new = convert_layer(
-            layer_weights(state, i), cfg, kv_heads, method, None if activations is None else activations[i]
-        )
+            layer_weights(state, i), rope_config(cfg, local_rope(cfg, i)), kv_heads, method,
+            None if activations is None else activations[i],
+        )  # fmt: skip
         put_layer_weights(out, i, new)
     return dataclasses.replace(cfg, num_kv_heads=kv_heads), out
 
@@ -370,11 +373,6 @@ def check_conversion(
     source = open_lazy(resolved)
     cfg = source.config
     check_kv_heads(cfg, kv_heads, method)
-    if cfg.gemma and kv_heads < cfg.num_kv_heads:
-        raise ValueError(
-            f"merging the KV heads of a {cfg.arch} model is not supported yet (its calibration runs Llama's layers); "
-            f"kv_heads >= {cfg.num_kv_heads} (exact) is"
-        )
     if heal is not None and kv_heads >= cfg.num_kv_heads:
         raise ValueError(
             f"healing only applies when merging KV heads (kv_heads < {cfg.num_kv_heads}); going to {kv_heads} is exact"

@@ -214,6 +214,17 @@ def _check_result(out: AttentionWeights, w: AttentionWeights, cfg: ModelConfig, 
             raise ValueError(f"method {method!r} returned {name} of shape {got}, expected {shape}")
 
 
+def local_rope(cfg: ModelConfig, layer: int) -> bool:
+    """Whether layer ``layer`` rotates with the local RoPE (Gemma 3's sliding layers), as ``GemmaBackbone`` builds."""
+    return cfg.rope_local_theta is not None and cfg.layer_window(layer) is not None
+
+
+def rope_config(cfg: ModelConfig, local: bool) -> ModelConfig:
+    """``cfg`` with the RoPE a layer rotates by, for the merges that follow RoPE's planes: with ``local`` (Gemma 3's
+    sliding layers) ``rope_local_theta``, unscaled; else ``cfg`` itself."""
+    return replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None) if local else cfg
+
+
 def convert_layer(
     w: AttentionWeights,
     cfg: ModelConfig,

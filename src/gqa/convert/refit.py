@@ -35,12 +35,14 @@ from tqdm.auto import tqdm
 
 from ..attention.module import GroupedQueryAttention
 from ..models.config import ModelConfig
+from ..models.gemma import GemmaDecoderLayer
 from .methods import (
     AttentionWeights,
     check_kv_heads,
     convert_layer,
     layer_weights,
     put_layer_weights,
+    rope_config,
     with_bias_column,
     with_ones_column,
 )
@@ -113,19 +115,35 @@ def _windows(ids: Sequence[int], length: int) -> list[Tensor]:
     return [torch.tensor(p[i : i + per_batch[n]]) for n, p in by_length.items() for i in range(0, len(p), per_batch[n])]
 
 
-def _attention(cfg: ModelConfig, n: int, w: AttentionWeights, rope) -> GroupedQueryAttention:
-    """A ``GroupedQueryAttention`` with ``n`` KV heads holding ``w``."""
-    attn = (
-        GroupedQueryAttention(cfg.hidden_size, cfg.num_heads, n, cfg.head_dim, qkv_bias=cfg.attention_bias, rope=rope)
-        .eval()
-        .to(w.q.device)
-    )
+def _attention(cfg: ModelConfig, n: int, w: AttentionWeights, source: GroupedQueryAttention) -> GroupedQueryAttention:
+    """A ``GroupedQueryAttention`` with ``n`` KV heads holding ``w`` and everything else of the ``source`` layer's
+    attention: RoPE (or none), window, soft-cap, score scale, q/k norms (their weights shared); no ``o_proj`` bias
+    (the refit's targets leave it out)."""
+    norm = source.q_norm
+    attn = GroupedQueryAttention(
+        cfg.hidden_size, cfg.num_heads, n, cfg.head_dim, qkv_bias=cfg.attention_bias, rope=source.rope,
+        window=source.window, softcap=source.softcap, scale=source.scale, qk_norm=norm is not None,
+        norm_eps=1e-6 if norm is None else norm.eps, unit_offset_norm=norm is not None and norm.unit_offset,
+    ).eval().to(w.q.device)  # fmt: skip
     for f in ("q", "k", "v", "o"):
         proj = getattr(attn, f"{f}_proj")
         proj.weight.copy_(getattr(w, f))
         if proj.bias is not None:
             proj.bias.copy_(getattr(w, f"{f}_bias"))
+    if norm is not None:
+        attn.q_norm.weight.copy_(source.q_norm.weight)
+        attn.k_norm.weight.copy_(source.k_norm.weight)
     return attn
+
+
+def layer_output(layer: nn.Module, h: Tensor, attended: Tensor) -> Tensor:
+    """The decoder ``layer``'s output for its input ``h`` and its attention's output ``attended`` (``o_proj``'s, bias
+    included): Llama's residual sums, or Gemma's with the norms after attention and around the MLP."""
+    if isinstance(layer, GemmaDecoderLayer):
+        h = h + layer.post_attention_layernorm(attended)
+        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+    h = h + attended
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def _refit_layer(
@@ -176,30 +194,36 @@ def refit_layer(
     """One step of the sequential refit: merge and refit source layer ``layer`` (a ``DecoderLayer`` holding ``w``)
     on ``hidden``, the converted model's hidden states entering it (``(B, L, E)`` per batch of windows, float32 on
     the layer's device); returns the merged weights and the hidden states leaving the merged layer."""
-    rope = layer.self_attn.rope
+    source = layer.self_attn
+    rope = source.rope
 
-    def cos_sin(length: int) -> tuple[Tensor, Tensor]:
-        return rope.cos_sin(torch.arange(length, device=rope.inv_freq.device))
+    def cos_sin(length: int) -> tuple[Tensor, Tensor] | None:  # None: a layer without RoPE
+        return None if rope is None else rope.cos_sin(torch.arange(length, device=rope.inv_freq.device))
 
     X = [layer.input_layernorm(h) for h in hidden]
     acts = torch.cat([x.flatten(0, 1) for x in X]).cpu()  # the merge's small eigen problems run on the CPU
-    merged = convert_layer(w.to("cpu"), cfg, kv_heads, method, acts).to(w.q.device)
+    merged = convert_layer(
+        w.to("cpu"), rope_config(cfg, getattr(layer, "local_rope", False)), kv_heads, method, acts
+    ).to(w.q.device)
     if QUERY_REFIT:
 
         def probabilities(x: Tensor) -> Tensor:  # the source layer's attention on x: (B, H_q, L, L)
             return layer.self_attn(x, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), need_weights=True)[1]
 
         merged = refit_queries(cfg, w, merged, X, probabilities, ridge)
-    attn = _attention(cfg, kv_heads, merged, rope)
-    targets = [layer.self_attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
+    attn = _attention(cfg, kv_heads, merged, source)
+    targets = [source(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
                .flatten(0, 1) for x in X]  # fmt: skip
-    if attn.o_proj.bias is not None:
-        targets = [t - attn.o_proj.bias for t in targets]
+    o_bias = source.o_proj.bias
+    if o_bias is not None:
+        targets = [t - o_bias for t in targets]
     merged = _refit_layer(cfg, w, merged, attn, X, targets, cos_sin, ridge, value_steps)
-    attn = _attention(cfg, kv_heads, merged, rope)
-    hidden = [h + attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
-              for h, x in zip(hidden, X, strict=True)]  # fmt: skip  # the refit layer's attention
-    return merged, [h + layer.mlp(layer.post_attention_layernorm(h)) for h in hidden]
+    attn = _attention(cfg, kv_heads, merged, source)
+    outputs = []
+    for h, x in zip(hidden, X, strict=True):  # through the refit layer's attention
+        attended = attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
+        outputs.append(layer_output(layer, h, attended if o_bias is None else attended + o_bias))
+    return merged, outputs
 
 
 def check_refit(cfg: ModelConfig, kv_heads: int, method: str, value_steps: int) -> None:
@@ -257,7 +281,7 @@ def refit_convert_state(
     windows = calibration_windows(cfg, calibration_ids, window)
     source = CausalLM.from_state(cfg, state, assign=True)  # shares the tensors: only read
     out = dict(state)
-    hidden = [source.model.embed_tokens(ids) for ids in windows]  # (1, L, E) each: the converted model's stream
+    hidden = [source.model.embed(ids) for ids in windows]  # (B, L, E) each: the converted model's stream
     layers = tqdm(source.model.layers, desc="merge + refit", unit="layer", disable=not progress, file=sys.stderr)
     for i, layer in enumerate(layers):
         w = layer_weights(state, i)

@@ -31,10 +31,19 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..attention.rope import RoPE
 from ..loaders.lazy import LazyModel
 from ..models.config import ModelConfig
 from ..models.llama import decoder_layer, model_rope
-from .methods import check_kv_heads, convert_layer, layer_tensor_names, layer_weights, put_layer_weights
+from .methods import (
+    check_kv_heads,
+    convert_layer,
+    layer_tensor_names,
+    layer_weights,
+    local_rope,
+    put_layer_weights,
+    rope_config,
+)
 from .refit import CALIBRATION_WINDOW, RIDGE, calibration_windows, check_refit, refit_layer
 from .shards import DEFAULT_MAX_SHARD_SIZE, ShardedWriter
 from .value_refit import VALUE_STEPS
@@ -69,13 +78,32 @@ def write_dtypes(source: LazyModel, dtype: torch.dtype | None = None) -> dict[st
     return dict(source.dtypes) if dtype is None else dict.fromkeys(source.shapes, dtype)
 
 
-def _layer(cfg: ModelConfig, tensors: dict[str, Tensor], i: int, rope: torch.nn.Module) -> torch.nn.Module:
-    """Source layer ``i`` as a module holding ``tensors`` (HF names, float32, on the rope's device)."""
+def _layer(
+    cfg: ModelConfig, tensors: dict[str, Tensor], i: int, rope: RoPE, local: RoPE | None = None
+) -> torch.nn.Module:
+    """Source layer ``i`` as a module holding ``tensors`` (HF names, float32, on the rope's device); ``local``: the
+    RoPE of Gemma 3's sliding layers."""
     prefix = f"model.layers.{i}."
     with torch.device("meta"):
-        layer = decoder_layer(cfg, rope, i)
+        layer = decoder_layer(cfg, rope, i, local)
     layer.load_state_dict({n.removeprefix(prefix): t for n, t in tensors.items()}, strict=True, assign=True)
     return layer.eval()
+
+
+def _embedded(cfg: ModelConfig, ids: Tensor, embed: Tensor) -> Tensor:
+    """The first layer's input for token ids ``ids``: their embeddings, scaled by ``sqrt(hidden_size)`` for Gemma
+    (in the embeddings' dtype, as ``GemmaBackbone.embed``)."""
+    x = F.embedding(ids.to(embed.device), embed)
+    return x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype) if cfg.gemma else x
+
+
+def _rotations(cfg: ModelConfig, rope: RoPE, local: RoPE | None, length: int) -> tuple:
+    """What a layer's forward takes for positions ``0..length-1``: ``(cos, sin)``, or Gemma's (global, local) pair."""
+    positions = torch.arange(length, device=rope.inv_freq.device)
+    glob = rope.cos_sin(positions)
+    if not cfg.gemma:
+        return glob
+    return glob, glob if local is None else local.cos_sin(positions)
 
 
 @torch.no_grad()
@@ -143,26 +171,27 @@ def stream_convert(
     embed_name = "model.embed_tokens.weight"
     embed = source.read([embed_name])[embed_name]
     write({embed_name: embed})
-    hidden = [F.embedding(ids.to(embed.device), embed).to(device, torch.float32) for ids in windows]
+    hidden = [_embedded(cfg, ids, embed).to(device, torch.float32) for ids in windows]
     del embed
     rope = model_rope(cfg).to(device)
+    local = model_rope(cfg, local=True).to(device) if cfg.rope_local_theta is not None else None
     bar = tqdm(range(cfg.num_layers), desc="merge + refit" if refit else "convert", unit="layer",
                disable=not progress, file=sys.stderr, dynamic_ncols=True)  # fmt: skip
     for i in bar:
         stored = source.read(n for n in source.shapes if n.startswith(f"model.layers.{i}."))
         tensors = {n: t.to(device, torch.float32) for n, t in stored.items()}
         del stored
-        layer = _layer(cfg, tensors, i, rope)
+        layer = _layer(cfg, tensors, i, rope, local)
         w = layer_weights(tensors, i)
         if refit:
             merged, hidden = refit_layer(cfg, layer, w, hidden, kv_heads, method, ridge=ridge, value_steps=value_steps)
         else:
             acts = None
             if hidden:
-                cos_sin = [rope.cos_sin(torch.arange(h.shape[1], device=device)) for h in hidden]
+                rotations = [_rotations(cfg, rope, local, h.shape[1]) for h in hidden]
                 acts = torch.cat([layer.input_layernorm(h).flatten(0, 1) for h in hidden]).cpu()  # (T, E)
-                hidden = [layer(h, None, cs, None) for h, cs in zip(hidden, cos_sin, strict=True)]
-            merged = convert_layer(w.to("cpu"), cfg, kv_heads, method, acts)
+                hidden = [layer(h, None, r, None) for h, r in zip(hidden, rotations, strict=True)]
+            merged = convert_layer(w.to("cpu"), rope_config(cfg, local_rope(cfg, i)), kv_heads, method, acts)
         put_layer_weights(tensors, i, merged)
         write(tensors)
         del tensors, layer, w, merged

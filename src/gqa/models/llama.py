@@ -227,11 +227,12 @@ class CausalLM(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def decoder_layer(cfg: ModelConfig, rope: RoPE, layer: int) -> nn.Module:
-    """Layer ``layer`` of ``cfg``'s family with every layer rotating by ``rope`` (Gemma 3's sliding layers have a
-    base of their own: its backbone builds those; this is for a layer's weights, as ``gqa convert`` streams them)."""
+def decoder_layer(cfg: ModelConfig, rope: RoPE, layer: int, local_rope: RoPE | None = None) -> nn.Module:
+    """Layer ``layer`` of ``cfg``'s family rotating by ``rope``, or for Gemma 3's sliding layers by ``local_rope``
+    where given (as ``gqa convert`` streams a model a layer at a time; the backbone builds its own)."""
     if cfg.gemma:
-        return GemmaDecoderLayer(cfg, rope, layer, local_rope=False)
+        local = local_rope is not None and cfg.layer_window(layer) is not None
+        return GemmaDecoderLayer(cfg, local_rope if local else rope, layer, local_rope=local)
     return DecoderLayer(cfg, rope, layer)
 
 
