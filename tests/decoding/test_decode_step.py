@@ -147,7 +147,7 @@ def test_native_step_equals_the_eager_step(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [None, "q4_1", "q5_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_call_per_step_equals_a_call_per_layer(tmp_path, monkeypatch, dtype, quantized, arch):
     """``gqa::decode_model`` (every layer, the final norm and lm_head in one native call) runs the per-layer ops in
@@ -158,7 +158,7 @@ def test_one_call_per_step_equals_a_call_per_layer(tmp_path, monkeypatch, dtype,
     hf_model(tmp_path, arch, 6, 2, 10)
     model = gqa.load_model(tmp_path, dtype=dtype, tokenizer=False)
     if quantized:
-        quantize_model(model, "q4_1")
+        quantize_model(model, quantized)
     whole = []
     real = decode_step.decode_weights
 

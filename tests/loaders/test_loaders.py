@@ -643,3 +643,28 @@ def test_config_options_this_model_lacks_are_refused(key, value, match):
     arch = "qwen2" if key == "use_sliding_window" else "llama"
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({"model_type": arch, **REQUIRED, key: value})
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
+def test_q5_gguf_weights_stay_in_their_blocks_and_match_their_float_twin(tmp_path, qtype):
+    """Q5_0 (what llama.cpp's Q4_K_M writes for rows not a multiple of 256) and Q5_1 projections are kept as blocks
+    with ``dtype="auto"`` (the native kernels multiply them) and give the logits of the same weights dequantized,
+    within the int8 rounding of the activations; the decode steps agree with each other on greedy tokens."""
+    from gqa.models.quantized import QuantizedLinear
+
+    model = tiny_hf("llama", hidden_size=64, intermediate_size=128)
+    path = write_model_gguf(tmp_path / "m.gguf", model, lambda n: qtype if n.endswith("proj.weight") else Q.F32)
+    kept = gqa.load_model(path, tokenizer=False, dtype="auto")
+    dense = gqa.load_model(path, tokenizer=False, dtype=kept.dtype)  # the blocks dequantized, same compute dtype
+    layers = [m for m in kept.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 2 * 7 and {m.format.name for m in layers} == {qtype.name.lower()}
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = dense(ids).float(), kept(ids).float()
+        step = [kept(ids[:, :1], caches=kept.new_caches(2, 4)).float()]  # one row at a time: the kernel's path
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (step[0][:, 0] - want[:, 0]).abs().max() < 0.05 * want.abs().max()
+    prompt = [3, 7, 1, 9]
+    assert kept.generate(prompt, max_new_tokens=8, eos_token_ids=[]) == dense.generate(
+        prompt, max_new_tokens=8, eos_token_ids=[]
+    )

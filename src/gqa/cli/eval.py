@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_dtype_argument(
         parser, "--dtype", choices=EVAL_DTYPES, keywords=("auto",), default="fp32",
-        help="weight dtype; auto: as gqa generate's default (bf16 where native, a GGUF's q8_0/q4_0/q4_1 blocks kept)",
+        help="weight dtype; auto: as gqa generate's default (bf16 where native, a GGUF's q8_0/q4_*/q5_* blocks kept)",
     )  # fmt: skip
     parser.add_argument(
         "--quantize",

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``gqa serve`` on ``parser``."""
     add_model_arguments(
         parser,
-        "weight dtype; auto: bf16 where the CPU multiplies bf16 natively, else fp32, and a GGUF's q8_0/q4_0/q4_1 "
+        "weight dtype; auto: bf16 where the CPU multiplies bf16 natively, else fp32, and a GGUF's q8_0/q4_*/q5_* "
         "weights stay quantized; the KV cache is in the activations' dtype",
         auto=True,
     )

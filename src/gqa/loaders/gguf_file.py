@@ -1,6 +1,6 @@
 """Read a llama.cpp GGUF file (llama, qwen2/3, gemma2/3, smollm3: ``gguf_meta.GGUF_ARCHITECTURES``) as a
 ``ModelConfig`` and tensors with HF names: float tensors and kept quantized blocks are views of the file's memory map
-(``gguf_reader``), other blocks are dequantized (the native kernels for Q8_0/Q4_0/Q4_1, ``gguf.quants`` for the rest).
+(``gguf_reader``), other blocks are dequantized (the native kernels for Q8_0/Q4_*/Q5_*, ``gguf.quants`` for the rest).
 
 Three layout facts: GGUF lists a tensor's dims fastest-first (``ne0`` = columns), the reverse of torch's shape;
 llama.cpp's converter reorders the rows of each llama/smollm3 q/k head from HF's rotate-half order to interleaved
@@ -103,9 +103,9 @@ def read_gguf(path: str | Path | GGUFFile, *, keep_quantized: bool = False) -> t
     -------
     (ModelConfig, dict) : the config, and HF-named float32 tensors in torch layout (``lm_head.weight`` only when the
     file has ``output.weight``); llama q/k rows are put back in HF order. With ``keep_quantized``, 2-D weights stored
-    as Q8_0, Q4_0 or Q4_1 come as ``gqa.models.quantized.QuantizedTensor`` (their blocks as they are, rows reordered
-    like the float ones) instead of float tensors. F32 tensors and kept blocks are copy-on-write views of the file's
-    memory map: nothing is copied for them, and writing to them never changes the file.
+    as Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 come as ``gqa.models.quantized.QuantizedTensor`` (their blocks as they are,
+    rows reordered like the float ones) instead of float tensors. F32 tensors and kept blocks are copy-on-write views
+    of the file's memory map: nothing is copied for them, and writing to them never changes the file.
 
     Raises
     ------

@@ -1,12 +1,15 @@
-"""Block-quantized weights (GGUF ``Q8_0``, ``Q4_0``, ``Q4_1``) kept as they are in memory.
+"""Block-quantized weights (GGUF ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``) kept as they are in memory.
 
-Decoding streams every weight once per token, so the bytes per weight set the speed: 8.5 bits (q8_0), 4.5 (q4_0) or
-5 (q4_1) instead of 16 (bf16) or 32. A weight ``(M, K)`` is ``M`` rows of ``K / 32`` blocks of 32 values (one
-``float16`` scale ``d``, for q4_1 also a minimum ``m``):
+Decoding streams every weight once per token, so the bytes per weight set the speed: 8.5 bits (q8_0), 4.5 (q4_0),
+5 (q4_1), 5.5 (q5_0) or 6 (q5_1) instead of 16 (bf16) or 32. (Q5_0 is what llama.cpp's Q4_K_M quantizer writes for
+rows that are not a multiple of 256 values, e.g. every matrix of SmolLM2-135M.) A weight ``(M, K)`` is ``M`` rows of
+``K / 32`` blocks of 32 values (one ``float16`` scale ``d``, for q4_1 and q5_1 also a minimum ``m``):
 
 * ``q8_0`` — 34 bytes: ``d``, 32 ``int8`` ``q``;                ``w = d * q``
 * ``q4_0`` — 18 bytes: ``d``, 16 bytes of 4-bit ``q``;           ``w = d * (q - 8)``
 * ``q4_1`` — 20 bytes: ``d``, ``m``, 16 bytes of 4-bit ``q``;    ``w = d * q + m``
+* ``q5_0`` — 22 bytes: ``d``, 4 bytes of fifth bits, 16 bytes of low nibbles;   ``w = d * (q - 16)``
+* ``q5_1`` — 24 bytes: ``d``, ``m``, 4 bytes of fifth bits, 16 bytes of low nibbles;   ``w = d * q + m``
 
 ``QuantizedLinear`` multiplies a few rows (decode) with the native kernel ``gqa::qlinear_rows_n``, which quantizes
 each 32-value block of the input to ``int8`` and takes integer dot products with the blocks (llama.cpp's scheme), and
@@ -42,11 +45,13 @@ class Format:
         return 8 * self.block_bytes / BLOCK
 
 
-FORMATS: dict[str, Format] = {f.name: f for f in (Format("q8_0", 0, 34), Format("q4_0", 1, 18), Format("q4_1", 2, 20))}
+_CODES = {"q8_0": (0, 34), "q4_0": (1, 18), "q4_1": (2, 20), "q5_0": (3, 22), "q5_1": (4, 24)}  # code, block bytes
+FORMATS: dict[str, Format] = {name: Format(name, code, size) for name, (code, size) in _CODES.items()}
 
 
 def get_format(name: str) -> Format:
-    """The ``Format`` called ``name`` (``"q8_0"``, ``"q4_0"``, ``"q4_1"``, any case); ``ValueError`` otherwise."""
+    """The ``Format`` called ``name`` (``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, any case);
+    ``ValueError`` otherwise."""
     fmt = FORMATS.get(str(name).lower())
     if fmt is None:
         raise ValueError(f"unknown quantization format {name!r}; choose from {', '.join(FORMATS)}")

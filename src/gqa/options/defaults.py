@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 # gqa.models.quantized.FORMATS: the block formats weights are quantized to
-QUANT_FORMATS = ("q8_0", "q4_0", "q4_1")
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 # gqa.evaluation.perplexity and gqa.evaluation.suite (gqa eval)
 DEFAULT_WINDOW = 512

@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtypes", nargs="+", type=dtype_type(FLOAT_DTYPES, QUANTIZED), default=["fp32", "bf16", "q4_1"],
         metavar="DTYPE",
-        help="weights: fp32, bf16, or a block format q8_0, q4_0, q4_1 (a GGUF's own blocks when the file is in that "
-        "format, else quantized on load; activations bf16 where the CPU has native bf16)",
+        help="weights: fp32, bf16, or a block format q8_0, q4_0, q4_1, q5_0, q5_1 (a GGUF's own blocks when the file "
+        "is in that format, else quantized on load; activations bf16 where the CPU has native bf16)",
     )  # fmt: skip
     parser.add_argument(
         "--engines", nargs="+", choices=ENGINES, default=None,

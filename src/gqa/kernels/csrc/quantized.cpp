@@ -4,7 +4,10 @@
 //   q8_0 (34 bytes): fp16 d, 32 int8 q            w = d * q
 //   q4_0 (18 bytes): fp16 d, 16 bytes of nibbles  w = d * (q - 8)
 //   q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes      w = d * q + m
-// (nibbles: byte j holds weight j in its low 4 bits and weight j + 16 in its high 4 bits).
+//   q5_0 (22 bytes): fp16 d, 4 bytes qh, 16 bytes  w = d * (q - 16)
+//   q5_1 (24 bytes): fp16 d, fp16 m, 4 bytes qh, 16 bytes      w = d * q + m
+// (nibbles: byte j holds weight j in its low 4 bits and weight j + 16 in its high 4 bits; 5-bit q: bit i of the
+// little-endian 32-bit qh is weight i's fifth bit, value 16).
 //
 //   gqa::qlinear_rows_n(x (N, K), blocks [(M_i, K / 32 * bytes)], formats [int], biases [(M_i,)?]) -> [(N, M_i)]
 //       y = x @ dequant(W)^T + bias for a few rows N (decode), as llama.cpp computes it: each 32-value block of x is
@@ -19,7 +22,7 @@
 //   gqa::dequantize_rows(blocks (M, K / 32 * bytes), format, K, dtype) -> (M, K) of dtype
 //       the float weights (prefill, embedding rows), exactly d * q (+ m) rounded to dtype.
 //
-// x and y are float32 or bfloat16; formats: 0 = q8_0, 1 = q4_0, 2 = q4_1.
+// x and y are float32 or bfloat16; formats: 0 = q8_0, 1 = q4_0, 2 = q4_1, 3 = q5_0, 4 = q5_1.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,17 +47,29 @@ namespace {
 using at::BFloat16;
 
 constexpr int64_t QK = 32;  // weights per block
-enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4 };
 
 int64_t block_bytes(int64_t format) {
   switch (format) {
     case Q8_0: return 34;
     case Q4_0: return 18;
     case Q4_1: return 20;
-    default: TORCH_CHECK(false, "gqa: unknown quantization format code ", format, " (0 q8_0, 1 q4_0, 2 q4_1)");
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    default:
+      TORCH_CHECK(false, "gqa: unknown quantization format code ", format,
+                  " (0 q8_0, 1 q4_0, 2 q4_1, 3 q5_0, 4 q5_1)");
   }
   return 0;
 }
+
+// Where a block's parts are: the minimum m (q4_1, q5_1) follows d; the fifth bits (q5_*) come before the nibbles.
+constexpr bool has_min(int64_t f) { return f == Q4_1 || f == Q5_1; }
+constexpr bool five_bit(int64_t f) { return f == Q5_0 || f == Q5_1; }
+constexpr int64_t high_bits_at(int64_t f) { return has_min(f) ? 4 : 2; }
+constexpr int64_t nibbles_at(int64_t f) { return high_bits_at(f) + (five_bit(f) ? 4 : 0); }
+// The offset of q in w = d * (q - offset) (formats without m): 8 (q4_0), 16 (q5_0).
+constexpr float q_offset(int64_t f) { return f == Q5_0 ? 16.0f : 8.0f; }
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -117,12 +132,23 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   return r;
 }
 
+// The unsigned q of weight i of a 4- or 5-bit block.
+inline int32_t small_q(const uint8_t* blk, int64_t format, int64_t i) {
+  const uint8_t byte = blk[nibbles_at(format) + (i % 16)];
+  int32_t q = i < 16 ? (byte & 0x0F) : (byte >> 4);
+  if (five_bit(format)) {
+    uint32_t qh;
+    std::memcpy(&qh, blk + high_bits_at(format), 4);
+    q |= static_cast<int32_t>((qh >> i) & 1u) << 4;
+  }
+  return q;
+}
+
 // Weight i of a block, d * q (+ m), as dequantize_rows gives it in float32.
 inline float weight_at(const uint8_t* blk, int64_t format, float d, int64_t i) {
   if (format == Q8_0) return d * static_cast<float>(static_cast<int8_t>(blk[2 + i]));
-  const float m = format == Q4_1 ? half_at(blk + 2) : -8.0f * d;
-  const uint8_t byte = blk[(format == Q4_1 ? 4 : 2) + (i % 16)];
-  return d * static_cast<float>(i < 16 ? (byte & 0x0F) : (byte >> 4)) + m;
+  const float m = has_min(format) ? half_at(blk + 2) : -q_offset(format) * d;
+  return d * static_cast<float>(small_q(blk, format, i)) + m;
 }
 
 // buf (N, rows) += the float dot products of the input blocks the integer path leaves out (xr.nonfinite) with
@@ -161,14 +187,31 @@ inline __m256i nibbles(const uint8_t* qs) {
   const __m128i mask = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
 }
+
+// 16 in byte i where bit i of the 32 bits at qh is set, else 0: byte i takes byte i / 8 of qh (every 128-bit lane
+// holds all four), then keeps its bit i % 8.
+inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
 #endif
 
-constexpr int64_t block_bytes_of(int F) { return F == Q8_0 ? 34 : F == Q4_0 ? 18 : 20; }
+constexpr int64_t block_bytes_of(int F) {
+  return F == Q8_0 ? 34 : F == Q4_0 ? 18 : F == Q4_1 ? 20 : F == Q5_0 ? 22 : 24;
+}
 
-// The constant term a weight block adds per unit of the input block's sum: m (q4_1), -8 d (q4_0), 0 (q8_0).
+// The constant term a weight block adds per unit of the input block's sum: m (q4_1, q5_1), -8 d (q4_0), -16 d (q5_0),
+// 0 (q8_0).
 template <int F>
 inline float block_min(const uint8_t* blk, float dw) {
-  return F == Q4_1 ? half_at(blk + 2) : F == Q4_0 ? -8.0f * dw : 0.0f;
+  if constexpr (F == Q8_0) return 0.0f;
+  if constexpr (has_min(F)) return half_at(blk + 2);
+  return -q_offset(F) * dw;
 }
 
 // Every kernel below gives row n of x and weight row w the same float sum, whatever the other rows: per block b,
@@ -185,8 +228,10 @@ inline __m256i block_dot(const uint8_t* blk, const int8_t* xq) {
   if constexpr (F == Q8_0) {
     const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     return dot_u8s8(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(x, wq));
+  } else if constexpr (five_bit(F)) {  // q <= 31: |u * s| <= 31 * 128, no saturation in maddubs
+    return dot_u8s8(_mm256_or_si256(nibbles(blk + nibbles_at(F)), fifth_bits(blk + high_bits_at(F))), x);
   } else {
-    return dot_u8s8(nibbles(blk + (F == Q4_1 ? 4 : 2)), x);
+    return dot_u8s8(nibbles(blk + nibbles_at(F)), x);
   }
 }
 
@@ -246,8 +291,9 @@ inline float dot1(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t
                            block_dot<F>(blk + 2 * BYTES, xb + 2 * QK), block_dot<F>(blk + 3 * BYTES, xb + 3 * QK));
     const __m128 dw = halves4(blk, BYTES);
     acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(dw, _mm_loadu_ps(d + b)), acc);
-    if constexpr (F == Q4_1) mins = _mm_fmadd_ps(halves4(blk + 2, BYTES), _mm_loadu_ps(ds + b), mins);
-    if constexpr (F == Q4_0) mins = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(-8.0f), dw), _mm_loadu_ps(ds + b), mins);
+    if constexpr (has_min(F)) mins = _mm_fmadd_ps(halves4(blk + 2, BYTES), _mm_loadu_ps(ds + b), mins);
+    if constexpr (F == Q4_0 || F == Q5_0)
+      mins = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(-q_offset(F)), dw), _mm_loadu_ps(ds + b), mins);
   }
   if (b < nb) {  // the last 1-3 blocks; the other lanes add 0 * 0
     __m256i dots[4];
@@ -284,8 +330,7 @@ inline float dot1(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t
       if constexpr (F == Q8_0) {
         q = static_cast<int8_t>(blk[2 + i]);
       } else {
-        const uint8_t byte = blk[(F == Q4_1 ? 4 : 2) + (i % 16)];
-        q = i < 16 ? (byte & 0x0F) : (byte >> 4);
+        q = small_q(blk, F, i);
       }
       dot += q * x[b * QK + i];
     }
@@ -321,7 +366,9 @@ void rows_dot(const uint8_t* w, int64_t format, int64_t rows, int64_t K, const Q
   switch (format) {
     case Q8_0: qdot_rows<Q8_0>(w, rows, row_bytes, xr, N, K, buf); break;
     case Q4_0: qdot_rows<Q4_0>(w, rows, row_bytes, xr, N, K, buf); break;
-    default: qdot_rows<Q4_1>(w, rows, row_bytes, xr, N, K, buf); break;
+    case Q4_1: qdot_rows<Q4_1>(w, rows, row_bytes, xr, N, K, buf); break;
+    case Q5_0: qdot_rows<Q5_0>(w, rows, row_bytes, xr, N, K, buf); break;
+    default: qdot_rows<Q5_1>(w, rows, row_bytes, xr, N, K, buf); break;
   }
   if (!xr.nonfinite.empty()) add_float_blocks(x, xr, K, w, format, rows, row_bytes, buf);
 }
@@ -414,9 +461,11 @@ void dequantize_impl(const uint8_t* w, int64_t format, int64_t M, int64_t K, T* 
         const float d = half_at(blk);
         if (format == Q8_0) {
           for (int64_t i = 0; i < QK; ++i) o[i] = static_cast<T>(d * static_cast<float>(static_cast<int8_t>(blk[2 + i])));
+        } else if (five_bit(format)) {
+          for (int64_t i = 0; i < QK; ++i) o[i] = static_cast<T>(weight_at(blk, format, d, i));
         } else {
-          const float m = format == Q4_1 ? half_at(blk + 2) : -8.0f * d;
-          const uint8_t* qs = blk + (format == Q4_1 ? 4 : 2);
+          const float m = has_min(format) ? half_at(blk + 2) : -8.0f * d;
+          const uint8_t* qs = blk + nibbles_at(format);
           for (int64_t i = 0; i < 16; ++i) {
             o[i] = static_cast<T>(d * static_cast<float>(qs[i] & 0x0F) + m);
             o[i + 16] = static_cast<T>(d * static_cast<float>(qs[i] >> 4) + m);
