@@ -7,14 +7,20 @@ namespace gqa_cpu {
 
 using namespace gqa_simd;
 
+// 1 / rms(x) of one row of E values, in float32: 1 / sqrt(mean(x^2) + eps).
+template <typename T>
+inline float inv_rms(const T* x, int64_t E, float eps) {
+  float ss = 0.0f;
+  for (int64_t e = 0; e < E; ++e) ss += to_float(x[e]) * to_float(x[e]);
+  return 1.0f / std::sqrt(ss / static_cast<float>(E) + eps);
+}
+
 // y = w * T(x / rms(x)), the rms in float32 (HF's RMSNorm). x (N, E), w (E,), both of one dtype.
 template <typename T>
 void rms_norm_impl(const T* x, const T* w, T* y, int64_t N, int64_t E, float eps) {
   for (int64_t n = 0; n < N; ++n) {
     const T* xn = x + n * E;
-    float ss = 0.0f;
-    for (int64_t e = 0; e < E; ++e) ss += to_float(xn[e]) * to_float(xn[e]);
-    const float r = 1.0f / std::sqrt(ss / static_cast<float>(E) + eps);
+    const float r = inv_rms(xn, E, eps);
     for (int64_t e = 0; e < E; ++e)
       y[n * E + e] = static_cast<T>(to_float(w[e]) * to_float(static_cast<T>(to_float(xn[e]) * r)));
   }
@@ -43,9 +49,7 @@ template <typename T>
 void rms_norm_offset_impl(const T* x, const T* w, T* y, int64_t N, int64_t E, float eps) {
   for (int64_t n = 0; n < N; ++n) {
     const T* xn = x + n * E;
-    float ss = 0.0f;
-    for (int64_t e = 0; e < E; ++e) ss += to_float(xn[e]) * to_float(xn[e]);
-    const float r = 1.0f / std::sqrt(ss / static_cast<float>(E) + eps);
+    const float r = inv_rms(xn, E, eps);
     for (int64_t e = 0; e < E; ++e) y[n * E + e] = static_cast<T>(to_float(xn[e]) * r * (1.0f + to_float(w[e])));
   }
 }
