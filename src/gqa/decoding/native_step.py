@@ -48,12 +48,11 @@ def applies(model: torch.nn.Module, input_ids: torch.Tensor, caches: list | None
     if rope.interleaved or rope.rotary_dim != rope.head_dim or not kernels.vectorized():
         return False
     first = caches[0]
-    kinds = (StaticKVCache, WindowKVCache) if whole_model(model) else StaticKVCache
+    static = all(isinstance(c, StaticKVCache) for c in caches)  # window caches: only the one call reads them
+    if not static and not (all(isinstance(c, (StaticKVCache, WindowKVCache)) for c in caches) and whole_model(model)):
+        return False
     return (
-        all(isinstance(c, kinds) for c in caches)
-        and first.key.dtype == model.dtype
-        and first.key.shape[0] == input_ids.shape[0]
-        and first.seq_len < first.capacity
+        first.key.dtype == model.dtype and first.key.shape[0] == input_ids.shape[0] and first.seq_len < first.capacity
     )
 
 
