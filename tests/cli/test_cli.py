@@ -214,7 +214,7 @@ def test_every_command_takes_the_same_dtype_spellings(args, dest, value):
             "--dtype: dtype 'float16' is not supported here; choose from auto, fp32, bf16",
         ),
         (("convert", "d", "--kv-heads", "1", "--heal-precision", "fp16"), "choose from auto, bf16, fp32"),
-        (("bench", "model", "--dtypes", "fp16"), "choose from q8_0, q4_0, q4_1, q5_0, q5_1, fp32, bf16"),
+        (("bench", "model", "--dtypes", "fp16"), "choose from q8_0, q4_0, q4_1, q5_0, q5_1, gguf, fp32, bf16"),
     ],
 )
 def test_unknown_or_unsupported_dtypes_are_errors(capsys, args, message):

@@ -17,6 +17,8 @@ import gguf
 import numpy as np
 import torch
 
+from .k_quants import quantize
+
 GGUF_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3", "smollm3": "smollm3", "qwen3": "qwen3"}
 
 
@@ -86,7 +88,7 @@ def write_family_gguf(path: Path, model: torch.nn.Module, qtype=lambda name: ggu
         if kind == gguf.GGMLQuantizationType.F32:
             w.add_tensor(target, x)
         else:
-            w.add_tensor(target, gguf.quants.quantize(x, kind), raw_dtype=kind)
+            w.add_tensor(target, quantize(x, kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,5 +1,6 @@
 """Block-quantized weights (``gqa.models.quantized``): the kernels against ``gguf.quants`` (llama.cpp's reference
-quantizer/dequantizer) and float64 references, the modules, and the SmolLM2 Q4_1 GGUF kept quantized."""
+quantizer/dequantizer; the K formats' blocks from ``tests.helpers.k_quants``) and float64 references, the modules,
+and the SmolLM2 Q4_1 GGUF kept quantized."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import gqa
 from gqa import kernels
 from gqa.models.quantized import (
     FORMATS,
+    QUANTIZABLE,
     QuantizedLinear,
     QuantizedTensor,
     dequantize,
@@ -20,14 +22,22 @@ from gqa.models.quantized import (
 )
 
 gguf = pytest.importorskip("gguf")
+from tests.helpers.k_quants import quantize as quantize_blocks  # noqa: E402 (needs gguf)
+
 native = pytest.mark.skipif(not kernels.vectorized(), reason="native SIMD kernels not built on this machine")
 
 
+def width(fmt: str, blocks: int) -> int:
+    """K of ``blocks`` of the format's blocks (32 values, or 256 for the K formats)."""
+    return blocks * FORMATS[fmt].block_values
+
+
 def reference_blocks(M: int, K: int, fmt: str, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
-    """Blocks made by gguf's quantizer, and gguf's own float64 dequantization of them ``(M, K)``."""
+    """Blocks made by gguf's quantizer (or the test's own K-format quantizer), and gguf's own float64 dequantization
+    of them ``(M, K)``."""
     w = np.random.default_rng(seed).standard_normal((M, K)).astype(np.float32)
     kind = gguf.GGMLQuantizationType[fmt.upper()]
-    blocks = gguf.quants.quantize(w, kind)
+    blocks = quantize_blocks(w, kind)
     return torch.from_numpy(blocks.reshape(M, -1).copy()), gguf.quants.dequantize(blocks, kind).astype(np.float64)
 
 
@@ -42,9 +52,10 @@ def quantized_inputs(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dequantize_is_ggufs_exactly(fmt, dtype):
-    blocks, ref = reference_blocks(37, 96, fmt)
-    out = dequantize(blocks, get_format(fmt), 96, dtype)
-    assert out.dtype == dtype and out.shape == (37, 96)
+    K = width(fmt, 3)
+    blocks, ref = reference_blocks(37, K, fmt)
+    out = dequantize(blocks, get_format(fmt), K, dtype)
+    assert out.dtype == dtype and out.shape == (37, K)
     assert torch.equal(out, torch.from_numpy(ref).to(dtype))
 
 
@@ -52,7 +63,7 @@ def test_dequantize_is_ggufs_exactly(fmt, dtype):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 5, 8])
 def test_quantized_gemv_against_float64(fmt, rows):
-    M, K = 37, 160  # odd row count, 5 blocks per row
+    M, K = 37, width(fmt, 5)  # odd row count, 5 blocks per row
     blocks, ref = reference_blocks(M, K, fmt, seed=rows)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0.0  # an all-zero block (scale 0)
@@ -70,33 +81,62 @@ def test_quantized_gemv_against_float64(fmt, rows):
 def test_quantized_gemv_in_bfloat16_and_several_matrices_at_once(fmt):
     from gqa.models.quantized import quantized_linears
 
-    blocks = {M: reference_blocks(M, 64, fmt, seed=M)[0] for M in (24, 8, 40)}
-    layers = [QuantizedLinear(QuantizedTensor(b, get_format(fmt), (M, 64))) for M, b in blocks.items()]
-    x = torch.randn(2, 3, 64).bfloat16()  # leading batch dims
+    K = width(fmt, 2)
+    blocks = {M: reference_blocks(M, K, fmt, seed=M)[0] for M in (24, 8, 40)}
+    layers = [QuantizedLinear(QuantizedTensor(b, get_format(fmt), (M, K))) for M, b in blocks.items()]
+    x = torch.randn(2, 3, K).bfloat16()  # leading batch dims
     outs = quantized_linears(x, layers)
     for layer, out in zip(layers, outs, strict=True):
         assert out.dtype == torch.bfloat16 and out.shape == (2, 3, layer.out_features)
-        exact = quantized_inputs(x.float()) @ dequantize(layer.blocks, layer.format, 64).double().T
+        exact = quantized_inputs(x.float()) @ dequantize(layer.blocks, layer.format, K).double().T
         torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=1e-2)
+
+
+@native
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(fmt, dtype):
+    """Serving's batch invariance: each of 7 rows (a group of four, then three alone in the kernel) equals the same
+    row computed alone, whatever the number of threads (1-3) splitting the weight rows."""
+    M, K = 45, width(fmt, 3)
+    layer = QuantizedLinear(QuantizedTensor(reference_blocks(M, K, fmt, seed=9)[0], get_format(fmt), (M, K)))
+    x = torch.randn(7, K, generator=torch.Generator().manual_seed(9)).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            outs = []
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                outs.append(layer(x))
+                for r in range(7):
+                    assert torch.equal(layer(x[r : r + 1])[0], outs[-1][r]), f"row {r} alone, {n} threads"
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_prefill_goes_through_the_dequantized_weight(fmt):
-    blocks, ref = reference_blocks(16, 64, fmt)
-    layer = QuantizedLinear(QuantizedTensor(blocks, get_format(fmt), (16, 64)))
-    x = torch.randn(3, 12, 64)  # 36 rows: a GEMM, no activation rounding
+    K = width(fmt, 2)
+    blocks, ref = reference_blocks(16, K, fmt)
+    layer = QuantizedLinear(QuantizedTensor(blocks, get_format(fmt), (16, K)))
+    x = torch.randn(3, 12, K)  # 36 rows: a GEMM, no activation rounding
     torch.testing.assert_close(layer(x).double(), x.double() @ torch.from_numpy(ref).T, atol=1e-4, rtol=1e-5)
 
 
 def test_quantize_matches_ggufs_quantizer_and_bad_inputs_are_named():
     w = torch.randn(8, 64)
-    for fmt in FORMATS:
+    for fmt in QUANTIZABLE:
         q = quantize(w, fmt)
         assert q.blocks.shape == (8, 2 * FORMATS[fmt].block_bytes)
         expected = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[fmt.upper()]).reshape(8, -1)
         assert np.array_equal(q.blocks.numpy(), expected)
-    with pytest.raises(ValueError, match="unknown quantization format 'q5_k'; choose from q8_0, q4_0, q4_1"):
-        get_format("q5_k")
+    with pytest.raises(ValueError, match="unknown quantization format 'q3_k'; choose from q8_0, q4_0, q4_1"):
+        get_format("q3_k")
+    with pytest.raises(ValueError, match="q4_k blocks come from GGUF files only"):
+        quantize(torch.randn(8, 256), "q4_k")
+    with pytest.raises(ValueError, match=r"a q6_k weight needs K divisible by 256, got shape \(8, 64\)"):
+        QuantizedTensor(torch.zeros(8, 52, dtype=torch.uint8), FORMATS["q6_k"], (8, 64))
     with pytest.raises(ValueError, match=r"K divisible by 32, got \(8, 48\)"):
         quantize(torch.randn(8, 48), "q8_0")
     with pytest.raises(ValueError, match=r"q4_0 blocks of a \(8, 64\) weight must be uint8 \(8, 36\), got torch.uint8"):

@@ -18,6 +18,7 @@ from gqa.models.quantized import (
     FORMATS,
     QuantizedEmbedding,
     QuantizedLinear,
+    QuantizedTensor,
     dequantize,
     quantize,
     quantize_model,
@@ -26,15 +27,23 @@ from gqa.models.quantized import (
 )
 
 gguf = pytest.importorskip("gguf")
+from tests.helpers.k_quants import quantize as quantize_blocks  # noqa: E402 (needs gguf)
+
 native = pytest.mark.skipif(not kernels.vectorized(), reason="native SIMD kernels not built on this machine")
 
-M, K = 37, 160  # odd row count, 5 blocks per row
+M, K = 37, 512  # odd row count, 16 blocks (2 super-blocks of the K formats) per row
+
+
+def blocks_of(w: torch.Tensor, fmt: str) -> QuantizedTensor:
+    """``w`` in ``fmt``: gguf's quantizer, or the test's own for the K formats."""
+    blocks = quantize_blocks(w.numpy(), gguf.GGMLQuantizationType[fmt.upper()])
+    return QuantizedTensor(torch.from_numpy(blocks), FORMATS[fmt], tuple(w.shape))
 
 
 def layer_of(fmt: str, seed: int = 0, m: int = M, bias: bool = True) -> QuantizedLinear:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(m, K, generator=g)
-    return QuantizedLinear(quantize(w, fmt), torch.randn(m, generator=g) if bias else None)
+    return QuantizedLinear(blocks_of(w, fmt), torch.randn(m, generator=g) if bias else None)
 
 
 def reference(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -76,9 +85,9 @@ def test_infinite_inputs_give_what_the_float_product_gives(fmt, dtype):
     with torch.no_grad():  # zero weights in column 7: inf * 0 is NaN in the float product
         w = layer.quantized().dequantize()
         w[::4, 7] = 0.0
-        layer = QuantizedLinear(quantize(w, fmt), layer.bias)
+        layer = QuantizedLinear(blocks_of(w, fmt), layer.bias)
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(4)).to(dtype)
-    x[0, 7] = float("inf")  # +-inf per output, NaN where w = 0 (q8_0, q4_0, q5_0)
+    x[0, 7] = float("inf")  # +-inf per output, NaN where w = 0 (q8_0, q4_0, q5_0, q6_k)
     x[2, 40] = float("-inf")
     x[2, 150] = float("inf")  # inf - inf: NaN where the two weights have the same sign
     x[4, 7] = float("-inf")
@@ -91,7 +100,7 @@ def test_infinite_inputs_give_what_the_float_product_gives(fmt, dtype):
         assert not torch.isfinite(expected[r]).any()
     assert torch.isposinf(expected[0]).any() and torch.isneginf(expected[0]).any()
     assert torch.isnan(expected[2]).any() and torch.isinf(expected[2]).any()
-    if fmt not in ("q4_1", "q5_1"):  # their w = d * q + m is not exactly 0 there
+    if fmt not in ("q4_1", "q5_1", "q4_k", "q5_k"):  # their w = d * q + m is not exactly 0 there
         assert torch.isnan(expected[0]).any()
     assert_nonfinite_like(y, expected)
     assert torch.equal(y[[1, 3]], clean)
@@ -102,6 +111,7 @@ def test_nonfinite_inputs_to_several_matrices_at_once():
     """``quantized_linears``: one kernel call over matrices of every format; one of them spans several threads'
     tiles, so each part's non-finite blocks are added at its own rows."""
     layers = [layer_of("q8_0", 1, 200), layer_of("q4_0", 2, 24, bias=False), layer_of("q4_1", 3, 41)]
+    layers += [layer_of("q6_k", 4, 33), layer_of("q4_k", 5, 70)]
     x = torch.randn(4, K, generator=torch.Generator().manual_seed(5))
     x[1, 33] = float("nan")
     x[3, 159] = float("-inf")

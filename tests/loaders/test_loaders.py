@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import gguf
@@ -23,6 +24,7 @@ from safetensors.torch import load_file, save_file
 import gqa
 from gqa.loaders import default_model_path, load_tokenizer, read_model
 from gqa.loaders.gguf_file import unpermute_qk
+from tests.helpers.k_quants import quantize as quantize_blocks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -114,11 +116,13 @@ def gguf_meta(hf_cfg, arch: str) -> dict[str, object]:
 
 
 def write_gguf(path: Path, arch: str, meta: dict[str, object], arrays: dict[str, tuple[np.ndarray, Q | None]]) -> Path:
-    """A GGUF file with ``meta`` (int -> uint32, float -> float32, str) and ``arrays``: GGUF name -> (numpy array in
-    torch layout, or the encoded bytes of a quantized type, which is then given)."""
+    """A GGUF file with ``meta`` (int -> uint32, float -> float32, str, list -> array) and ``arrays``: GGUF name ->
+    (numpy array in torch layout, or the encoded bytes of a quantized type, which is then given)."""
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in meta.items():
-        if isinstance(value, str):
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
             w.add_string(key, value)
         elif isinstance(value, float):
             w.add_float32(key, value)
@@ -148,7 +152,7 @@ def encode_model(sd: dict[str, torch.Tensor], hf_cfg, arch: str, qtype=lambda na
         elif qt == Q.F16:
             arrays[gguf_name(name)] = (x.astype(np.float16), None)
         else:
-            arrays[gguf_name(name)] = (gguf.quants.quantize(x, qt), qt)
+            arrays[gguf_name(name)] = (quantize_blocks(x, qt), qt)
     return arrays
 
 
@@ -643,6 +647,54 @@ def test_config_options_this_model_lacks_are_refused(key, value, match):
     arch = "qwen2" if key == "use_sliding_window" else "llama"
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({"model_type": arch, **REQUIRED, key: value})
+
+
+# A Q4_K_M-like mix (llama.cpp's quantizer: Q4_K mostly, Q6_K for v and down in some layers and the output, Q5_0 or
+# Q8_0 where a row is not whole 256-value super-blocks)
+def q4_k_m(name: str) -> Q:
+    if name == "lm_head.weight" or name.endswith(("0.self_attn.v_proj.weight", "1.mlp.down_proj.weight")):
+        return Q.Q6_K
+    if name.endswith("mlp.up_proj.weight"):
+        return Q.Q5_K
+    if name.endswith("1.self_attn.o_proj.weight"):
+        return Q.Q5_0
+    return Q.Q8_0 if "embed" in name else Q.Q4_K
+
+
+def test_a_k_quant_gguf_stays_in_its_blocks_and_runs_as_transformers_reads_the_file(tmp_path):
+    """Mixed Q4_K/Q5_K/Q6_K/Q5_0/Q8_0 tensors (hidden 256: real super-blocks) are kept as the file's bytes with
+    ``dtype="auto"``; the model dequantized equals transformers' own GGUF loading of the file, and the kept one
+    (int8 activations through the native kernels and the one-call step) stays within int8 rounding of it and decodes
+    the same greedy tokens."""
+    from gqa.models.quantized import QuantizedLinear, weight_bytes
+
+    ref = tiny_hf("llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    path = write_model_gguf(tmp_path / "m.gguf", ref, q4_k_m)
+    reader = gguf.GGUFReader(path)
+    file_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = gqa.load_model(path, tokenizer=False, dtype="auto")
+    assert not [w for w in caught if "no native kernel" in str(w.message)]  # every type kept
+    layers = {name: m for name, m in kept.named_modules() if isinstance(m, QuantizedLinear)}
+    assert {m.format.name for m in layers.values()} == {"q4_k", "q5_k", "q6_k", "q5_0"}
+    assert kept.model.embed_tokens.format.name == "q8_0" and kept.lm_head.format.name == "q6_k"
+    assert layers["model.layers.1.mlp.down_proj"].blocks.nbytes == file_bytes["blk.1.ffn_down.weight"]
+    assert sum(weight_bytes(kept).get(f, 0) for f in ("q4_k", "q5_k", "q6_k", "q5_0", "q8_0")) == sum(
+        n for name, n in file_bytes.items() if "norm" not in name
+    )
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").eval()
+    dense = gqa.load_model(path, tokenizer=False, dtype=torch.float32)
+    ids = torch.randint(3, 64, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = theirs(ids).logits
+        torch.testing.assert_close(dense(ids), want, atol=1e-4, rtol=1e-4)  # the blocks read as gguf reads them
+        got = kept(ids[:, :1], caches=kept.new_caches(2, 4)).float()  # a decode row: the kernels
+    assert (got[:, 0] - want[:, 0]).abs().max() < 0.05 * want[:, 0].abs().max()
+    prompt = [3, 7, 1, 9, 30, 41]  # (a random model's near ties part the two after ~8 tokens)
+    assert kept.generate(prompt, max_new_tokens=8, eos_token_ids=[]) == dense.generate(
+        prompt, max_new_tokens=8, eos_token_ids=[]
+    )
 
 
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)

@@ -1,6 +1,7 @@
 """Read a llama.cpp GGUF file (llama, qwen2/3, gemma2/3, smollm3: ``gguf_meta.GGUF_ARCHITECTURES``) as a
 ``ModelConfig`` and tensors with HF names: float tensors and kept quantized blocks are views of the file's memory map
-(``gguf_reader``), other blocks are dequantized (the native kernels for Q8_0/Q4_*/Q5_*, ``gguf.quants`` for the rest).
+(``gguf_reader``), other blocks are dequantized (the native kernels for Q8_0/Q4_*/Q5_*/Q6_K, ``gguf.quants`` for the
+rest).
 
 Three layout facts: GGUF lists a tensor's dims fastest-first (``ne0`` = columns), the reverse of torch's shape;
 llama.cpp's converter reorders the rows of each llama/smollm3 q/k head from HF's rotate-half order to interleaved
@@ -10,6 +11,8 @@ rope); and it stores Gemma's norm weights plus one (its ``1 + weight`` folded in
 
 from __future__ import annotations
 
+import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +99,14 @@ def gguf_tensor(
     return w
 
 
+def _say_dequantized(tensors) -> None:
+    """One line naming the block types of ``tensors`` that no native kernel takes (they are read as float32)."""
+    counts = Counter(t.type.name for t in tensors if t.type.name not in _FLOATS and t.type.name.lower() not in FORMATS)
+    if counts:
+        kinds = ", ".join(f"{n} {kind} tensor{'s' * (n > 1)}" for kind, n in sorted(counts.items()))
+        warnings.warn(f"{kinds}: no native kernel for the type, dequantized to float32", stacklevel=3)
+
+
 def read_gguf(path: str | Path | GGUFFile, *, keep_quantized: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
     """Read a GGUF file of a supported architecture.
 
@@ -103,7 +114,8 @@ def read_gguf(path: str | Path | GGUFFile, *, keep_quantized: bool = False) -> t
     -------
     (ModelConfig, dict) : the config, and HF-named float32 tensors in torch layout (``lm_head.weight`` only when the
     file has ``output.weight``); llama q/k rows are put back in HF order. With ``keep_quantized``, 2-D weights stored
-    as Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1 come as ``gqa.models.quantized.QuantizedTensor`` (their blocks as they are,
+    as Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K come as ``gqa.models.quantized.QuantizedTensor`` (their
+    blocks as they are,
     rows reordered like the float ones) instead of float tensors. F32 tensors and kept blocks are copy-on-write views
     of the file's memory map: nothing is copied for them, and writing to them never changes the file.
 
@@ -113,6 +125,8 @@ def read_gguf(path: str | Path | GGUFFile, *, keep_quantized: bool = False) -> t
         A damaged file, unsupported architecture or quantization type, or missing/unexpected/misshapen tensors.
     """
     reader, cfg, by_name, shapes = gguf_tensors(path if isinstance(path, GGUFFile) else Path(path))
+    if keep_quantized:
+        _say_dequantized(by_name.values())
     tensors: dict[str, Any] = {}
     for name, t in by_name.items():
         w = gguf_tensor(cfg, name, t, shapes[name], reader.data(t), keep_quantized)

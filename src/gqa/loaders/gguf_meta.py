@@ -45,8 +45,9 @@ __all__ = [
     "stored_dtype_name",
 ]
 
+# Every type read: floats, the block formats gqa keeps (gqa.models.quantized.FORMATS), and Q2_K/Q3_K (dequantized)
 SUPPORTED_QUANT_TYPES = frozenset(
-    {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 )
 _FLOAT_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # GGUF float type -> torch name
 

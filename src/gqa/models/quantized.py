@@ -1,4 +1,5 @@
-"""Block-quantized weights (GGUF ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``) kept as they are in memory.
+"""Block-quantized weights (GGUF ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1`` and the K formats ``Q4_K``,
+``Q5_K``, ``Q6_K``) kept as they are in memory.
 
 Decoding streams every weight once per token, so the bytes per weight set the speed: 8.5 bits (q8_0), 4.5 (q4_0),
 5 (q4_1), 5.5 (q5_0) or 6 (q5_1) instead of 16 (bf16) or 32. (Q5_0 is what llama.cpp's Q4_K_M quantizer writes for
@@ -11,10 +12,19 @@ rows that are not a multiple of 256 values, e.g. every matrix of SmolLM2-135M.) 
 * ``q5_0`` — 22 bytes: ``d``, 4 bytes of fifth bits, 16 bytes of low nibbles;   ``w = d * (q - 16)``
 * ``q5_1`` — 24 bytes: ``d``, ``m``, 4 bytes of fifth bits, 16 bytes of low nibbles;   ``w = d * q + m``
 
+llama.cpp's K formats (what ``Q4_K_M``/``Q5_K_M``/``Q6_K`` files hold) group 256 values in a super-block of eight
+32-value sub-blocks, each with its own 6-bit scale and minimum (or, q6_k, an int8 scale per 16 values), so a row's
+``K`` must be a multiple of 256 (``kernels/csrc/k_quants.h`` has the byte layouts):
+
+* ``q4_k`` — 144 bytes per 256 values (4.5 bits): ``w = d * sc_j * q - dmin * m_j``, ``q`` in 0..15
+* ``q5_k`` — 176 bytes (5.5 bits): the same with a fifth bit, ``q`` in 0..31
+* ``q6_k`` — 210 bytes (6.5625 bits): ``w = d * sc_k * (q - 32)``, ``q`` in 0..63
+
 ``QuantizedLinear`` multiplies a few rows (decode) with the native kernel ``gqa::qlinear_rows_n``, which quantizes
 each 32-value block of the input to ``int8`` and takes integer dot products with the blocks (llama.cpp's scheme), and
 larger inputs (prefill) through the dequantized weight and ``F.linear``. ``QuantizedEmbedding`` dequantizes the rows
-it looks up. ``quantize`` makes blocks from float weights (``gguf.quants``, bit-exact with llama.cpp's reference).
+it looks up. ``quantize`` makes blocks from float weights (``gguf.quants``, bit-exact with llama.cpp's reference;
+the K formats only come from files: gguf has no quantizer for them).
 """
 
 from __future__ import annotations
@@ -34,24 +44,37 @@ BLOCK = 32
 
 @dataclass(frozen=True)
 class Format:
-    """One block format: its name, the kernels' code for it and the bytes of one block of 32 weights."""
+    """One block format: its name, the kernels' code for it, the bytes of one block and the weights it holds (32, or
+    a super-block of 256 for the K formats)."""
 
     name: str
     code: int
     block_bytes: int
+    block_values: int = BLOCK
 
     @property
     def bits_per_weight(self) -> float:
-        return 8 * self.block_bytes / BLOCK
+        return 8 * self.block_bytes / self.block_values
 
 
-_CODES = {"q8_0": (0, 34), "q4_0": (1, 18), "q4_1": (2, 20), "q5_0": (3, 22), "q5_1": (4, 24)}  # code, block bytes
-FORMATS: dict[str, Format] = {name: Format(name, code, size) for name, (code, size) in _CODES.items()}
+# name: (code, block bytes, values per block)
+_CODES = {
+    "q8_0": (0, 34, 32),
+    "q4_0": (1, 18, 32),
+    "q4_1": (2, 20, 32),
+    "q5_0": (3, 22, 32),
+    "q5_1": (4, 24, 32),
+    "q4_k": (5, 144, 256),
+    "q5_k": (6, 176, 256),
+    "q6_k": (7, 210, 256),
+}
+FORMATS: dict[str, Format] = {name: Format(name, *spec) for name, spec in _CODES.items()}
+QUANTIZABLE = tuple(name for name, f in FORMATS.items() if f.block_values == BLOCK)  # what ``quantize`` makes
 
 
 def get_format(name: str) -> Format:
-    """The ``Format`` called ``name`` (``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, any case);
-    ``ValueError`` otherwise."""
+    """The ``Format`` called ``name`` (``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"q4_k"``,
+    ``"q5_k"``, ``"q6_k"``, any case); ``ValueError`` otherwise."""
     fmt = FORMATS.get(str(name).lower())
     if fmt is None:
         raise ValueError(f"unknown quantization format {name!r}; choose from {', '.join(FORMATS)}")
@@ -66,7 +89,7 @@ def _gguf_type(fmt: Format):  # gguf.GGMLQuantizationType, imported lazily
 
 @dataclass
 class QuantizedTensor:
-    """A ``(M, K)`` weight as blocks: ``blocks (M, K / 32 * block_bytes)`` ``uint8`` in ``format``."""
+    """A ``(M, K)`` weight as blocks: ``blocks (M, K / block_values * block_bytes)`` ``uint8`` in ``format``."""
 
     blocks: torch.Tensor
     format: Format
@@ -74,9 +97,10 @@ class QuantizedTensor:
 
     def __post_init__(self) -> None:
         M, K = self.shape
-        if K % BLOCK:
-            raise ValueError(f"a {self.format.name} weight needs K divisible by {BLOCK}, got shape {self.shape}")
-        want = (M, K // BLOCK * self.format.block_bytes)
+        values = self.format.block_values
+        if K % values:
+            raise ValueError(f"a {self.format.name} weight needs K divisible by {values}, got shape {self.shape}")
+        want = (M, K // values * self.format.block_bytes)
         if self.blocks.dtype != torch.uint8 or tuple(self.blocks.shape) != want:
             raise ValueError(
                 f"{self.format.name} blocks of a {self.shape} weight must be uint8 {want}, got "
@@ -93,7 +117,7 @@ class QuantizedTensor:
 
 
 def dequantize(blocks: torch.Tensor, fmt: Format, K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows of blocks ``(M, K / 32 * block_bytes)`` -> float ``(M, K)`` of ``dtype``."""
+    """Rows of blocks ``(M, K / block_values * block_bytes)`` -> float ``(M, K)`` of ``dtype``."""
     if kernels.available() and blocks.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16):
         return ops.dequantize_rows(blocks.contiguous(), fmt.code, K, dtype)
     from gguf.quants import dequantize as gguf_dequantize
@@ -108,6 +132,8 @@ def quantize(weight: torch.Tensor, fmt: Format | str) -> QuantizedTensor:
     from gguf.quants import quantize as gguf_quantize
 
     fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+    if fmt.block_values != BLOCK:
+        raise ValueError(f"{fmt.name} blocks come from GGUF files only (gguf has no quantizer for them)")
     if weight.dim() != 2 or weight.shape[1] % BLOCK:
         raise ValueError(f"quantize needs a 2-D weight with K divisible by {BLOCK}, got {tuple(weight.shape)}")
     data = weight.detach().float().cpu().numpy()

@@ -9,7 +9,16 @@ from pathlib import Path
 from ...options.defaults import QUANT_FORMATS
 from ...options.dtypes import dtype_type
 
-__all__ = ["CPU_ENGINES", "DESCRIPTION", "ENGINES", "FLOAT_DTYPES", "QUANTIZED", "SHAPES", "add_arguments"]
+__all__ = [
+    "CPU_ENGINES",
+    "DESCRIPTION",
+    "ENGINES",
+    "FILE_BLOCKS",
+    "FLOAT_DTYPES",
+    "QUANTIZED",
+    "SHAPES",
+    "add_arguments",
+]
 
 RUN = "gqa.bench.model.benchmark"  # the module whose run(parser, args) runs the benchmark (it imports torch)
 HELP = "KV-cache size, prefill and decode tokens/s of gqa vs HF transformers, the model as MHA, GQA and MQA"
@@ -18,7 +27,8 @@ DESCRIPTION = (  # the first paragraph of gqa.bench.model's docstring
     "for the model as MHA, GQA and MQA."
 )
 FLOAT_DTYPES = ("fp32", "bf16")  # the float weights the benchmark runs (and HF transformers with it)
-QUANTIZED = QUANT_FORMATS  # the block formats
+FILE_BLOCKS = "gguf"  # a GGUF file's own tensors as they are (a Q4_K_M file: Q4_K, Q6_K, Q5_0, Q8_0 together)
+QUANTIZED = (*QUANT_FORMATS, FILE_BLOCKS)  # the block formats
 ENGINES = ("gqa", "gqa-compile", "hf", "hf-static-compile", "llama.cpp")
 CPU_ENGINES = ("gqa", "hf", "llama.cpp")  # --engines' default on CPU
 SHAPES = ("smollm2", "llama-1b")  # --device cuda: the model shapes run with random weights
@@ -34,8 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtypes", nargs="+", type=dtype_type(FLOAT_DTYPES, QUANTIZED), default=["fp32", "bf16", "q4_1"],
         metavar="DTYPE",
-        help="weights: fp32, bf16, or a block format q8_0, q4_0, q4_1, q5_0, q5_1 (a GGUF's own blocks when the file "
-        "is in that format, else quantized on load; activations bf16 where the CPU has native bf16)",
+        help="weights: fp32, bf16, a block format q8_0, q4_0, q4_1, q5_0, q5_1 (a GGUF's own blocks when the file "
+        "is in that format, else quantized on load), or gguf: the GGUF file's tensors as they are, every block "
+        "format kept (a Q4_K_M file's Q4_K/Q6_K/Q5_0/Q8_0; the model's own KV heads only); activations bf16 where "
+        "the CPU has native bf16",
     )  # fmt: skip
     parser.add_argument(
         "--engines", nargs="+", choices=ENGINES, default=None,

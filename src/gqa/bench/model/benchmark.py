@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from ...loaders import read_config
+from ...loaders import read_config, resolve_model_path
 from ...models.config import ModelConfig
 from ...options.common import model_label
 from .. import write_json_atomic, write_text_atomic
 from ..attention.report import machine_description
-from .arguments import CPU_ENGINES, DESCRIPTION, add_arguments
+from .arguments import CPU_ENGINES, DESCRIPTION, FILE_BLOCKS, add_arguments
 from .report import check_plotting, plot_model, table
 from .worker import DTYPES, QUANTIZED, gguf_format
 
@@ -148,6 +148,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
                      f"max_position_embeddings {cfg.max_position_embeddings}")  # fmt: skip
     if ns.batch is not None:
         return _run_throughput(ns, cfg, counts, started)
+    if FILE_BLOCKS in ns.dtypes and resolve_model_path(ns.model).suffix.lower() != ".gguf":
+        parser.error(f"--dtypes {FILE_BLOCKS} runs a GGUF file's own tensors: --model must be a GGUF file")
     engines = list(ns.engines)
     own_format = gguf_format(ns.model) if "llama.cpp" in engines else None
     if "llama.cpp" in engines and (own_format is None or not llama_cpp_available()):
@@ -165,7 +167,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
                         continue
                     print(f"[bench model] {n} KV heads, {engine} {dtype}, contexts {ns.contexts} ...",
                           file=sys.stderr, flush=True)  # fmt: skip
-                    greedy = ("--greedy",) if dtype == own_format and path == ns.model else ()
+                    greedy = ("--greedy",) if dtype in (own_format, FILE_BLOCKS) and path == ns.model else ()
                     r = _run_worker(path, engine, dtype, ns.contexts, ns.new_tokens, *greedy)
                     per_token = kv_bytes_per_token(cfg.num_layers, n, cfg.head_dim, dtype)
                     results.append({"kv_heads": n, "kv_bytes_per_token": per_token} | r)
@@ -195,12 +197,13 @@ def read_bandwidth() -> float:
 
 
 def _applies(engine: str, dtype: str, original: bool, own_format: str | None) -> bool:
-    """HF runs float dtypes; llama.cpp runs the original GGUF in its own format only."""
+    """HF runs float dtypes; llama.cpp runs the original GGUF in its own format only; the file's own tensors
+    (``gguf``) are the original model's."""
     if engine == "hf":
         return dtype in DTYPES
     if engine == "llama.cpp":
-        return original and dtype == own_format
-    return True
+        return original and dtype in (own_format, FILE_BLOCKS)
+    return original or dtype != FILE_BLOCKS
 
 
 def _run_throughput(ns: argparse.Namespace, cfg: ModelConfig, counts: list[int], started: float) -> int:

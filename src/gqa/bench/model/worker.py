@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from gqa.bench.model.arguments import ENGINES, FLOAT_DTYPES, QUANTIZED
+from gqa.bench.model.arguments import ENGINES, FILE_BLOCKS, FLOAT_DTYPES, QUANTIZED
 from gqa.options.dtypes import torch_dtype
 
 DTYPES = {name: torch_dtype(name) for name in FLOAT_DTYPES}
@@ -64,7 +64,7 @@ def gguf_format(path: str | None) -> str | None:
         return None
     kinds = Counter(t.type.name.lower() for t in open_gguf(file).tensors if t.name.startswith("blk."))
     name = kinds.most_common(1)[0][0]
-    return name if name in QUANTIZED else None
+    return name if name in QUANTIZED and name != FILE_BLOCKS else None
 
 
 def load_gqa(path: str | None, dtype: str):
@@ -73,7 +73,8 @@ def load_gqa(path: str | None, dtype: str):
 
     if dtype not in QUANTIZED:
         return gqa.load_model(path, dtype=DTYPES[dtype], tokenizer=False)
-    quantize = None if gguf_format(path) == dtype else dtype  # the file's own blocks, or float weights quantized
+    own = dtype == FILE_BLOCKS or gguf_format(path) == dtype
+    quantize = None if own else dtype  # the file's own blocks, or float weights quantized
     return gqa.load_model(path, dtype="auto", tokenizer=False, quantize=quantize)
 
 

@@ -7,7 +7,8 @@
 //   q5_0 (22 bytes): fp16 d, 4 bytes qh, 16 bytes  w = d * (q - 16)
 //   q5_1 (24 bytes): fp16 d, fp16 m, 4 bytes qh, 16 bytes      w = d * q + m
 // (nibbles: byte j holds weight j in its low 4 bits and weight j + 16 in its high 4 bits; 5-bit q: bit i of the
-// little-endian 32-bit qh is weight i's fifth bit, value 16).
+// little-endian 32-bit qh is weight i's fifth bit, value 16). llama.cpp's K formats (q4_k, q5_k, q6_k: super-blocks
+// of 256 values, eight 32-value sub-blocks with their own scales) are in k_quants.h; their rows are K / 256 blocks.
 //
 //   gqa::qlinear_rows_n(x (N, K), blocks [(M_i, K / 32 * bytes)], formats [int], biases [(M_i,)?]) -> [(N, M_i)]
 //       y = x @ dequant(W)^T + bias for a few rows N (decode), as llama.cpp computes it: each 32-value block of x is
@@ -22,7 +23,8 @@
 //   gqa::dequantize_rows(blocks (M, K / 32 * bytes), format, K, dtype) -> (M, K) of dtype
 //       the float weights (prefill, embedding rows), exactly d * q (+ m) rounded to dtype.
 //
-// x and y are float32 or bfloat16; formats: 0 = q8_0, 1 = q4_0, 2 = q4_1, 3 = q5_0, 4 = q5_1.
+// x and y are float32 or bfloat16; formats: 0 = q8_0, 1 = q4_0, 2 = q4_1, 3 = q5_0, 4 = q5_1, 5 = q4_k, 6 = q5_k,
+// 7 = q6_k.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,34 +38,16 @@
 #include <limits>
 #include <vector>
 
+#include "blocks.h"
+#include "k_quants.h"
 #include "quantized.h"
-
-#if defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
-using at::BFloat16;
+using namespace gqa_blocks;
 
-constexpr int64_t QK = 32;  // weights per block
-enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4 };
-
-int64_t block_bytes(int64_t format) {
-  switch (format) {
-    case Q8_0: return 34;
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q5_1: return 24;
-    default:
-      TORCH_CHECK(false, "gqa: unknown quantization format code ", format,
-                  " (0 q8_0, 1 q4_0, 2 q4_1, 3 q5_0, 4 q5_1)");
-  }
-  return 0;
-}
-
-// Where a block's parts are: the minimum m (q4_1, q5_1) follows d; the fifth bits (q5_*) come before the nibbles.
+// Where a 32-value block's parts are: the minimum m (q4_1, q5_1) follows d; the fifth bits (q5_*) come before the
+// nibbles.
 constexpr bool has_min(int64_t f) { return f == Q4_1 || f == Q5_1; }
 constexpr bool five_bit(int64_t f) { return f == Q5_0 || f == Q5_1; }
 constexpr int64_t high_bits_at(int64_t f) { return has_min(f) ? 4 : 2; }
@@ -71,24 +55,14 @@ constexpr int64_t nibbles_at(int64_t f) { return high_bits_at(f) + (five_bit(f) 
 // The offset of q in w = d * (q - offset) (formats without m): 8 (q4_0), 16 (q5_0).
 constexpr float q_offset(int64_t f) { return f == Q5_0 ? 16.0f : 8.0f; }
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
-
-inline float to_float(float x) { return x; }
-inline float to_float(BFloat16 x) { return static_cast<float>(x); }
+// Bytes of a weight row of K values (K a multiple of the format's block).
+int64_t row_bytes_of(int64_t format, int64_t K) { return K / block_values(format) * block_bytes(format); }
 
 using gqa::QuantizedRows;
 
 // The largest input magnitude the integer path takes. Per block, |s_b * d_w * d_x| <= 32 * 128 * 127 * 65504 *
-// amax / 127 < 2^28 * amax, and the min term is smaller: below 2^64 a row's float32 sums cannot overflow for any
-// K < 2^36. Larger (finite) inputs are taken in float, with the non-finite ones.
+// amax / 127 < 2^28 * amax (q6_k's int8 scales and q4_k's/q5_k's 6-bit ones make it < 2^34 * amax), and the min
+// term is smaller: below 2^64 a row's float32 sums cannot overflow for any K < 2^30. Larger (finite) inputs are taken in float, with the non-finite ones.
 constexpr float INTEGER_PATH_MAX = 18446744073709551616.0f;  // 2^64
 
 template <typename T>
@@ -144,11 +118,17 @@ inline int32_t small_q(const uint8_t* blk, int64_t format, int64_t i) {
   return q;
 }
 
-// Weight i of a block, d * q (+ m), as dequantize_rows gives it in float32.
-inline float weight_at(const uint8_t* blk, int64_t format, float d, int64_t i) {
-  if (format == Q8_0) return d * static_cast<float>(static_cast<int8_t>(blk[2 + i]));
+// The 32 float weights of 32-value block b of a weight row, as llama.cpp dequantizes them (float32).
+inline void block_weights(const uint8_t* row, int64_t format, int64_t b, float* out) {
+  if (k_quant(format)) return k_weights(row + b / 8 * block_bytes_of(format), format, static_cast<int>(b % 8), out);
+  const uint8_t* blk = row + b * block_bytes_of(format);
+  const float d = half_at(blk);
+  if (format == Q8_0) {
+    for (int64_t i = 0; i < QK; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(blk[2 + i]));
+    return;
+  }
   const float m = has_min(format) ? half_at(blk + 2) : -q_offset(format) * d;
-  return d * static_cast<float>(small_q(blk, format, i)) + m;
+  for (int64_t i = 0; i < QK; ++i) out[i] = d * static_cast<float>(small_q(blk, format, i)) + m;
 }
 
 // buf (N, rows) += the float dot products of the input blocks the integer path leaves out (xr.nonfinite) with
@@ -157,30 +137,21 @@ inline float weight_at(const uint8_t* blk, int64_t format, float d, int64_t i) {
 template <typename T>
 void add_float_blocks(const T* x, const QuantizedRows& xr, int64_t K, const uint8_t* w, int64_t format,
                           int64_t rows, int64_t row_bytes, float* buf) {
-  const int64_t nb = K / QK, bytes = block_bytes(format);
+  const int64_t nb = K / QK;
+  float wb[QK];
   for (const int64_t nbi : xr.nonfinite) {
     const int64_t n = nbi / nb, b = nbi % nb;
     const T* xb = x + n * K + b * QK;
     for (int64_t i = 0; i < rows; ++i) {
-      const uint8_t* blk = w + i * row_bytes + b * bytes;
-      const float d = half_at(blk);
+      block_weights(w + i * row_bytes, format, b, wb);
       float s = 0.0f;
-      for (int64_t j = 0; j < QK; ++j) s += to_float(xb[j]) * weight_at(blk, format, d, j);
+      for (int64_t j = 0; j < QK; ++j) s += to_float(xb[j]) * wb[j];
       buf[n * rows + i] += s;
     }
   }
 }
 
 #if defined(__AVX2__)
-// Lane sums of u (unsigned bytes) * s (signed bytes), 8 int32 lanes: 4 products each.
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));  // |u * s| <= 15 * 128: no saturation
-#endif
-}
-
 // The 32 weights of a 4-bit block as unsigned bytes in order 0..31.
 inline __m256i nibbles(const uint8_t* qs) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -200,10 +171,6 @@ inline __m256i fifth_bits(const uint8_t* qh) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 #endif
-
-constexpr int64_t block_bytes_of(int F) {
-  return F == Q8_0 ? 34 : F == Q4_0 ? 18 : F == Q4_1 ? 20 : F == Q5_0 ? 22 : 24;
-}
 
 // The constant term a weight block adds per unit of the input block's sum: m (q4_1, q5_1), -8 d (q4_0), -16 d (q5_0),
 // 0 (q8_0).
@@ -233,12 +200,6 @@ inline __m256i block_dot(const uint8_t* blk, const int8_t* xq) {
   } else {
     return dot_u8s8(nibbles(blk + nibbles_at(F)), x);
   }
-}
-
-// The full sums of four vectors of 8 int32 lanes (exact: |sum| <= 32 * 255 * 127).
-inline __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
-  const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
-  return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
 }
 
 inline __m128 halves4(const uint8_t* p, int64_t stride) {  // four fp16 values `stride` bytes apart, as floats
@@ -309,9 +270,7 @@ inline float dot1(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t
     acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(_mm_load_ps(dw), _mm_load_ps(xd)), acc);
     if constexpr (F != Q8_0) mins = _mm_fmadd_ps(_mm_load_ps(mw), _mm_load_ps(xs), mins);
   }
-  const __m128 a = _mm_add_ps(acc, _mm_movehl_ps(acc, acc)), m = _mm_add_ps(mins, _mm_movehl_ps(mins, mins));
-  return (_mm_cvtss_f32(a) + _mm_cvtss_f32(_mm_movehdup_ps(a))) +
-         (_mm_cvtss_f32(m) + _mm_cvtss_f32(_mm_movehdup_ps(m)));
+  return sum_chains(acc, mins);
 }
 #else
 // The same sums in scalar code.
@@ -351,10 +310,18 @@ void qdot_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const Quantize
     int64_t n0 = 0;
 #if defined(__AVX2__)
     for (; n0 + 4 <= N; n0 += 4)
-      for (int64_t i = i0; i < i1; ++i) dot4<F>(w + i * row_bytes, nb, xr, n0, K, buf + n0 * rows + i, rows);
+      for (int64_t i = i0; i < i1; ++i) {
+        if constexpr (k_quant(F)) {
+          kdot4<F>(w + i * row_bytes, nb, xr, n0, K, buf + n0 * rows + i, rows);
+        } else {
+          dot4<F>(w + i * row_bytes, nb, xr, n0, K, buf + n0 * rows + i, rows);
+        }
+      }
 #endif
     for (; n0 < N; ++n0)
-      for (int64_t i = i0; i < i1; ++i) buf[n0 * rows + i] = dot1<F>(w + i * row_bytes, nb, xr, n0, K);
+      for (int64_t i = i0; i < i1; ++i)
+        buf[n0 * rows + i] = k_quant(F) ? kdot1<F>(w + i * row_bytes, nb, xr, n0, K)
+                                        : dot1<F>(w + i * row_bytes, nb, xr, n0, K);
   }
 }
 
@@ -362,13 +329,16 @@ void qdot_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const Quantize
 template <typename T>
 void rows_dot(const uint8_t* w, int64_t format, int64_t rows, int64_t K, const QuantizedRows& xr, const T* x,
               int64_t N, float* buf) {
-  const int64_t row_bytes = K / QK * block_bytes(format);
+  const int64_t row_bytes = row_bytes_of(format, K);
   switch (format) {
     case Q8_0: qdot_rows<Q8_0>(w, rows, row_bytes, xr, N, K, buf); break;
     case Q4_0: qdot_rows<Q4_0>(w, rows, row_bytes, xr, N, K, buf); break;
     case Q4_1: qdot_rows<Q4_1>(w, rows, row_bytes, xr, N, K, buf); break;
     case Q5_0: qdot_rows<Q5_0>(w, rows, row_bytes, xr, N, K, buf); break;
-    default: qdot_rows<Q5_1>(w, rows, row_bytes, xr, N, K, buf); break;
+    case Q5_1: qdot_rows<Q5_1>(w, rows, row_bytes, xr, N, K, buf); break;
+    case Q4_K: qdot_rows<Q4_K>(w, rows, row_bytes, xr, N, K, buf); break;
+    case Q5_K: qdot_rows<Q5_K>(w, rows, row_bytes, xr, N, K, buf); break;
+    default: qdot_rows<Q6_K>(w, rows, row_bytes, xr, N, K, buf); break;
   }
   if (!xr.nonfinite.empty()) add_float_blocks(x, xr, K, w, format, rows, row_bytes, buf);
 }
@@ -395,7 +365,7 @@ void qlinear_rows_impl(const at::Tensor& x, const std::vector<QPart>& parts) {
       const int64_t p0 = std::max(t0, part.first_tile), p1 = std::min(t1, part.first_tile + (part.M + TILE - 1) / TILE);
       if (p0 >= p1) continue;
       const int64_t M = part.M, m0 = (p0 - part.first_tile) * TILE, m1 = std::min(M, (p1 - part.first_tile) * TILE);
-      const int64_t rows = m1 - m0, row_bytes = K / QK * block_bytes(part.format);
+      const int64_t rows = m1 - m0, row_bytes = row_bytes_of(part.format, K);
       const uint8_t* wp = part.w + m0 * row_bytes;
       buf.resize(N * rows);
       rows_dot(wp, part.format, rows, K, xr, x.const_data_ptr<T>(), N, buf.data());
@@ -420,13 +390,15 @@ std::vector<at::Tensor> qlinear_rows_n(const at::Tensor& x, at::TensorList block
   TORCH_CHECK(!blocks.empty() && formats.size() == blocks.size() && biases.size() == blocks.size(),
               "gqa::qlinear_rows: one format and one bias (or None) per weight, and at least one weight");
   const int64_t K = x.size(1);
-  TORCH_CHECK(K % QK == 0, "gqa::qlinear_rows: K = ", K, " is not a multiple of the block size 32");
   std::vector<at::Tensor> outs;
   std::vector<QPart> parts;
   int64_t first_tile = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const at::Tensor& w = blocks[i];
-    const int64_t row_bytes = K / QK * block_bytes(formats[i]);
+    const int64_t values = block_values(formats[i]);  // (checks the format code)
+    TORCH_CHECK(K % values == 0, "gqa::qlinear_rows: K = ", K, " is not a multiple of the format's block size ",
+                values);
+    const int64_t row_bytes = row_bytes_of(formats[i], K);
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) == row_bytes,
                 "gqa::qlinear_rows: blocks must be contiguous uint8 (M, ", row_bytes, ") for K = ", K, ", got ",
                 w.sizes());
@@ -452,32 +424,22 @@ std::vector<at::Tensor> qlinear_rows_n(const at::Tensor& x, at::TensorList block
 
 template <typename T>
 void dequantize_impl(const uint8_t* w, int64_t format, int64_t M, int64_t K, T* out) {
-  const int64_t nb = K / QK, bytes = block_bytes(format);
+  const int64_t nb = K / QK, row_bytes = row_bytes_of(format, K);
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    float wb[QK];
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + (r * nb + b) * bytes;
+        block_weights(w + r * row_bytes, format, b, wb);
         T* o = out + r * K + b * QK;
-        const float d = half_at(blk);
-        if (format == Q8_0) {
-          for (int64_t i = 0; i < QK; ++i) o[i] = static_cast<T>(d * static_cast<float>(static_cast<int8_t>(blk[2 + i])));
-        } else if (five_bit(format)) {
-          for (int64_t i = 0; i < QK; ++i) o[i] = static_cast<T>(weight_at(blk, format, d, i));
-        } else {
-          const float m = has_min(format) ? half_at(blk + 2) : -8.0f * d;
-          const uint8_t* qs = blk + nibbles_at(format);
-          for (int64_t i = 0; i < 16; ++i) {
-            o[i] = static_cast<T>(d * static_cast<float>(qs[i] & 0x0F) + m);
-            o[i + 16] = static_cast<T>(d * static_cast<float>(qs[i] >> 4) + m);
-          }
-        }
+        for (int64_t i = 0; i < QK; ++i) o[i] = static_cast<T>(wb[i]);
       }
   });
 }
 
 at::Tensor dequantize_rows(const at::Tensor& blocks, int64_t format, int64_t K, at::ScalarType dtype) {
-  TORCH_CHECK(K > 0 && K % QK == 0, "gqa::dequantize_rows: K = ", K, " is not a positive multiple of 32");
-  const int64_t row_bytes = K / QK * block_bytes(format);
+  const int64_t values = block_values(format);
+  TORCH_CHECK(K > 0 && K % values == 0, "gqa::dequantize_rows: K = ", K, " is not a positive multiple of ", values);
+  const int64_t row_bytes = row_bytes_of(format, K);
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
                   blocks.size(1) == row_bytes,
               "gqa::dequantize_rows: blocks must be contiguous uint8 (M, ", row_bytes, ") for K = ", K, ", got ",
@@ -504,7 +466,11 @@ std::vector<at::Tensor> gqa::quantized_linear_rows(const at::Tensor& x, at::Tens
   return qlinear_rows_n(x, blocks, formats, biases);
 }
 
-int64_t gqa::quantized_row_bytes(int64_t format, int64_t K) { return K / QK * block_bytes(format); }
+int64_t gqa::quantized_row_bytes(int64_t format, int64_t K) {
+  TORCH_CHECK(K % block_values(format) == 0, "gqa: K = ", K, " is not a multiple of the block size ",
+              block_values(format), " of quantization format ", format);
+  return row_bytes_of(format, K);
+}
 
 QuantizedRows gqa::quantize_input(const float* x, int64_t N, int64_t K) { return quantize_rows(x, N, K); }
 QuantizedRows gqa::quantize_input(const at::BFloat16* x, int64_t N, int64_t K) { return quantize_rows(x, N, K); }

@@ -1,5 +1,6 @@
 // What the other kernel files use from quantized.cpp: the quantized GEMV over several matrices, and its parts for
-// callers that schedule the rows themselves (the one-call decode step). Formats: 0 = q8_0, 1 = q4_0, 2 = q4_1.
+// callers that schedule the rows themselves (the one-call decode step). Formats: 0 = q8_0, 1 = q4_0, 2 = q4_1,
+// 3 = q5_0, 4 = q5_1, 5 = q4_k, 6 = q5_k, 7 = q6_k.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,7 +25,7 @@ struct QuantizedRows {
   int64_t n4 = 0;
 };
 
-// Bytes of one weight row of K values in `format`.
+// Bytes of one weight row of K values in `format` (K a multiple of its block: 32, or 256 for the K formats).
 int64_t quantized_row_bytes(int64_t format, int64_t K);
 
 // x (N, K), K a multiple of 32, quantized for quantized_rows_dot.

@@ -1,0 +1,76 @@
+// What quantized.cpp and k_quants.h share: the block formats' codes and sizes, fp16 scales, and the integer dot
+// products of unsigned weight bytes with signed int8 inputs.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace gqa_blocks {
+
+using at::BFloat16;
+
+constexpr int64_t QK = 32;     // values per block of the input (and of the 32-value formats)
+constexpr int64_t QK_K = 256;  // values per super-block of the K formats: eight 32-value sub-blocks
+enum Format : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
+
+constexpr bool k_quant(int64_t f) { return f == Q4_K || f == Q5_K || f == Q6_K; }
+
+// Bytes of one block (of 32 values, or a super-block of 256 for the K formats); 0 for an unknown code.
+constexpr int64_t block_bytes_of(int64_t f) {
+  constexpr int64_t bytes[] = {34, 18, 20, 22, 24, 144, 176, 210};
+  return f >= 0 && f <= Q6_K ? bytes[f] : 0;
+}
+
+inline int64_t block_bytes(int64_t format) {
+  TORCH_CHECK(block_bytes_of(format) > 0, "gqa: unknown quantization format code ", format,
+              " (0 q8_0, 1 q4_0, 2 q4_1, 3 q5_0, 4 q5_1, 5 q4_k, 6 q5_k, 7 q6_k)");
+  return block_bytes_of(format);
+}
+
+inline int64_t block_values(int64_t format) { return k_quant(format) ? QK_K : QK; }
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(BFloat16 x) { return static_cast<float>(x); }
+
+#if defined(__AVX2__)
+// Lane sums of u (unsigned bytes) * s (signed bytes), 8 int32 lanes: 4 products each.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));  // |u * s| <= 63 * 128: no saturation
+#endif
+}
+
+// The full sums of four vectors of 8 int32 lanes (exact: every caller's |sum| < 2^24).
+inline __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+
+// ((a_0 + a_2) + (a_1 + a_3)) + ((m_0 + m_2) + (m_1 + m_3)) of four chains held as the lanes of acc and mins.
+inline float sum_chains(__m128 acc, __m128 mins) {
+  const __m128 a = _mm_add_ps(acc, _mm_movehl_ps(acc, acc)), m = _mm_add_ps(mins, _mm_movehl_ps(mins, mins));
+  return (_mm_cvtss_f32(a) + _mm_cvtss_f32(_mm_movehdup_ps(a))) +
+         (_mm_cvtss_f32(m) + _mm_cvtss_f32(_mm_movehdup_ps(m)));
+}
+#endif
+
+}  // namespace gqa_blocks

@@ -1,0 +1,230 @@
+// llama.cpp's K formats, kept as they are in the file: a row of K values is K / 256 super-blocks, each eight
+// sub-blocks of 32 values (quantized.cpp's blocks of the input line up with the sub-blocks):
+//   q4_k (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc_j and mins m_j, 128 bytes of nibbles
+//                     w = d * sc_j * q - dmin * m_j                       q in 0..15
+//   q5_k (176 bytes): fp16 d, fp16 dmin, 12 bytes of scales and mins, 32 bytes of fifth bits, 128 bytes of nibbles
+//                     w = d * sc_j * q - dmin * m_j                       q in 0..31
+//   q6_k (210 bytes): 128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales (one per 16 values),
+//                     fp16 d                    w = d * sc_k * (q - 32)   q in 0..63
+// Nibbles (q4_k, q5_k): the 32 bytes of sub-blocks 2i and 2i + 1 hold sub-block 2i in their low and 2i + 1 in their
+// high 4 bits; q5_k's fifth bit of value l of sub-block j is bit j of byte l of the fifth bits. q6_k: sub-block
+// j = 4h + p takes its low 4 bits from bytes 64h + 32(p % 2) + l (the high nibble when p >= 2) and its high 2 bits
+// from bits 2p, 2p + 1 of byte 128 + 32h + l.
+//
+// A sub-block's dot product with an input block of 32 int8 q_x (scale d_x, sum of the block ds_x = d_x * sum q_x) is
+//   q4_k, q5_k: (d * sc_j) * d_x * (q . q_x) - (dmin * m_j) * ds_x
+//   q6_k:       d * d_x * (sc_2j * (q - 32)[0:16] . q_x[0:16] + sc_2j+1 * (q - 32)[16:32] . q_x[16:32])
+// with exact integer dot products (|.| < 2^24), in the four chains quantized.cpp's formats use, so a row's sum does
+// not depend on the other rows of the batch.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+
+#include "blocks.h"
+#include "quantized.h"
+
+namespace gqa_blocks {
+
+// Per sub-block j of one super-block: the factor on its integer dot product and its constant term per unit of
+// the input block's sum (q4_k, q5_k: d * sc_j and -(dmin * m_j); q6_k: d and 0).
+struct SuperScales {
+  alignas(32) float dw[8];
+  alignas(32) float mw[8];
+};
+
+// q4_k's and q5_k's 6-bit scale and min of sub-block j, packed in 12 bytes as llama.cpp's get_scale_min_k4.
+inline void scale_min(const uint8_t* q, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63, m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+template <int F>
+inline SuperScales super_scales(const uint8_t* sb) {
+  SuperScales s;
+  if constexpr (F == Q6_K) {
+    const float d = half_at(sb + 208);
+    for (int j = 0; j < 8; ++j) s.dw[j] = d, s.mw[j] = 0.0f;
+  } else {
+    const float d = half_at(sb), dmin = half_at(sb + 2);
+#if defined(__AVX2__)
+    // The eight scales, then the eight mins, as bytes (llama.cpp's unpacking of the 12 bytes with masks).
+    uint32_t u[4];
+    std::memcpy(u, sb + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0F0F0F0F) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t mins = u[1] & 0x3F3F3F3F;
+    u[1] = (u[2] & 0x0F0F0F0F) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = mins;
+    u[0] &= 0x3F3F3F3F;
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+    _mm256_store_ps(s.dw, _mm256_mul_ps(_mm256_set1_ps(d), sc));
+    _mm256_store_ps(s.mw, _mm256_mul_ps(_mm256_set1_ps(-dmin), m));  // -(dmin * m), bit for bit
+#else
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min(sb + 4, j, sc, m);
+      s.dw[j] = d * static_cast<float>(sc), s.mw[j] = -dmin * static_cast<float>(m);
+    }
+#endif
+  }
+  return s;
+}
+
+// q of value l of sub-block j: unsigned (q4_k, q5_k) or q - 32 (q6_k).
+inline int32_t k_q(const uint8_t* sb, int64_t format, int j, int l) {
+  if (format == Q6_K) {
+    const int h = j / 4, p = j % 4;
+    const int low = (sb[64 * h + 32 * (p % 2) + l] >> (p >= 2 ? 4 : 0)) & 0x0F;
+    const int high = (sb[128 + 32 * h + l] >> (2 * p)) & 3;
+    return (low | high << 4) - 32;
+  }
+  const uint8_t byte = sb[(format == Q4_K ? 16 : 48) + 32 * (j / 2) + l];
+  int32_t q = j % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
+  if (format == Q5_K) q |= ((sb[16 + l] >> j) & 1) << 4;
+  return q;
+}
+
+// The 32 float weights of sub-block j of super-block sb, as llama.cpp's dequantize_row_q*_K computes them.
+inline void k_weights(const uint8_t* sb, int64_t format, int j, float* out) {
+  if (format == Q6_K) {
+    const float d = half_at(sb + 208);
+    for (int l = 0; l < 32; ++l) {
+      const float sc = static_cast<float>(static_cast<int8_t>(sb[192 + 2 * j + l / 16]));
+      out[l] = d * sc * static_cast<float>(k_q(sb, format, j, l));
+    }
+    return;
+  }
+  int sc, m;
+  scale_min(sb + 4, j, sc, m);
+  const float dw = half_at(sb) * static_cast<float>(sc), mw = half_at(sb + 2) * static_cast<float>(m);
+  for (int l = 0; l < 32; ++l) out[l] = dw * static_cast<float>(k_q(sb, format, j, l)) - mw;
+}
+
+#if defined(__AVX2__)
+// Sub-block j's 32 q as bytes in order: unsigned (q4_k, q5_k) or q - 32 (q6_k, signed).
+template <int F>
+inline __m256i k_sub_weights(const uint8_t* sb, int j) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (F == Q6_K) {
+    const int h = j / 4, p = j % 4;
+    __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h + 32 * (p % 2)));
+    if (p >= 2) low = _mm256_srli_epi16(low, 4);
+    const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * h));
+    const __m256i high2 = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * p)), _mm256_set1_epi8(3));
+    const __m256i q = _mm256_or_si256(_mm256_and_si256(low, low4), _mm256_slli_epi16(high2, 4));
+    return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+  } else {
+    __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + (F == Q4_K ? 16 : 48) + 32 * (j / 2)));
+    if (j % 2) q = _mm256_srli_epi16(q, 4);
+    q = _mm256_and_si256(q, low4);
+    if constexpr (F == Q5_K) {
+      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
+      const __m256i qh = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16)), bit);
+      q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(qh, bit), _mm256_set1_epi8(16)));
+    }
+    return q;
+  }
+}
+
+// q6_k: sub-block j's two int8 scales as int16, eight lanes each (bytes 0-15, then 16-31).
+inline __m256i q6_scales(const uint8_t* sb, int j) {
+  const int16_t a = static_cast<int8_t>(sb[192 + 2 * j]), b = static_cast<int8_t>(sb[193 + 2 * j]);
+  return _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a));
+}
+
+// 8 int32 lanes summing to the sub-block's integer dot product with 32 int8 inputs at xq (q6_k: scales included).
+template <int F>
+inline __m256i k_sub_dot(__m256i w, __m256i scales, const int8_t* xq) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  if constexpr (F == Q6_K) {  // |q - 32| * |x| pairs <= 2 * 32 * 127: no saturation in maddubs
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), scales);
+  } else {
+    return dot_u8s8(w, x);
+  }
+}
+
+// out[n * stride] for rows n0 .. n0 + 3 of x and one weight row w of nb / 8 super-blocks (quantized.cpp's dot4).
+template <int F>
+inline void kdot4(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, int64_t n0, int64_t K, float* out,
+                  int64_t stride) {
+  constexpr int64_t BYTES = block_bytes_of(F);
+  __m128 acc[4], mins[4];
+  for (int c = 0; c < 4; ++c) acc[c] = _mm_setzero_ps(), mins[c] = _mm_setzero_ps();
+  const int8_t* x = xr.q.data() + n0 * K;
+  const float *dt = xr.dt.data() + n0, *dst = xr.dst.data() + n0;
+  for (int64_t s = 0; s < nb / 8; ++s) {
+    const uint8_t* sb = w + s * BYTES;
+    const SuperScales sc = super_scales<F>(sb);
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = s * 8 + j;
+      const __m256i wq = k_sub_weights<F>(sb, j);
+      const __m256i scales = F == Q6_K ? q6_scales(sb, j) : _mm256_setzero_si256();
+      const int8_t* xb = x + b * QK;
+      const __m128i dots = sum4(k_sub_dot<F>(wq, scales, xb), k_sub_dot<F>(wq, scales, xb + K),
+                                k_sub_dot<F>(wq, scales, xb + 2 * K), k_sub_dot<F>(wq, scales, xb + 3 * K));
+      const __m128 scale = _mm_mul_ps(_mm_set1_ps(sc.dw[j]), _mm_loadu_ps(dt + b * xr.n4));
+      acc[j & 3] = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), scale, acc[j & 3]);
+      if constexpr (F != Q6_K)
+        mins[j & 3] = _mm_fmadd_ps(_mm_set1_ps(sc.mw[j]), _mm_loadu_ps(dst + b * xr.n4), mins[j & 3]);
+    }
+  }
+  const __m128 a = _mm_add_ps(_mm_add_ps(acc[0], acc[2]), _mm_add_ps(acc[1], acc[3]));
+  const __m128 m = _mm_add_ps(_mm_add_ps(mins[0], mins[2]), _mm_add_ps(mins[1], mins[3]));
+  float o[4];
+  _mm_storeu_ps(o, _mm_add_ps(a, m));
+  for (int n = 0; n < 4; ++n) out[n * stride] = o[n];
+}
+
+// Row n of x and one weight row w, four sub-blocks per step (a chain per lane).
+template <int F>
+inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, int64_t n, int64_t K) {
+  constexpr int64_t BYTES = block_bytes_of(F);
+  const int8_t* x = xr.q.data() + n * K;
+  const float *d = xr.d.data() + n * (K / QK), *ds = xr.ds.data() + n * (K / QK);
+  __m128 acc = _mm_setzero_ps(), mins = _mm_setzero_ps();
+  for (int64_t s = 0; s < nb / 8; ++s) {
+    const uint8_t* sb = w + s * BYTES;
+    const SuperScales sc = super_scales<F>(sb);
+    for (int j = 0; j < 8; j += 4) {
+      const int64_t b = s * 8 + j;
+      __m256i dots[4];
+      for (int i = 0; i < 4; ++i)
+        dots[i] = k_sub_dot<F>(k_sub_weights<F>(sb, j + i), F == Q6_K ? q6_scales(sb, j + i) : _mm256_setzero_si256(),
+                               x + (b + i) * QK);
+      const __m128i sums = sum4(dots[0], dots[1], dots[2], dots[3]);
+      acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(_mm_load_ps(sc.dw + j), _mm_loadu_ps(d + b)), acc);
+      if constexpr (F != Q6_K) mins = _mm_fmadd_ps(_mm_load_ps(sc.mw + j), _mm_loadu_ps(ds + b), mins);
+    }
+  }
+  return sum_chains(acc, mins);
+}
+#else
+// The same sums in scalar code.
+template <int F>
+inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, int64_t n, int64_t K) {
+  constexpr int64_t BYTES = block_bytes_of(F);
+  const int8_t* x = xr.q.data() + n * K;
+  const float *d = xr.d.data() + n * (K / QK), *ds = xr.ds.data() + n * (K / QK);
+  float acc[4] = {}, mins[4] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* sb = w + b / 8 * BYTES;
+    const int j = static_cast<int>(b % 8);
+    const SuperScales sc = super_scales<F>(sb);
+    int32_t dot = 0;
+    for (int l = 0; l < 32; ++l) {
+      const int32_t scale = F == Q6_K ? static_cast<int8_t>(sb[192 + 2 * j + l / 16]) : 1;
+      dot += scale * k_q(sb, F, j, l) * x[b * QK + l];
+    }
+    acc[b & 3] = std::fma(static_cast<float>(dot), sc.dw[j] * d[b], acc[b & 3]);
+    if constexpr (F != Q6_K) mins[b & 3] = std::fma(sc.mw[j], ds[b], mins[b & 3]);
+  }
+  return ((acc[0] + acc[2]) + (acc[1] + acc[3])) + ((mins[0] + mins[2]) + (mins[1] + mins[3]));
+}
+#endif
+
+}  // namespace gqa_blocks
