@@ -120,6 +120,7 @@ def test_info_reads_metadata_only(tmp_path):
     loaded, out = run_gqa("info")
     assert loaded == {"torch": False, "numpy": True, "code": 0}, out  # numpy: the GGUF header's arrays
     assert "parameters       134.5 M" in out and "native kernels   " in out
+    assert "weights          q4_1 63.3 MiB + q8_0 28.7 MiB + f32 137.2 KiB\n" in out  # the file's bytes by type
     loaded, out = run_gqa("info", "--model", str(hf_folder(tmp_path)), "--dtype", "bf16")
     assert loaded["torch"] is False and loaded["code"] == 0, out
     assert "| variant | KV heads | KV cache per token (bfloat16) | for 4096 tokens |" in out

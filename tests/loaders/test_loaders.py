@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 import gqa
 from gqa.loaders import default_model_path, load_tokenizer, read_model
 from gqa.loaders.gguf_file import unpermute_qk
+from gqa.loaders.lazy import open_lazy
 from tests.helpers.k_quants import quantize as quantize_blocks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -683,6 +684,10 @@ def test_a_k_quant_gguf_stays_in_its_blocks_and_runs_as_transformers_reads_the_f
     assert sum(weight_bytes(kept).get(f, 0) for f in ("q4_k", "q5_k", "q6_k", "q5_0", "q8_0")) == sum(
         n for name, n in file_bytes.items() if "norm" not in name
     )
+    by_type = {}
+    for t in reader.tensors:
+        by_type[t.tensor_type.name.lower()] = by_type.get(t.tensor_type.name.lower(), 0) + int(t.n_bytes)
+    assert open_lazy(path).stored_bytes() == by_type  # what gqa info reports
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").eval()
     dense = gqa.load_model(path, tokenizer=False, dtype=torch.float32)
     ids = torch.randint(3, 64, (2, 11), generator=torch.Generator().manual_seed(0))

@@ -71,6 +71,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     print(f"context          {cfg.max_position_embeddings}")
     print(f"vocab            {cfg.vocab_size}")
     print(f"RoPE theta       {cfg.rope_theta:g}")
+    stored = " + ".join(f"{kind} {_size(n)}" for kind, n in lazy.stored_bytes().items())
+    print(f"weights          {stored}")
     print(f"native kernels   {native_kernels()}")
     for line in window_lines(cfg, ITEMSIZE[NAMES[ns.dtype]]):
         print(line)

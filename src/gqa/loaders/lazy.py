@@ -74,6 +74,18 @@ class LazyModel:
         """Bytes of tensor ``name`` once read."""
         return math.prod(self.shapes[name]) * ITEMSIZE[self.dtype_names[name]]
 
+    def stored_bytes(self) -> dict[str, int]:
+        """Bytes of the model's tensors as the checkpoint stores them, by storage type (a GGUF's block formats
+        ``"q4_k"``, ``"q6_k"``, ... and float types ``"f32"``; a folder's torch dtype names), largest first."""
+        sizes: Counter[str] = Counter()
+        if self.path.is_dir():
+            for name in self.shapes:
+                sizes[self.dtype_names[name]] += math.prod(self.shapes[name]) * ITEMSIZE[self.dtype_names[name]]
+        else:
+            for t in self._gguf.values():
+                sizes[t.type.name.lower()] += t.nbytes
+        return dict(sizes.most_common())
+
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors ``names`` by HF name, each a fresh tensor of ``shapes[name]`` in ``dtypes[name]``.
 
