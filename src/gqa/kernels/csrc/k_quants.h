@@ -59,7 +59,8 @@ inline SuperScales super_scales(const uint8_t* sb) {
     u[1] = (u[2] & 0x0F0F0F0F) | (((u[0] >> 6) & 0x03030303) << 4);
     u[2] = mins;
     u[0] &= 0x3F3F3F3F;
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+    const __m128i bytes = _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]), static_cast<int>(u[1]),
+                                        static_cast<int>(u[0]));  // from registers: no store-forwarding stall
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
     const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
     _mm256_store_ps(s.dw, _mm256_mul_ps(_mm256_set1_ps(d), sc));
@@ -106,35 +107,56 @@ inline void k_weights(const uint8_t* sb, int64_t format, int j, float* out) {
 }
 
 #if defined(__AVX2__)
-// Sub-block j's 32 q as bytes in order: unsigned (q4_k, q5_k) or q - 32 (q6_k, signed).
+// Sub-blocks j0 .. j0 + 3 (j0 = 0 or 4) of super-block sb: their 32 q each as bytes in order — unsigned (q4_k, q5_k)
+// or q - 32 (q6_k, signed) — and, q6_k only, each one's two int8 scales as int16, eight lanes each (bytes 0-15, then
+// 16-31). Every shift is an immediate on 16-bit lanes whose spill into the next byte the mask drops.
 template <int F>
-inline __m256i k_sub_weights(const uint8_t* sb, int j) {
+inline void k_quad(const uint8_t* sb, int j0, __m256i* w, __m256i* scales) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   if constexpr (F == Q6_K) {
-    const int h = j / 4, p = j % 4;
-    __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h + 32 * (p % 2)));
-    if (p >= 2) low = _mm256_srli_epi16(low, 4);
+    const int h = j0 / 4;
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64 * h + 32));
     const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * h));
-    const __m256i high2 = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * p)), _mm256_set1_epi8(3));
-    const __m256i q = _mm256_or_si256(_mm256_and_si256(low, low4), _mm256_slli_epi16(high2, 4));
-    return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
-  } else {
-    __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + (F == Q4_K ? 16 : 48) + 32 * (j / 2)));
-    if (j % 2) q = _mm256_srli_epi16(q, 4);
-    q = _mm256_and_si256(q, low4);
-    if constexpr (F == Q5_K) {
-      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << j));
-      const __m256i qh = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16)), bit);
-      q = _mm256_or_si256(q, _mm256_and_si256(_mm256_cmpeq_epi8(qh, bit), _mm256_set1_epi8(16)));
+    const __m256i bits45 = _mm256_set1_epi8(0x30), offset = _mm256_set1_epi8(32);
+    w[0] = _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16(high, 4), bits45));
+    w[1] = _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_and_si256(_mm256_slli_epi16(high, 2), bits45));
+    w[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4), _mm256_and_si256(high, bits45));
+    w[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(high, 2), bits45));
+    // the half's eight scales as int16 in both 128-bit lanes; sub-block p takes scale 2p (low lane), 2p + 1 (high)
+    int64_t bytes;
+    std::memcpy(&bytes, sb + 192 + 8 * h, 8);
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_cvtsi64_si128(bytes)));
+    for (int p = 0; p < 4; ++p) {
+      w[p] = _mm256_sub_epi8(w[p], offset);
+      const char lo = static_cast<char>(4 * p), hi = static_cast<char>(4 * p + 2);  // the int16's bytes
+      scales[p] = _mm256_shuffle_epi8(sc, _mm256_setr_epi8(lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1,
+                                                           lo, lo + 1, lo, lo + 1, lo, lo + 1, hi, hi + 1, hi, hi + 1,
+                                                           hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1,
+                                                           hi, hi + 1));
     }
-    return q;
+  } else {
+    const uint8_t* qs = sb + (F == Q4_K ? 16 : 48) + 16 * j0;  // sub-blocks j0, j0 + 1 share 32 bytes
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32));
+    w[0] = _mm256_and_si256(a, low4), w[1] = _mm256_and_si256(_mm256_srli_epi16(a, 4), low4);
+    w[2] = _mm256_and_si256(b, low4), w[3] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    if constexpr (F == Q5_K) {  // bit j of the fifth-bit bytes to bit 4 (value 16)
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16)), bit4 = _mm256_set1_epi8(16);
+      if (j0 == 0) {
+        w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+        w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
+        w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(qh, 2), bit4));
+        w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(qh, 1), bit4));
+      } else {
+        w[0] = _mm256_or_si256(w[0], _mm256_and_si256(qh, bit4));
+        w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_srli_epi16(qh, 1), bit4));
+        w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_srli_epi16(qh, 2), bit4));
+        w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_srli_epi16(qh, 3), bit4));
+      }
+    }
   }
-}
-
-// q6_k: sub-block j's two int8 scales as int16, eight lanes each (bytes 0-15, then 16-31).
-inline __m256i q6_scales(const uint8_t* sb, int j) {
-  const int16_t a = static_cast<int8_t>(sb[192 + 2 * j]), b = static_cast<int8_t>(sb[193 + 2 * j]);
-  return _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a));
 }
 
 // 8 int32 lanes summing to the sub-block's integer dot product with 32 int8 inputs at xq (q6_k: scales included).
@@ -160,17 +182,19 @@ inline void kdot4(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, in
   for (int64_t s = 0; s < nb / 8; ++s) {
     const uint8_t* sb = w + s * BYTES;
     const SuperScales sc = super_scales<F>(sb);
-    for (int j = 0; j < 8; ++j) {
-      const int64_t b = s * 8 + j;
-      const __m256i wq = k_sub_weights<F>(sb, j);
-      const __m256i scales = F == Q6_K ? q6_scales(sb, j) : _mm256_setzero_si256();
-      const int8_t* xb = x + b * QK;
-      const __m128i dots = sum4(k_sub_dot<F>(wq, scales, xb), k_sub_dot<F>(wq, scales, xb + K),
-                                k_sub_dot<F>(wq, scales, xb + 2 * K), k_sub_dot<F>(wq, scales, xb + 3 * K));
-      const __m128 scale = _mm_mul_ps(_mm_set1_ps(sc.dw[j]), _mm_loadu_ps(dt + b * xr.n4));
-      acc[j & 3] = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), scale, acc[j & 3]);
-      if constexpr (F != Q6_K)
-        mins[j & 3] = _mm_fmadd_ps(_mm_set1_ps(sc.mw[j]), _mm_loadu_ps(dst + b * xr.n4), mins[j & 3]);
+    for (int j0 = 0; j0 < 8; j0 += 4) {
+      __m256i wq[4], scales[4];
+      k_quad<F>(sb, j0, wq, scales);
+      for (int i = 0; i < 4; ++i) {
+        const int64_t b = s * 8 + j0 + i;
+        const int8_t* xb = x + b * QK;
+        const __m128i dots = sum4(k_sub_dot<F>(wq[i], scales[i], xb), k_sub_dot<F>(wq[i], scales[i], xb + K),
+                                  k_sub_dot<F>(wq[i], scales[i], xb + 2 * K), k_sub_dot<F>(wq[i], scales[i], xb + 3 * K));
+        const __m128 scale = _mm_mul_ps(_mm_set1_ps(sc.dw[j0 + i]), _mm_loadu_ps(dt + b * xr.n4));
+        acc[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(dots), scale, acc[i]);
+        if constexpr (F != Q6_K)
+          mins[i] = _mm_fmadd_ps(_mm_set1_ps(sc.mw[j0 + i]), _mm_loadu_ps(dst + b * xr.n4), mins[i]);
+      }
     }
   }
   const __m128 a = _mm_add_ps(_mm_add_ps(acc[0], acc[2]), _mm_add_ps(acc[1], acc[3]));
@@ -192,10 +216,9 @@ inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, i
     const SuperScales sc = super_scales<F>(sb);
     for (int j = 0; j < 8; j += 4) {
       const int64_t b = s * 8 + j;
-      __m256i dots[4];
-      for (int i = 0; i < 4; ++i)
-        dots[i] = k_sub_dot<F>(k_sub_weights<F>(sb, j + i), F == Q6_K ? q6_scales(sb, j + i) : _mm256_setzero_si256(),
-                               x + (b + i) * QK);
+      __m256i wq[4], scales[4], dots[4];
+      k_quad<F>(sb, j, wq, scales);
+      for (int i = 0; i < 4; ++i) dots[i] = k_sub_dot<F>(wq[i], scales[i], x + (b + i) * QK);
       const __m128i sums = sum4(dots[0], dots[1], dots[2], dots[3]);
       acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(_mm_load_ps(sc.dw + j), _mm_loadu_ps(d + b)), acc);
       if constexpr (F != Q6_K) mins = _mm_fmadd_ps(_mm_load_ps(sc.mw + j), _mm_loadu_ps(ds + b), mins);
