@@ -53,10 +53,14 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests benchmarks
 
 # Optional: llama.cpp as a peer in `gqa bench model` (llama-cpp-python, compiled here for this CPU: several minutes).
+# Without AMX: where the CPU reports AMX but the kernel does not grant the tiles (these VMs), ggml's AMX matmul
+# segfaults on the first token.
 LLAMA_CPP_VERSION ?= 0.3.36
+NO_AMX = -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 llama-cpp: $(STAMP)
 	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-	-DLLAMA_CURL=OFF" $(PY) -m pip install -q llama-cpp-python==$(LLAMA_CPP_VERSION)
+	-DLLAMA_CURL=OFF -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" \
+	$(PY) -m pip install -q --no-cache-dir llama-cpp-python==$(LLAMA_CPP_VERSION)
 
 bench: kernels
 	$(PY) benchmarks/attention.py

@@ -53,7 +53,8 @@ def prompt(context: int, vocab: int, seed: int = 0) -> list[int]:
 
 
 def gguf_format(path: str | None) -> str | None:
-    """The block format of a GGUF file's layer weights (``"q4_1"`` ...), ``None`` for HF folders and float files."""
+    """The block format most of a GGUF file's layer weights are in (``"q4_1"``, ``"q4_k"`` ...), ``None`` for HF
+    folders and float files."""
     from collections import Counter
 
     from gqa.loaders import resolve_model_path
@@ -64,7 +65,7 @@ def gguf_format(path: str | None) -> str | None:
         return None
     kinds = Counter(t.type.name.lower() for t in open_gguf(file).tensors if t.name.startswith("blk."))
     name = kinds.most_common(1)[0][0]
-    return name if name in QUANTIZED and name != FILE_BLOCKS else None
+    return None if name in ("f32", "f16", "bf16") else name
 
 
 def load_gqa(path: str | None, dtype: str):
@@ -140,11 +141,12 @@ def run_throughput(path: str | None, dtype: str, contexts: list[int], new: int, 
 
 
 def greedy_tokens(path: str | None, generate: object) -> list[list[int]]:
-    """``generate(prompt_ids) -> new ids`` on ``GREEDY_PROMPTS`` (chat template of the model's tokenizer)."""
+    """``generate(prompt_ids) -> new ids`` on ``GREEDY_PROMPTS`` (chat template of the model's tokenizer, or the
+    plain text where it has none)."""
     import gqa
 
     tok = gqa.load_tokenizer(path)
-    return [generate(tok.apply_chat(p)) for p in GREEDY_PROMPTS]
+    return [generate(tok.apply_chat(p) if tok.chat_template else tok.encode(p)) for p in GREEDY_PROMPTS]
 
 
 def run_hf(path: str | None, dtype: torch.dtype, contexts: list[int], new: int) -> tuple[int, list]:

@@ -50,6 +50,18 @@ inline float to_float(float x) { return x; }
 inline float to_float(BFloat16 x) { return static_cast<float>(x); }
 
 #if defined(__AVX2__)
+// Weight rows come from the file's pages in DRAM, once per token: the hardware's stream prefetchers stop at each 4 KiB
+// page, so the kernels ask for the bytes ~1.5 KiB ahead of those they read (Q4_K GEMV streamed from DRAM, 2 threads:
+// 6.0 -> 11.6 GB/s; Q6_K 9.5 -> 15.6).
+constexpr int64_t PREFETCH_DISTANCE = 1536;
+
+// Prefetch the cache lines of [p + PREFETCH_DISTANCE, p + PREFETCH_DISTANCE + bytes) (past the end of a matrix: no
+// fault, a wasted request).
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_DISTANCE + line, _MM_HINT_T0);
+}
+
 // Lane sums of u (unsigned bytes) * s (signed bytes), 8 int32 lanes: 4 products each.
 inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)

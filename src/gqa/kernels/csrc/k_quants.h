@@ -181,6 +181,7 @@ inline void kdot4(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, in
   const float *dt = xr.dt.data() + n0, *dst = xr.dst.data() + n0;
   for (int64_t s = 0; s < nb / 8; ++s) {
     const uint8_t* sb = w + s * BYTES;
+    prefetch_ahead(sb, BYTES);
     const SuperScales sc = super_scales<F>(sb);
     for (int j0 = 0; j0 < 8; j0 += 4) {
       __m256i wq[4], scales[4];
@@ -213,6 +214,7 @@ inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, i
   __m128 acc = _mm_setzero_ps(), mins = _mm_setzero_ps();
   for (int64_t s = 0; s < nb / 8; ++s) {
     const uint8_t* sb = w + s * BYTES;
+    prefetch_ahead(sb, BYTES);
     const SuperScales sc = super_scales<F>(sb);
     for (int j = 0; j < 8; j += 4) {
       const int64_t b = s * 8 + j;

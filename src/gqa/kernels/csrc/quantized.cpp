@@ -221,6 +221,7 @@ inline void dot4(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t 
   const float *dt = xr.dt.data() + n0, *dst = xr.dst.data() + n0;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * BYTES;
+    if ((b & 3) == 0) prefetch_ahead(blk, 4 * BYTES);
     const float dw = half_at(blk);
     const int8_t* xb = x + b * QK;
     const __m128i s = sum4(block_dot<F>(blk, xb), block_dot<F>(blk, xb + K), block_dot<F>(blk, xb + 2 * K),
@@ -247,6 +248,7 @@ inline float dot1(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t
   int64_t b = 0;
   for (; b + 4 <= nb; b += 4) {
     const uint8_t* blk = w + b * BYTES;
+    prefetch_ahead(blk, 4 * BYTES);
     const int8_t* xb = x + b * QK;
     const __m128i s = sum4(block_dot<F>(blk, xb), block_dot<F>(blk + BYTES, xb + QK),
                            block_dot<F>(blk + 2 * BYTES, xb + 2 * QK), block_dot<F>(blk + 3 * BYTES, xb + 3 * QK));
