@@ -702,6 +702,61 @@ def test_a_k_quant_gguf_stays_in_its_blocks_and_runs_as_transformers_reads_the_f
     )
 
 
+def test_a_k_quant_gguf_decodes_as_llama_cpp_decodes_it(tmp_path):
+    """The mixed K-quant file run by llama.cpp itself (where ``llama_cpp`` is installed: ``make llama-cpp``): its
+    prompt logits within its int8 rounding of gqa's float32 ones, and the same greedy tokens. (The random model's
+    lm_head is scaled up: its logits otherwise sit within rounding of each other.)"""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ref = tiny_hf("llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  max_position_embeddings=512)  # fmt: skip
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(30)
+    vocab = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [f"<t{i}>" for i in range(64)],
+             "tokenizer.ggml.scores": [0.0] * 64, "tokenizer.ggml.token_type": [1] * 64}  # fmt: skip
+    path = write_model_gguf(tmp_path / "m.gguf", ref, q4_k_m, **vocab)
+    llm = llama_cpp.Llama(str(path), n_ctx=256, n_threads=2, verbose=False, logits_all=True)
+    kept = gqa.load_model(path, tokenizer=False, dtype="auto")
+    dense = gqa.load_model(path, tokenizer=False, dtype=torch.float32)
+    for prompt in ([3, 7, 1, 9, 30, 41], [5, 6, 7], [40, 41, 42, 43, 44]):
+        llm.reset()
+        llm.eval(prompt)
+        theirs = torch.from_numpy(np.array(llm.scores[: len(prompt)]))
+        with torch.no_grad():
+            want = dense(torch.tensor([prompt]))[0]
+        assert (theirs - want).abs().max() < 0.03 * want.abs().max()
+        greedy = []
+        for t in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            greedy.append(int(t))
+            if len(greedy) == 12:
+                break
+        assert kept.generate(prompt, max_new_tokens=12, eos_token_ids=[]) == greedy, prompt
+
+
+def test_a_type_without_a_native_kernel_is_read_dequantized_and_named_once(tmp_path):
+    """Q3_K (no native kernel): with ``dtype="auto"`` the tensor is read as float32 (gguf's dequantization) and one
+    warning names the type and the count; the other tensors stay in their blocks."""
+    from gqa.models.quantized import QuantizedLinear
+
+    model = tiny_hf("llama", hidden_size=256, intermediate_size=512)
+    arrays = encode_model(saved_state(model), model.config, "llama", lambda n: Q.Q4_K if "proj" in n else Q.F32)
+    rng = np.random.default_rng(0)
+    size = gguf.GGML_QUANT_SIZES[Q.Q3_K][1]
+    for name in ("blk.0.ffn_up.weight", "blk.1.ffn_up.weight"):  # (512, 256): 512 super-blocks of random bytes
+        blocks = rng.integers(0, 256, (512, size), dtype=np.uint8)
+        blocks[:, -2:] = np.full((512, 1), 0.01, np.float16).view(np.uint8)  # a finite scale d
+        arrays[name] = (blocks, Q.Q3_K)
+    path = write_gguf(tmp_path / "m.gguf", "llama", gguf_meta(model.config, "llama"), arrays)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = gqa.load_model(path, tokenizer=False, dtype="auto")
+    said = [str(w.message) for w in caught if "no native kernel" in str(w.message)]
+    assert said == ["2 Q3_K tensors: no native kernel for the type, dequantized to float32"], said
+    up = kept.model.layers[0].mlp.up_proj
+    assert not isinstance(up, QuantizedLinear) and isinstance(kept.model.layers[0].mlp.gate_proj, QuantizedLinear)
+    want = gguf.quants.dequantize(arrays["blk.0.ffn_up.weight"][0], Q.Q3_K).reshape(512, 256)
+    torch.testing.assert_close(up.weight.float(), torch.from_numpy(want).to(up.weight.dtype).float())
+
+
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
 def test_q5_gguf_weights_stay_in_their_blocks_and_match_their_float_twin(tmp_path, qtype):
     """Q5_0 (what llama.cpp's Q4_K_M writes for rows not a multiple of 256) and Q5_1 projections are kept as blocks
