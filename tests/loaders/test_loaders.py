@@ -702,6 +702,28 @@ def test_a_k_quant_gguf_stays_in_its_blocks_and_runs_as_transformers_reads_the_f
     )
 
 
+def test_the_serving_engine_runs_a_k_quant_gguf_batch_invariantly(tmp_path):
+    """The mixed K-quant file through ``gqa serve``'s engine (the paged one-call step over Q4_K/Q5_K/Q6_K/Q5_0
+    blocks): three requests served together get the tokens each gets alone, and the ones ``generate`` gives."""
+    from gqa import kernels
+    from gqa.serve.engine import Engine
+    from gqa.serve.sampling import SamplingParams
+    from tests.helpers.serving import serve_all
+
+    if not kernels.vectorized():
+        pytest.skip("the engine needs the SIMD kernels")
+    ref = tiny_hf("llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(30)  # (clear winners: the int8 rounding of a prompt's rows does not flip them)
+    model = gqa.load_model(write_model_gguf(tmp_path / "m.gguf", ref, q4_k_m), tokenizer=False, dtype="auto")
+    prompts = [[5, 9, 17, 33, 2, 8, 40, 41, 7], [11], list(range(20, 50))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    together = serve_all(Engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=8), prompts, params)
+    for prompt, tokens in zip(prompts, together, strict=True):
+        assert serve_all(Engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=8), [prompt], params) == [tokens]
+        assert tokens == model.generate(prompt, max_new_tokens=12, eos_token_ids=[])
+
+
 def test_a_k_quant_gguf_decodes_as_llama_cpp_decodes_it(tmp_path):
     """The mixed K-quant file run by llama.cpp itself (where ``llama_cpp`` is installed: ``make llama-cpp``): its
     prompt logits within its int8 rounding of gqa's float32 ones, and the same greedy tokens. (The random model's
