@@ -205,6 +205,31 @@ inline void kdot4(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, in
   for (int n = 0; n < 4; ++n) out[n * stride] = o[n];
 }
 
+// The 256 float weights of super-block sb, k_weights' values for every sub-block, eight lanes at a time (a prompt's
+// products dequantize every matrix: this is most of a short prompt's time).
+template <int F>
+inline void k_super_weights(const uint8_t* sb, float* out) {
+  const SuperScales sc = super_scales<F>(sb);
+  alignas(32) float group[16];  // q6_k: d * sc_k per 16 values
+  if constexpr (F == Q6_K)
+    for (int k = 0; k < 16; ++k) group[k] = sc.dw[0] * static_cast<float>(static_cast<int8_t>(sb[192 + k]));
+  for (int j0 = 0; j0 < 8; j0 += 4) {
+    __m256i wq[4], scales[4];
+    k_quad<F>(sb, j0, wq, scales);
+    for (int i = 0; i < 4; ++i) {
+      alignas(32) int8_t q[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q), wq[i]);
+      const int j = j0 + i;
+      for (int l = 0; l < 32; l += 8) {
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i*>(q + l))));
+        const __m256 w = F == Q6_K ? _mm256_mul_ps(_mm256_set1_ps(group[2 * j + l / 16]), v)
+                                   : _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(sc.dw[j]), v), _mm256_set1_ps(sc.mw[j]));
+        _mm256_storeu_ps(out + 32 * j + l, w);
+      }
+    }
+  }
+}
+
 // Row n of x and one weight row w, four sub-blocks per step (a chain per lane).
 template <int F>
 inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, int64_t n, int64_t K) {

@@ -428,7 +428,21 @@ template <typename T>
 void dequantize_impl(const uint8_t* w, int64_t format, int64_t M, int64_t K, T* out) {
   const int64_t nb = K / QK, row_bytes = row_bytes_of(format, K);
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    float wb[QK];
+    float wb[QK_K];
+#if defined(__AVX2__)
+    if (k_quant(format)) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t s = 0; s < K / QK_K; ++s) {
+          const uint8_t* sb = w + r * row_bytes + s * block_bytes(format);
+          if (format == Q4_K) k_super_weights<Q4_K>(sb, wb);
+          if (format == Q5_K) k_super_weights<Q5_K>(sb, wb);
+          if (format == Q6_K) k_super_weights<Q6_K>(sb, wb);
+          T* o = out + r * K + s * QK_K;
+          for (int64_t i = 0; i < QK_K; ++i) o[i] = static_cast<T>(wb[i]);
+        }
+      return;
+    }
+#endif
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < nb; ++b) {
         block_weights(w + r * row_bytes, format, b, wb);
