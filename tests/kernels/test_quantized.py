@@ -116,12 +116,18 @@ def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(fmt,
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_prefill_goes_through_the_dequantized_weight(fmt):
+def test_prefill_goes_through_the_dequantized_weight(fmt, monkeypatch):
+    from gqa.models import quantized
+
     K = width(fmt, 2)
     blocks, ref = reference_blocks(16, K, fmt)
-    layer = QuantizedLinear(QuantizedTensor(blocks, get_format(fmt), (16, K)))
+    bias = torch.randn(16)
+    layer = QuantizedLinear(QuantizedTensor(blocks, get_format(fmt), (16, K)), bias)
     x = torch.randn(3, 12, K)  # 36 rows: a GEMM, no activation rounding
-    torch.testing.assert_close(layer(x).double(), x.double() @ torch.from_numpy(ref).T, atol=1e-4, rtol=1e-5)
+    want = x.double() @ torch.from_numpy(ref).T + bias.double()
+    torch.testing.assert_close(layer(x).double(), want, atol=1e-4, rtol=1e-5)
+    monkeypatch.setattr(quantized, "DEQUANTIZED_ROWS", 5)  # the weight dequantized 5 rows at a time: 5, 5, 5, 1
+    torch.testing.assert_close(layer(x).double(), want, atol=1e-4, rtol=1e-5)
 
 
 def test_quantize_matches_ggufs_quantizer_and_bad_inputs_are_named():

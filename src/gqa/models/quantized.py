@@ -143,6 +143,9 @@ def quantize(weight: torch.Tensor, fmt: Format | str) -> QuantizedTensor:
 
 # Up to this many rows of x the kernel streams the blocks once for all of them; more rows go through F.linear.
 KERNEL_MAX_ROWS = 8
+# F.linear on more rows takes the weight dequantized this many output rows at a time (a 1B model's 8192-row MLP
+# matrix: 8 MiB of bf16 at once, not 32)
+DEQUANTIZED_ROWS = 2048
 
 
 def uses_kernel(x: torch.Tensor) -> bool:
@@ -190,8 +193,14 @@ class QuantizedLinear(nn.Module):
         kept = getattr(self, "_dequantized", None)
         if kept is not None and kept.dtype == x.dtype:
             return F.linear(x, kept, bias)
-        weight = dequantize(self.blocks, self.format, self.in_features, x.dtype)
-        return F.linear(x, weight, bias)
+        if self.out_features <= DEQUANTIZED_ROWS:
+            return F.linear(x, dequantize(self.blocks, self.format, self.in_features, x.dtype), bias)
+        out = x.new_empty(*x.shape[:-1], self.out_features)
+        for m0 in range(0, self.out_features, DEQUANTIZED_ROWS):  # a slice of the weight in float at a time
+            m1 = min(m0 + DEQUANTIZED_ROWS, self.out_features)
+            part = dequantize(self.blocks[m0:m1], self.format, self.in_features, x.dtype)
+            out[..., m0:m1] = F.linear(x, part, None if bias is None else bias[m0:m1])
+        return out
 
     def keep_dequantized(self, dtype: torch.dtype | None) -> None:
         """Keep the weight dequantized in ``dtype`` (``None``: drop it) for inputs of more rows than the kernel
