@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(
         parser,
         "weight dtype; auto: bf16 where the CPU multiplies bf16 natively (AVX512-BF16/AMX), else fp32, and a GGUF's "
-        "q8_0/q4_0/q4_1/q5_0/q5_1 weights stay quantized; a float dtype dequantizes them",
+        "quantized weights (q4_k/q5_k/q6_k, q8_0, q4_0/q4_1, q5_0/q5_1) stay quantized; a float dtype dequantizes them",
         auto=True,
     )
     parser.add_argument(

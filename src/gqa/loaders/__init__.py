@@ -84,7 +84,8 @@ def read_model(
     -------
     (ModelConfig, dict[str, Tensor]) : float32 tensors by HF name (``model.layers.{i}.self_attn.q_proj.weight``:
     ``(H_q * D, hidden)``, ...); ``lm_head.weight`` only when not tied to the embedding. ``keep_quantized``: a
-    GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights come as ``gqa.models.quantized.QuantizedTensor`` (``read_gguf``).
+    GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights come as ``gqa.models.quantized.QuantizedTensor``
+    (``read_gguf``).
 
     Raises
     ------

