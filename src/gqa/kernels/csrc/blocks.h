@@ -83,6 +83,15 @@ inline float sum_chains(__m128 acc, __m128 mins) {
   return (_mm_cvtss_f32(a) + _mm_cvtss_f32(_mm_movehdup_ps(a))) +
          (_mm_cvtss_f32(m) + _mm_cvtss_f32(_mm_movehdup_ps(m)));
 }
+
+// The same sums for four rows at once (a row per lane of acc[c] and mins[c]), stored at out[n * stride].
+inline void store_chains4(const __m128* acc, const __m128* mins, float* out, int64_t stride) {
+  const __m128 a = _mm_add_ps(_mm_add_ps(acc[0], acc[2]), _mm_add_ps(acc[1], acc[3]));
+  const __m128 m = _mm_add_ps(_mm_add_ps(mins[0], mins[2]), _mm_add_ps(mins[1], mins[3]));
+  float o[4];
+  _mm_storeu_ps(o, _mm_add_ps(a, m));
+  for (int n = 0; n < 4; ++n) out[n * stride] = o[n];
+}
 #endif
 
 }  // namespace gqa_blocks

@@ -198,11 +198,7 @@ inline void kdot4(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, in
       }
     }
   }
-  const __m128 a = _mm_add_ps(_mm_add_ps(acc[0], acc[2]), _mm_add_ps(acc[1], acc[3]));
-  const __m128 m = _mm_add_ps(_mm_add_ps(mins[0], mins[2]), _mm_add_ps(mins[1], mins[3]));
-  float o[4];
-  _mm_storeu_ps(o, _mm_add_ps(a, m));
-  for (int n = 0; n < 4; ++n) out[n * stride] = o[n];
+  store_chains4(acc, mins, out, stride);
 }
 
 // The 256 float weights of super-block sb, k_weights' values for every sub-block, eight lanes at a time (a prompt's

@@ -231,11 +231,7 @@ inline void dot4(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t 
     if constexpr (F != Q8_0)
       mins[b & 3] = _mm_fmadd_ps(_mm_set1_ps(block_min<F>(blk, dw)), _mm_loadu_ps(dst + b * xr.n4), mins[b & 3]);
   }
-  const __m128 a = _mm_add_ps(_mm_add_ps(acc[0], acc[2]), _mm_add_ps(acc[1], acc[3]));
-  const __m128 m = _mm_add_ps(_mm_add_ps(mins[0], mins[2]), _mm_add_ps(mins[1], mins[3]));
-  float o[4];
-  _mm_storeu_ps(o, _mm_add_ps(a, m));
-  for (int n = 0; n < 4; ++n) out[n * stride] = o[n];
+  store_chains4(acc, mins, out, stride);
 }
 
 // Row n of x and one weight row w, four blocks per step.
