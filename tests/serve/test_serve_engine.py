@@ -399,3 +399,51 @@ def test_the_http_app_answers_503_while_the_engine_is_not_running(tiny):
     assert status == 503 and body["error"]["type"] == "server_error" and "not running" in body["error"]["message"]
     assert headers["retry-after"] == "1"
     assert bounded(call("GET", "/health"))[0] == 503
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=8, ignore_eos=True, logprobs=4),
+        SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2, temperature=0.7, seed=5),
+        SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0, frequency_penalty=1.5, repetition_penalty=1.3),
+    ],
+    ids=["greedy", "sampled", "penalized"],
+)
+def test_logprobs_are_the_log_softmax_the_token_was_chosen_from(tiny, params):
+    """Each token's logprob (and its alternatives) against HF's float32 logits for the prompt and the answer, the
+    penalties applied here as their formulas say and divided by the temperature when sampling; a request that asks
+    for none gets the same tokens beside it, and its outputs carry none."""
+    path, ref = tiny
+    model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
+    engine = Engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=8)
+    prompt = PROMPTS[0]
+    plain = SamplingParams(max_tokens=8, ignore_eos=True)
+    ids = [engine.add(prompt, params).request_id, engine.add(PROMPTS[2], plain).request_id]
+    outs: dict[str, list] = {i: [] for i in ids}
+    while engine.has_work:
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    tokens = [t for o in outs[ids[0]] for t in o.token_ids]
+    entries = [e for o in outs[ids[0]] for e in o.logprobs]
+    assert all(o.logprobs is None for o in outs[ids[1]])
+    assert [t for o in outs[ids[1]] for t in o.token_ids] == run(Engine(model, kv_cache_mib=1), [PROMPTS[2]], plain)[0]
+    assert [t for t, _, _ in entries] == tokens and len(tokens) == 8
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double()
+    for i, (token, logprob, top) in enumerate(entries):
+        x = logits[i].clone()
+        seen = prompt + tokens[:i]
+        if params.repetition_penalty != 1.0:
+            s = torch.tensor(sorted(set(seen)))
+            x[s] = torch.where(x[s] > 0, x[s] / params.repetition_penalty, x[s] * params.repetition_penalty)
+        counts = torch.bincount(torch.tensor(tokens[:i], dtype=torch.long), minlength=x.shape[0]).double()
+        x -= counts * params.frequency_penalty + (counts > 0).double() * params.presence_penalty
+        if params.temperature:
+            x /= params.temperature
+        want = torch.log_softmax(x, -1)
+        assert abs(logprob - float(want[token])) < 1e-4, (i, logprob, float(want[token]))
+        assert len(top) == params.logprobs
+        assert [a for a, _ in top] == want.topk(params.logprobs).indices.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in top], dtype=torch.float64),
+                                   want.topk(params.logprobs).values, atol=1e-4, rtol=0)  # fmt: skip

@@ -211,7 +211,12 @@ def test_models_health_and_metrics(server, client):
         ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
         ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, 400, "prompt",
          "logit_bias names token ids outside the vocabulary"),
-        ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}, 400, "logprobs", "not supported"),
+        ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs", "in [0, 20]"),
+        ("completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs", "must be an integer"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+         "top_logprobs": 21}, 400, "top_logprobs", "in [0, 20]"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+         400, "top_logprobs", "needs 'logprobs': true"),
         ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo", "not supported"),
         ("completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of", "not supported"),
         ("completions", {"model": MODEL, "prompt": "hi", "min_tokens": 4}, 400, "min_tokens", "not supported"),
@@ -260,6 +265,44 @@ def test_logit_bias_and_penalties_through_the_openai_client(server, client):
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                        frequency_penalty=1.0, presence_penalty=0.5)  # fmt: skip
     assert r.usage.completion_tokens >= 1
+
+
+def test_logprobs_through_the_openai_client_are_the_models_log_softmax(client):
+    """Chat ``logprobs``/``top_logprobs`` and completions ``logprobs``: each token's log-probability is the log-softmax
+    of the model's own next-token logits (a full forward of the prompt and the answer here, float32), the greedy
+    token is the first alternative, the tokens spell the text, and the stream carries the same values."""
+    model = gqa.load_model(None, dtype=torch.float32)
+    tok = model.tokenizer
+    messages = [{"role": "user", "content": "Name three colours."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3)  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == r.choices[0].message.content and len(content) == 6
+    ids = tok.apply_chat(messages)
+    answer = tok.encode(r.choices[0].message.content)
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([ids + answer]))[0, len(ids) - 1 : -1].float(), -1)
+    for i, t in enumerate(content):
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob == t.logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+        assert t.bytes == list(t.token.encode())
+        # int8 rounding of the served rows (bf16 activations where the CPU has them) against the float32 forward
+        assert abs(t.logprob - float(want[i, answer[i]])) < 0.15, (i, t.logprob, float(want[i, answer[i]]))
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)  # fmt: skip
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    done = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                     logprobs=2)  # fmt: skip
+    lp = done.choices[0].logprobs
+    assert "".join(lp.tokens) == done.choices[0].text and len(lp.token_logprobs) == 5
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(5)]
+    pairs = zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    assert all(len(top) <= 2 and max(top.values()) == p for top, p in pairs)
+    sampled = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0.8,
+                                        seed=3, logprobs=0)  # fmt: skip
+    assert all(p <= 0 for p in sampled.choices[0].logprobs.token_logprobs)
+    assert sampled.choices[0].logprobs.top_logprobs == [{}] * 4
 
 
 def test_fields_that_mean_off_are_accepted_and_the_error_shapes_are_openais(server, client):

@@ -23,7 +23,7 @@ from .config import EngineConfig
 from .detokenizer import TextStream
 from .request import EngineError, Request, RequestOutput, RequestState
 from .runner import ModelRunner, default_kv_cache_mib
-from .sampler import sample_rows
+from .sampler import sample_rows, token_logprob
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 
@@ -183,13 +183,15 @@ class Engine:
                 picked.append((r, int(greedy[row]) if found else None, logits[row]))
         drawn = iter(sample_rows([(r, x) for r, token, x in picked if token is None]))
         sampled, tokens = [], []
-        for r, token, _ in picked:
+        for r, token, x in picked:
             token = next(drawn) if token is None else token
             if isinstance(token, Exception):
                 outputs.append(self.scheduler.finish(r, "error", error=f"{type(token).__name__}: {token}"))
             else:
                 sampled.append(r)
                 tokens.append(token)
+                if r.params.logprobs is not None:
+                    r.logprobs.append(token_logprob(r, x, token))
         return outputs + self._sampled(sampled, tokens)
 
     def _forward(self, work: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

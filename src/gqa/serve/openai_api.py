@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .sampling import SEED_RANGE, SamplingParams
+from .sampling import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 __all__ = ["ApiError", "ParsedRequest", "error_body", "parse_chat", "parse_completion"]
 
@@ -42,8 +42,6 @@ GREEDY_BELOW = 1e-5  # a temperature under this is greedy decoding (as vLLM)
 # OpenAI / vLLM request fields gqa does not implement yet, with the values that mean "off": a request that sets one to
 # anything else is refused with a 400 naming it, never served as if it had not asked
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
@@ -126,6 +124,50 @@ def _logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's logprobs list (``SamplingParams.logprobs``; ``None``: no logprobs). Chat:
+    ``logprobs`` (a boolean) and ``top_logprobs``; completions: ``logprobs`` (an integer)."""
+    if not chat:
+        n = _get(body, "logprobs", "an integer", None)
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise ApiError(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {n}", param="logprobs")
+        return n
+    wanted = _get(body, "logprobs", "a boolean", False)
+    top = _get(body, "top_logprobs", "an integer", None)
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise ApiError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+    if top and not wanted:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def logprobs_body(entries: list, tokenizer, chat: bool, offset: int = 0) -> dict:
+    """A choice's (or a stream chunk's) ``logprobs`` for ``entries`` (``TokenLogprob``: id, logprob, alternatives):
+    chat's ``content`` list, or the completions' arrays, ``text_offset`` counting from ``offset``. A token's text is
+    what it decodes to alone (a piece of a multi-byte character decodes to U+FFFD)."""
+
+    def text(token: int) -> str:
+        return tokenizer.decode([token])
+
+    if chat:
+
+        def item(token: int, logprob: float) -> dict:
+            s = text(token)
+            return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+        content = [item(t, lp) | {"top_logprobs": [item(a, alp) for a, alp in top]} for t, lp, top in entries]
+        return {"content": content, "refusal": None}
+    tokens = [text(t) for t, _, _ in entries]
+    offsets = [offset + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
+    top = [{text(a): alp for a, alp in alternatives} for _, _, alternatives in entries]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
 def _common(body: object, models: list[str], room: Room, default_max_tokens: int | None) -> dict[str, Any]:
     """The fields both endpoints share, checked."""
     if not isinstance(body, dict):
@@ -181,6 +223,7 @@ def _common(body: object, models: list[str], room: Room, default_max_tokens: int
             raise ApiError(f"'{name}' must be {'> 0' if repetition else 'in [-2, 2]'}, got {value:g}", param=name)
         penalties[name] = value
     penalties["logit_bias"] = _logit_bias(_get(body, "logit_bias", "an object", None) or {})
+    penalties["logprobs"] = _logprobs(body, chat=room.field == "messages")
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=None if top_p is None else float(top_p),
@@ -258,10 +301,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_body(
-    rid: str, model: str, text: str, reason: str | None, use: dict | None, chat: bool, created: int | None = None
+    rid: str,
+    model: str,
+    text: str,
+    reason: str | None,
+    use: dict | None,
+    chat: bool,
+    created: int | None = None,
+    logprobs: dict | None = None,
 ) -> dict:
     """A whole response (``use`` given) or one stream chunk (``use`` None; ``text`` the new piece); ``created``: the
-    request's time, the same in every chunk of a stream."""
+    request's time, the same in every chunk of a stream; ``logprobs``: the choice's (``logprobs_body``)."""
     created = int(time.time()) if created is None else created
     if chat:
         if use is not None:
@@ -269,8 +319,9 @@ def completion_body(
         else:
             choice = {"index": 0, "delta": {"content": text} if text or reason is None else {}, "finish_reason": reason}
         kind = "chat.completion" if use is not None else "chat.completion.chunk"
+        choice["logprobs"] = logprobs
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         kind = "text_completion"
     body = {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
     if use is not None:

@@ -16,7 +16,10 @@ if TYPE_CHECKING:
     from .detokenizer import TextStream
     from .sampling import SamplingParams
 
-__all__ = ["EngineError", "Request", "RequestOutput", "RequestState"]
+__all__ = ["EngineError", "Request", "RequestOutput", "RequestState", "TokenLogprob"]
+
+# A new token's log-probability: (token id, logprob, ((id, logprob) of the most likely tokens, most likely first))
+TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
 
 
 class EngineError(ValueError):
@@ -47,6 +50,8 @@ class Request:
     text: TextStream | None = None
     finish_reason: str | None = None
     preemptions: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs is set
+    logprobs_sent: int = 0  # how many of them earlier outputs carried
 
 
 @dataclass
@@ -63,3 +68,4 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # for the new tokens (an end-of-sequence token has none)

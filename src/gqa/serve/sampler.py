@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from ..decoding.sampling import sample_next
-from .request import Request
+from .request import Request, TokenLogprob
 
-__all__ = ["sample_rows"]
+__all__ = ["sample_rows", "token_logprob"]
 
 
 def adjusted(r: Request, logits: torch.Tensor) -> torch.Tensor:
@@ -26,6 +26,19 @@ def adjusted(r: Request, logits: torch.Tensor) -> torch.Tensor:
         if token < x.shape[0]:
             x[token] += bias
     return x
+
+
+def token_logprob(r: Request, logits: torch.Tensor, token: int) -> TokenLogprob:
+    """``token``'s log-probability under the distribution ``r`` chose it from (``SamplingParams.logprobs``) and the
+    ``r.params.logprobs`` most likely tokens', from its ``logits (vocab,)`` row alone (batch-invariant)."""
+    p = r.params
+    x = adjusted(r, logits) if p.adjusts_logits else logits.float()
+    if not p.greedy:
+        x = x / p.temperature
+    lp = torch.log_softmax(x, dim=-1)
+    top = lp.topk(p.logprobs) if p.logprobs else None
+    alternatives = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return token, float(lp[token]), alternatives
 
 
 def sample_rows(rows: list[tuple[Request, torch.Tensor]]) -> list[int | Exception]:

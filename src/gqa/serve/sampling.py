@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 from ..decoding.sampling import check_sampling
 
-__all__ = ["SEED_RANGE", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "SEED_RANGE", "SamplingParams"]
+
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
 
 # The seeds torch.Generator.manual_seed takes: [-2**63, 2**64) (a negative seed is taken modulo 2**64)
 SEED_RANGE = (-(2**63), 2**64)
@@ -23,7 +25,11 @@ class SamplingParams:
     ``presence_penalty`` (in [-2, 2]) subtract ``count * frequency + (count > 0) * presence`` from each token's logit,
     counting the tokens generated so far; ``repetition_penalty`` (> 0, HF's and vLLM's) divides the positive logits
     and multiplies the negative ones of every token in the prompt or the output; ``logit_bias`` adds a bias in
-    [-100, 100] to the logits of the token ids it names."""
+    [-100, 100] to the logits of the token ids it names.
+
+    ``logprobs``: report each new token's log-probability and the ``logprobs`` most likely tokens' (0-20; ``None``:
+    none) — the log-softmax of the logits the token was chosen from: after the penalties and bias, divided by the
+    temperature when sampling (before top-k/top-p cut the distribution)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -36,6 +42,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -69,6 +76,9 @@ class SamplingParams:
             if not (isinstance(token, int) and not isinstance(token, bool) and token >= 0 and number):
                 raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {pair!r}")
         object.__setattr__(self, "logit_bias", bias)
+        n = self.logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {n!r}")
 
     @property
     def greedy(self) -> bool:

@@ -116,6 +116,8 @@ class Scheduler:
             r.tokens.append(token)
             self.counts["generation_tokens"] += 1
             eos = token in self.eos and not r.params.ignore_eos
+            if eos and r.logprobs:  # the end of the answer is no token of it
+                r.logprobs.pop()
             piece = ""
             if r.text is not None:
                 piece = r.text.update(r.outputs[:-1] if eos else r.outputs, final=eos)
@@ -185,5 +187,8 @@ class Scheduler:
 
     @staticmethod
     def output(r: Request, token_ids: list[int], piece: str, error: str | None = None) -> RequestOutput:
+        logprobs = None
+        if r.params.logprobs is not None:
+            logprobs, r.logprobs_sent = r.logprobs[r.logprobs_sent :], len(r.logprobs)
         return RequestOutput(r.request_id, token_ids, piece, r.state is FINISHED, r.finish_reason, len(r.prompt),
-                             len(r.outputs), error)  # fmt: skip
+                             len(r.outputs), error, logprobs)  # fmt: skip

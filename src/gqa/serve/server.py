@@ -27,7 +27,16 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .async_engine import AsyncEngine, EngineStopped, QueueFull
-from .openai_api import ApiError, completion_body, error_body, new_id, parse_chat, parse_completion, usage
+from .openai_api import (
+    ApiError,
+    completion_body,
+    error_body,
+    logprobs_body,
+    new_id,
+    parse_chat,
+    parse_completion,
+    usage,
+)
 from .request import EngineError, RequestOutput
 
 __all__ = ["build_app"]
@@ -131,7 +140,8 @@ def build_app(
         rid = new_id("chatcmpl" if chat else "cmpl")
         if parsed.stream:
             return StreamingResponse(
-                stream(rid, parsed.model, first, outputs, chat, parsed.include_usage, created),
+                stream(rid, parsed.model, first, outputs, chat, parsed.include_usage, created,
+                       parsed.params.logprobs is not None),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )  # fmt: skip
         pieces, ends = [first.text], [first]
@@ -162,11 +172,14 @@ def build_app(
         if last.finish_reason == "error":
             return fail(ApiError(f"the request failed in the engine: {last.error}", 500))
         use = usage(last.prompt_tokens, last.completion_tokens)
-        return JSONResponse(completion_body(rid, parsed.model, text, last.finish_reason, use, chat, created))
+        logprobs = None
+        if parsed.params.logprobs is not None:
+            logprobs = logprobs_body([e for out in ends for e in out.logprobs or ()], tokenizer, chat)
+        return JSONResponse(completion_body(rid, parsed.model, text, last.finish_reason, use, chat, created, logprobs))
 
     async def stream(
         rid: str, model: str, first: RequestOutput, outputs: AsyncIterator[RequestOutput], chat: bool,
-        with_usage: bool, created: int,
+        with_usage: bool, created: int, with_logprobs: bool,
     ) -> AsyncIterator[str]:  # fmt: skip
         def event(body: dict) -> str:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -176,13 +189,19 @@ def build_app(
                 head = completion_body(rid, model, "", None, None, chat, created)
                 head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                 yield event(head)
-            out = first
+            # the logprobs of tokens whose text is still held back, and the text offset where they start
+            out, pending, offset = first, [], 0
             while True:
                 if out.finish_reason == "error":
                     yield event(error_body(ApiError(f"the request failed in the engine: {out.error}", 500)))
                     break
+                pending += out.logprobs or ()
                 if out.text or out.finished:
-                    yield event(completion_body(rid, model, out.text, out.finish_reason, None, chat, created))
+                    logprobs = logprobs_body(pending, tokenizer, chat, offset) if with_logprobs else None
+                    if logprobs is not None and not chat:
+                        offset += sum(len(s) for s in logprobs["tokens"])
+                    pending = []
+                    yield event(completion_body(rid, model, out.text, out.finish_reason, None, chat, created, logprobs))
                 if out.finished:
                     if with_usage:
                         body = completion_body(rid, model, "", None, None, chat, created)
