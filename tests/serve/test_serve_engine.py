@@ -447,3 +447,45 @@ def test_logprobs_are_the_log_softmax_the_token_was_chosen_from(tiny, params):
         assert [a for a, _ in top] == want.topk(params.logprobs).indices.tolist()
         torch.testing.assert_close(torch.tensor([v for _, v in top], dtype=torch.float64),
                                    want.topk(params.logprobs).values, atol=1e-4, rtol=0)  # fmt: skip
+
+
+def test_min_tokens_and_stop_token_ids_against_hf_logits(tiny):
+    """A stop token id (HF's greedy 4th token) ends the response there, kept in the token ids; with ``min_tokens`` 7
+    the end tokens are not chosen before the 7th token: each step is the argmax of HF's logits with them removed,
+    and where the end token comes afterwards it ends the response. ``min_tokens`` 0 changes nothing."""
+    path, ref = tiny
+    model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
+    prompt = PROMPTS[0]
+    plain = hf_greedy(ref, prompt, 12)
+    end = plain[3]
+    assert end not in plain[:3], "pick a prompt whose 4th greedy token is new"
+
+    def engine(eos=()):
+        return Engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=8, eos_token_ids=eos)
+
+    stop = SamplingParams(max_tokens=12, stop_token_ids=(end,))
+    assert run(engine(), [prompt], stop) == [plain[:4]]
+    assert run(engine(eos=[end]), [prompt], SamplingParams(max_tokens=12, min_tokens=0)) == [plain[:4]]
+    tokens = list(prompt)
+    with torch.no_grad():
+        for i in range(12):
+            logits = ref(torch.tensor([tokens])).logits[0, -1].double()
+            if i < 7:
+                logits[end] = -torch.inf
+            tokens.append(int(logits.argmax()))
+            if tokens[-1] == end:
+                break
+    want = tokens[len(prompt) :]
+    assert want != plain[:4] and end not in want[:7]
+    for params, eos in [(SamplingParams(max_tokens=12, min_tokens=7), [end]),
+                        (SamplingParams(max_tokens=12, min_tokens=7, stop_token_ids=(end,)), ())]:  # fmt: skip
+        e = engine(eos)
+        free = e.blocks.num_free
+        assert run(e, [prompt, PROMPTS[2]], params)[0] == want
+        assert e.blocks.num_free == free
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=(-1,))
+    with pytest.raises(EngineError, match="stop_token_ids"):
+        engine().add(prompt, SamplingParams(stop_token_ids=(10**6,)))

@@ -219,9 +219,23 @@ def test_models_health_and_metrics(server, client):
          400, "top_logprobs", "needs 'logprobs': true"),
         ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo", "not supported"),
         ("completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of", "not supported"),
-        ("completions", {"model": MODEL, "prompt": "hi", "min_tokens": 4}, 400, "min_tokens", "not supported"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens",
+         "in [0, max_tokens=3]"),
+        ("completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids", ">= 0"),
         ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-         "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+         "response_format": {"type": "yaml"}}, 400, "response_format", "must be 'text', 'json_object' or"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format",
+         "with a 'schema' object"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, 400,
+         "response_format", "the json_schema does not compile"),
+        ("completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "(a"}}, 400,
+         "structured_outputs", "the regex does not compile"),
+        ("completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+         "structured_outputs", "exactly one of"),
+        ("completions", {"model": MODEL, "prompt": "hi", "guided_choice": [], "response_format": {"type":
+         "json_object"}}, 400, "guided_choice", "each ask for structured output"),
         ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
          "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400, "tools",
          "not supported"),
@@ -303,6 +317,43 @@ def test_logprobs_through_the_openai_client_are_the_models_log_softmax(client):
                                         seed=3, logprobs=0)  # fmt: skip
     assert all(p <= 0 for p in sampled.choices[0].logprobs.token_logprobs)
     assert sampled.choices[0].logprobs.top_logprobs == [{}] * 4
+
+
+def test_structured_output_through_the_openai_client_validates(client):
+    """response_format json_schema (chat, validated by ``jsonschema``) and json_object, streamed and not; vLLM's
+    structured_outputs choice and guided_regex (completions); min_tokens and stop_token_ids served."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    properties = {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "maximum": 10**9}}
+    schema = {"type": "object", "properties": properties, "required": ["city", "population"]}
+    messages = [{"role": "user", "content": "What is the capital of France and its population? Answer in JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                       response_format=fmt)  # fmt: skip
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
+                                            response_format=fmt, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    ask = [{"role": "user", "content": 'What is 2+2? Answer as a JSON object like {"answer": ...}.'}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=64, temperature=0,
+                                       response_format={"type": "json_object"})  # fmt: skip
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model=MODEL, prompt="My favourite colour is", max_tokens=8, temperature=1.0, seed=4,
+                                  extra_body={"structured_outputs": {"choice": ["red", "green"]}})  # fmt: skip
+    assert r.choices[0].text in ("red", "green")
+    r = client.completions.create(model=MODEL, prompt="Call me on", max_tokens=16, temperature=0,
+                                  extra_body={"guided_regex": r" \d{3}-\d{4}"})  # fmt: skip
+    assert re.fullmatch(r" \d{3}-\d{4}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    tok = gqa.load_tokenizer()
+    third = tok.encode(plain.choices[0].text)[2]
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  extra_body={"stop_token_ids": [third]})  # fmt: skip
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 3
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  extra_body={"min_tokens": 6, "stop_token_ids": [third]})  # fmt: skip
+    assert r.usage.completion_tokens == 6
 
 
 def test_fields_that_mean_off_are_accepted_and_the_error_shapes_are_openais(server, client):

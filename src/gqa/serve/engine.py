@@ -23,9 +23,10 @@ from .config import EngineConfig
 from .detokenizer import TextStream
 from .request import EngineError, Request, RequestOutput, RequestState
 from .runner import ModelRunner, default_kv_cache_mib
-from .sampler import sample_rows, token_logprob
+from .sampler import adjusted, sample_rows, token_logprob
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .structured import Grammars
 
 __all__ = ["Engine", "EngineError", "EngineStats", "Request", "RequestOutput", "RequestState", "default_kv_cache_mib"]
 
@@ -75,6 +76,8 @@ class Engine:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_id
         self.scheduler = Scheduler(self.blocks, config.max_running, config.prefill_chunk,
                                    {int(t) for t in eos_token_ids or []}, window=self.runner.window)  # fmt: skip
+        # structured output's grammars, compiled against this tokenizer and the model's logits (needs a tokenizer)
+        self.grammars = None if tokenizer is None else Grammars(tokenizer, self.config.vocab_size, self.scheduler.eos)
         self._ids = itertools.count()
 
     @staticmethod
@@ -117,6 +120,11 @@ class Engine:
         outside = [t for t, _ in params.logit_bias if t >= V]
         if outside:
             raise EngineError(f"logit_bias names token ids outside the vocabulary of {V}: {outside[:5]}")
+        outside = [t for t in params.stop_token_ids if t >= V]
+        if outside:
+            raise EngineError(f"stop_token_ids names token ids outside the vocabulary of {V}: {outside[:5]}")
+        if params.structured is not None:
+            self.compile(params)
         context = self.config.max_position_embeddings
         if len(prompt) + params.max_tokens > context:
             raise EngineError(
@@ -128,6 +136,16 @@ class Engine:
                 f"the prompt's {len(prompt)} tokens plus max_tokens={params.max_tokens} need more than the KV cache's "
                 f"{self.blocks.num_blocks * self.block_size} token slots"
             )
+
+    def compile(self, params: SamplingParams) -> None:
+        """Compile ``params.structured`` (cached: a second call is cheap; safe from any thread); ``EngineError`` for
+        one that does not compile, or when the engine has no tokenizer to compile it against."""
+        if self.grammars is None:
+            raise EngineError("structured output needs the engine's tokenizer")
+        try:
+            self.grammars.compile(params.structured)
+        except ValueError as e:
+            raise EngineError(str(e)) from e
 
     def add(self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None) -> Request:
         """Queue a request for token ids ``prompt``; it joins the running batch at the next ``step``. Raises
@@ -142,6 +160,8 @@ class Engine:
             r.generator = torch.Generator().manual_seed(seed)
         if self.tokenizer is not None:
             r.text = TextStream(self.tokenizer.decode, params.stop)
+        if params.structured is not None:
+            r.grammar = self.grammars.state(params.structured, params.stop_token_ids)
         self.scheduler.add(r)
         return r
 
@@ -176,15 +196,19 @@ class Engine:
                     groups.append(([item], self._forward([item])))
                 except Exception as e:  # the request fails alone; the engine serves on
                     outputs.append(self.scheduler.finish(item[0], "error", error=f"{type(e).__name__}: {e}"))
-        picked = []  # (request, its greedy token or None when sampled, its logits row), in row order
+        picked = []  # (request, its greedy token or None when sampled, the logits it chooses from), in row order
         for items, (logits, greedy) in groups:
             for row, r in enumerate(self.scheduler.fed(items)):
-                found = r.params.greedy and not r.params.adjusts_logits  # the kernel's argmax is the token
-                picked.append((r, int(greedy[row]) if found else None, logits[row]))
+                if r.params.adjusts_logits:
+                    picked.append((r, None, adjusted(r, logits[row], self.scheduler.eos)))
+                else:  # the kernel's argmax is the greedy token
+                    picked.append((r, int(greedy[row]) if r.params.greedy else None, logits[row]))
         drawn = iter(sample_rows([(r, x) for r, token, x in picked if token is None]))
         sampled, tokens = [], []
         for r, token, x in picked:
             token = next(drawn) if token is None else token
+            if not isinstance(token, Exception) and r.grammar is not None and not r.grammar.accept(token):
+                token = EngineError(f"token {token} is outside the request's grammar")
             if isinstance(token, Exception):
                 outputs.append(self.scheduler.finish(r, "error", error=f"{type(token).__name__}: {token}"))
             else:

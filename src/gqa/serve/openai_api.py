@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .sampling import MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from .structured import StructuredOutput
 
 __all__ = ["ApiError", "ParsedRequest", "error_body", "parse_chat", "parse_completion"]
 
@@ -45,12 +46,14 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
-    "min_tokens": (0,),
     "tools": ([],),
     "functions": ([],),
     "tool_choice": ("none", "auto"),
-    "response_format": ({"type": "text"},),
 }
+# vLLM's structured_outputs keys (the kind of StructuredOutput each means), and its older one-key fields for them
+STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                   "grammar": "grammar"}  # fmt: skip
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def _refuse_not_implemented(body: dict) -> None:
@@ -67,6 +70,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     model: str
+    structured_field: str | None = None  # the field that asked for structured output (its errors name it)
 
 
 JSON_TYPES = {
@@ -168,6 +172,51 @@ def logprobs_body(entries: list, tokenizer, chat: bool, offset: int = 0) -> dict
     }
 
 
+def _structured(body: dict) -> tuple[StructuredOutput | None, str | None]:
+    """The output's required shape and the field that gave it: OpenAI's ``response_format`` (``json_object``,
+    ``json_schema``), vLLM's ``structured_outputs`` (one of ``json``, ``json_object``, ``regex``, ``choice``,
+    ``grammar``) or its older ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar``; at most one."""
+    given = []
+    response_format = _get(body, "response_format", "an object", None)
+    if response_format is not None and response_format.get("type") != "text":
+        given.append(("response_format", response_format))
+    outputs = _get(body, "structured_outputs", "an object", None)
+    if outputs:
+        given.append(("structured_outputs", outputs))
+    given += [(name, {key: body[name]}) for name, key in GUIDED_FIELDS.items() if body.get(name) is not None]
+    if len(given) > 1:
+        names = " and ".join(f"'{name}'" for name, _ in given)
+        raise ApiError(f"{names} each ask for structured output: give one", param=given[1][0])
+    if not given:
+        return None, None
+    name, value = given[0]
+    try:
+        if name == "response_format":
+            kind = value.get("type")
+            if kind == "json_object":
+                return StructuredOutput("json_object"), name
+            schema = value.get("json_schema")
+            if kind != "json_schema":
+                raise ValueError(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+            if not (isinstance(schema, dict) and isinstance(schema.get("schema"), dict)):
+                raise ValueError("'response_format.json_schema' must be an object with a 'schema' object")
+            return StructuredOutput("json_schema", schema["schema"]), name
+        keys = [key for key, v in value.items() if v is not None and v is not False]
+        if len(keys) != 1 or keys[0] not in STRUCTURED_KEYS:
+            raise ValueError(f"'{name}' must name exactly one of {sorted(STRUCTURED_KEYS)}, got {sorted(value)}")
+        kind = STRUCTURED_KEYS[keys[0]]
+        return StructuredOutput(kind, None if kind == "json_object" else value[keys[0]]), name
+    except ValueError as e:
+        raise ApiError(str(e), param=name) from e
+
+
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+    ids = _get(body, "stop_token_ids", "an array", None) or []
+    if not all(JSON_TYPES["an integer"](t) and t >= 0 for t in ids):
+        raise ApiError("'stop_token_ids' must be an array of token ids >= 0", param="stop_token_ids")
+    return tuple(ids)
+
+
 def _common(body: object, models: list[str], room: Room, default_max_tokens: int | None) -> dict[str, Any]:
     """The fields both endpoints share, checked."""
     if not isinstance(body, dict):
@@ -224,15 +273,21 @@ def _common(body: object, models: list[str], room: Room, default_max_tokens: int
         penalties[name] = value
     penalties["logit_bias"] = _logit_bias(_get(body, "logit_bias", "an object", None) or {})
     penalties["logprobs"] = _logprobs(body, chat=room.field == "messages")
+    min_tokens = _get(body, "min_tokens", "an integer", 0)
+    if not 0 <= min_tokens <= max_tokens:
+        raise ApiError(f"'min_tokens' must be in [0, max_tokens={max_tokens}], got {min_tokens}", param="min_tokens")
+    structured, structured_field = _structured(body)
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=None if top_p is None else float(top_p),
             top_k=None if top_k in (None, -1) else top_k, stop=tuple(stop), seed=seed,
-            ignore_eos=bool(_get(body, "ignore_eos", "a boolean", False)), **penalties,
+            ignore_eos=bool(_get(body, "ignore_eos", "a boolean", False)), min_tokens=min_tokens,
+            stop_token_ids=_stop_token_ids(body), structured=structured, **penalties,
         )  # fmt: skip
     except ValueError as e:  # what the fields above do not check themselves: never past this point
         raise ApiError(str(e)) from e
-    return {"params": params, "stream": stream, "include_usage": bool(options.get("include_usage")), "model": model}
+    return {"params": params, "stream": stream, "include_usage": bool(options.get("include_usage")), "model": model,
+            "structured_field": structured_field}  # fmt: skip
 
 
 def parse_completion(

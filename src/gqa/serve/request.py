@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .blocks import BlockTable
     from .detokenizer import TextStream
     from .sampling import SamplingParams
+    from .structured import GrammarState
 
 __all__ = ["EngineError", "Request", "RequestOutput", "RequestState", "TokenLogprob"]
 
@@ -52,6 +53,7 @@ class Request:
     preemptions: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs is set
     logprobs_sent: int = 0  # how many of them earlier outputs carried
+    grammar: GrammarState | None = None  # where the output is in its grammar, when params.structured is set
 
 
 @dataclass

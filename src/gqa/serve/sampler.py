@@ -3,17 +3,30 @@ request's next uniform number, so a row gets the token it would get alone."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from ..decoding.sampling import sample_next
 from .request import Request, TokenLogprob
 
-__all__ = ["sample_rows", "token_logprob"]
+__all__ = ["adjusted", "sample_rows", "token_logprob"]
 
 
-def adjusted(r: Request, logits: torch.Tensor) -> torch.Tensor:
-    """``logits (vocab,)`` with ``r``'s penalties and bias applied (``SamplingParams``), in float32; a copy."""
+def adjusted(r: Request, logits: torch.Tensor, eos: Collection[int] = ()) -> torch.Tensor:
+    """``logits (vocab,)`` as ``r`` chooses from them, in float32 (a copy): its grammar's mask, ``min_tokens``' ban
+    on the end-of-sequence tokens ``eos`` and its stop token ids (unless the grammar allows nothing else), the
+    penalties and the bias (``SamplingParams``)."""
     p, x = r.params, logits.float().clone()
+    if r.grammar is not None:
+        r.grammar.mask(x)
+    if len(r.outputs) < p.min_tokens:
+        ends = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
+        banned = torch.tensor(sorted(t for t in ends if t < x.shape[0]), dtype=torch.long, device=x.device)
+        rest = torch.isfinite(x)
+        rest[banned] = False
+        if rest.any():
+            x[banned] = -torch.inf
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(r.tokens)), dtype=torch.long, device=x.device)
         v = x[seen]
@@ -30,9 +43,9 @@ def adjusted(r: Request, logits: torch.Tensor) -> torch.Tensor:
 
 def token_logprob(r: Request, logits: torch.Tensor, token: int) -> TokenLogprob:
     """``token``'s log-probability under the distribution ``r`` chose it from (``SamplingParams.logprobs``) and the
-    ``r.params.logprobs`` most likely tokens', from its ``logits (vocab,)`` row alone (batch-invariant)."""
-    p = r.params
-    x = adjusted(r, logits) if p.adjusts_logits else logits.float()
+    ``r.params.logprobs`` most likely tokens', from its ``logits (vocab,)`` row (``adjusted`` where the request
+    adjusts them) alone: batch-invariant."""
+    p, x = r.params, logits.float()
     if not p.greedy:
         x = x / p.temperature
     lp = torch.log_softmax(x, dim=-1)
@@ -42,15 +55,14 @@ def token_logprob(r: Request, logits: torch.Tensor, token: int) -> TokenLogprob:
 
 
 def sample_rows(rows: list[tuple[Request, torch.Tensor]]) -> list[int | Exception]:
-    """A token for each ``(request, logits (vocab,))`` row, after its penalties and bias. A row that cannot be
-    sampled (NaN logits) gets its exception instead; the others are sampled."""
+    """A token for each ``(request, logits (vocab,))`` row (``adjusted`` where the request adjusts them). A row that
+    cannot be sampled (NaN logits) gets its exception instead; the others are sampled."""
     out: list[int | Exception] = [0] * len(rows)
     settings: dict[tuple, list[int]] = {}
     for i, (r, _) in enumerate(rows):
         settings.setdefault((r.params.temperature, r.params.top_k, r.params.top_p), []).append(i)
     for (temperature, top_k, top_p), idx in settings.items():
-        x = torch.stack([adjusted(*rows[i]) if rows[i][0].params.adjusts_logits else rows[i][1]
-                         for i in idx])  # (n, vocab), on the runner's device  # fmt: skip
+        x = torch.stack([rows[i][1] for i in idx])  # (n, vocab), on the runner's device
         u = None  # greedy rows (here for their penalties) draw nothing
         if temperature > 0:
             u = torch.cat([torch.rand(1, generator=rows[i][0].generator) for i in idx]).to(x.device)  # (n,)

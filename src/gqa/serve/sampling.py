@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..decoding.sampling import check_sampling
+from .structured import StructuredOutput
 
 __all__ = ["MAX_LOGPROBS", "SEED_RANGE", "SamplingParams"]
 
@@ -29,7 +30,12 @@ class SamplingParams:
 
     ``logprobs``: report each new token's log-probability and the ``logprobs`` most likely tokens' (0-20; ``None``:
     none) — the log-softmax of the logits the token was chosen from: after the penalties and bias, divided by the
-    temperature when sampling (before top-k/top-p cut the distribution)."""
+    temperature when sampling (before top-k/top-p cut the distribution).
+
+    ``min_tokens``: the end-of-sequence and ``stop_token_ids`` tokens are not chosen before this many new tokens
+    (vLLM's); ``stop_token_ids``: more tokens that end the output (kept in the token ids, not in the text; also with
+    ``ignore_eos``); ``structured``: the output held to a JSON schema, a regex, ... (``StructuredOutput``; the end of
+    the grammar ends the response)."""
 
     max_tokens: int = 128
     temperature: float = 0.0
@@ -43,6 +49,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     logprobs: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -79,6 +88,15 @@ class SamplingParams:
         n = self.logprobs
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None), got {n!r}")
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {m!r}")
+        ids = tuple(self.stop_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +104,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty or a bias changes the logits before the choice (then no kernel's argmax is the token)."""
+        """Whether a penalty, a bias, ``min_tokens`` or a grammar changes the logits before the choice (then no
+        kernel's argmax is the token)."""
         return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)  # fmt: skip
+                    or self.logit_bias or self.min_tokens or self.structured is not None)  # fmt: skip

@@ -115,7 +115,9 @@ class Scheduler:
             r.outputs.append(token)
             r.tokens.append(token)
             self.counts["generation_tokens"] += 1
-            eos = token in self.eos and not r.params.ignore_eos
+            # an end-of-sequence or stop token, or the grammar's end (which is one of those), ends the response
+            eos = (token in self.eos and not r.params.ignore_eos) or token in r.params.stop_token_ids
+            eos = eos or (r.grammar is not None and r.grammar.complete)
             if eos and r.logprobs:  # the end of the answer is no token of it
                 r.logprobs.pop()
             piece = ""

@@ -29,6 +29,7 @@ from starlette.routing import Route
 from .async_engine import AsyncEngine, EngineStopped, QueueFull
 from .openai_api import (
     ApiError,
+    ParsedRequest,
     completion_body,
     error_body,
     logprobs_body,
@@ -118,15 +119,25 @@ def build_app(
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
+    def prepare(body: object, chat: bool) -> ParsedRequest:
+        """The request parsed and checked, its grammar (if any) compiled."""
+        parsed = (parse_chat if chat else parse_completion)(body, tokenizer, [model_name], context, pool)
+        if parsed.params.structured is not None:
+            try:
+                engine.engine.compile(parsed.params)
+            except EngineError as e:
+                raise ApiError(str(e), param=parsed.structured_field) from e
+        return parsed
+
     async def completions(request: Request, chat: bool) -> Response:
         if not authorized(request):
             return fail(ApiError("a valid API key is required (Authorization: Bearer KEY)", 401))
         created = int(time.time())
         try:
             body = await read_json(request)
-            parse = parse_chat if chat else parse_completion
-            # tokenizing and the chat template off the event loop: a huge prompt must not stall /health
-            parsed = await asyncio.to_thread(parse, body, tokenizer, [model_name], context, pool)
+            # tokenizing, the chat template and a grammar's compilation off the event loop: a huge prompt or schema
+            # must not stall /health
+            parsed = await asyncio.to_thread(prepare, body, chat)
             outputs = engine.generate(parsed.prompt_ids, parsed.params)
             first = await anext(outputs)  # raises here, before any response, for a request the engine refuses
         except ApiError as e:
