@@ -190,7 +190,8 @@ def test_models_health_and_metrics(server, client):
         ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens",
          "must be an integer, got a string"),
         ("completions", {"model": MODEL, "prompt": "hi", "temperature": 7}, 400, "temperature", r"in [0, 2]"),
-        ("completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", "only n=1"),
+        ("completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n", "in [1, 16]"),
+        ("completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n", "in [1, 16]"),
         ("completions", {"prompt": "hi"}, 400, "model", "'model' is required"),
         ("completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model", "does not exist"),
         ("completions", {"model": MODEL, "prompt": [1, "a"]}, 400, "prompt", "token ids"),
@@ -217,7 +218,9 @@ def test_models_health_and_metrics(server, client):
          "top_logprobs": 21}, 400, "top_logprobs", "in [0, 20]"),
         ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
          400, "top_logprobs", "needs 'logprobs': true"),
-        ("completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo", "not supported"),
+        ("completions", {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo",
+         "with 'logprobs'"),
+        ("completions", {"model": MODEL, "prompt": "hi", "echo": 1}, 400, "echo", "must be a boolean"),
         ("completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of", "not supported"),
         ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens",
          "in [0, max_tokens=3]"),
@@ -354,6 +357,52 @@ def test_structured_output_through_the_openai_client_validates(client):
     r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
                                   extra_body={"min_tokens": 6, "stop_token_ids": [third]})  # fmt: skip
     assert r.usage.completion_tokens == 6
+
+
+def test_n_answers_share_the_prompt_and_each_is_the_request_alone(server, client):
+    """``n`` = 3 seeded sampled answers (completions and chat, streamed and not): answer ``i`` is the request alone
+    with seed + i; the usage counts every answer's tokens; the prompt's blocks are shared from the prefix cache (its
+    hit counter grows by the others' full prompt blocks); every block comes back."""
+    prompt = "Once upon a time, in a land far away, there lived a dragon who loved " * 3
+    before = wait_idle(server)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=7, n=3,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 24
+    after = wait_idle(server)
+    shared = (len(gqa.load_tokenizer().encode(prompt)) - 1) // int(after["gqa_kv_block_size"])  # full blocks
+    assert shared >= 2 and after["gqa_prefix_cache_hits_total"] - before["gqa_prefix_cache_hits_total"] >= 2 * shared
+    assert after["gqa_kv_blocks_free"] == before["gqa_kv_blocks_free"]
+    alone = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=7 + i,
+                                       extra_body={"ignore_eos": True}).choices[0].text for i in range(3)]  # fmt: skip
+    assert [c.text for c in r.choices] == alone and len(set(alone)) > 1
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=7, n=3,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))  # fmt: skip
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert texts == alone and chunks[-1].usage.completion_tokens == 24
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 3
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, n=2)
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same answer twice
+    streamed = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, n=2,
+                                                   stream=True))  # fmt: skip
+    for i in range(2):
+        got = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices and c.choices[0].index == i)
+        assert got == chat.choices[i].message.content
+
+
+def test_echo_puts_the_prompt_before_the_answer(client):
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                       echo=True)  # fmt: skip
+    assert echoed.choices[0].text == "The capital of France is" + plain.choices[0].text
+    assert echoed.usage == plain.usage
+    chunks = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                       echo=True, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+    ids = gqa.load_tokenizer().encode("Hello there")
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True)
+    assert r.choices[0].text.startswith("Hello there")
 
 
 def test_fields_that_mean_off_are_accepted_and_the_error_shapes_are_openais(server, client):

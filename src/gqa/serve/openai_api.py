@@ -40,10 +40,10 @@ def error_body(e: ApiError) -> dict[str, Any]:
 
 
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy decoding (as vLLM)
+MAX_CHOICES = 16  # the most answers (``n``) one request asks for
 # OpenAI / vLLM request fields gqa does not implement yet, with the values that mean "off": a request that sets one to
 # anything else is refused with a 400 naming it, never served as if it had not asked
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
     "tools": ([],),
@@ -71,6 +71,8 @@ class ParsedRequest:
     include_usage: bool
     model: str
     structured_field: str | None = None  # the field that asked for structured output (its errors name it)
+    n: int = 1  # choices: answers to the same prompt
+    echo: str = ""  # text that precedes each answer (completions' ``echo``: the prompt)
 
 
 JSON_TYPES = {
@@ -227,8 +229,8 @@ def _common(body: object, models: list[str], room: Room, default_max_tokens: int
                        code="model_not_found")  # fmt: skip
     _refuse_not_implemented(body)
     n = _get(body, "n", "an integer", 1)
-    if n != 1:
-        raise ApiError("only n=1 is supported", param="n")
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(f"'n' must be in [1, {MAX_CHOICES}], got {n}", param="n")
     max_tokens = _get(body, "max_tokens", "an integer", None)
     max_tokens = _get(body, "max_completion_tokens", "an integer", max_tokens)  # the newer name wins (as vLLM)
     if max_tokens is None:
@@ -287,7 +289,7 @@ def _common(body: object, models: list[str], room: Room, default_max_tokens: int
     except ValueError as e:  # what the fields above do not check themselves: never past this point
         raise ApiError(str(e)) from e
     return {"params": params, "stream": stream, "include_usage": bool(options.get("include_usage")), "model": model,
-            "structured_field": structured_field}  # fmt: skip
+            "structured_field": structured_field, "n": n}  # fmt: skip
 
 
 def parse_completion(
@@ -315,7 +317,12 @@ def parse_completion(
     else:
         ids = []
     fields = _common(body, models, Room(context, pool, len(ids), "prompt"), 16)
-    return ParsedRequest(ids, **fields)
+    echo = ""
+    if _get(body, "echo", "a boolean", False):
+        if fields["params"].logprobs is not None:
+            raise ApiError("'echo' with 'logprobs' (the prompt's log-probabilities) is not supported", param="echo")
+        echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+    return ParsedRequest(ids, **fields, echo=echo)
 
 
 def parse_chat(body: object, tokenizer, models: list[str], context: int, pool: int | None = None) -> ParsedRequest:

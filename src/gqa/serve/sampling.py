@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..decoding.sampling import check_sampling
 from .structured import StructuredOutput
@@ -97,6 +97,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The settings of answer ``index`` of several to one prompt (``n``): a given seed advanced by ``index`` (as
+        vLLM), so seeded answers differ and each is reproducible."""
+        if self.seed is None or index == 0:
+            return self
+        seed = self.seed + index
+        return replace(self, seed=seed if seed < SEED_RANGE[1] else seed - 2**64)
 
     @property
     def greedy(self) -> bool:

@@ -133,13 +133,13 @@ def build_app(
         if not authorized(request):
             return fail(ApiError("a valid API key is required (Authorization: Bearer KEY)", 401))
         created = int(time.time())
+        outputs: list[AsyncIterator[RequestOutput]] = []  # one per answer (``n``)
         try:
             body = await read_json(request)
             # tokenizing, the chat template and a grammar's compilation off the event loop: a huge prompt or schema
             # must not stall /health
             parsed = await asyncio.to_thread(prepare, body, chat)
-            outputs = engine.generate(parsed.prompt_ids, parsed.params)
-            first = await anext(outputs)  # raises here, before any response, for a request the engine refuses
+            firsts = await start(parsed, outputs)  # raises here, before any response, for a request the engine refuses
         except ApiError as e:
             return fail(e)
         except EngineError as e:
@@ -151,82 +151,152 @@ def build_app(
         rid = new_id("chatcmpl" if chat else "cmpl")
         if parsed.stream:
             return StreamingResponse(
-                stream(rid, parsed.model, first, outputs, chat, parsed.include_usage, created,
-                       parsed.params.logprobs is not None),
+                stream(rid, parsed, firsts, outputs, chat, created),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )  # fmt: skip
-        pieces, ends = [first.text], [first]
+        ends = [[first] for first in firsts]
 
-        async def collect() -> None:
-            async for out in outputs:
-                pieces.append(out.text)
-                ends.append(out)
+        async def collect(i: int) -> None:
+            async for out in outputs[i]:
+                ends[i].append(out)
 
         async def client_left() -> None:  # the body is read: the next message is the disconnect
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        task, left = asyncio.ensure_future(collect()), asyncio.ensure_future(client_left())
+        task = asyncio.gather(*(collect(i) for i in range(parsed.n)))
+        left = asyncio.ensure_future(client_left())
         try:
             await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():  # a client that leaves before its whole response: the request is aborted
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                await outputs.aclose()
+                await close(outputs)
                 return Response(status_code=499)
             task.result()
         except Exception as e:
             return fail(engine_failure(e))
         finally:
             left.cancel()
-        text, last = "".join(pieces), ends[-1]
-        if last.finish_reason == "error":
-            return fail(ApiError(f"the request failed in the engine: {last.error}", 500))
-        use = usage(last.prompt_tokens, last.completion_tokens)
-        logprobs = None
-        if parsed.params.logprobs is not None:
-            logprobs = logprobs_body([e for out in ends for e in out.logprobs or ()], tokenizer, chat)
-        return JSONResponse(completion_body(rid, parsed.model, text, last.finish_reason, use, chat, created, logprobs))
+        choices = []
+        for got in ends:
+            last = got[-1]
+            if last.finish_reason == "error":
+                return fail(ApiError(f"the request failed in the engine: {last.error}", 500))
+            logprobs = None
+            if parsed.params.logprobs is not None:
+                logprobs = logprobs_body([e for out in got for e in out.logprobs or ()], tokenizer, chat)
+            text = parsed.echo + "".join(out.text for out in got)
+            choices.append(completion_body(rid, parsed.model, text, last.finish_reason, {}, chat, created, logprobs))
+        body = choices[0]
+        body["choices"] = [c["choices"][0] | {"index": i} for i, c in enumerate(choices)]
+        body["usage"] = usage(firsts[0].prompt_tokens, sum(got[-1].completion_tokens for got in ends))
+        return JSONResponse(body)
+
+    async def start(parsed: ParsedRequest, outputs: list) -> list[RequestOutput]:
+        """Submit the request's ``n`` answers (into ``outputs``) and wait for their first outputs. The first answer
+        goes alone: once its prompt is read, the others find the prompt's full blocks in the prefix cache."""
+        try:
+            outputs.append(engine.generate(parsed.prompt_ids, parsed.params))
+            firsts = [await anext(outputs[0])]
+            rest = [engine.generate(parsed.prompt_ids, parsed.params.for_choice(i)) for i in range(1, parsed.n)]
+            outputs += rest
+            got = await asyncio.gather(*(anext(o) for o in rest), return_exceptions=True)
+        except BaseException:
+            await close(outputs)
+            raise
+        for item in got:
+            if isinstance(item, BaseException):
+                await close(outputs)
+                raise item
+        return firsts + got
+
+    async def close(outputs: list) -> None:
+        """Close answers' output streams (an unfinished one's request is aborted, its blocks freed)."""
+        for o in outputs:
+            await o.aclose()
+
+    async def merged(firsts: list[RequestOutput], outputs: list) -> AsyncIterator[tuple[int, object]]:
+        """``(answer index, output or the exception its stream raised)`` as they come; one answer is read directly."""
+        if len(outputs) == 1:
+            yield 0, firsts[0]
+            try:
+                async for out in outputs[0]:
+                    yield 0, out
+            except Exception as e:
+                yield 0, e
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in outputs[i]:
+                    queue.put_nowait((i, out))
+            except Exception as e:
+                queue.put_nowait((i, e))
+
+        for i, first in enumerate(firsts):
+            queue.put_nowait((i, first))
+        tasks = [asyncio.ensure_future(pump(i)) for i, first in enumerate(firsts) if not first.finished]
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stream(
-        rid: str, model: str, first: RequestOutput, outputs: AsyncIterator[RequestOutput], chat: bool,
-        with_usage: bool, created: int, with_logprobs: bool,
-    ) -> AsyncIterator[str]:  # fmt: skip
+        rid: str, parsed: ParsedRequest, firsts: list[RequestOutput], outputs: list, chat: bool, created: int
+    ) -> AsyncIterator[str]:
         def event(body: dict) -> str:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+        def chunk(i: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
+            body = completion_body(rid, parsed.model, text, reason, None, chat, created, logprobs)
+            body["choices"][0]["index"] = i
+            return body
+
+        n = parsed.n
+        # per answer: the logprobs of tokens whose text is still held back, the text offset where they start, and
+        # the tokens it generated once it finished
+        pending, offset, tokens = [[] for _ in range(n)], [0] * n, [None] * n
+        answers = merged(firsts, outputs)
         try:
-            if chat:
-                head = completion_body(rid, model, "", None, None, chat, created)
-                head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield event(head)
-            # the logprobs of tokens whose text is still held back, and the text offset where they start
-            out, pending, offset = first, [], 0
-            while True:
+            for i in range(n):
+                if chat:
+                    head = chunk(i, "", None)
+                    head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                    yield event(head)
+                elif parsed.echo:
+                    yield event(chunk(i, parsed.echo, None))
+            async for i, out in answers:
+                if isinstance(out, Exception):  # the engine stopped mid-stream: an error event, then the stream's end
+                    yield event(error_body(engine_failure(out)))
+                    break
                 if out.finish_reason == "error":
                     yield event(error_body(ApiError(f"the request failed in the engine: {out.error}", 500)))
                     break
-                pending += out.logprobs or ()
+                pending[i] += out.logprobs or ()
                 if out.text or out.finished:
-                    logprobs = logprobs_body(pending, tokenizer, chat, offset) if with_logprobs else None
-                    if logprobs is not None and not chat:
-                        offset += sum(len(s) for s in logprobs["tokens"])
-                    pending = []
-                    yield event(completion_body(rid, model, out.text, out.finish_reason, None, chat, created, logprobs))
+                    logprobs = None
+                    if parsed.params.logprobs is not None:
+                        logprobs = logprobs_body(pending[i], tokenizer, chat, offset[i])
+                        offset[i] += sum(len(s) for s in logprobs["tokens"]) if not chat else 0
+                    pending[i] = []
+                    yield event(chunk(i, out.text, out.finish_reason, logprobs))
                 if out.finished:
-                    if with_usage:
-                        body = completion_body(rid, model, "", None, None, chat, created)
-                        body["choices"], body["usage"] = [], usage(out.prompt_tokens, out.completion_tokens)
-                        yield event(body)
-                    break
-                try:
-                    out = await anext(outputs)
-                except Exception as e:  # the engine stopped mid-stream: an error event, then the stream's end
-                    yield event(error_body(engine_failure(e)))
-                    break
+                    tokens[i] = out.completion_tokens
+                    if all(t is not None for t in tokens):
+                        if parsed.include_usage:
+                            body = chunk(0, "", None)
+                            body["choices"], body["usage"] = [], usage(out.prompt_tokens, sum(tokens))
+                            yield event(body)
+                        break
             yield "data: [DONE]\n\n"
         finally:
-            await outputs.aclose()  # a client that left: the request is aborted, its blocks freed
+            await answers.aclose()
+            await close(outputs)  # a client that left: the unfinished requests are aborted, their blocks freed
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
