@@ -540,3 +540,39 @@ def test_api_key_full_queue_and_sigterm():
     finally:
         code = s.stop()
     assert code == 0
+
+
+def test_connections_that_never_finish_their_headers_are_closed_and_others_are_served():
+    """Slowloris: 30 connections that send half a request's headers are all closed by the server once
+    ``--header-timeout`` (1 s) has passed, while a normal request is answered meanwhile and a streamed response that
+    lasts past the timeout is not cut (the deadline is for headers only); a keep-alive connection that starts a second
+    request's headers and stalls is closed too."""
+    s = Server("--header-timeout", "1")
+    try:
+        slow = []
+        for _ in range(30):
+            c = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            slow.append(c)
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        started = time.monotonic()
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=200, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}))  # fmt: skip
+        assert time.monotonic() - started > 1.0 and len(gqa.load_tokenizer().encode(text)) >= 190
+        for c in slow:
+            with closing(c):
+                assert c.recv(1024) == b""  # closed by the server (a 10 s socket timeout would raise instead)
+        with closing(socket.create_connection(("127.0.0.1", s.port), timeout=10)) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answer = b""
+            while not answer.endswith(b'"ok"}'):
+                piece = c.recv(1024)
+                assert piece, answer
+                answer += piece
+            assert answer.startswith(b"HTTP/1.1 200")
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            started = time.monotonic()
+            assert c.recv(1024) == b"" and time.monotonic() - started < 5
+    finally:
+        assert s.stop() == 0

@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--max-body-mib", type=float, default=16.0, metavar="N",
                         help="the largest request body accepted, in MiB (a larger one gets 413)")  # fmt: skip
+    parser.add_argument("--header-timeout", type=float, default=15.0, metavar="SECONDS",
+                        help="close a connection whose request headers take longer (slowloris)")  # fmt: skip
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: from --model)")
 
 
@@ -92,6 +94,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from ..serve.async_engine import AsyncEngine
     from ..serve.config import EngineConfig
     from ..serve.engine import Engine, EngineError
+    from ..serve.http_protocol import with_header_timeout
     from ..serve.runner import full_context_bytes
     from ..serve.server import build_app
 
@@ -105,6 +108,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if not ns.max_body_mib > 0:
         raise ValueError(f"--max-body-mib must be > 0, got {ns.max_body_mib}")
     api_key = api_key_of(ns)
+    protocol = with_header_timeout(ns.header_timeout)
     device = serve_device(ns.device)
     if device.type == "cuda":  # the Triton runner takes float weights: auto is bf16, quantized ones are dequantized
         dtype = DTYPES["bf16"] if ns.dtype == "auto" else DTYPES[ns.dtype]
@@ -137,7 +141,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     app = build_app(AsyncEngine(engine, ns.max_queue), model.tokenizer, name, api_key,
                     max_body_bytes=int(ns.max_body_mib * 2**20))  # fmt: skip
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=30)  # fmt: skip
+                            timeout_graceful_shutdown=30, http=protocol)  # fmt: skip
     server = uvicorn.Server(config)
     # uvicorn shuts down gracefully on SIGTERM / SIGINT and then raises the signal again to the handler it found:
     # one that does nothing makes a graceful stop exit 0
