@@ -184,9 +184,9 @@ class Engine:
         """One iteration — schedule, run, sample, update; the outputs it produced. If the batch's call raises, each
         request runs alone, and the ones that still raise fail alone."""
         batch = self.scheduler.schedule()
+        outputs, self.scheduler.failed = self.scheduler.failed, []  # admissions that failed
         if not batch:
-            return []
-        outputs: list[RequestOutput] = []
+            return outputs
         try:
             groups = [(batch.work, self._forward(batch.work))]
         except Exception:

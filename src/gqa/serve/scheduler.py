@@ -49,6 +49,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.counts = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+        self.failed: list[RequestOutput] = []  # requests that failed while being admitted, for the step to hand out
 
     @property
     def has_work(self) -> bool:
@@ -83,6 +84,9 @@ class Scheduler:
                 r.table = self.blocks.allocate(r.tokens)
             except OutOfBlocks:
                 return  # blocks come back as running requests finish
+            except Exception as e:  # a fault admitting this request: it fails alone (its output at the next step)
+                self.failed.append(self.finish(r, "error", error=f"{type(e).__name__}: {e}"))
+                continue
             self.waiting.popleft()
             r.table.tokens = r.tokens  # one list: the table hashes the tokens its full blocks hold
             r.state, r.computed = PREFILL, r.table.cached_tokens
@@ -112,29 +116,35 @@ class Scheduler:
         for r, token in zip(batch, tokens, strict=True):
             if r.state is FINISHED:
                 continue
-            r.outputs.append(token)
-            r.tokens.append(token)
-            self.counts["generation_tokens"] += 1
-            # an end-of-sequence or stop token, or the grammar's end (which is one of those), ends the response
-            eos = (token in self.eos and not r.params.ignore_eos) or token in r.params.stop_token_ids
-            eos = eos or (r.grammar is not None and r.grammar.complete)
-            if eos and r.logprobs:  # the end of the answer is no token of it
-                r.logprobs.pop()
-            piece = ""
-            if r.text is not None:
-                piece = r.text.update(r.outputs[:-1] if eos else r.outputs, final=eos)
-            if eos or (r.text is not None and r.text.stopped):
-                outputs.append(self.finish(r, "stop", token=token, piece=piece))
-            elif len(r.outputs) >= r.params.max_tokens:
-                if r.text is not None:
-                    piece += r.text.update(r.outputs, final=True)
-                outputs.append(self.finish(r, "length", token=token, piece=piece))
-            else:
-                outputs.append(self.output(r, [token], piece))
+            try:
+                outputs.append(self._advance(r, token))
+            except Exception as e:  # e.g. the detokenizer raising on this request's tokens: it fails alone
+                outputs.append(self.finish(r, "error", error=f"{type(e).__name__}: {e}"))
         for r in batch:
             if r.state is DECODE:
                 self._reserve_slot(r)
         return outputs
+
+    def _advance(self, r: Request, token: int) -> RequestOutput:
+        """``r``'s new ``token``: its output, and its end when the token, the text or ``max_tokens`` ends it."""
+        r.outputs.append(token)
+        r.tokens.append(token)
+        self.counts["generation_tokens"] += 1
+        # an end-of-sequence or stop token, or the grammar's end (which is one of those), ends the response
+        eos = (token in self.eos and not r.params.ignore_eos) or token in r.params.stop_token_ids
+        eos = eos or (r.grammar is not None and r.grammar.complete)
+        if eos and r.logprobs:  # the end of the answer is no token of it
+            r.logprobs.pop()
+        piece = ""
+        if r.text is not None:
+            piece = r.text.update(r.outputs[:-1] if eos else r.outputs, final=eos)
+        if eos or (r.text is not None and r.text.stopped):
+            return self.finish(r, "stop", token=token, piece=piece)
+        if len(r.outputs) >= r.params.max_tokens:
+            if r.text is not None:
+                piece += r.text.update(r.outputs, final=True)
+            return self.finish(r, "length", token=token, piece=piece)
+        return self.output(r, [token], piece)
 
     def _reserve_slot(self, r: Request) -> None:
         """A block for ``r``'s newest token, freeing other requests' blocks (preemption) if needed."""
