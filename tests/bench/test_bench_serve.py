@@ -35,3 +35,23 @@ def test_prompts_are_distinct_and_bad_flags_exit_2(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(["bench", "serve", *flags, "--out", str(tmp_path)])
         assert e.value.code == 2
+
+
+def test_structured_loads_are_served_and_their_answers_validated(tmp_path, capsys):
+    """``--structured``: a second gqa row whose answers are held to the JSON schema; every one validates (checked
+    here by ``jsonschema`` as well as by the benchmark's own count)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    code = main(["bench", "serve", "--engines", "gqa", "--clients", "2", "--prompts", "2", "--max-tokens", "64",
+                 "--kv-cache-mib", "64", "--structured", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["tag"] for r in rows] == ["gqa", "gqa, json_schema"]
+    assert rows[0]["loads"][0]["valid"] is None and rows[1]["loads"][0]["valid"] == 2
+    assert "| gqa, json_schema | 2 |" in (tmp_path / "results.md").read_text()
+    good = json.dumps({"topic": "bees", "answer": "They make honey."})
+    jsonschema.validate(json.loads(good), bench_serve.SCHEMA)
+    assert bench_serve.valid(good, bench_serve.SCHEMA)
+    for bad in ('{"topic": "bees"}', '{"topic": "bees", "answer": 3}', "not json", json.dumps({"topic": "x" * 41,
+                "answer": ""}), '{"topic": "a", "answer": "b", "extra": "c"}'):  # fmt: skip
+        assert not bench_serve.valid(bad, bench_serve.SCHEMA), bad

@@ -8,7 +8,9 @@ server's peak resident memory. Every response under load is compared with the sa
 1-client pass): batching must change nothing. ``--kv-heads 9 3 1`` also serves the model converted to those KV head
 counts (``gqa convert --method mean``, written once under ``--out``) under one KV budget (``--kv-budget-mib``): the
 concurrent ``--kv-context``-token sequences that fit, and the throughput at the largest client count with responses
-of ``--kv-max-tokens`` tokens (the preemptions the pool forced are counted).
+of ``--kv-max-tokens`` tokens (the preemptions the pool forced are counted). ``--structured`` serves the same loads
+again with a JSON schema as ``response_format`` (xgrammar's masks in every step): the throughput it costs, and how many
+answers parse and validate.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ TOPICS = (
     "how bees make honey",
 )  # fmt: skip
 ASKS = ("Explain {} in a few sentences.", "Write a short paragraph about {}.", "What should a child know about {}?")
+# --structured: each answer as {"topic": ..., "answer": ...}, bounded so that it ends within --max-tokens 64
+SCHEMA = {
+    "type": "object",
+    "properties": {"topic": {"type": "string", "maxLength": 40}, "answer": {"type": "string", "maxLength": 100}},
+    "required": ["topic", "answer"],
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="greedy tokens per response in that comparison, one pass per value (default: --max-tokens; longer "
         "responses are where the budget binds)",
     )  # fmt: skip
+    parser.add_argument("--structured", action="store_true",
+                        help="also serve gqa's loads with a JSON schema as response_format")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-serve"), help="folder for results.json and .md")
 
 
@@ -120,10 +130,14 @@ class ServerProcess:
                 self.proc.wait(10)
 
 
-def stream_chat(port: int, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed greedy chat request: its text, token count (chunks with content) and arrival times."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True})  # fmt: skip
+def stream_chat(port: int, model: str, prompt: str, max_tokens: int, schema: dict | None = None) -> dict:
+    """One streamed greedy chat request (``schema``: its answer held to that JSON schema): its text, token count
+    (chunks with content) and arrival times."""
+    request = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+               "temperature": 0, "stream": True}  # fmt: skip
+    if schema is not None:
+        request["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    body = json.dumps(request)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     start = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -146,11 +160,12 @@ def stream_chat(port: int, model: str, prompt: str, max_tokens: int) -> dict:
     return {"text": "".join(text), "times": times, "start": start}
 
 
-def load(port: int, model: str, texts: list[str], clients: int, max_tokens: int) -> dict:
-    """``texts`` sent by ``clients`` concurrent clients; the load's summary and each response's text."""
+def load(port: int, model: str, texts: list[str], clients: int, max_tokens: int, schema: dict | None = None) -> dict:
+    """``texts`` sent by ``clients`` concurrent clients; the load's summary and each response's text (``schema``: held
+    to it, and counted where they parse and validate)."""
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda p: stream_chat(port, model, p, max_tokens), texts))
+        results = list(pool.map(lambda p: stream_chat(port, model, p, max_tokens, schema), texts))
     wall = time.perf_counter() - start
     ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
@@ -164,7 +179,19 @@ def load(port: int, model: str, texts: list[str], clients: int, max_tokens: int)
         "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
         "itl_p50_ms": 1e3 * pct(itl, 50), "itl_p99_ms": 1e3 * pct(itl, 99),
         "errors": [r["error"] for r in results if "error" in r], "texts": [r["text"] for r in results],
+        "valid": None if schema is None else sum(valid(r["text"], schema) for r in results),
     }  # fmt: skip
+
+
+def valid(text: str, schema: dict) -> bool:
+    """Whether ``text`` is JSON that ``schema`` (``SCHEMA``'s kind: required string fields with maxLength) accepts."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    fields = schema["properties"]
+    return (isinstance(value, dict) and set(schema["required"]) <= set(value) and set(value) <= set(fields)
+            and all(isinstance(value[k], str) and len(value[k]) <= fields[k]["maxLength"] for k in value))  # fmt: skip
 
 
 def server_argv(engine: str, model_path: str | None, ns: argparse.Namespace, port: int, kv_mib: float) -> list[str]:
@@ -180,23 +207,27 @@ def server_argv(engine: str, model_path: str | None, ns: argparse.Namespace, por
             "--interrupt_requests", "False"]  # fmt: skip  # by default a new request cuts the running one short
 
 
-def bench_engine(engine: str, model_path: str | None, ns: argparse.Namespace, kv_mib: float, tag: str) -> dict:
+def bench_engine(
+    engine: str, model_path: str | None, ns: argparse.Namespace, kv_mib: float, tag: str, schema: dict | None = None
+) -> dict:
     port = free_port()
     ns.out.mkdir(parents=True, exist_ok=True)
     server = ServerProcess(server_argv(engine, model_path, ns, port, kv_mib), port, ns.out / f"{tag}.log")
     row: dict = {"engine": engine, "tag": tag, "loads": []}
     try:
         texts = prompts(ns.prompts)
-        stream_chat(port, server.model, texts[0], 4)  # warm-up
+        stream_chat(port, server.model, texts[0], 4, schema)  # warm-up (and the grammar's compilation)
         alone = None  # the 1-client pass: each request served alone
         for clients in ns.clients:
-            result = load(port, server.model, texts, clients, ns.max_tokens)
+            result = load(port, server.model, texts, clients, ns.max_tokens, schema)
             if clients == 1:
                 alone = result["texts"]
             result["differ_from_alone"] = None
             if alone is not None:
                 result["differ_from_alone"] = sum(a != b for a, b in zip(alone, result["texts"], strict=True))
             summary = f"{result['tok_s']:.1f} tok/s, TTFT p99 {result['ttft_p99_ms']:.0f} ms"
+            if schema is not None:
+                summary += f", {result['valid']}/{len(texts)} valid"
             print(f"[bench serve] {tag}: {clients} clients {summary}, differ from alone: {result['differ_from_alone']}",
                   file=sys.stderr, flush=True)  # fmt: skip
             del result["texts"]
@@ -223,14 +254,16 @@ def converted(model_path: str | None, kv_heads: int, out: Path) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| server | clients | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | differ from alone | errors |"
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|"]
+    head = ("| server | clients | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | differ from alone | errors "
+            "| valid JSON |")  # fmt: skip
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         for x in r["loads"]:
             differ = "—" if x["differ_from_alone"] is None else x["differ_from_alone"]
+            valid_json = "—" if x.get("valid") is None else x["valid"]
             lines.append(
                 f"| {r['tag']} | {x['clients']} | {x['tok_s']:.1f} | {x['ttft_p50_ms']:.0f} / {x['ttft_p99_ms']:.0f} | "
-                f"{x['itl_p50_ms']:.0f} / {x['itl_p99_ms']:.0f} | {differ} | {len(x['errors'])} |"
+                f"{x['itl_p50_ms']:.0f} / {x['itl_p99_ms']:.0f} | {differ} | {len(x['errors'])} | {valid_json} |"
             )
     lines.append("")
     lines.append("| server | peak RSS (MiB) | KV token slots | sequences of the context that fit | preemptions | "
@@ -263,6 +296,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             engines.remove("llama.cpp")
     os.environ["OMP_NUM_THREADS"] = str(ns.threads)
     rows = [bench_engine(e, ns.model, ns, ns.kv_cache_mib, e) for e in engines]
+    if ns.structured and "gqa" in engines:
+        rows.append(bench_engine("gqa", ns.model, ns, ns.kv_cache_mib, "gqa, json_schema", SCHEMA))
     for r in rows:
         r["context"] = ns.kv_context
     for tokens in ns.kv_max_tokens or [ns.max_tokens]:
