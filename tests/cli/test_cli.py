@@ -85,6 +85,8 @@ def test_info_compares_kv_cache_with_mha_and_mqa():
         (("generate", "hi", "--max-new-tokens", "9000"), "exceeds the model's context"),
         (("serve", "--device", "tpu"), "--device must be cpu, cuda or cuda:N"),
         (("serve", "--device", "cuda:7"), "--device cuda:7: "),  # no CUDA here, or not that many devices
+        (("serve", "--speculate", "17"), "--speculate must be in [0, 16]"),
+        (("serve", "--header-timeout", "0"), "--header-timeout must be > 0"),
     ],
 )
 def test_errors_are_messages(args, message):

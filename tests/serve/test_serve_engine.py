@@ -489,3 +489,35 @@ def test_min_tokens_and_stop_token_ids_against_hf_logits(tiny):
         SamplingParams(stop_token_ids=(-1,))
     with pytest.raises(EngineError, match="stop_token_ids"):
         engine().add(prompt, SamplingParams(stop_token_ids=(10**6,)))
+
+
+def test_speculation_gives_hf_greedy_tokens_with_drafts_accepted_and_rejected(tiny):
+    """``speculate=7``: prompt-lookup drafts verified as extra rows give exactly HF's greedy tokens — for two requests
+    decoding together beside a prompt being read in chunks, for a request whose end-of-sequence token comes inside an
+    accepted draft, and for one cut by ``max_tokens`` mid-draft; drafts were both accepted and rejected (the test
+    exercises both), every block comes back, and a later request that shares the prompt and output from the prefix
+    cache (blocks written while drafting) still gets HF's tokens."""
+    path, ref = tiny
+    model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
+    prompts = [[5, 6, 7, 8, 9] * 6 + [5, 6], [3, 1, 4, 1, 5, 9, 2, 6] * 3, list(range(20, 90))]
+    want = [hf_greedy(ref, p, 40) for p in prompts]
+    engine = Engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=8, speculate=7)
+    free = engine.blocks.num_free
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    assert run(engine, prompts, params) == want
+    s = engine.stats()
+    assert 0 < s.draft_tokens_accepted < s.draft_tokens, (s.draft_tokens_accepted, s.draft_tokens)
+    assert engine.blocks.num_free == free
+    # the end-of-sequence token: the first greedy token that repeats an earlier one of the output (so a draft can
+    # reach it); the response ends there whatever the drafts were
+    out = want[0]
+    end = next(t for i, t in enumerate(out) if t in out[:i])
+    e = Engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=8, speculate=7, eos_token_ids=[end])
+    assert run(e, [prompts[0]], SamplingParams(max_tokens=40)) == [out[: out.index(end) + 1]]
+    for n in (1, 2, 5, 13):
+        got = run(Engine(model, kv_cache_mib=1, block_size=4, speculate=7), [prompts[0]], SamplingParams(max_tokens=n,
+                  ignore_eos=True))  # fmt: skip
+        assert got == [out[:n]]
+    again = prompts[0] + out[:20]
+    assert run(engine, [again], SamplingParams(max_tokens=12, ignore_eos=True)) == [hf_greedy(ref, again, 12)]
+    assert engine.blocks.prefix_hits > 0

@@ -576,3 +576,26 @@ def test_connections_that_never_finish_their_headers_are_closed_and_others_are_s
             assert c.recv(1024) == b"" and time.monotonic() - started < 5
     finally:
         assert s.stop() == 0
+
+
+def test_speculate_serves_the_same_greedy_text_with_drafts(client):
+    """``--speculate 7``: a request that copies its prompt gets the text the server without drafts gives (streamed
+    and not), and the metrics count drafts accepted."""
+    prompt = (
+        "Fix the spelling in this text and return it: The watter cycle describes how watter evaporates from "
+        "oceans and lakes, rises into the atmosphere, cools and condenses into clouds, and falls back as rain."
+    )
+    messages = [{"role": "user", "content": prompt}]
+    want = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0)
+    s = Server("--speculate", "7")
+    try:
+        fast = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        got = fast.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        chunks = fast.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                              stream=True)  # fmt: skip
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == got.choices[0].message.content
+        m = s.metrics()
+        assert m["gqa_draft_tokens_accepted_total"] > 0 and m["gqa_kv_blocks_used"] == 0
+    finally:
+        assert s.stop() == 0

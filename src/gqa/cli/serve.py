@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens per step while others decode (4x while none does; a long prompt delays streams a chunk)",
     )  # fmt: skip
     parser.add_argument(
+        "--speculate", type=int, default=0, metavar="K",
+        help="verify up to K draft tokens per step for greedy requests, looked up in their own prompt and output "
+        "(exactly greedy's output; pays off where answers copy their context; 0: off)",
+    )  # fmt: skip
+    parser.add_argument(
         "--api-key", default=None,
         help="require 'Authorization: Bearer KEY'; also read from $GQA_API_KEY, which keeps it out of ps "
         "(default: open)",
@@ -92,7 +97,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from ..loaders.model import load_model
     from ..options.dtypes import DTYPES
     from ..serve.async_engine import AsyncEngine
-    from ..serve.config import EngineConfig
+    from ..serve.config import MAX_DRAFT, EngineConfig
     from ..serve.engine import Engine, EngineError
     from ..serve.http_protocol import with_header_timeout
     from ..serve.runner import full_context_bytes
@@ -105,6 +110,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be {'in [0, 65535]' if flag == '--port' else f'>= {low}'}, got {value}")
     if ns.kv_cache_mib is not None and not ns.kv_cache_mib > 0:
         raise ValueError(f"--kv-cache-mib must be > 0, got {ns.kv_cache_mib}")
+    if not 0 <= ns.speculate <= MAX_DRAFT:
+        raise ValueError(f"--speculate must be in [0, {MAX_DRAFT}], got {ns.speculate}")
     if not ns.max_body_mib > 0:
         raise ValueError(f"--max-body-mib must be > 0, got {ns.max_body_mib}")
     api_key = api_key_of(ns)
@@ -119,7 +126,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
                            device=device)  # fmt: skip
     try:
         config = EngineConfig(kv_cache_mib=ns.kv_cache_mib, block_size=ns.block_size, max_running=ns.max_running,
-                              prefill_chunk=ns.prefill_chunk)  # fmt: skip
+                              prefill_chunk=ns.prefill_chunk, speculate=ns.speculate)  # fmt: skip
         engine = Engine(model, model.tokenizer, config)
     except EngineError as e:
         raise ValueError(f"this model cannot be served: {e}") from e

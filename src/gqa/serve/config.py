@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["EngineConfig"]
+__all__ = ["MAX_DRAFT", "EngineConfig"]
+
+MAX_DRAFT = 16  # the most draft tokens a request verifies in one step
 
 
 @dataclass(frozen=True)
@@ -13,12 +15,14 @@ class EngineConfig:
     """``kv_cache_mib``: the KV pool's size (``None``: a quarter of the available memory, at most what
     ``max_running`` full contexts need); ``block_size``: token slots per block; ``max_running``: requests decoded
     together at most; ``prefill_chunk``: prompt tokens per step while others decode (four times as many while none
-    does)."""
+    does); ``speculate``: draft tokens per step at most for greedy requests, looked up in their own tokens
+    (speculation.py; 0: off)."""
 
     kv_cache_mib: float | None = None
     block_size: int = 16
     max_running: int = 64
     prefill_chunk: int = 64
+    speculate: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_running", "prefill_chunk"):
@@ -30,3 +34,6 @@ class EngineConfig:
             isinstance(mib, (int, float)) and not isinstance(mib, bool) and math.isfinite(mib) and mib > 0
         ):
             raise ValueError(f"kv_cache_mib must be a positive number, got {mib!r}")
+        k = self.speculate
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFT:
+            raise ValueError(f"speculate must be an integer in [0, {MAX_DRAFT}], got {k!r}")

@@ -26,6 +26,7 @@ from .runner import ModelRunner, default_kv_cache_mib
 from .sampler import adjusted, sample_rows, token_logprob
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .speculation import accepted
 from .structured import Grammars
 
 __all__ = ["Engine", "EngineError", "EngineStats", "Request", "RequestOutput", "RequestState", "default_kv_cache_mib"]
@@ -46,6 +47,8 @@ class EngineStats:
     generation_tokens: int
     preemptions: int
     steps: int
+    draft_tokens: int  # proposed by prompt lookup and verified
+    draft_tokens_accepted: int
 
 
 class Engine:
@@ -75,7 +78,8 @@ class Engine:
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_id
         self.scheduler = Scheduler(self.blocks, config.max_running, config.prefill_chunk,
-                                   {int(t) for t in eos_token_ids or []}, window=self.runner.window)  # fmt: skip
+                                   {int(t) for t in eos_token_ids or []}, window=self.runner.window,
+                                   speculate=config.speculate)  # fmt: skip
         # structured output's grammars, compiled against this tokenizer and the model's logits (needs a tokenizer)
         self.grammars = None if tokenizer is None else Grammars(tokenizer, self.config.vocab_size, self.scheduler.eos)
         self._ids = itertools.count()
@@ -196,13 +200,18 @@ class Engine:
                     groups.append(([item], self._forward([item])))
                 except Exception as e:  # the request fails alone; the engine serves on
                     outputs.append(self.scheduler.finish(item[0], "error", error=f"{type(e).__name__}: {e}"))
-        picked = []  # (request, its greedy token or None when sampled, the logits it chooses from), in row order
+        # (request, its greedy token — tokens after a draft — or None when sampled, the logits it chooses from)
+        picked: list[tuple[Request, int | list[int] | None, torch.Tensor | None]] = []
         for items, (logits, greedy) in groups:
-            for row, r in enumerate(self.scheduler.fed(items)):
-                if r.params.adjusts_logits:
+            row = 0  # a request's first logits row: it has one, and one more per draft token
+            for r in self.scheduler.fed(items):
+                if r.draft:
+                    picked.append((r, accepted(r.draft, greedy[row : row + len(r.draft) + 1].tolist()), None))
+                elif r.params.adjusts_logits:
                     picked.append((r, None, adjusted(r, logits[row], self.scheduler.eos)))
                 else:  # the kernel's argmax is the greedy token
                     picked.append((r, int(greedy[row]) if r.params.greedy else None, logits[row]))
+                row += 1 + len(r.draft)
         drawn = iter(sample_rows([(r, x) for r, token, x in picked if token is None]))
         sampled, tokens = [], []
         for r, token, x in picked:

@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .speculation import DraftState
+
 if TYPE_CHECKING:
     from .blocks import BlockTable
     from .detokenizer import TextStream
@@ -54,6 +56,8 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs is set
     logprobs_sent: int = 0  # how many of them earlier outputs carried
     grammar: GrammarState | None = None  # where the output is in its grammar, when params.structured is set
+    draft: list[int] = field(default_factory=list)  # tokens proposed after the newest one, verified this step
+    drafting: DraftState = field(default_factory=DraftState)  # how long its next draft is, or whether it pauses
 
 
 @dataclass

@@ -81,14 +81,15 @@ class ModelRunner:
 
 def batch_rows(work: list[tuple[Request, int, int]]) -> tuple[list[int], list[int], list[list[int]], list[int]]:
     """A step's rows, one per token: ``(ids, positions, block tables, wanted)`` for every request's tokens ``[start,
-    end)``; ``wanted``: the rows whose next token is asked for (a request fed up to its last token), in order."""
+    end)`` (past its tokens: its draft's); ``wanted``: the rows whose next token is asked for — a request fed up to its
+    last token, and each of its draft tokens — in order."""
     ids, positions, tables, wanted = [], [], [], []
     for r, start, end in work:
-        ids += r.tokens[start:end]
+        ids += (r.tokens + r.draft if end > len(r.tokens) else r.tokens)[start:end]
         positions += range(start, end)
         tables += [r.table.blocks] * (end - start)
-        if end == len(r.tokens):
-            wanted.append(len(ids) - 1)
+        if end >= len(r.tokens):
+            wanted += range(len(ids) - 1 - (end - len(r.tokens)), len(ids))
     return ids, positions, tables, wanted
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from .blocks import BlockManager, OutOfBlocks
 from .request import EngineError, Request, RequestOutput, RequestState
+from .speculation import LENGTHS, MAX_DRAFTING, propose
 
 __all__ = ["ScheduledBatch", "Scheduler"]
 
@@ -41,14 +42,17 @@ class Scheduler:
     a response."""
 
     def __init__(
-        self, blocks: BlockManager, max_running: int, prefill_chunk: int, eos: set[int], window: int | None = None
-    ) -> None:
+        self, blocks: BlockManager, max_running: int, prefill_chunk: int, eos: set[int], window: int | None = None,
+        speculate: int = 0,
+    ) -> None:  # fmt: skip
         self.blocks, self.max_running, self.prefill_chunk, self.eos = blocks, max_running, prefill_chunk, eos
         self.window = window  # every layer's query sees at most this many keys to its left: older blocks go back
+        self.speculate = speculate  # draft tokens per greedy request and step at most (speculation.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.counts = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+        self.counts = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0, "draft_tokens": 0,
+                       "draft_tokens_accepted": 0}  # fmt: skip
         self.failed: list[RequestOutput] = []  # requests that failed while being admitted, for the step to hand out
 
     @property
@@ -68,7 +72,12 @@ class Scheduler:
         """Admit what fits, then this step's rows: every decoding request's newest token and the next prompt chunks."""
         self.counts["steps"] += 1
         self._admit()
-        work = [(r, r.computed, len(r.tokens)) for r in self.running if r.state is DECODE]
+        work = []
+        drafting = self.speculate and sum(r.state is DECODE for r in self.running) <= MAX_DRAFTING
+        for r in self.running:
+            if r.state is DECODE:
+                r.draft = self._draft(r) if drafting else []
+                work.append((r, r.computed, len(r.tokens) + len(r.draft)))
         budget = self.prefill_chunk if work else 4 * self.prefill_chunk
         for r in self.running:
             if r.state is PREFILL and budget > 0:
@@ -92,11 +101,30 @@ class Scheduler:
             r.state, r.computed = PREFILL, r.table.cached_tokens
             self.running.append(r)
 
+    def _draft(self, r: Request) -> list[int]:
+        """Tokens to verify after ``r``'s newest one this step (prompt lookup), their slots reserved; none unless
+        speculation is on and ``r`` decodes greedily from plain logits (no window: its blocks go back as it slides)."""
+        p = r.params
+        if self.window is not None or not p.greedy or p.adjusts_logits or p.logprobs is not None:
+            return []
+        k = min(r.drafting.wanted(self.speculate), p.max_tokens - len(r.outputs) - 1)
+        draft = propose(r.tokens, k) if k else []
+        if len(draft) < min(k, LENGTHS[0]):  # 2 or 3 rows cost more than 4
+            draft = []
+        if draft:
+            try:
+                self.blocks.reserve(r.table, len(r.tokens) + len(draft))
+            except OutOfBlocks:  # a draft never preempts anyone
+                return []
+            self.counts["draft_tokens"] += len(draft)
+        return draft
+
     def fed(self, work: list[tuple[Request, int, int]]) -> list[Request]:
-        """Record that ``work``'s tokens are in the pool now; the requests fed up to their last token (they want a
-        token next), in order."""
+        """Record that ``work``'s tokens are in the pool now (a draft's count once accepted, in ``update``); the
+        requests fed up to their last token (they want a token next — after each draft token too), in order."""
         wanting = []
         for r, _, end in work:
+            end = min(end, len(r.tokens))
             r.computed = end
             self.blocks.computed(r.table, end)
             if self.window is not None:  # the next query (position end) reads from end - window on
@@ -109,15 +137,20 @@ class Scheduler:
             wanting.append(r)
         return wanting
 
-    def update(self, batch: list[Request], tokens: list[int]) -> list[RequestOutput]:
-        """Each request's new token: outputs, finished requests released, a block for the next slot of the rest
-        (preempting the latest admitted requests when none is free)."""
+    def update(self, batch: list[Request], tokens: list[int | list[int]]) -> list[RequestOutput]:
+        """Each request's new token (or tokens: its accepted draft and the token after it): outputs, finished
+        requests released, a block for the next slot of the rest (preempting the latest admitted requests when none
+        is free)."""
         outputs = []
-        for r, token in zip(batch, tokens, strict=True):
+        for r, new in zip(batch, tokens, strict=True):
+            if r.draft:
+                self.counts["draft_tokens_accepted"] += len(new) - 1
+                r.drafting.verified(len(r.draft), len(new) - 1)
+                r.draft = []
             if r.state is FINISHED:
                 continue
             try:
-                outputs.append(self._advance(r, token))
+                outputs.append(self._advance(r, [new] if isinstance(new, int) else new))
             except Exception as e:  # e.g. the detokenizer raising on this request's tokens: it fails alone
                 outputs.append(self.finish(r, "error", error=f"{type(e).__name__}: {e}"))
         for r in batch:
@@ -125,26 +158,31 @@ class Scheduler:
                 self._reserve_slot(r)
         return outputs
 
-    def _advance(self, r: Request, token: int) -> RequestOutput:
-        """``r``'s new ``token``: its output, and its end when the token, the text or ``max_tokens`` ends it."""
-        r.outputs.append(token)
-        r.tokens.append(token)
-        self.counts["generation_tokens"] += 1
-        # an end-of-sequence or stop token, or the grammar's end (which is one of those), ends the response
-        eos = (token in self.eos and not r.params.ignore_eos) or token in r.params.stop_token_ids
-        eos = eos or (r.grammar is not None and r.grammar.complete)
-        if eos and r.logprobs:  # the end of the answer is no token of it
-            r.logprobs.pop()
-        piece = ""
-        if r.text is not None:
-            piece = r.text.update(r.outputs[:-1] if eos else r.outputs, final=eos)
-        if eos or (r.text is not None and r.text.stopped):
-            return self.finish(r, "stop", token=token, piece=piece)
-        if len(r.outputs) >= r.params.max_tokens:
+    def _advance(self, r: Request, new: list[int]) -> RequestOutput:
+        """``r``'s ``new`` tokens (an accepted draft's, then one more): its output, and its end when a token, the text
+        or ``max_tokens`` ends it (the tokens after that are dropped)."""
+        pieces: list[str] = []
+        for i, token in enumerate(new):
+            r.outputs.append(token)
+            r.tokens.append(token)
+            self.counts["generation_tokens"] += 1
+            # an end-of-sequence or stop token, or the grammar's end (which is one of those), ends the response
+            eos = (token in self.eos and not r.params.ignore_eos) or token in r.params.stop_token_ids
+            eos = eos or (r.grammar is not None and r.grammar.complete)
+            if eos and r.logprobs:  # the end of the answer is no token of it
+                r.logprobs.pop()
             if r.text is not None:
-                piece += r.text.update(r.outputs, final=True)
-            return self.finish(r, "length", token=token, piece=piece)
-        return self.output(r, [token], piece)
+                pieces.append(r.text.update(r.outputs[:-1] if eos else r.outputs, final=eos))
+            if eos or (r.text is not None and r.text.stopped):
+                return self.finish(r, "stop", tokens=new[: i + 1], piece="".join(pieces))
+            if len(r.outputs) >= r.params.max_tokens:
+                if r.text is not None:
+                    pieces.append(r.text.update(r.outputs, final=True))
+                return self.finish(r, "length", tokens=new[: i + 1], piece="".join(pieces))
+        if len(new) > 1:  # the accepted draft tokens' K/V are in the pool: the newest token is the next to feed
+            r.computed += len(new) - 1
+            self.blocks.computed(r.table, r.computed)
+        return self.output(r, new, "".join(pieces))
 
     def _reserve_slot(self, r: Request) -> None:
         """A block for ``r``'s newest token, freeing other requests' blocks (preemption) if needed."""
@@ -184,9 +222,10 @@ class Scheduler:
         return [self.finish(r, "error", error=error) for r in failing]
 
     def finish(
-        self, r: Request, reason: str, *, token: int | None = None, piece: str = "", error: str | None = None
+        self, r: Request, reason: str, *, tokens: list[int] | None = None, piece: str = "", error: str | None = None
     ) -> RequestOutput:
-        """End ``r`` with ``reason``: its blocks go back, it leaves the queue or the batch; its last output."""
+        """End ``r`` with ``reason``: its blocks go back, it leaves the queue or the batch; its last output (``tokens``:
+        the new ones it carries)."""
         if r.table is not None and r.state in (PREFILL, DECODE):
             self.blocks.free(r.table)
         if r in self.running:
@@ -195,7 +234,7 @@ class Scheduler:
             self.waiting.remove(r)
         r.state, r.finish_reason, r.table = FINISHED, reason, None
         del self.requests[r.request_id]
-        return self.output(r, [] if token is None else [token], piece, error)
+        return self.output(r, tokens or [], piece, error)
 
     @staticmethod
     def output(r: Request, token_ids: list[int], piece: str, error: str | None = None) -> RequestOutput:

@@ -112,6 +112,8 @@ def build_app(
             ("gqa_prompt_tokens_total", "counter", "prompt tokens prefilled", s.prompt_tokens),
             ("gqa_generation_tokens_total", "counter", "tokens generated", s.generation_tokens),
             ("gqa_preemptions_total", "counter", "requests preempted for blocks", s.preemptions),
+            ("gqa_draft_tokens_total", "counter", "draft tokens verified (--speculate)", s.draft_tokens),
+            ("gqa_draft_tokens_accepted_total", "counter", "draft tokens accepted", s.draft_tokens_accepted),
             ("gqa_engine_errors_total", "counter", "engine steps that raised", engine.errors),
             ("gqa_generation_tokens_per_second", "gauge", "tokens generated per second over the last 10 s",
              round(engine.tokens_per_second(), 3)),

@@ -1,0 +1,104 @@
+"""Prompt-lookup speculation (``gqa serve --speculate K``) on one stream: tokens per second with and without drafts,
+side by side in one run, on requests that copy their context and on requests that do not.
+
+    python benchmarks/speculation.py [--speculate 7] [--rounds 3] [--max-tokens 160] [--model PATH]
+
+Each request is served alone through the serving engine (``gqa.serve.LLM``, greedy, the embedded SmolLM2 unless
+``--model``), alternating the two engines each round; per request the median tok/s of the rounds, the ratio, the draft
+tokens accepted, and whether the tokens are identical (they must be: greedy verification is exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from gqa.serve import LLM, SamplingParams
+
+TEXT = (
+    "The water cycle describes how water evaporates from oceans and lakes, rises into the atmosphere, cools and "
+    "condenses into clouds, and falls back to the surface as rain or snow. Rivers carry the water back to the sea, "
+    "where the cycle begins again. Plants also release water vapour through their leaves, a process called "
+    "transpiration, and some water soaks into the ground, where it can stay for thousands of years."
+)
+CODE = """def mean(values):
+    total = 0
+    for v in values:
+        total = total + v
+    return total / len(values)
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for v in values:
+        total = total + (v - m) * (v - m)
+    return total / len(values)
+"""
+COPYING = {
+    "repeat": f"Repeat the following text exactly, word for word:\n\n{TEXT}",
+    "spelling": "Fix the spelling mistakes in this text and return the whole corrected text:\n\n"
+    + TEXT.replace("water", "watter").replace("the", "teh"),
+    "code": f"Add a docstring to each function below and return the whole code:\n\n{CODE}",
+    "rename": f"Rewrite this code with the variable 'total' renamed to 'acc'. Return the whole code.\n\n{CODE}",
+}
+FREE = {
+    "poem": "Write a short poem about the sea.",
+    "explain": "Explain how a bicycle stays upright.",
+    "story": "Tell me a story about a dragon who loves books.",
+}
+
+
+def serve(llm: LLM, prompt: str, max_tokens: int) -> tuple[list[int], float, int, int]:
+    """One request alone: its tokens, tok/s, and the draft tokens verified and accepted for it."""
+    before = llm.engine.stats()
+    start = time.perf_counter()
+    c = llm.generate(prompt, SamplingParams(max_tokens=max_tokens), chat=True)[0]
+    seconds = time.perf_counter() - start
+    after = llm.engine.stats()
+    drafted = after.draft_tokens - before.draft_tokens
+    return c.token_ids, len(c.token_ids) / seconds, drafted, after.draft_tokens_accepted - before.draft_tokens_accepted
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--speculate", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    ns = parser.parse_args()
+    plain, drafting = LLM(ns.model, kv_cache_mib=64), LLM(ns.model, kv_cache_mib=64, speculate=ns.speculate)
+    for llm in (plain, drafting):
+        llm.generate("Hello", SamplingParams(max_tokens=8), chat=True)  # warm-up
+    rows = []
+    for kind, prompts in (("copies", COPYING), ("free", FREE)):
+        for name, prompt in prompts.items():
+            speeds: dict[str, list[float]] = {"plain": [], "draft": []}
+            for _ in range(ns.rounds):
+                base, tps, _, _ = serve(plain, prompt, ns.max_tokens)
+                speeds["plain"].append(tps)
+                tokens, tps, drafted, taken = serve(drafting, prompt, ns.max_tokens)
+                speeds["draft"].append(tps)
+            a, b = statistics.median(speeds["plain"]), statistics.median(speeds["draft"])
+            rows.append((kind, name, len(base), a, b, b / a, drafted, taken, tokens == base))
+            print(f"[speculation] {kind} {name}: {a:.1f} -> {b:.1f} tok/s ({b / a:.2f}x), {taken}/{drafted} drafts "
+                  f"accepted, identical: {tokens == base}", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"`python benchmarks/speculation.py --speculate {ns.speculate} --rounds {ns.rounds} --max-tokens "
+        f"{ns.max_tokens}` (medians of {ns.rounds} alternating rounds)\n"
+    )
+    print("| request | kind | tokens | plain tok/s | --speculate tok/s | ratio | draft tokens accepted | identical |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for kind, name, n, a, b, ratio, drafted, taken, same in rows:
+        print(f"| {name} | {kind} | {n} | {a:.1f} | {b:.1f} | {ratio:.2f}x | {taken}/{drafted} | {same} |")
+    for kind in ("copies", "free"):
+        ratios = [r[5] for r in rows if r[0] == kind]
+        print(f"\n{kind}: geometric mean ratio {statistics.geometric_mean(ratios):.2f}x", end="")
+    print()
+    return 0 if all(r[8] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

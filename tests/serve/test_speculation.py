@@ -1,0 +1,51 @@
+"""Prompt lookup's proposals and verification, against brute force: the draft follows the latest earlier occurrence
+of the last three tokens; verification keeps the leading draft tokens equal to the greedy picks, then one pick; a
+request's drafting pauses after drafts wasted and lengthens after drafts wholly accepted."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gqa.serve.speculation import LENGTHS, DraftState, accepted, propose
+
+
+def brute_propose(tokens: list[int], k: int, n: int = 3) -> list[int]:
+    starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[len(tokens) - n :]]
+    return tokens[max(starts) + n :][:k] if starts and k > 0 else []
+
+
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(0, 9))
+def test_propose_is_the_latest_earlier_occurrence(tokens, k):
+    assert propose(tokens, k) == brute_propose(tokens, k)
+
+
+def test_propose_examples():
+    assert propose([1, 2, 3, 9, 8, 1, 2, 3], 3) == [9, 8, 1]
+    assert propose([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3], 2) == [5, 1]  # the latest occurrence wins
+    assert propose([1, 2, 3, 4], 3) == [] and propose([7, 7, 7, 7], 5) == [7]
+
+
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=8), st.data())
+def test_accepted_is_the_matching_prefix_then_one_pick(draft, data):
+    picks = data.draw(st.lists(st.integers(0, 2), min_size=len(draft) + 1, max_size=len(draft) + 1))
+    got = accepted(draft, picks)
+    n = len(got) - 1
+    assert got[:n] == draft[:n] == picks[:n] and got[n] == picks[n]
+    assert n == len(draft) or draft[n] != picks[n]
+
+
+def test_a_request_pauses_after_wasted_drafts_and_lengthens_after_whole_ones():
+    s = DraftState()
+    assert s.wanted(7) == LENGTHS[0] and s.wanted(2) == 2
+    s.verified(3, 3)
+    assert s.wanted(7) == LENGTHS[-1]
+    s.verified(7, 0)  # wasted: pause 2 steps
+    assert [s.wanted(7) for _ in range(3)] == [0, 0, LENGTHS[0]]
+    s.verified(3, 0)  # wasted again: pause 4
+    assert [s.wanted(7) for _ in range(5)] == [0, 0, 0, 0, LENGTHS[0]]
+    s.verified(3, 1)  # a partly accepted draft ends the streak
+    assert s.misses == 0 and s.wanted(7) == LENGTHS[0]
+    for _ in range(10):
+        s.verified(3, 0)
+    assert s.misses == 10 and s.pause == 32  # the pause stops growing at 32 steps
