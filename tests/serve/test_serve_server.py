@@ -242,7 +242,7 @@ def test_models_health_and_metrics(server, client):
          "json_object"}}, 400, "guided_choice", "each ask for structured output"),
         ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
          "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400, "tools",
-         "not supported"),
+         "does not render tools"),
     ],
 )  # fmt: skip
 def test_bad_requests_get_openai_errors_before_any_work(server, path, body, status, param, message):

@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the largest request body accepted, in MiB (a larger one gets 413)")  # fmt: skip
     parser.add_argument("--header-timeout", type=float, default=15.0, metavar="SECONDS",
                         help="close a connection whose request headers take longer (slowloris)")  # fmt: skip
+    parser.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                        help="render chats with this jinja template instead of the model's")  # fmt: skip
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: from --model)")
 
 
@@ -116,6 +118,12 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         raise ValueError(f"--max-body-mib must be > 0, got {ns.max_body_mib}")
     api_key = api_key_of(ns)
     protocol = with_header_timeout(ns.header_timeout)
+    template = None
+    if ns.chat_template is not None:
+        try:
+            template = ns.chat_template.read_text()
+        except (OSError, UnicodeError) as e:
+            raise ValueError(f"--chat-template {ns.chat_template}: cannot read it ({e})") from None
     device = serve_device(ns.device)
     if device.type == "cuda":  # the Triton runner takes float weights: auto is bf16, quantized ones are dequantized
         dtype = DTYPES["bf16"] if ns.dtype == "auto" else DTYPES[ns.dtype]
@@ -124,6 +132,13 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     with loading(f"{model_label(ns.model)} as {ns.dtype} on {device}"):
         model = load_model(ns.model, dtype="auto" if ns.dtype == "auto" and device.type == "cpu" else dtype,
                            device=device)  # fmt: skip
+    if template is not None:
+        if model.tokenizer is None:
+            raise ValueError("--chat-template: this model has no tokenizer")
+        try:
+            model.tokenizer.use_chat_template(template)
+        except ValueError as e:
+            raise ValueError(f"--chat-template {ns.chat_template}: {e}") from None
     try:
         config = EngineConfig(kv_cache_mib=ns.kv_cache_mib, block_size=ns.block_size, max_running=ns.max_running,
                               prefill_chunk=ns.prefill_chunk, speculate=ns.speculate)  # fmt: skip

@@ -93,18 +93,25 @@ class Tokenizer:
             return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for ``messages`` (``[{"role": ..., "content": ...}, ...]``)."""
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The chat template's text for ``messages`` (``[{"role": ..., "content": ...}, ...]``); ``tools``: function
+        definitions (OpenAI's ``tools``) for a template that renders them."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; encode the prompt with encode() instead")
         if self._hf is not None:
-            return self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return self._hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                tokenize=False)  # fmt: skip
         return _compiled(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **self.special_tokens
         )
 
     def apply_chat(
-        self, prompt_or_messages: str | list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        prompt_or_messages: str | list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Token ids of a chat rendered with the chat template; a ``str`` is one user message."""
         messages = (
@@ -112,8 +119,16 @@ class Tokenizer:
             if isinstance(prompt_or_messages, str)
             else prompt_or_messages
         )
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False)  # the template writes any BOS itself
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with ``template`` (jinja, as transformers renders chat templates) instead of the model's;
+        ``ValueError`` when it does not compile."""
+        _compiled(template)
+        self.chat_template = template
+        if self._hf is not None:
+            self._hf.chat_template = template
 
     def token_id(self, token: str) -> int | None:
         """The id of a whole token (``"<|im_end|>"``), or ``None`` when the vocabulary has no such token."""

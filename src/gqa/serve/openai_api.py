@@ -13,6 +13,7 @@ from typing import Any
 
 from .sampling import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from .structured import StructuredOutput
+from .tools import ToolError, ToolRequest, assistant_message, parse_tools
 
 __all__ = ["ApiError", "ParsedRequest", "error_body", "parse_chat", "parse_completion"]
 
@@ -46,9 +47,7 @@ MAX_CHOICES = 16  # the most answers (``n``) one request asks for
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "suffix": ("",),
     "best_of": (1,),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none", "auto"),
 }
 # vLLM's structured_outputs keys (the kind of StructuredOutput each means), and its older one-key fields for them
 STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
@@ -72,6 +71,7 @@ class ParsedRequest:
     model: str
     structured_field: str | None = None  # the field that asked for structured output (its errors name it)
     n: int = 1  # choices: answers to the same prompt
+    tools: ToolRequest | None = None  # a chat request's functions and tool_choice
     echo: str = ""  # text that precedes each answer (completions' ``echo``: the prompt)
 
 
@@ -219,8 +219,10 @@ def _stop_token_ids(body: dict) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _common(body: object, models: list[str], room: Room, default_max_tokens: int | None) -> dict[str, Any]:
-    """The fields both endpoints share, checked."""
+def _common(
+    body: object, models: list[str], room: Room, default_max_tokens: int | None, forced: StructuredOutput | None = None
+) -> dict[str, Any]:
+    """The fields both endpoints share, checked; ``forced``: the structured output a forced ``tool_choice`` needs."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     model = _get(body, "model", "a string", required=True)
@@ -279,6 +281,11 @@ def _common(body: object, models: list[str], room: Room, default_max_tokens: int
     if not 0 <= min_tokens <= max_tokens:
         raise ApiError(f"'min_tokens' must be in [0, max_tokens={max_tokens}], got {min_tokens}", param="min_tokens")
     structured, structured_field = _structured(body)
+    if forced is not None:
+        if structured is not None:
+            raise ApiError(f"'{structured_field}' and a forced 'tool_choice' each ask for structured output: give one",
+                           param=structured_field)  # fmt: skip
+        structured, structured_field = forced, "tools"
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=None if top_p is None else float(top_p),
@@ -329,6 +336,7 @@ def parse_chat(body: object, tokenizer, models: list[str], context: int, pool: i
     """``/v1/chat/completions``: ``messages`` rendered with the model's chat template; ``max_tokens`` defaults to
     what is left of the context and of the KV cache's ``pool`` token slots."""
     ids: list[int] = []
+    tools = None
     if isinstance(body, dict):
         messages = _get(body, "messages", "an array", required=True)
         if not messages:
@@ -337,6 +345,11 @@ def parse_chat(body: object, tokenizer, models: list[str], context: int, pool: i
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ApiError(f"messages[{i}] must be an object with a 'role'", param="messages")
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                if not isinstance(m["tool_calls"], list):
+                    raise ApiError(f"messages[{i}].tool_calls must be an array", param="messages")
+                plain.append(assistant_message(m))
+                continue
             content = m.get("content")
             if isinstance(content, list):  # content parts: the text ones
                 if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
@@ -345,12 +358,19 @@ def parse_chat(body: object, tokenizer, models: list[str], context: int, pool: i
             if not isinstance(content, str):
                 raise ApiError(f"messages[{i}].content must be a string", param="messages")
             plain.append({"role": m["role"], "content": content})
+            if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+                plain[-1]["tool_call_id"] = m["tool_call_id"]
         try:
-            ids = tokenizer.apply_chat(plain)
+            tools = parse_tools(body, tokenizer.chat_template)
+        except ToolError as e:
+            raise ApiError(str(e), param=e.param) from e
+        try:
+            ids = tokenizer.apply_chat(plain, tools=None if tools is None else tools.tools)
         except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
             raise ApiError(f"the chat template refused the messages: {e}", param="messages") from e
-    fields = _common(body, models, Room(context, pool, len(ids), "messages"), None)
-    return ParsedRequest(ids, **fields)
+    forced = None if tools is None else tools.structured()
+    fields = _common(body, models, Room(context, pool, len(ids), "messages"), None, forced)
+    return ParsedRequest(ids, **fields, tools=tools)
 
 
 def new_id(prefix: str) -> str:

@@ -39,6 +39,7 @@ from .openai_api import (
     usage,
 )
 from .request import EngineError, RequestOutput
+from .tools import tool_calls_in
 
 __all__ = ["build_app"]
 
@@ -190,10 +191,24 @@ def build_app(
                 logprobs = logprobs_body([e for out in got for e in out.logprobs or ()], tokenizer, chat)
             text = parsed.echo + "".join(out.text for out in got)
             choices.append(completion_body(rid, parsed.model, text, last.finish_reason, {}, chat, created, logprobs))
+            calls = tool_calls(parsed, text, last.finish_reason)
+            if calls is not None:
+                choice = choices[-1]["choices"][0]
+                choice["message"] = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
+                choice["finish_reason"] = "tool_calls"
         body = choices[0]
         body["choices"] = [c["choices"][0] | {"index": i} for i, c in enumerate(choices)]
         body["usage"] = usage(firsts[0].prompt_tokens, sum(got[-1].completion_tokens for got in ends))
         return JSONResponse(body)
+
+    def tool_calls(parsed: ParsedRequest, text: str, reason: str | None) -> tuple[str | None, list] | None:
+        """``(content, tool_calls)`` of an answer that calls tools (``tools.tool_calls_in``); ``None`` for one that
+        calls none, or whose forced call was cut by ``max_tokens`` (its text is the answer then)."""
+        t = parsed.tools
+        if t is None or t.choice == "none" or (reason == "length" and t.choice != "auto"):
+            return None
+        content, calls = tool_calls_in(text, t)
+        return (content, calls) if calls else None
 
     async def start(parsed: ParsedRequest, outputs: list) -> list[RequestOutput]:
         """Submit the request's ``n`` answers (into ``outputs``) and wait for their first outputs. The first answer
@@ -263,6 +278,7 @@ def build_app(
         # per answer: the logprobs of tokens whose text is still held back, the text offset where they start, and
         # the tokens it generated once it finished
         pending, offset, tokens = [[] for _ in range(n)], [0] * n, [None] * n
+        holding, held = parsed.tools is not None and parsed.tools.choice != "none", [""] * n
         answers = merged(firsts, outputs)
         try:
             for i in range(n):
@@ -280,7 +296,20 @@ def build_app(
                     yield event(error_body(ApiError(f"the request failed in the engine: {out.error}", 500)))
                     break
                 pending[i] += out.logprobs or ()
-                if out.text or out.finished:
+                if holding:  # an answer that may call tools goes out whole, as text or as calls, when it ends
+                    held[i] += out.text
+                    if not out.finished:
+                        continue
+                    calls = tool_calls(parsed, held[i], out.finish_reason)
+                    if calls is None:
+                        yield event(chunk(i, held[i], out.finish_reason))
+                    else:
+                        if calls[0]:
+                            yield event(chunk(i, calls[0], None))
+                        body = chunk(i, "", "tool_calls")
+                        body["choices"][0]["delta"] = {"tool_calls": [c | {"index": j} for j, c in enumerate(calls[1])]}
+                        yield event(body)
+                elif out.text or out.finished:
                     logprobs = None
                     if parsed.params.logprobs is not None:
                         logprobs = logprobs_body(pending[i], tokenizer, chat, offset[i])

@@ -1,0 +1,150 @@
+"""Function calling: ``tools``/``tool_choice`` checked and turned into grammars (checked here by ``jsonschema`` on
+answers that follow them), Hermes ``<tool_call>`` blocks read back, and through ``gqa serve --chat-template`` with
+the openai client: forced calls (required and named) whose arguments validate, streamed and not, a tool result sent
+back in the conversation, and a template without tools refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gqa.serve.tools import ToolError, ToolRequest, assistant_message, parse_tools, tool_calls_in
+
+jsonschema = pytest.importorskip("jsonschema")
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                   "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]},
+}  # fmt: skip
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+                                           "required": ["zone"]}}  # fmt: skip
+TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
+# A Hermes-style template (as Qwen2.5's, shortened): tools in the system turn, calls as <tool_call> JSON
+TEMPLATE = """{%- if tools %}<|im_start|>system
+You may call these functions:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.tool_calls %}<|im_start|>assistant
+{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.mark.parametrize(
+    "body,param,message",
+    [
+        ({"tools": "x"}, "tools", "must be an array"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "letters, digits"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools", "must be an object"),
+        ({"tools": TOOLS + TOOLS[:1]}, "tools", "names a function twice"),
+        ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "must be 'none', 'auto', 'required'"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+         "must name one of the tools"),
+    ],
+)  # fmt: skip
+def test_bad_tools_are_refused_by_field(body, param, message):
+    with pytest.raises(ToolError, match=message) as e:
+        parse_tools(body, TEMPLATE)
+    assert e.value.param == param
+
+
+def test_a_template_without_tools_and_auto_without_hermes_are_refused():
+    with pytest.raises(ToolError, match="does not render tools"):
+        parse_tools({"tools": TOOLS}, "{{ messages }}")
+    with pytest.raises(ToolError, match="Hermes") as e:
+        parse_tools({"tools": TOOLS}, "{{ tools }}{{ messages }}")
+    assert e.value.param == "tool_choice"
+    assert parse_tools({"tools": TOOLS, "tool_choice": "required"}, "{{ tools }}").choice == "required"
+    assert parse_tools({"tools": []}, None) is None
+
+
+def test_forced_choices_are_schemas_that_accept_exactly_the_calls():
+    required = parse_tools({"tools": TOOLS, "tool_choice": "required"}, TEMPLATE).structured()
+    schema = json.loads(required.spec)
+    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}], schema)
+    for bad in ([], [{"name": "get_weather", "parameters": {"zone": "UTC"}}], [{"name": "other", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    named = parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+                        TEMPLATE)  # fmt: skip
+    assert named.choice == "get_time" and json.loads(named.structured().spec) == TIME["parameters"]
+    assert parse_tools({"tools": TOOLS}, TEMPLATE).structured() is None
+
+
+def test_calls_are_read_back_from_answers():
+    auto = ToolRequest((WEATHER, TIME), "auto")
+    text = 'Let me check. <tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    content, calls = tool_calls_in(text, auto)
+    assert content == "Let me check." and [c["function"]["name"] for c in calls] == ["get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"zone": "UTC"} and calls[0]["id"].startswith("call_")
+    unknown = '<tool_call>{"name": "launch", "arguments": {}}</tool_call>'
+    assert tool_calls_in(unknown, auto) == (unknown, [])  # not a known function: left as text
+    assert tool_calls_in("just text", auto) == ("just text", [])
+    content, calls = tool_calls_in('[{"name": "get_time", "parameters": {"zone": "CET"}}]',
+                                   ToolRequest((WEATHER, TIME), "required"))  # fmt: skip
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"zone": "CET"}
+    content, calls = tool_calls_in('{"zone": "CET"}', ToolRequest((WEATHER, TIME), "get_time"))
+    assert calls[0]["function"] == {"name": "get_time", "arguments": '{"zone": "CET"}'}
+    sent = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    m = assistant_message({"role": "assistant", "content": None, "tool_calls": [sent]})
+    assert m["content"] == "" and m["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
+
+
+def test_tool_calls_through_gqa_serve_and_the_openai_client(tmp_path):
+    """``--chat-template`` with tools: a required call and a named call validate against their parameters (streamed
+    the same), the conversation goes on with the tool's result, and the embedded template's server refuses tools."""
+    pytest.importorskip("xgrammar")
+    openai = pytest.importorskip("openai")
+    from tests.serve.test_serve_server import MODEL, Server
+
+    template = tmp_path / "hermes.jinja"
+    template.write_text(TEMPLATE)
+    s = Server("--chat-template", str(template))
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                           max_tokens=64, temperature=0)  # fmt: skip
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        for call in choice.message.tool_calls:
+            f = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), f["parameters"])
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named,
+                                           max_tokens=64, temperature=0)  # fmt: skip
+        (call,) = r.choices[0].message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["parameters"])
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named,
+                                                     max_tokens=64, temperature=0, stream=True))  # fmt: skip
+        streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+        assert [(t.function.name, t.function.arguments) for t in streamed] == [("get_weather", call.function.arguments)]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        follow = [*messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                  {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]  # fmt: skip
+        r = client.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, tool_choice="none",
+                                           max_tokens=16, temperature=0)  # fmt: skip
+        assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
+    finally:
+        assert s.stop() == 0
