@@ -55,3 +55,19 @@ def test_structured_loads_are_served_and_their_answers_validated(tmp_path, capsy
     for bad in ('{"topic": "bees"}', '{"topic": "bees", "answer": 3}', "not json", json.dumps({"topic": "x" * 41,
                 "answer": ""}), '{"topic": "a", "answer": "b", "extra": "c"}'):  # fmt: skip
         assert not bench_serve.valid(bad, bench_serve.SCHEMA), bad
+
+
+def test_llama_server_needs_its_binary(tmp_path, capsys):
+    """``--engines llama-server`` without ``--llama-server`` is skipped with a word; a path that is not an executable
+    is exit 2; the command line is llama.cpp's (model, port, threads, one slot per client, 1024 tokens each)."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--engines", "llama-server", "--llama-server", str(tmp_path / "nope"), "--out",
+              str(tmp_path)])  # fmt: skip
+    assert e.value.code == 2 and "not an executable file" in capsys.readouterr().err
+    import argparse
+
+    ns = argparse.Namespace(llama_server=tmp_path / "llama-server", clients=[1, 16], threads=2)
+    argv = bench_serve.server_argv("llama-server", "m.gguf", ns, 8123, 64)
+    assert argv[:3] == [str(tmp_path / "llama-server"), "-m", "m.gguf"]
+    assert argv[argv.index("-np") + 1] == "16" and argv[argv.index("-c") + 1] == str(16 * 1024)
+    assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("-t") + 1] == "2"

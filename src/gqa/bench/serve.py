@@ -1,7 +1,7 @@
 """Serving benchmark: OpenAI-compatible servers under concurrent streaming clients on localhost.
 
 Each engine is started as a server process on a free port (``gqa serve``; llama-cpp-python's ``llama_cpp.server`` on
-the same GGUF and threads when it is installed), then ``--prompts`` chat prompts are sent by 1, 4, 16 and 64
+the same GGUF and threads when it is installed; llama.cpp's own ``llama-server`` with ``--llama-server PATH``), then ``--prompts`` chat prompts are sent by 1, 4, 16 and 64
 concurrent clients (``--clients``), each request streamed with ``--max-tokens`` greedy tokens. Per load: output tok/s
 (completion tokens over the wall time of the load), time to first token and inter-token latency (p50, p99), and the
 server's peak resident memory. Every response under load is compared with the same request served alone (the
@@ -30,7 +30,7 @@ from pathlib import Path
 
 HELP = "OpenAI-compatible servers under 1-64 concurrent streaming clients: tok/s, TTFT, ITL, memory"
 DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
-ENGINES = ("gqa", "llama.cpp")
+ENGINES = ("gqa", "llama.cpp", "llama-server")
 TOPICS = (
     "the water cycle", "how a bicycle stays upright", "why the sky is blue", "what a compiler does", "photosynthesis",
     "the rules of chess", "how vaccines work", "the history of the printing press", "black holes", "how bread rises",
@@ -51,7 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="gqa serve's --device: cpu, or cuda (the Triton runner)")
     parser.add_argument(
         "--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
-        help="gqa serve, and llama-cpp-python's server on the same file (skipped when llama_cpp.server is missing)",
+        help="gqa serve, llama-cpp-python's server (skipped when llama_cpp.server is missing) and llama.cpp's "
+        "llama-server (skipped without --llama-server) on the same file",
+    )  # fmt: skip
+    parser.add_argument(
+        "--llama-server", type=Path, default=None, metavar="PATH",
+        help="llama.cpp's llama-server binary (docs/performance.md says how to build it): run with --threads, as "
+        "many parallel slots as the most --clients and 1024 tokens of context each",
     )  # fmt: skip
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64], metavar="N", help="concurrency")
     parser.add_argument("--prompts", type=int, default=48, help="requests per load")
@@ -202,6 +208,10 @@ def server_argv(engine: str, model_path: str | None, ns: argparse.Namespace, por
         return argv + (["--model", model_path] if model_path else [])
     from ..loaders import default_model_path
 
+    if engine == "llama-server":
+        slots = min(64, max(ns.clients))
+        return [str(ns.llama_server), "-m", str(model_path or default_model_path()), "--host", "127.0.0.1", "--port",
+                str(port), "-t", str(ns.threads), "-np", str(slots), "-c", str(1024 * slots)]  # fmt: skip
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path or default_model_path()), "--port",
             str(port), "--n_threads", str(ns.threads), "--n_ctx", "4096",
             "--interrupt_requests", "False"]  # fmt: skip  # by default a new request cuts the running one short
@@ -288,6 +298,11 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if ns.model is not None and not Path(ns.model).exists():
         parser.error(f"--model {ns.model}: no such file or folder (a .gguf file or an HF folder)")
     engines = list(dict.fromkeys(ns.engines))
+    if "llama-server" in engines and ns.llama_server is None:
+        print("[bench serve] skipping llama-server: no --llama-server PATH", file=sys.stderr)
+        engines.remove("llama-server")
+    elif "llama-server" in engines and not os.access(ns.llama_server, os.X_OK):
+        parser.error(f"--llama-server {ns.llama_server}: not an executable file")
     if "llama.cpp" in engines:
         try:
             import llama_cpp.server.app  # noqa: F401
