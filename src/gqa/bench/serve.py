@@ -1,8 +1,9 @@
 """Serving benchmark: OpenAI-compatible servers under concurrent streaming clients on localhost.
 
 Each engine is started as a server process on a free port (``gqa serve``; llama-cpp-python's ``llama_cpp.server`` on
-the same GGUF and threads when it is installed; llama.cpp's own ``llama-server`` with ``--llama-server PATH``), then ``--prompts`` chat prompts are sent by 1, 4, 16 and 64
-concurrent clients (``--clients``), each request streamed with ``--max-tokens`` greedy tokens. Per load: output tok/s
+the same GGUF and threads when it is installed; llama.cpp's own ``llama-server`` with ``--llama-server PATH``), then
+``--prompts`` chat prompts are sent by 1, 4, 16 and 64 concurrent clients (``--clients``), each request streamed with
+``--max-tokens`` greedy tokens. Per load: output tok/s
 (completion tokens over the wall time of the load), time to first token and inter-token latency (p50, p99), and the
 server's peak resident memory. Every response under load is compared with the same request served alone (the
 1-client pass): batching must change nothing. ``--kv-heads 9 3 1`` also serves the model converted to those KV head

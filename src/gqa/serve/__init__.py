@@ -7,9 +7,12 @@
 * ``scheduler`` — who runs in a step: admission, prompt chunks, finishing, preemption (no tensors);
 * ``runner`` — the KV pool and one native paged decode call per step;
 * ``sampler``, ``sampling``, ``detokenizer`` — tokens for the sampled rows, per-request settings, incremental text;
+* ``structured`` — structured output: grammars (xgrammar) that mask a row's logits;
+* ``speculation`` — prompt-lookup drafts, verified as extra rows of the same call;
 * ``engine`` — ``step = schedule -> run -> sample -> update``;
 * ``offline`` — ``LLM(...).generate(prompts)``, the engine without a server;
-* ``async_engine``, ``openai_api``, ``server`` — the engine on its own thread, OpenAI's shapes, the HTTP app.
+* ``async_engine``, ``openai_api``, ``tools``, ``server``, ``http_protocol`` — the engine on its own thread, OpenAI's
+  shapes and function calling, the HTTP app, uvicorn's protocol with a deadline for headers.
 
 ``LLM``, ``Engine`` and ``SamplingParams`` are loaded on first use (they import torch).
 """
