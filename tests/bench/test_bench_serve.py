@@ -31,7 +31,7 @@ def test_the_cli_serves_the_embedded_model_to_concurrent_clients(tmp_path, capsy
 def test_prompts_are_distinct_and_bad_flags_exit_2(tmp_path, capsys):
     assert len(set(bench_serve.prompts(48))) == 48
     for flags in (["--prompts", "0"], ["--clients", "0"], ["--max-tokens", "1"], ["--kv-max-tokens", "1"],
-                  ["--model", str(tmp_path / "x")]):  # fmt: skip
+                  ["--speculate", "17"], ["--model", str(tmp_path / "x")]):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             main(["bench", "serve", *flags, "--out", str(tmp_path)])
         assert e.value.code == 2

@@ -76,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="greedy tokens per response in that comparison, one pass per value (default: --max-tokens; longer "
         "responses are where the budget binds)",
     )  # fmt: skip
+    parser.add_argument("--speculate", type=int, default=0, metavar="K",
+                        help="also serve gqa's loads with gqa serve --speculate K (prompt-lookup drafts)")  # fmt: skip
     parser.add_argument("--structured", action="store_true",
                         help="also serve gqa's loads with a JSON schema as response_format")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-serve"), help="folder for results.json and .md")
@@ -206,6 +208,8 @@ def server_argv(engine: str, model_path: str | None, ns: argparse.Namespace, por
         argv = [sys.executable, "-m", "gqa", "serve", "--port", str(port), "--kv-cache-mib", str(kv_mib)]
         if getattr(ns, "device", "cpu") != "cpu":
             argv += ["--device", ns.device]
+        if getattr(ns, "gqa_speculate", 0):
+            argv += ["--speculate", str(ns.gqa_speculate)]
         return argv + (["--model", model_path] if model_path else [])
     from ..loaders import default_model_path
 
@@ -294,6 +298,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
 
     if ns.prompts < 1 or ns.max_tokens < 2 or min(ns.clients) < 1 or ns.threads < 1:
         parser.error("--prompts and --clients must be >= 1, --max-tokens >= 2, --threads >= 1")
+    if not 0 <= ns.speculate <= 16:
+        parser.error(f"--speculate must be in [0, 16], got {ns.speculate}")
     if ns.kv_max_tokens is not None and min(ns.kv_max_tokens) < 2:
         parser.error("--kv-max-tokens must be >= 2")
     if ns.model is not None and not Path(ns.model).exists():
@@ -312,6 +318,9 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             engines.remove("llama.cpp")
     os.environ["OMP_NUM_THREADS"] = str(ns.threads)
     rows = [bench_engine(e, ns.model, ns, ns.kv_cache_mib, e) for e in engines]
+    if ns.speculate and "gqa" in engines:
+        drafting = argparse.Namespace(**{**vars(ns), "gqa_speculate": ns.speculate})
+        rows.append(bench_engine("gqa", ns.model, drafting, ns.kv_cache_mib, f"gqa, --speculate {ns.speculate}"))
     if ns.structured and "gqa" in engines:
         rows.append(bench_engine("gqa", ns.model, ns, ns.kv_cache_mib, "gqa, json_schema", SCHEMA))
     for r in rows:
