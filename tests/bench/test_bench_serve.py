@@ -71,3 +71,14 @@ def test_llama_server_needs_its_binary(tmp_path, capsys):
     assert argv[:3] == [str(tmp_path / "llama-server"), "-m", "m.gguf"]
     assert argv[argv.index("-np") + 1] == "16" and argv[argv.index("-c") + 1] == str(16 * 1024)
     assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("-t") + 1] == "2"
+
+
+def test_speculate_row_counts_tokens_and_matches_the_plain_row(tmp_path, capsys):
+    """``--speculate 7``: a second gqa row whose responses equal the plain row's (greedy verification is exact) and
+    whose token count is the servers' usage (a chunk may carry several tokens), not its chunks."""
+    code = main(["bench", "serve", "--engines", "gqa", "--clients", "1", "--prompts", "2", "--max-tokens", "24",
+                 "--kv-cache-mib", "64", "--speculate", "7", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["tag"] for r in rows] == ["gqa", "gqa, --speculate 7"] and rows[1]["differ_from_plain"] == 0
+    assert rows[0]["loads"][0]["tokens"] == rows[1]["loads"][0]["tokens"] and "texts" not in rows[0]

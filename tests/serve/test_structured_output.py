@@ -112,3 +112,24 @@ def test_bad_specs_are_refused_by_name(llm):
         with pytest.raises(EngineError, match=f"the {s.kind} does not compile"):
             llm.engine.add(prompt, SamplingParams(structured=s))
     assert not llm.engine.has_work
+
+
+def test_the_kernels_greedy_token_when_allowed_is_the_masked_argmax(llm, monkeypatch):
+    """A greedy constrained row takes the kernel's argmax when the grammar allows it (most steps here) and masks the
+    logits only when it does not: the tokens equal those of masking every step (the shortcut turned off)."""
+    from gqa.serve.engine import Engine
+
+    s = StructuredOutput("json_schema", PERSON)
+    params = [SamplingParams(max_tokens=48, structured=s), SamplingParams(max_tokens=24, structured=s)]
+    prompts = [ASK, "Describe Bob, aged 40, who likes green, as JSON."]
+    real, kept = Engine._grammar_keeps_greedy, []
+
+    def counted(r, token):
+        kept.append(real(r, token))
+        return kept[-1]
+
+    monkeypatch.setattr(Engine, "_grammar_keeps_greedy", staticmethod(counted))
+    fast = [c.token_ids for c in llm.generate(prompts, params, chat=True)]
+    assert 0 < sum(kept) < len(kept), (sum(kept), len(kept))  # both paths were taken
+    monkeypatch.setattr(Engine, "_grammar_keeps_greedy", staticmethod(lambda r, token: False))
+    assert [c.token_ids for c in llm.generate(prompts, params, chat=True)] == fast

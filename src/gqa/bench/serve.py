@@ -143,7 +143,7 @@ def stream_chat(port: int, model: str, prompt: str, max_tokens: int, schema: dic
     """One streamed greedy chat request (``schema``: its answer held to that JSON schema): its text, token count
     (chunks with content) and arrival times."""
     request = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-               "temperature": 0, "stream": True}  # fmt: skip
+               "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if schema is not None:
         request["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
     body = json.dumps(request)
@@ -153,7 +153,7 @@ def stream_chat(port: int, model: str, prompt: str, max_tokens: int, schema: dic
     response = conn.getresponse()
     if response.status != 200:
         return {"error": f"HTTP {response.status}: {response.read()[:200]!r}", "text": "", "times": [], "start": start}
-    text, times = [], []
+    text, times, tokens = [], [], None
     for raw in response:
         line = raw.decode().strip()
         if not line.startswith("data:") or line == "data: [DONE]":
@@ -166,7 +166,10 @@ def stream_chat(port: int, model: str, prompt: str, max_tokens: int, schema: dic
             if piece:
                 text.append(piece)
                 times.append(time.perf_counter())
-    return {"text": "".join(text), "times": times, "start": start}
+        if chunk.get("usage"):
+            tokens = chunk["usage"].get("completion_tokens")
+    # the tokens the server counted (a chunk can carry several: speculation), else the chunks with content
+    return {"text": "".join(text), "times": times, "start": start, "tokens": tokens or len(times)}
 
 
 def load(port: int, model: str, texts: list[str], clients: int, max_tokens: int, schema: dict | None = None) -> dict:
@@ -178,7 +181,7 @@ def load(port: int, model: str, texts: list[str], clients: int, max_tokens: int,
     wall = time.perf_counter() - start
     ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
-    tokens = sum(len(r["times"]) for r in results)
+    tokens = sum(r.get("tokens", len(r["times"])) for r in results)
 
     def pct(xs: list[float], q: float) -> float:
         return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs or [0.0])[0]
@@ -245,6 +248,7 @@ def bench_engine(
                 summary += f", {result['valid']}/{len(texts)} valid"
             print(f"[bench serve] {tag}: {clients} clients {summary}, differ from alone: {result['differ_from_alone']}",
                   file=sys.stderr, flush=True)  # fmt: skip
+            row.setdefault("texts", result["texts"])  # the first load's, to compare rows (dropped before writing)
             del result["texts"]
             row["loads"].append(result)
         row["peak_rss_mib"] = server.peak_rss_mib()
@@ -321,6 +325,10 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if ns.speculate and "gqa" in engines:
         drafting = argparse.Namespace(**{**vars(ns), "gqa_speculate": ns.speculate})
         rows.append(bench_engine("gqa", ns.model, drafting, ns.kv_cache_mib, f"gqa, --speculate {ns.speculate}"))
+        plain = next(r for r in rows if r["tag"] == "gqa")
+        rows[-1]["differ_from_plain"] = sum(a != b for a, b in zip(plain["texts"], rows[-1]["texts"], strict=True))
+        print(f"[bench serve] --speculate {ns.speculate}: {rows[-1]['differ_from_plain']} responses differ from gqa's "
+              "without drafts (greedy verification is exact: 0)", file=sys.stderr)  # fmt: skip
     if ns.structured and "gqa" in engines:
         rows.append(bench_engine("gqa", ns.model, ns, ns.kv_cache_mib, "gqa, json_schema", SCHEMA))
     for r in rows:
@@ -333,5 +341,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
                                f"gqa, {heads} KV heads, {ns.kv_budget_mib:g} MiB, {tokens} tokens")  # fmt: skip
             row["context"] = ns.kv_context
             rows.append(row)
+    for r in rows:
+        r.pop("texts", None)
     write_results(ns.out, "serve", {"rows": rows}, table(rows))
     return 0

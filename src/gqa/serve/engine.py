@@ -214,6 +214,8 @@ class Engine:
             for r in self.scheduler.fed(items):
                 if r.draft:
                     picked.append((r, accepted(r.draft, greedy[row : row + len(r.draft) + 1].tolist()), None))
+                elif self._grammar_keeps_greedy(r, int(greedy[row])):
+                    picked.append((r, int(greedy[row]), logits[row]))
                 elif r.params.adjusts_logits:
                     picked.append((r, None, adjusted(r, logits[row], self.scheduler.eos)))
                 else:  # the kernel's argmax is the greedy token
@@ -233,6 +235,15 @@ class Engine:
                 if r.params.logprobs is not None:
                     r.logprobs.append(token_logprob(r, x, token))
         return outputs + self._sampled(sampled, tokens)
+
+    @staticmethod
+    def _grammar_keeps_greedy(r: Request, token: int) -> bool:
+        """Whether a greedy request whose only adjustment is its grammar takes the kernel's argmax ``token`` as is:
+        when the grammar allows it, it is also the argmax of the masked logits (masking only removes tokens), so the
+        row's float copy, mask and argmax are not needed."""
+        p = r.params
+        plain = p.greedy and p.logprobs is None and not p.penalizes and len(r.outputs) >= p.min_tokens
+        return plain and r.grammar is not None and r.grammar.allows(token)
 
     def _forward(self, work: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.runner.forward(work)

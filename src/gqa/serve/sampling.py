@@ -111,8 +111,13 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def penalizes(self) -> bool:
+        """Whether a penalty or a bias changes the logits."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)  # fmt: skip
+
+    @property
     def adjusts_logits(self) -> bool:
         """Whether a penalty, a bias, ``min_tokens`` or a grammar changes the logits before the choice (then no
         kernel's argmax is the token)."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.structured is not None)  # fmt: skip
+        return self.penalizes or bool(self.min_tokens) or self.structured is not None

@@ -117,16 +117,28 @@ class GrammarState:
 
     def __init__(self, matcher: Any, bitmask: torch.Tensor, apply: Any) -> None:
         self.matcher, self.bitmask, self._apply = matcher, bitmask, apply
+        self._filled = False  # whether the bitmask holds the next token's mask
+
+    def _fill(self) -> None:
+        if not self._filled:
+            self.matcher.fill_next_token_bitmask(self.bitmask)
+            self._filled = True
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows ``token`` next (bit ``token`` of the mask)."""
+        self._fill()
+        return bool((int(self.bitmask[0, token >> 5]) >> (token & 31)) & 1)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits (vocab,)`` in float32 with every token the grammar does not allow next at -inf (in place;
         returned)."""
-        self.matcher.fill_next_token_bitmask(self.bitmask)
+        self._fill()
         self._apply(logits, self.bitmask[0].to(logits.device))
         return logits
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False when the grammar does not allow it (then nothing changes)."""
+        self._filled = False
         return bool(self.matcher.accept_token(token))
 
     @property
