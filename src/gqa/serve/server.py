@@ -167,20 +167,21 @@ def build_app(
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        task = asyncio.gather(*(collect(i) for i in range(parsed.n)))
-        left = asyncio.ensure_future(client_left())
+        tasks = [asyncio.ensure_future(collect(i)) for i in range(parsed.n)]
+        task, left = asyncio.gather(*tasks), asyncio.ensure_future(client_left())
         try:
             await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():  # a client that leaves before its whole response: the request is aborted
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                await close(outputs)
                 return Response(status_code=499)
             task.result()
-        except Exception as e:
+        except Exception as e:  # an answer's stream raised (the engine stopped): the other answers stop too
             return fail(engine_failure(e))
         finally:
             left.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await close(outputs)  # the unfinished answers' requests are aborted, their blocks freed
         choices = []
         for got in ends:
             last = got[-1]
