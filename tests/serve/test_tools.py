@@ -115,7 +115,7 @@ def test_tool_calls_through_gqa_serve_and_the_openai_client(tmp_path):
     the same), the conversation goes on with the tool's result, and the embedded template's server refuses tools."""
     pytest.importorskip("xgrammar")
     openai = pytest.importorskip("openai")
-    from tests.serve.test_serve_server import MODEL, Server
+    from tests.helpers.server_process import MODEL, Server
 
     template = tmp_path / "hermes.jinja"
     template.write_text(TEMPLATE)

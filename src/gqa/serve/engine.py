@@ -115,8 +115,8 @@ class Engine:
 
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise ``EngineError`` for a request that cannot be served: empty, token ids outside the vocabulary, or a
-        prompt that does not fit the context or the whole cache with ``max_tokens`` more tokens. Reads only
-        settings (safe from any thread)."""
+        prompt that does not fit the context or the whole cache with ``max_tokens`` more tokens, or a grammar that does
+        not compile. Reads only settings and the grammar cache (safe from any thread)."""
         if not prompt:
             raise EngineError("the prompt is empty")
         V = self.config.vocab_size
@@ -214,7 +214,7 @@ class Engine:
             for r in self.scheduler.fed(items):
                 if r.draft:
                     picked.append((r, accepted(r.draft, greedy[row : row + len(r.draft) + 1].tolist()), None))
-                elif self._grammar_keeps_greedy(r, int(greedy[row])):
+                elif r.grammar is not None and self._grammar_keeps_greedy(r, int(greedy[row])):
                     picked.append((r, int(greedy[row]), logits[row]))
                 elif r.params.adjusts_logits:
                     picked.append((r, None, adjusted(r, logits[row], self.scheduler.eos)))
@@ -243,7 +243,7 @@ class Engine:
         row's float copy, mask and argmax are not needed."""
         p = r.params
         plain = p.greedy and p.logprobs is None and not p.penalizes and len(r.outputs) >= p.min_tokens
-        return plain and r.grammar is not None and r.grammar.allows(token)
+        return plain and r.grammar.allows(token)
 
     def _forward(self, work: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.runner.forward(work)
