@@ -22,7 +22,12 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from gqa.convert import heal
-from gqa.convert.conversations import model_content_hash, self_generated_conversations
+from gqa.convert.conversations import (
+    HEALING_CONVERSATIONS,
+    GenerationSettings,
+    model_content_hash,
+    self_generated_conversations,
+)
 from gqa.convert.data import heal_data
 from gqa.evaluation.suite import run_suite
 from gqa.loaders import read_model, resolve_model_path
@@ -48,7 +53,9 @@ def main() -> None:
     cfg, state = read_model(path)
     teacher = CausalLM.from_state(cfg, state, assign=True)
     ref = load_model(None)
-    chats = self_generated_conversations(ref, ref.tokenizer, model_content_hash(path))
+    chats = self_generated_conversations(
+        ref, ref.tokenizer, model_content_hash(path), GenerationSettings(count=HEALING_CONVERSATIONS)
+    )  # as gqa convert heals
     data = heal_data(ref.tokenizer, chats.train, 256)
     del ref
     student = CausalLM.from_state(*read_model(a.student), assign=True)

@@ -4,6 +4,8 @@ calibration or healing, and the stream's loss weights fall on the answer tokens.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -86,7 +88,28 @@ def test_cache_is_keyed_by_the_model_content(chat_model, tmp_path, monkeypatch):
         generated(copy)
     assert generated(chat_model, GenerationSettings(count=48, batch_size=16, seed=5)).train == first.train
     with pytest.raises(AssertionError, match="generated again"):  # other settings: another key
-        generated(chat_model, GenerationSettings(count=47, batch_size=16, seed=5))
+        generated(chat_model, GenerationSettings(count=48, batch_size=16, seed=6))
+
+
+def test_a_cached_set_serves_fewer_user_turns_and_extends_to_more(chat_model, monkeypatch):
+    """Row i depends only on i: the first n rows of a cached set are the set of n, and a larger count generates only
+    the rows the cache lacks (its journal is kept), giving what a fresh run of that count gives."""
+    fresh = {n: generated(chat_model, dataclasses.replace(SMALL, count=n), cache=False) for n in (20, 48)}
+    assert 0 < len(fresh[20]) < len(fresh[48])
+    made = generated(chat_model, GenerationSettings(count=20, batch_size=16, seed=5))
+    assert made.train == fresh[20].train and made.held_out == fresh[20].held_out
+    from gqa.serve.engine import Engine
+
+    added, real_add = [], Engine.add
+    monkeypatch.setattr(Engine, "add", lambda self, *a, **k: added.append(1) or real_add(self, *a, **k))
+    more = generated(chat_model, GenerationSettings(count=48, batch_size=16, seed=5))
+    assert more.train == fresh[48].train and more.held_out == fresh[48].held_out
+    assert len(added) == (48 - 20) + len(fresh[48]) - len(fresh[20])  # the new user turns and their answers only
+    assert more.settings.count == 48 and all(c.row < 48 for c in more.train)
+    monkeypatch.setattr(conv, "_generate", lambda *a, **k: pytest.fail("generated again"))
+    fewer = generated(chat_model, GenerationSettings(count=20, batch_size=16, seed=5))  # now from the larger file
+    assert fewer.train == fresh[20].train and fewer.held_out == fresh[20].held_out and fewer.settings.count == 20
+    assert fresh[48].first(20).train == fresh[20].train
 
 
 def test_a_corrupt_cache_file_is_generated_again(chat_model):
@@ -99,7 +122,7 @@ def test_a_corrupt_cache_file_is_generated_again(chat_model):
 def test_an_interrupted_generation_resumes_with_the_rows_it_lacks(chat_model, cache_root, monkeypatch):
     """Interrupted while answering (just after the first answers were recorded), a run leaves a journal of the rows
     finished so far; the next run generates exactly the rows the journal lacks and gives the set an uninterrupted run
-    gives. The journal is deleted once the set is written."""
+    gives. The journal stays beside the written set (a larger count continues from it)."""
     from gqa.convert.batch_journal import BatchJournal
     from gqa.serve.engine import Engine
 
@@ -114,7 +137,7 @@ def test_an_interrupted_generation_resumes_with_the_rows_it_lacks(chat_model, ca
     monkeypatch.setattr(BatchJournal, "add", interrupted)
     with pytest.raises(KeyboardInterrupt):
         generated(chat_model)
-    (journal,) = cache_root.rglob("*.partial.jsonl")
+    (journal,) = cache_root.rglob("*.rows.jsonl")
     entries = [json.loads(line) for line in journal.read_text().splitlines()]
     assert [e["phase"] for e in entries][-2:] == ["user turns", "answers"]
     kept = len(entries[-1]["rows"])
@@ -125,7 +148,7 @@ def test_an_interrupted_generation_resumes_with_the_rows_it_lacks(chat_model, ca
     resumed = generated(chat_model)
     assert len(added) == len(whole) - kept  # no user turn and no recorded answer again
     assert resumed.train == whole.train and resumed.held_out == whole.held_out
-    assert not journal.exists() and resumed.path.is_file()
+    assert journal.exists() and resumed.path.is_file()
 
 
 def test_the_journal_drops_a_line_cut_short_and_goes_on(tmp_path):
@@ -137,7 +160,9 @@ def test_the_journal_drops_a_line_cut_short_and_goes_on(tmp_path):
     journal.add("b", {1: [4]})
     whole = path.read_bytes()
     journal.add("a", {2: [6, 7]})
-    path.write_bytes(path.read_bytes()[:-5])  # the last line cut while written
+    path.write_bytes(cut := path.read_bytes()[:-5])  # the last line cut while written (or being written)
+    reader = BatchJournal(path, read_only=True)  # beside a running writer: reads, never truncates
+    assert reader.finished("a") == {0: [1, 2], 5: [3]} and path.read_bytes() == cut
     again = BatchJournal(path)
     assert again.finished("a") == {0: [1, 2], 5: [3]} and again.finished("b") == {1: [4]}
     assert path.read_bytes() == whole  # truncated to the whole lines
@@ -285,3 +310,63 @@ def test_weighted_kl_loss_is_the_weighted_mean():
     # a share of a larger batch: divided by the whole batch's weight (or position count), not its own
     torch.testing.assert_close(kl_loss(s, t, w, total=3.0), (per * w).sum() / 3.0)
     torch.testing.assert_close(kl_loss(s, t, None, total=40), per.sum() / 40)
+
+
+def test_the_plan_says_what_generating_costs_before_paying_it(chat_model, cache_root, tmp_path, capsys):
+    """``gqa convert --dry-run`` with an empty cache names the user turns to generate and an estimate from a probe;
+    the real run prints the same plan before it starts; afterwards the plan reads them from the cache, with the
+    calibration's own token count."""
+    from gqa.cli import main as cli
+    from gqa.convert import generation_cost
+
+    flags = ["--kv-heads", "1", "--calibration-conversations", "24"]
+    assert cli(["convert", str(chat_model), str(tmp_path / "dry"), *flags, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    (line,) = [s for s in out.splitlines() if s.startswith("calibration  conversations: ")]
+    assert "24 user turns and their answers to generate (~" in line and "tokens/s in a short probe)" in line, out
+    assert "(generating ~" in out and not (tmp_path / "dry").exists() and not list(cache_root.rglob("*.json"))
+    assert cli(["convert", str(chat_model), str(tmp_path / "out"), *flags]) == 0
+    run = capsys.readouterr()
+    assert "24 user turns and their answers to generate" in run.err and "wrote" in run.out
+    assert cli(["convert", str(chat_model), str(tmp_path / "dry"), *flags, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "calibration  conversations of 24 user turns, read from the cache" in out and "(generating" not in out, out
+    cost = generation_cost.source_generation_cost(chat_model, gqa.load_model(chat_model).tokenizer,
+                                                  GenerationSettings(count=24))  # fmt: skip
+    ids = calibration_ids(gqa.load_model(chat_model).tokenizer, cost.read(24).train)
+    assert f"~{len(ids):,} calibration tokens" in out
+    assert cli(["convert", str(chat_model), str(tmp_path / "dry"), "--kv-heads", "1", "--calibration-conversations",
+                "0", "--dry-run"]) == 2  # fmt: skip
+    assert "calibration_conversations must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_calibration_reads_its_first_rows_and_healing_the_larger_set(chat_model, tmp_path, monkeypatch):
+    """With healing on conversations the set is ``HEALING_CONVERSATIONS`` user turns; the calibration still reads
+    the training conversations of its own first ``calibration_conversations`` rows, healing all of them."""
+    import gqa.convert as convert_module
+
+    monkeypatch.setattr(convert_module, "HEALING_CONVERSATIONS", 48)
+    monkeypatch.setattr(convert_module, "GenerationSettings", functools.partial(GenerationSettings, batch_size=16))
+    big = generated(chat_model, GenerationSettings(count=48, batch_size=16))
+    small = big.first(20)
+    assert 0 < len(small.train) < len(big.train)
+    seen: dict[str, str] = {}
+    real_refit, real_heal = convert_module.stream_convert, convert_module.heal
+
+    def stream(*a, calibration_ids=None, **kw):
+        seen["calibration"] = " ".join(map(str, calibration_ids))
+        return real_refit(*a, calibration_ids=calibration_ids, **kw)
+
+    def heal(student, teacher, ids, **kw):
+        seen["healing"] = " ".join(map(str, ids))
+        return real_heal(student, teacher, ids, **kw)
+
+    monkeypatch.setattr(convert_module, "stream_convert", stream)
+    monkeypatch.setattr(convert_module, "heal", heal)
+    config = HealConfig(steps=1, seq_len=32, precision="fp32")
+    convert(chat_model, tmp_path / "out", kv_heads=1, heal=config, calibration_conversations=20, progress=False)
+    for c in big.train:
+        assert (" ".join(map(str, c.ids)) in seen["calibration"]) == (c.row < 20), c.row
+        assert " ".join(map(str, c.ids)) in seen["healing"]
+    convert(chat_model, tmp_path / "plain", kv_heads=1, calibration_conversations=20, progress=False)
+    assert seen["calibration"] == " ".join(map(str, calibration_ids(gqa.load_model(chat_model).tokenizer, small.train)))

@@ -90,7 +90,10 @@ def test_answer_kl_of_a_model_with_itself_is_zero_and_matches_a_direct_sum(chat_
 
 def test_suite_end_to_end(chat_pair, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GQA_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(conv, "GenerationSettings", functools.partial(conv.GenerationSettings, count=80, batch_size=40))
+    import gqa.evaluation.suite as suite
+
+    monkeypatch.setattr(conv, "EVALUATION_CONVERSATIONS", 80)  # the suite's set: 80 user turns, 40 rows at a time
+    monkeypatch.setattr(suite, "GenerationSettings", functools.partial(conv.GenerationSettings, batch_size=40))
     src, mqa = chat_pair
     out = tmp_path / "suite.json"
     assert cli(["eval", str(src), "--suite", "--reference", str(src), "--json", str(out), "--conversations", "3"]) == 0

@@ -10,17 +10,19 @@ import math
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from ..options.common import loading, model_label
 from ..options.defaults import (
     AFTER_LOCAL_LR,
     BUILTIN_METHODS,
+    CALIBRATION_CONVERSATIONS,
     DEFAULT_MAX_SHARD_SIZE,
     DEFAULT_METHOD,
     END_TO_END_LR,
     HEAL_LOG_NAME,
     HEAL_PLOT_NAME,
+    HEALING_CONVERSATIONS,
     PRECISIONS,
     SHARDINGS,
     SIZE_UNITS,
@@ -65,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--conversations", action=argparse.BooleanOptionalAction, default=None,
         help="calibrate and heal (where no text is given) on conversations the source writes itself, mixed with "
         "docstrings; generated once per model and cached (default: on when the source has a chat template)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calibration-conversations", type=int, default=None, metavar="N",
+        help=f"user turns to sample for the calibration conversations; the calibration reads every one of their "
+        f"training split (default: {CALIBRATION_CONVERSATIONS}; healing on conversations generates "
+        f"{HEALING_CONVERSATIONS}); a cached larger set serves a smaller N",
     )  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
     add_dtype_argument(
@@ -207,8 +215,9 @@ def check(ns: argparse.Namespace) -> Checked:
             warnings.simplefilter("always")
             plan = check_conversion(
                 src, ns.dst, kv_heads=ns.kv_heads, method=ns.method, force=ns.force, calibration_text=text,
-                refit=ns.refit, heal=heal, heal_text=heal_text, conversations=ns.conversations, dtype=dtype,
-                device=ns.device, max_shard_size=ns.max_shard_size,
+                refit=ns.refit, heal=heal, heal_text=heal_text, conversations=ns.conversations,
+                calibration_conversations=ns.calibration_conversations, dtype=dtype, device=ns.device,
+                max_shard_size=ns.max_shard_size,
             )  # fmt: skip
     except (ValueError, OSError):
         _refuse_by_flag(ns, heal)  # a refusal named by its flag comes first
@@ -236,10 +245,19 @@ def _refuse_by_flag(ns: argparse.Namespace, heal: HealConfig | None) -> None:
 
 
 def dry_run(ns: argparse.Namespace, checked: Checked) -> int:
-    """``--dry-run``: what the checked conversion would write and take, from the source's shapes and a quick speed
-    test."""
-    from ..convert.data import CALIBRATION_CONVERSATION_TOKENS, CALIBRATION_PROSE_TOKENS
+    """``--dry-run``: what the checked conversion would write and take (``print_plan``), and nothing else."""
+    print_plan(ns, checked, sys.stdout)
+    return 0
+
+
+def print_plan(ns: argparse.Namespace, checked: Checked, out: TextIO) -> None:
+    """What the checked conversion will write and take, from the source's shapes, a quick speed test and, when it
+    generates conversations, a short generation probe (``gqa.convert.generation_cost``); the same lines for
+    ``--dry-run`` and before a real run starts."""
+    from ..convert.calibration import default_calibration_text
+    from ..convert.data import CALIBRATION_PROSE_TOKENS, calibration_ids
     from ..convert.estimate import estimate
+    from ..convert.generation_cost import CALIBRATION_TOKENS_PER_TURN, source_generation_cost
     from ..convert.shards import plan_shards
     from ..convert.streaming import converted_shapes
     from ..convert.writer import weight_specs
@@ -249,12 +267,17 @@ def dry_run(ns: argparse.Namespace, checked: Checked) -> int:
     cfg = source.config
     merging = ns.kv_heads < cfg.num_kv_heads
     refit = plan.do_refit
+    cost = source_generation_cost(plan.resolved, plan.tok, plan.conversation_settings) if plan.chats_wanted else None
     tokens = 0
     if plan.calibrating:
         if checked.calibration_text is not None:
             tokens = len(plan.tok.encode(checked.calibration_text))
+        elif cost is not None and cost.done:  # the calibration's own tokens, from the cache
+            tokens = len(calibration_ids(plan.tok, cost.read(plan.calibration_conversations).train))
+        elif plan.chats_wanted:
+            tokens = round(CALIBRATION_TOKENS_PER_TURN * plan.calibration_conversations) + CALIBRATION_PROSE_TOKENS
         else:
-            tokens = CALIBRATION_CONVERSATION_TOKENS + CALIBRATION_PROSE_TOKENS  # about the defaults' length
+            tokens = len(plan.tok.encode(default_calibration_text()))
     device = plan.device
     per_step = 0 if heal is None else heal.seq_len * heal.batch_size
     est = estimate(source, ns.kv_heads, calibration_tokens=tokens, refit=refit, heal=heal is not None,
@@ -263,19 +286,27 @@ def dry_run(ns: argparse.Namespace, checked: Checked) -> int:
     specs = weight_specs(dataclasses.replace(cfg, num_kv_heads=ns.kv_heads),
                          converted_shapes(cfg, source.shapes, ns.kv_heads), dtype)  # fmt: skip  # what is written
     size, shards = sum(s.nbytes for s in specs), len(plan_shards(specs, ns.max_shard_size))
-    print(f"source       {model_label(ns.src)} ({cfg.arch}, {cfg.num_layers} layers, {len(source.shapes)} tensors, "
-          f"stored as {str(source.dtype).removeprefix('torch.')})")  # fmt: skip
-    print(f"plan         KV heads {cfg.num_kv_heads} -> {ns.kv_heads}; "
-          + (f"method {ns.method}, {'refit, ' if refit else ''}" if merging else "exact, ")
-          + (f"~{tokens:,} calibration tokens" if tokens else "no calibration") + f"; on {device}")  # fmt: skip
-    print(f"writes       ~{size / 1e9:.2f} GB in {str(dtype).removeprefix('torch.')}, {shards} shard(s)")
-    print(f"memory       peak ~{_gib(est.peak_bytes)} streaming (this process now {_gib(est.baseline_bytes)}); "
-          f"the model whole in fp32 would be {_gib(est.whole_model_bytes)}")  # fmt: skip
+
+    def say(label: str, text: str) -> None:
+        print(f"{label:<13}{text}", file=out, flush=True)
+
+    say("source", f"{model_label(ns.src)} ({cfg.arch}, {cfg.num_layers} layers, {len(source.shapes)} tensors, "
+        f"stored as {str(source.dtype).removeprefix('torch.')})")  # fmt: skip
+    say("plan", f"KV heads {cfg.num_kv_heads} -> {ns.kv_heads}; "
+        + (f"method {ns.method}, {'refit, ' if refit else ''}" if merging else "exact, ")
+        + (f"~{tokens:,} calibration tokens" if tokens else "no calibration") + f"; on {device}")  # fmt: skip
+    if cost is not None:
+        say("calibration", cost.describe())
+    say("writes", f"~{size / 1e9:.2f} GB in {str(dtype).removeprefix('torch.')}, {shards} shard(s)")
+    say("memory", f"peak ~{_gib(est.peak_bytes)} streaming (this process now {_gib(est.baseline_bytes)}); "
+        f"the model whole in fp32 would be {_gib(est.whole_model_bytes)}")  # fmt: skip
     if heal is not None:
-        print(f"healing      needs ~{_gib(est.heal_bytes)} more (source and converted model in fp32, optimizer)")
-    print(f"time         ~{est.seconds / 60:.1f} min ({est.layer_seconds:.1f} s per layer at a measured "
-          f"{est.gflops:.0f} GFLOP/s)" + ("" if heal is None else " before healing"))  # fmt: skip
-    return 0
+        say("healing", f"needs ~{_gib(est.heal_bytes)} more (source and converted model in fp32, optimizer)")
+    generating = 0.0 if cost is None else cost.seconds
+    say("time", f"~{(est.seconds + generating) / 60:.1f} min"
+        + (f" (generating ~{generating / 60:.1f}, converting ~{est.seconds / 60:.1f})" if generating else "")
+        + f"; {est.layer_seconds:.1f} s per layer at a measured {est.gflops:.0f} GFLOP/s"
+        + ("" if heal is None else ", before healing"))  # fmt: skip
 
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
@@ -287,6 +318,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if ns.dry_run:
         return dry_run(ns, checked)
+    print_plan(ns, checked, sys.stderr)  # what it will take, before it is paid
     src, cfg = ns.src, checked.plan.source.config
     merging = ns.kv_heads < cfg.num_kv_heads  # then progress bars follow the line
     what = f"{model_label(src)} layer by layer and converting it to {ns.kv_heads} KV heads"

@@ -31,7 +31,15 @@ from ..options.defaults import DEFAULT_METHOD, HEAL_LOG_NAME, HEAL_PLOT_NAME
 from ..parallel.distributed import launched_world
 from . import pca as _pca  # noqa: F401 - registers the "pca" method
 from .calibration import default_calibration_text, default_heal_text
-from .conversations import ConversationSet, has_chat_template, model_content_hash, self_generated_conversations
+from .conversations import (
+    CALIBRATION_CONVERSATIONS,
+    HEALING_CONVERSATIONS,
+    ConversationSet,
+    GenerationSettings,
+    has_chat_template,
+    model_content_hash,
+    self_generated_conversations,
+)
 from .data import HEAL_PROSE_SHARE, HealData, calibration_ids, heal_data
 from .healing import PRECISIONS, TRAINABLE, HealConfig, HealResult, heal, resolve_precision, save_loss_curve
 from .methods import (
@@ -187,6 +195,7 @@ def convert(
     heal: HealConfig | None = None,
     heal_text: str | None = None,
     conversations: bool | None = None,
+    calibration_conversations: int | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "auto",
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -245,6 +254,11 @@ def convert(
         a cache keyed by its content hash). ``None`` (default): when the source's tokenizer has a chat template and
         the model fits in memory (``fits_in_memory``). ``False``: prose only. ``True``: required (``ValueError``
         without a chat template).
+    calibration_conversations : int or None
+        User turns sampled for the calibration conversations (the calibration reads every one of their training
+        split, then ``CALIBRATION_PROSE_TOKENS`` of docstrings); default ``CALIBRATION_CONVERSATIONS``, the knee of
+        the measured curve (docs/conversion.md). Healing on conversations reads ``HEALING_CONVERSATIONS`` (or this
+        many, if more), the calibration still the first ``calibration_conversations`` of them.
     dtype : torch.dtype or None
         The written weights' dtype; default the source's (bf16 in, bf16 out; a GGUF's quantized blocks: float32).
         The arithmetic is float32 either way.
@@ -274,8 +288,8 @@ def convert(
     """
     plan = check_conversion(
         src, dst, kv_heads=kv_heads, method=method, force=force, calibration_text=calibration_text, refit=refit,
-        heal=heal, heal_text=heal_text, conversations=conversations, dtype=dtype, device=device,
-        max_shard_size=max_shard_size,
+        heal=heal, heal_text=heal_text, conversations=conversations,
+        calibration_conversations=calibration_conversations, dtype=dtype, device=device, max_shard_size=max_shard_size,
     )  # fmt: skip
     return run_conversion(plan, force=force, progress=progress)
 
@@ -329,6 +343,14 @@ class ConversionPlan:
     device: torch.device
     max_shard_size: int | str
     cast: torch.dtype | None = None  # the dtype asked for, every tensor cast to it; None: each keeps its own
+    calibration_conversations: int = CALIBRATION_CONVERSATIONS  # user turns the calibration reads
+
+    @property
+    def conversation_settings(self) -> GenerationSettings:
+        """The conversations to generate (or read from the cache): the calibration's, or healing's if it reads more."""
+        heals = self.heal is not None and self.heal_text is None
+        count = max(self.calibration_conversations, HEALING_CONVERSATIONS if heals else 0)
+        return GenerationSettings(count=count)
 
 
 def check_conversion(
@@ -343,6 +365,7 @@ def check_conversion(
     heal: HealConfig | None = None,
     heal_text: str | None = None,
     conversations: bool | None = None,
+    calibration_conversations: int | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "auto",
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -362,6 +385,12 @@ def check_conversion(
         raise TypeError(f"heal must be a HealConfig or None, got {type(heal).__name__}")
     if heal_text is not None and heal is None:
         raise ValueError("heal_text is only used when healing: pass heal=HealConfig(steps=...)")
+    if calibration_conversations is None:
+        calibration_conversations = CALIBRATION_CONVERSATIONS
+    elif isinstance(calibration_conversations, bool) or not isinstance(calibration_conversations, int):
+        raise TypeError(f"calibration_conversations must be an int or None, got {calibration_conversations!r}")
+    elif calibration_conversations < 1:
+        raise ValueError(f"calibration_conversations must be >= 1, got {calibration_conversations}")
     if dtype is not None and dtype not in SAFETENSORS_DTYPES:
         raise TypeError(f"dtype must be None or one of {', '.join(map(str, SAFETENSORS_DTYPES))}, got {dtype!r}")
     parse_size(max_shard_size)
@@ -396,7 +425,8 @@ def check_conversion(
         chats = False
     return ConversionPlan(resolved, out, source, kv_heads, method, calibration_text, do_refit, calibrating, heal,
                           heal_text, tok, chats, source.dtype if dtype is None else dtype, resolve_device(device),
-                          max_shard_size, cast=dtype)  # fmt: skip
+                          max_shard_size, cast=dtype,
+                          calibration_conversations=calibration_conversations)  # fmt: skip
 
 
 def fits_in_memory(source: LazyModel, share: float = 0.5) -> bool:
@@ -421,14 +451,14 @@ def _convert_into(folder: Path, plan: ConversionPlan, progress: bool) -> _Conver
     cfg, tok = plan.source.config, plan.tok
     chats = None
     if plan.chats_wanted:
-        chats = _source_conversations(cfg, read_model(plan.resolved)[1], plan.resolved, tok, progress)
+        chats = _source_conversations(cfg, read_model(plan.resolved)[1], plan, progress)
     ids = None
     if plan.calibrating:
         if plan.calibration_text is not None or chats is None:
             text = default_calibration_text() if plan.calibration_text is None else plan.calibration_text
             ids = tok.encode(text)
         else:
-            ids = calibration_ids(tok, chats.train)
+            ids = calibration_ids(tok, chats.first(plan.calibration_conversations).train)
     new_cfg, _ = stream_convert(
         plan.source, folder, plan.kv_heads, plan.method, calibration_ids=ids, refit=plan.do_refit, dtype=plan.cast,
         device=plan.device, max_shard_size=plan.max_shard_size, progress=progress,
@@ -526,10 +556,12 @@ def _use_conversations(conversations: bool | None, tok: Tokenizer | None, wanted
 
 
 def _source_conversations(
-    cfg: ModelConfig, state: dict[str, torch.Tensor], resolved: Path, tok: Tokenizer, progress: bool
+    cfg: ModelConfig, state: dict[str, torch.Tensor], plan: ConversionPlan, progress: bool
 ) -> ConversationSet:
     """The source model's self-generated conversations (from the cache when it has them)."""
     from ..models import CausalLM
 
     model = CausalLM.from_state(cfg, state, assign=True)  # shares the source tensors: only read
-    return self_generated_conversations(model, tok, model_content_hash(resolved), progress=progress)
+    return self_generated_conversations(
+        model, plan.tok, model_content_hash(plan.resolved), plan.conversation_settings, progress=progress
+    )

@@ -20,7 +20,9 @@ __all__ = ["BatchJournal"]
 class BatchJournal:
     """Finished rows by phase, kept in ``path`` (JSON lines)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, read_only: bool = False) -> None:
+        """Read ``path``'s rows back; unless ``read_only``, cut off a last line left unfinished (the journal's writer
+        does that when it opens it again; a reader beside a running writer must not)."""
         self.path = Path(path)
         self.done: dict[str, dict[int, Any]] = {}
         if not self.path.is_file():
@@ -37,7 +39,7 @@ class BatchJournal:
                     break
                 self.done.setdefault(phase, {}).update(rows)
                 good += len(line)
-        if good < self.path.stat().st_size:
+        if good < self.path.stat().st_size and not read_only:
             with self.path.open("r+b") as fh:
                 fh.truncate(good)
 

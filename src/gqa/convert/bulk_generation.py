@@ -13,7 +13,7 @@ on one line), and rows already recorded are not generated again: an interrupted 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .batch_journal import BatchJournal
@@ -51,11 +51,15 @@ def generate_continuous(
     bar: Any = None,
     journal: BatchJournal | None = None,
     phase: str = "",
+    on_step: Callable[[int], None] | None = None,
+    prefill_chunk: int | None = None,
 ) -> list[list[int]]:
     """Continuations of ``prompts`` (module docstring), in the prompts' order, each ending with its end token when one
     came: greedy, or sampled (``temperature``, ``top_p``) with row ``i`` drawing from the seed ``seed * ROW_SEED + i``.
     A row's tokens depend only on its prompt and seed (the engine's rows are batch-invariant), so a resumed run gives
-    what an uninterrupted one gives. At most ``batch_size`` rows decode together.
+    what an uninterrupted one gives. At most ``batch_size`` rows decode together. ``on_step``, when given, is called
+    after each engine step with the number of tokens it generated; ``prefill_chunk`` sets the engine's prompt tokens
+    per step (default: the engine's; the rows' tokens do not depend on it).
 
     Raises
     ------
@@ -77,7 +81,8 @@ def generate_continuous(
     token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
     longest = max(len(prompts[i]) + rooms[i] for i in todo)
     kv_mib = (batch_size * (longest + 16) + 1024) * token_bytes / 2**20  # every running row whole, cached prefixes
-    engine = Engine(model, max_running=batch_size, kv_cache_mib=kv_mib, eos_token_ids=end_ids)
+    options = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+    engine = Engine(model, max_running=batch_size, kv_cache_mib=kv_mib, eos_token_ids=end_ids, **options)
     rows = {}  # request id: (row, request)
     for i in todo:
         params = SamplingParams(max_tokens=rooms[i], temperature=temperature, top_p=top_p,
@@ -86,7 +91,10 @@ def generate_continuous(
         rows[r.request_id] = (i, r)
     while engine.has_work:
         finished = {}
-        for o in engine.step():
+        outputs = engine.step()
+        if on_step is not None:
+            on_step(sum(len(o.token_ids) for o in outputs))
+        for o in outputs:
             if o.finished:
                 i, r = rows.pop(o.request_id)
                 if o.finish_reason == "error":

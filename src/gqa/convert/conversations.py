@@ -17,9 +17,11 @@ prompt read once) and is seeded per row: the same model, settings and seed give 
 share of them, chosen by a hash of the user turn (``is_held_out``), is **held out**: calibration and healing read only
 ``ConversationSet.train``; ``gqa eval --suite`` scores ``held_out``.
 The set is cached as JSON under ``cache_dir()`` in a file named by the source model's content hash and the settings
-(``cache_key``), so the next conversion of the same model reads it instead of generating again. While it is made,
-each step's finished rows go to a journal beside it (``gqa.convert.batch_journal``): an interrupted run loses at most
-the rows in flight (one batch), and the next run continues from there.
+other than the count (``cache_key``), so the next conversion of the same model reads it instead of generating again.
+Row ``i`` of a run depends only on ``i`` and the settings, so the first ``n`` user turns of a larger set are the set of
+``n``: a cached set serves every smaller count, and a larger count generates only the rows it lacks. Each step's
+finished rows go to a journal beside the file (``gqa.convert.batch_journal``), kept after the set is written: an
+interrupted run loses at most the rows in flight, and the next run, or a larger count, continues from there.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._atomic import write_json_atomic
+from ..options.defaults import CALIBRATION_CONVERSATIONS, EVALUATION_CONVERSATIONS, HEALING_CONVERSATIONS
 from .batch_journal import BatchJournal
 from .bulk_generation import generate_many
 
@@ -46,18 +49,24 @@ if TYPE_CHECKING:
     from ..models import CausalLM
 
 __all__ = [
+    "CALIBRATION_CONVERSATIONS",
+    "EVALUATION_CONVERSATIONS",
+    "HEALING_CONVERSATIONS",
     "OPENERS",
     "Conversation",
     "ConversationSet",
     "GenerationSettings",
     "cache_dir",
     "cache_key",
+    "cached_path",
     "chat_stream",
     "end_of_turn_ids",
     "has_chat_template",
     "is_held_out",
     "model_content_hash",
+    "read_cached",
     "self_generated_conversations",
+    "user_turn_prompts",
 ]
 
 # The first words of a steered user turn, cycled over the rows; "" leaves the turn to the model. Task kinds, not
@@ -67,7 +76,9 @@ QUESTION_TOKENS = 48  # a user turn that has not ended by then is dropped
 MIN_QUESTION_WORDS = 3
 ANSWER_TOKENS = 128  # answers are cut here, as gqa generate cuts them by default
 HELD_OUT_PER_MILLE = 100  # 10% of the conversations, by a hash of the user turn
-CACHE_FORMAT = 3  # bump when the file's layout or the generation changes (3: the serving engine, a seed per row)
+# bump when the file's layout or the generation changes (3: the serving engine, a seed per row; 4: rows numbered, the
+# count out of the key)
+CACHE_FORMAT = 4
 _BYTES = 1 << 20
 
 
@@ -77,14 +88,15 @@ class GenerationSettings:
 
     Attributes
     ----------
-    count : user turns sampled (fewer conversations remain after dropping unfinished turns and duplicates).
+    count : user turns sampled (fewer conversations remain after dropping unfinished turns and duplicates); the only
+        setting not in the cache key (a set of ``n`` is the first ``n`` rows of a larger one).
     seed : seeds the sampling of the user turns.
     temperature, top_p : sampling of the user turns (answers are greedy).
     batch_size : rows decoded together at most (the set does not depend on it, except through the fallback for models
         the serving engine does not take: ``gqa.convert.bulk_generation``).
     """
 
-    count: int = 1400
+    count: int = CALIBRATION_CONVERSATIONS
     seed: int = 0
     temperature: float = 0.9
     top_p: float = 0.95
@@ -110,12 +122,14 @@ class Conversation:
     question, answer : the two turns' texts (the answer without the end-of-turn token).
     prompt_ids : the chat rendered up to the assistant's turn (system prompt, user turn, assistant opening).
     answer_ids : the answer's tokens as generated, the end-of-turn token included when it came.
+    row : the index of the sampled user turn it answers (``0 <= row < GenerationSettings.count``).
     """
 
     question: str
     answer: str
     prompt_ids: list[int]
     answer_ids: list[int]
+    row: int = 0
 
     @property
     def ids(self) -> list[int]:
@@ -135,6 +149,16 @@ class ConversationSet:
 
     def __len__(self) -> int:
         return len(self.train) + len(self.held_out)
+
+    def first(self, count: int) -> ConversationSet:
+        """The set ``count`` user turns give: the conversations of rows ``< count`` (what generating ``count`` rows
+        with the same settings makes)."""
+        if count >= self.settings.count:
+            return self
+        return dataclasses.replace(
+            self, train=[c for c in self.train if c.row < count], held_out=[c for c in self.held_out if c.row < count],
+            settings=dataclasses.replace(self.settings, count=count),
+        )  # fmt: skip
 
 
 def has_chat_template(tok: Tokenizer | None) -> bool:
@@ -169,9 +193,10 @@ def model_content_hash(resolved: Path) -> str:
 
 
 def cache_key(model_hash: str, settings: GenerationSettings) -> str:
-    """The cache file's stem: the model hash and a hash of the settings and the generation recipe."""
+    """The cache file's stem: the model hash and a hash of the settings but the count, and of the generation recipe."""
+    fields = {k: v for k, v in dataclasses.asdict(settings).items() if k != "count"}
     recipe = {
-        "format": CACHE_FORMAT, "settings": dataclasses.asdict(settings), "openers": OPENERS,
+        "format": CACHE_FORMAT, "settings": fields, "openers": OPENERS,
         "question_tokens": QUESTION_TOKENS, "answer_tokens": ANSWER_TOKENS, "held_out": HELD_OUT_PER_MILLE,
     }  # fmt: skip
     return f"{model_hash[:32]}-{hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]}"
@@ -197,6 +222,12 @@ def _user_opening(tok: Tokenizer) -> str:
     return rendered[: rendered.index(marker)]
 
 
+def user_turn_prompts(tok: Tokenizer, count: int) -> list[list[int]]:
+    """The prompts of rows ``0..count-1``' user turns: the template's opening of a user turn, then the row's opener."""
+    opening = _user_opening(tok)
+    return [tok.encode(opening + OPENERS[i % len(OPENERS)], add_special_tokens=False) for i in range(count)]
+
+
 def end_of_turn_ids(tok: Tokenizer, model: CausalLM) -> set[int]:
     ids = set(model.config.eos_token_id) | set(tok.eos_token_ids)
     for name in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
@@ -212,9 +243,8 @@ def _generate(
     from tqdm.auto import tqdm
 
     end_ids = end_of_turn_ids(tok, model)
-    opening = _user_opening(tok)
     openers = [OPENERS[i % len(OPENERS)] for i in range(settings.count)]
-    prompts = [tok.encode(opening + o, add_special_tokens=False) for o in openers]
+    prompts = user_turn_prompts(tok, settings.count)
     stats = {"sampled": settings.count}
     kw = {"file": sys.stderr, "dynamic_ncols": True, "disable": not progress}
     with tqdm(total=len(prompts), desc="user turns", unit="turn", **kw) as bar:
@@ -223,8 +253,8 @@ def _generate(
             temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed, bar=bar, journal=journal,
             phase="user turns",
         )  # fmt: skip
-    questions, seen = [], set()
-    for opener, ids in zip(openers, turns, strict=True):
+    questions, rows, seen = [], [], set()
+    for row, (opener, ids) in enumerate(zip(openers, turns, strict=True)):
         if not ids or ids[-1] not in end_ids:
             continue  # did not end: cut off mid-sentence
         text = (opener + tok.decode(ids[:-1], skip_special_tokens=True)).strip()
@@ -233,6 +263,7 @@ def _generate(
             continue
         seen.add(key)
         questions.append(text)
+        rows.append(row)
     stats["kept"] = len(questions)
     chats = [tok.apply_chat(q) for q in questions]
     with tqdm(total=len(chats), desc="answers", unit="answer", **kw) as bar:
@@ -241,8 +272,8 @@ def _generate(
             journal=journal, phase="answers",
         )  # fmt: skip
     convs = [
-        Conversation(q, tok.decode([t for t in a if t not in end_ids]).strip(), p, a)
-        for q, p, a in zip(questions, chats, answers, strict=True)
+        Conversation(q, tok.decode([t for t in a if t not in end_ids]).strip(), p, a, row)
+        for q, p, a, row in zip(questions, chats, answers, rows, strict=True)
     ]
     return convs, stats
 
@@ -276,33 +307,57 @@ def self_generated_conversations(
     if not has_chat_template(tok):
         raise ValueError("self-generated conversations need a chat template; this tokenizer has none")
     settings = settings or GenerationSettings()
-    path = cache_dir() / f"{cache_key(model_hash, settings)}.json"
+    path = cached_path(model_hash, settings)
     if cache and path.is_file():
         try:
             return _read(path, settings, model_hash)
         except (OSError, ValueError, KeyError, TypeError):
-            pass  # unreadable: generate again and replace it
+            pass  # unreadable or too few rows: generate (the journal keeps the rows made before)
     start = time.perf_counter()
-    journal = BatchJournal(path.with_suffix(".partial.jsonl")) if cache else None  # an interrupted run's batches
+    journal = BatchJournal(path.with_suffix(".rows.jsonl")) if cache else None  # the rows made so far
     with torch.random.fork_rng(devices=[]):
         convs, stats = _generate(model, tok, settings, progress, journal)
     seconds = time.perf_counter() - start
     result = ConversationSet(*_split(convs), settings, model_hash, seconds, path if cache else None)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {
-            "format": CACHE_FORMAT, "model_hash": model_hash, "settings": dataclasses.asdict(settings),
-            "seconds": seconds, "stats": stats, "conversations": [dataclasses.asdict(c) for c in convs],
-        })  # fmt: skip
-        journal.remove()
+        if not _holds(path, settings.count):  # never replace a larger set with a smaller one
+            write_json_atomic(path, {
+                "format": CACHE_FORMAT, "model_hash": model_hash, "settings": dataclasses.asdict(settings),
+                "seconds": seconds, "stats": stats, "conversations": [dataclasses.asdict(c) for c in convs],
+            })  # fmt: skip
     return result
 
 
+def cached_path(model_hash: str, settings: GenerationSettings) -> Path:
+    """The cache file that holds (or will hold) ``settings``' conversations of the model ``model_hash``."""
+    return cache_dir() / f"{cache_key(model_hash, settings)}.json"
+
+
+def read_cached(model_hash: str, settings: GenerationSettings) -> ConversationSet:
+    """The cached set of ``settings.count`` user turns of the model ``model_hash`` (``ValueError`` or ``OSError`` when
+    the cache does not hold it)."""
+    return _read(cached_path(model_hash, settings), settings, model_hash)
+
+
+def _holds(path: Path, count: int) -> bool:
+    try:
+        return int(json.loads(path.read_text(encoding="utf-8"))["settings"]["count"]) > count
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def _read(path: Path, settings: GenerationSettings, model_hash: str) -> ConversationSet:
+    """The set of ``settings.count`` user turns from the cache file ``path``: its conversations of the first rows.
+    ``ValueError`` when the file is of another format or model, or holds fewer rows."""
     data = json.loads(path.read_text(encoding="utf-8"))
     if data["format"] != CACHE_FORMAT or data["model_hash"] != model_hash:
         raise ValueError(f"{path}: another format or model")
-    return ConversationSet(*_split([Conversation(**c) for c in data["conversations"]]), settings, model_hash, 0.0, path)
+    if int(data["settings"]["count"]) < settings.count:
+        raise ValueError(f"{path}: {data['settings']['count']} user turns, {settings.count} wanted")
+    convs = [Conversation(**c) for c in data["conversations"]]
+    stored = dataclasses.replace(settings, count=int(data["settings"]["count"]))
+    return ConversationSet(*_split(convs), stored, model_hash, 0.0, path).first(settings.count)
 
 
 def _split(convs: list[Conversation]) -> tuple[list[Conversation], list[Conversation]]:

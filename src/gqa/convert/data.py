@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ANSWER_WEIGHT",
-    "CALIBRATION_CONVERSATION_TOKENS",
     "CALIBRATION_PROSE_TOKENS",
     "HEAL_PROSE_SHARE",
     "HealData",
@@ -28,7 +27,6 @@ __all__ = [
     "heal_data",
 ]
 
-CALIBRATION_CONVERSATION_TOKENS = 40_000  # of the training conversations, in their order
 CALIBRATION_PROSE_TOKENS = 12_000  # of the default calibration text (docstrings), after the conversations
 HEAL_PROSE_SHARE = 0.25  # of the healing windows, drawn from the docstrings; the rest start at a conversation
 ANSWER_WEIGHT = 2.0  # loss weight of a prediction of an answer token, against 1 for the prompt's and prose's
@@ -47,14 +45,14 @@ class HealData:
 def calibration_ids(
     tok: Tokenizer,
     conversations: Sequence[Conversation],
-    conversation_tokens: int = CALIBRATION_CONVERSATION_TOKENS,
+    conversation_tokens: int | None = None,
     prose_tokens: int = CALIBRATION_PROSE_TOKENS,
 ) -> list[int]:
-    """Calibration token ids: whole conversations up to ``conversation_tokens``, then ``prose_tokens`` of the default
-    calibration text."""
+    """Calibration token ids: the conversations (whole ones, until ``conversation_tokens`` are reached; ``None``:
+    all), then ``prose_tokens`` of the default calibration text."""
     ids: list[int] = []
     for c in conversations:
-        if len(ids) >= conversation_tokens:
+        if conversation_tokens is not None and len(ids) >= conversation_tokens:
             break
         ids += c.ids
     if prose_tokens > 0:

@@ -25,9 +25,11 @@ from the inputs it will really see (as GPTQ does for quantisation). The merge me
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -71,6 +73,9 @@ CALIBRATION_WINDOW = 512  # tokens per long calibration window (positions 0..511
 SHORT_WINDOW = 32
 BATCH_TOKENS = 4096  # calibration tokens per batch of windows (bounds the (B, H_q, L, L) attention weights' memory)
 QUERY_REFIT = False  # whether refit_layer also refits q_proj (query_refit.py) before the values
+# the v_proj/o_proj solves' dtype (the Grams are summed in float64): SmolLM2 3 -> 1, 256 turns, layer 3's objective
+# gain over the o_proj refit alone 204,557.9 in float32 vs 204,558.2 in float64, 0.9 vs 1.7 s (docs/conversion.md)
+SOLVE_DTYPE = torch.float32
 
 
 def refit_output(heads: Tensor, Y: Tensor, W0: Tensor, ridge: float = RIDGE) -> Tensor:
@@ -146,6 +151,15 @@ def layer_output(layer: nn.Module, h: Tensor, attended: Tensor) -> Tensor:
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+@contextlib.contextmanager
+def _timed(times: dict[str, float] | None, phase: str) -> Iterator[None]:
+    """Add the wall time of the block to ``times[phase]`` (nothing when ``times`` is ``None``)."""
+    start = time.perf_counter()
+    yield
+    if times is not None:
+        times[phase] = times.get(phase, 0.0) + time.perf_counter() - start
+
+
 def _refit_layer(
     cfg: ModelConfig,
     source: AttentionWeights,
@@ -156,6 +170,7 @@ def _refit_layer(
     cos_sin: Callable,
     ridge: float,
     value_steps: int,
+    times: dict[str, float] | None = None,
 ) -> AttentionWeights:
     """``merged`` with ``v_proj`` and ``o_proj`` refit (``value_refit.py``) against the source layer's outputs
     ``targets`` (``(B * L, E)`` per batch of windows ``X (B, L, E)``), ``attn`` holding ``merged``."""
@@ -168,14 +183,18 @@ def _refit_layer(
     B = torch.stack([torch.linalg.lstsq(W_src[g].T.cpu(), v_new[g].T.cpu(), driver="gelsd").solution.T
                      for g in range(N)]).to(device)  # fmt: skip  # gelsd (rank-revealing) is CPU-only
     grams = ValueGrams(H, r, cfg.hidden_size, device)
-    for x, y in zip(X, targets, strict=True):
-        _, A = attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None, need_weights=True)
-        values = (
-            (with_ones_column(x) @ W_src.flatten(0, 1).T).float().unflatten(-1, (N, r)).transpose(1, 2)
-        )  # (B, N, L, r)
-        grams.add((A @ values[:, groups]).transpose(0, 1).flatten(1, 2), y)  # U (H, B * L, r)
-    B, W_o = refit_values_and_output(grams, B, merged.o, groups, value_steps, ridge)
-    v = torch.einsum("gdr,gre->gde", B, W_src).flatten(0, 1).to(merged.v.dtype)  # (N * D, E + 1)
+    with _timed(times, "grams"):
+        for x, y in zip(X, targets, strict=True):
+            _, A = attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None,
+                        need_weights=True)  # fmt: skip
+            values = (
+                (with_ones_column(x) @ W_src.flatten(0, 1).T).float().unflatten(-1, (N, r)).transpose(1, 2)
+            )  # (B, N, L, r)
+            grams.add((A @ values[:, groups]).transpose(0, 1).flatten(1, 2), y)  # U (H, B * L, r)
+    with _timed(times, "solve"):
+        solve_dtype = torch.promote_types(SOLVE_DTYPE, merged.o.dtype)  # a float64 model solves in float64
+        B, W_o = refit_values_and_output(grams, B, merged.o, groups, value_steps, ridge, solve_dtype)
+    v = torch.einsum("gdr,gre->gde", B.to(W_src.dtype), W_src).flatten(0, 1).to(merged.v.dtype)  # (N * D, E + 1)
     v_bias = v[:, -1].contiguous() if source.v_bias is not None else None
     return dataclasses.replace(merged, v=v[:, :-1].contiguous(), v_bias=v_bias, o=W_o)
 
@@ -190,10 +209,14 @@ def refit_layer(
     *,
     ridge: float = RIDGE,
     value_steps: int = VALUE_STEPS,
+    times: dict[str, float] | None = None,
 ) -> tuple[AttentionWeights, list[Tensor]]:
     """One step of the sequential refit: merge and refit source layer ``layer`` (a ``DecoderLayer`` holding ``w``)
     on ``hidden``, the converted model's hidden states entering it (``(B, L, E)`` per batch of windows, float32 on
-    the layer's device); returns the merged weights and the hidden states leaving the merged layer."""
+    the layer's device); returns the merged weights and the hidden states leaving the merged layer. ``times``, when
+    given, gets each phase's wall seconds added: ``merge``, ``targets`` (the source layer's outputs), ``grams`` (the
+    merged attention's passes and Gram sums), ``solve`` (the alternating least squares), ``carry`` (the hidden states
+    through the refit layer)."""
     source = layer.self_attn
     rope = source.rope
 
@@ -201,10 +224,11 @@ def refit_layer(
         return None if rope is None else rope.cos_sin(torch.arange(length, device=rope.inv_freq.device))
 
     X = [layer.input_layernorm(h) for h in hidden]
-    acts = torch.cat([x.flatten(0, 1) for x in X]).cpu()  # the merge's small eigen problems run on the CPU
-    merged = convert_layer(
-        w.to("cpu"), rope_config(cfg, getattr(layer, "local_rope", False)), kv_heads, method, acts
-    ).to(w.q.device)
+    with _timed(times, "merge"):
+        acts = torch.cat([x.flatten(0, 1) for x in X]).cpu()  # the merge's small eigen problems run on the CPU
+        merged = convert_layer(
+            w.to("cpu"), rope_config(cfg, getattr(layer, "local_rope", False)), kv_heads, method, acts
+        ).to(w.q.device)
     if QUERY_REFIT:
 
         def probabilities(x: Tensor) -> Tensor:  # the source layer's attention on x: (B, H_q, L, L)
@@ -212,17 +236,19 @@ def refit_layer(
 
         merged = refit_queries(cfg, w, merged, X, probabilities, ridge)
     attn = _attention(cfg, kv_heads, merged, source)
-    targets = [source(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
-               .flatten(0, 1) for x in X]  # fmt: skip
+    with _timed(times, "targets"):
+        targets = [source(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
+                   .flatten(0, 1) for x in X]  # fmt: skip
     o_bias = source.o_proj.bias
     if o_bias is not None:
         targets = [t - o_bias for t in targets]
-    merged = _refit_layer(cfg, w, merged, attn, X, targets, cos_sin, ridge, value_steps)
+    merged = _refit_layer(cfg, w, merged, attn, X, targets, cos_sin, ridge, value_steps, times)
     attn = _attention(cfg, kv_heads, merged, source)
     outputs = []
-    for h, x in zip(hidden, X, strict=True):  # through the refit layer's attention
-        attended = attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
-        outputs.append(layer_output(layer, h, attended if o_bias is None else attended + o_bias))
+    with _timed(times, "carry"):
+        for h, x in zip(hidden, X, strict=True):  # through the refit layer's attention
+            attended = attn(x, attn_mask=None, is_causal=True, rope_cos_sin=cos_sin(x.shape[1]), cache=None)
+            outputs.append(layer_output(layer, h, attended if o_bias is None else attended + o_bias))
     return merged, outputs
 
 

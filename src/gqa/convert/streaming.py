@@ -137,7 +137,8 @@ def stream_convert(
         (``write_dtypes``), so the tensors the conversion does not change are written bit for bit.
     device : where the arithmetic runs (the merges' small eigen/least-squares problems run on the CPU).
     ridge, window, value_steps : the refit's (``gqa.convert.refit.refit_convert_state``).
-    progress : a tqdm bar over the layers on stderr, with the time left.
+    progress : a tqdm bar over the layers on stderr, with the time left (and, with the refit, the last layer's
+        seconds per phase).
 
     Returns
     -------
@@ -184,7 +185,10 @@ def stream_convert(
         layer = _layer(cfg, tensors, i, rope, local)
         w = layer_weights(tensors, i)
         if refit:
-            merged, hidden = refit_layer(cfg, layer, w, hidden, kv_heads, method, ridge=ridge, value_steps=value_steps)
+            times: dict[str, float] = {}
+            merged, hidden = refit_layer(cfg, layer, w, hidden, kv_heads, method, ridge=ridge, value_steps=value_steps,
+                                         times=times)  # fmt: skip
+            bar.set_postfix_str(" ".join(f"{k} {v:.1f}s" for k, v in times.items()), refresh=False)
         else:
             acts = None
             if hidden:

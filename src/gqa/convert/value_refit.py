@@ -40,8 +40,8 @@ _VALUE_RIDGE = 1e-6  # lam / (mean diag(O_i^T O_i) * mean diag(G_ii)): only keep
 
 def solve_output(HH: Tensor, HY: Tensor, W0: Tensor, ridge: float) -> Tensor:
     """``W = argmin ||O W^T - Y||^2 + lam ||W - W0||^2`` from ``HH = O^T O (n, n)`` and ``HY = O^T Y (n, E)``, with
-    ``lam = ridge * mean(diag(HH))``; float64, returns ``(E, n)`` in ``W0``'s dtype."""
-    HH, HY, W = HH.double(), HY.double(), W0.double()
+    ``lam = ridge * mean(diag(HH))``; solved in ``HH``'s dtype, returns ``(E, n)`` in ``W0``'s dtype."""
+    HY, W = HY.to(HH.dtype), W0.to(HH.dtype)
     lam = ridge * HH.diagonal().mean()
     solved = torch.linalg.solve(
         HH + lam * torch.eye(HH.shape[0], dtype=HH.dtype, device=HH.device), HY + lam * W.T
@@ -68,6 +68,12 @@ class ValueGrams:
         flat = U.transpose(0, 1).reshape(U.shape[1], H * r)  # (L, H*r)
         self.G += (flat.T @ flat).double()
         self.R += torch.einsum("itk,te->ike", U, Y).double()
+
+    def to(self, dtype: torch.dtype) -> ValueGrams:
+        """The same sums in ``dtype`` (the solves run in the Grams' dtype)."""
+        out = ValueGrams.__new__(ValueGrams)
+        out.G, out.R, out.shape = self.G.to(dtype), self.R.to(dtype), self.shape
+        return out
 
 
 def _heads_gram(grams: ValueGrams, Bq: Tensor) -> tuple[Tensor, Tensor]:
@@ -109,9 +115,16 @@ def _solve_values(
 
 
 def refit_values_and_output(
-    grams: ValueGrams, B: Tensor, W_o: Tensor, groups: Tensor, steps: int, ridge: float
+    grams: ValueGrams,
+    B: Tensor,
+    W_o: Tensor,
+    groups: Tensor,
+    steps: int,
+    ridge: float,
+    dtype: torch.dtype = torch.float64,
 ) -> tuple[Tensor, Tensor]:
-    """Alternate the output and value solves ``steps`` times, then solve the output once more.
+    """Alternate the output and value solves ``steps`` times, then solve the output once more, in ``dtype`` (the
+    Grams are summed in float64 either way).
 
     Parameters
     ----------
@@ -124,7 +137,7 @@ def refit_values_and_output(
 
     Returns
     -------
-    ``(B (N, D, r), W_o (E, H * D))``, float64 and ``W_o``'s dtype.
+    ``(B (N, D, r), W_o (E, H * D))``, in ``dtype`` and ``W_o``'s dtype.
     """
     H, r = grams.shape
     D = B.shape[1]
@@ -133,9 +146,10 @@ def refit_values_and_output(
             f"refit_values_and_output needs B (N, D, {r}), W_o (E, {H} * D), groups ({H},); got B {tuple(B.shape)}, "
             f"W_o {tuple(W_o.shape)}, groups {tuple(groups.shape)}"
         )
-    B0 = B = B.double()
+    grams = grams.to(dtype)
+    B0 = B = B.to(dtype)
     W = solve_output(*_heads_gram(grams, B[groups]), W_o, ridge)
     for _ in range(steps):  # the ridges pull towards the merge's own B and W_o: one objective, never raised
-        B = _solve_values(grams, B, W.double().view(W.shape[0], H, D).transpose(0, 1), groups, anchor=B0)
+        B = _solve_values(grams, B, W.to(dtype).view(W.shape[0], H, D).transpose(0, 1), groups, anchor=B0)
         W = solve_output(*_heads_gram(grams, B[groups]), W_o, ridge)
     return B, W

@@ -91,8 +91,14 @@ def run_suite(
 ) -> SuiteResult:
     """Judge ``model_path`` against ``reference_path`` (default: the embedded SmolLM2) on the four measures, both in
     float32. The held-out conversations are the reference's own (``gqa.convert.conversations``, made with
-    ``settings``, default as ``gqa convert`` makes them; read from the cache, or generated the first time)."""
-    from ..convert.conversations import ANSWER_TOKENS, model_content_hash, self_generated_conversations
+    ``settings``, default ``EVALUATION_CONVERSATIONS`` user turns as ``gqa convert`` samples them; read from the
+    cache, or generated the first time)."""
+    from ..convert.conversations import (
+        ANSWER_TOKENS,
+        EVALUATION_CONVERSATIONS,
+        model_content_hash,
+        self_generated_conversations,
+    )
     from ..loaders import resolve_model_path
     from ..loaders.model import load_model
 
@@ -107,6 +113,7 @@ def run_suite(
         raise ValueError(f"model and reference vocabularies differ: {model.config.vocab_size} vs "
                          f"{reference.config.vocab_size} tokens")  # fmt: skip
     ref_path = resolve_model_path(None if reference_path is None else Path(reference_path))
+    settings = settings or GenerationSettings(count=EVALUATION_CONVERSATIONS)
     chats = self_generated_conversations(reference, tok, model_content_hash(ref_path), settings, progress=progress)
     held = chats.held_out[:conversations]
     if not held:
