@@ -370,3 +370,33 @@ def test_calibration_reads_its_first_rows_and_healing_the_larger_set(chat_model,
         assert " ".join(map(str, c.ids)) in seen["healing"]
     convert(chat_model, tmp_path / "plain", kv_heads=1, calibration_conversations=20, progress=False)
     assert seen["calibration"] == " ".join(map(str, calibration_ids(gqa.load_model(chat_model).tokenizer, small.train)))
+
+
+def test_the_cost_counts_the_rows_an_interrupted_run_left(chat_model, cache_root, monkeypatch):
+    """A run stopped while answering leaves a journal: the cost says how many user turns were made before and
+    estimates only the rest (a probe run on the model), reading the journal without cutting a line being written."""
+    from gqa.convert import generation_cost
+    from gqa.convert.batch_journal import BatchJournal
+
+    real_add = BatchJournal.add
+
+    def interrupted(self, phase, rows):
+        real_add(self, phase, rows)
+        if phase == "answers":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(BatchJournal, "add", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        generated(chat_model)
+    monkeypatch.setattr(BatchJournal, "add", real_add)
+    model = gqa.load_model(chat_model)
+    (journal,) = cache_root.rglob("*.rows.jsonl")
+    journal.write_bytes(journal.read_bytes() + b'{"phase": "answers", "rows": {"9')  # a line being written
+    before = journal.read_bytes()
+    cost = generation_cost.generation_cost(model, model.tokenizer, model_content_hash(chat_model), SMALL)
+    assert cost.cached == SMALL.count and 0 < cost.answers < SMALL.count and not cost.done  # answers left to make
+    assert cost.seconds > 0 and cost.rate > 0 and journal.read_bytes() == before
+    assert (
+        f"the 0 user turns and the answers left to generate (a stopped run made 48 turns and {cost.answers} answers)"
+        in cost.describe()
+    )

@@ -50,14 +50,15 @@ PROBE_TOKENS = 5  # tokens each probe row generates: the first, then 4 timed dec
 @dataclass(frozen=True)
 class GenerationCost:
     """The conversations a conversion reads: ``settings.count`` user turns, ``cached`` of them (and ``answers`` of
-    their answers) already made; ``seconds`` the estimate for the rest on this machine (0 when none is left), from a
-    probe that generated ``probe_tokens`` tokens at ``rate`` tokens/s; ``path`` the cache file."""
+    their answers) already made, ``done`` when the cache file holds the whole set; ``seconds`` the estimate for the
+    rest on this machine (0 when done), from a probe that timed ``probe_tokens`` tokens at ``rate`` tokens/s."""
 
     settings: GenerationSettings
     model_hash: str
     cached: int
     answers: int
     seconds: float
+    done: bool = False
     rate: float = 0.0
     probe_tokens: int = 0
 
@@ -69,10 +70,6 @@ class GenerationCost:
     def path(self) -> Path:
         return cached_path(self.model_hash, self.settings)
 
-    @property
-    def done(self) -> bool:
-        return self.cached >= self.count
-
     def read(self, count: int) -> ConversationSet:
         """The cached set of the first ``count`` user turns (``done`` must hold)."""
         return read_cached(self.model_hash, dataclasses.replace(self.settings, count=count))
@@ -81,32 +78,38 @@ class GenerationCost:
         """One line for the plan."""
         if self.done:
             return f"conversations of {self.count:,} user turns, read from the cache {self.path}"
-        have = f"; {self.cached:,} made before, kept in the cache" if self.cached else ""
-        left = self.count - self.cached
+        if self.cached or self.answers:
+            what = (f"the {self.count - self.cached:,} user turns and the answers left to generate (a stopped run made "
+                    f"{self.cached:,} turns and {self.answers:,} answers)")  # fmt: skip
+        else:
+            what = f"{self.count:,} user turns and their answers to generate"
         return (
-            f"conversations: {left:,} user turns and their answers to generate (~{self.seconds / 60:.1f} min here: "
-            f"{self.rate:,.0f} tokens/s in a short probe){have}; cached in {self.path.parent}"
+            f"conversations: {what} (~{self.seconds / 60:.1f} min here: {self.rate:,.0f} tokens/s in a short "
+            f"probe); cached in {self.path.parent}"
         )
 
 
-def cached_rows(model_hash: str, settings: GenerationSettings) -> tuple[int, int]:
-    """``(user turns, answers)`` the cache already holds for this model and these settings: in the set's file, or in
-    the journal of the rows made so far, whichever holds more."""
+def cached_rows(model_hash: str, settings: GenerationSettings) -> tuple[int, int, bool]:
+    """``(user turns, answers, whole)`` the cache already holds for this model and these settings: in the set's file,
+    or in the journal of the rows made so far, whichever holds more; ``whole`` when the file holds a set of at least
+    ``settings.count`` user turns."""
     from .batch_journal import BatchJournal
 
     path = cached_path(model_hash, settings)
     turns = answers = 0
+    whole = False
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data["format"] == CACHE_FORMAT and data["model_hash"] == model_hash:
             turns, answers = int(data["settings"]["count"]), len(data["conversations"])
+            whole = turns >= settings.count
     except (OSError, ValueError, KeyError, TypeError):
         pass
     journal = path.with_suffix(".rows.jsonl")
     if journal.is_file():
         rows = BatchJournal(journal, read_only=True)  # a run may be writing it
         turns, answers = max(turns, len(rows.finished("user turns"))), max(answers, len(rows.finished("answers")))
-    return turns, answers
+    return turns, answers, whole
 
 
 def generation_cost(
@@ -114,12 +117,13 @@ def generation_cost(
 ) -> GenerationCost:
     """What making ``settings``' conversations will cost (module docstring). ``model`` is only run when rows are
     missing (``None`` then gives no time estimate)."""
-    turns, answers = cached_rows(model_hash, settings)
-    if turns >= settings.count or model is None:
-        return GenerationCost(settings, model_hash, min(turns, settings.count), answers, 0.0)
+    turns, answers, whole = cached_rows(model_hash, settings)
+    turns = min(turns, settings.count)
+    if whole or model is None:
+        return GenerationCost(settings, model_hash, turns, answers, 0.0, done=whole)
     rate, tokens = probe_rate(model, tok, settings)
     left = (settings.count - turns) * TURN_TOKENS + max(0.0, settings.count * KEPT_SHARE - answers) * ANSWER_TOKENS
-    return GenerationCost(settings, model_hash, turns, answers, left / rate, rate, tokens)
+    return GenerationCost(settings, model_hash, turns, answers, left / rate, rate=rate, probe_tokens=tokens)
 
 
 def probe_rate(model: CausalLM, tok: Tokenizer, settings: GenerationSettings) -> tuple[float, int]:
@@ -158,7 +162,7 @@ def probe_rate(model: CausalLM, tok: Tokenizer, settings: GenerationSettings) ->
 def source_generation_cost(resolved: Path, tok: Tokenizer, settings: GenerationSettings) -> GenerationCost:
     """``generation_cost`` for the model at ``resolved`` (a conversion's source), loaded only when rows are missing."""
     model_hash = model_content_hash(resolved)
-    if cached_rows(model_hash, settings)[0] >= settings.count:
+    if cached_rows(model_hash, settings)[2]:
         return generation_cost(None, tok, model_hash, settings)
     from ..loaders import read_model
     from ..models import CausalLM
