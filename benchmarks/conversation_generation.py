@@ -1,9 +1,10 @@
 """How long a chat model takes to write its self-generated conversations (``gqa.convert.conversations``), the wait
-before the first conversion of a model: the default set of the embedded SmolLM2-135M-Instruct, generated from scratch
-into a temporary cache folder (the user's cache is neither read nor written), each phase timed.
+before the first conversion of a model: a set of the embedded SmolLM2-135M-Instruct (default: the conversion's 256
+user turns), generated from scratch into a temporary cache folder (the user's cache is neither read nor written),
+each phase timed.
 
-    .venv/bin/python benchmarks/conversation_generation.py [--count 1400] [--batch-size 128] [--json FILE]
-    # 8.4 minutes on docs/conversion.md's machine H (2-core Intel Xeon VM, AVX-512, AMX)
+    .venv/bin/python benchmarks/conversation_generation.py [--count 256] [--batch-size 128] [--json FILE]
+    # docs/conversion.md's machine I (2-core Intel Xeon VM, AVX-512, AMX): 256 turns 86 s, 1,400 turns 392 s
 """
 
 from __future__ import annotations
