@@ -115,6 +115,13 @@ REFUSED = [
     ("src", ["--kv-heads", "2", "--heal-text", "stdlib"], "--heal-text is only used with --heal-steps N"),
     ("bare", ["--kv-heads", "1", "--method", "mean", "--heal-steps", "2"], "healing reads a text, which needs the"),
     ("src", ["--kv-heads", "1", "--conversations"], "needs a source whose tokenizer has a chat template"),
+    (
+        "src",
+        ["--kv-heads", "1", "--calibration-conversations", "64"],
+        "this conversion calibrates on the built-in prose",
+    ),
+    ("src", ["--kv-heads", "1", "--method", "mean", "--calibration-conversations", "64"], "does not calibrate"),
+    ("src", ["--kv-heads", "1", "--calibration-conversations", "0"], "calibration_conversations must be >= 1, got 0"),
 ]
 
 

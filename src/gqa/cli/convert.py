@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -318,7 +319,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if ns.dry_run:
         return dry_run(ns, checked)
-    print_plan(ns, checked, sys.stderr)  # what it will take, before it is paid
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 converts (and says what it will take)
+        print_plan(ns, checked, sys.stderr)  # what it will take, before it is paid
     src, cfg = ns.src, checked.plan.source.config
     merging = ns.kv_heads < cfg.num_kv_heads  # then progress bars follow the line
     what = f"{model_label(src)} layer by layer and converting it to {ns.kv_heads} KV heads"

@@ -385,6 +385,7 @@ def check_conversion(
         raise TypeError(f"heal must be a HealConfig or None, got {type(heal).__name__}")
     if heal_text is not None and heal is None:
         raise ValueError("heal_text is only used when healing: pass heal=HealConfig(steps=...)")
+    given_count = calibration_conversations is not None
     if calibration_conversations is None:
         calibration_conversations = CALIBRATION_CONVERSATIONS
     elif isinstance(calibration_conversations, bool) or not isinstance(calibration_conversations, int):
@@ -423,6 +424,17 @@ def check_conversion(
         warnings.warn(f"{resolved}: too large to write its own calibration conversations in memory; calibrating on "
                       "the built-in prose (pass conversations=True to insist)", stacklevel=3)  # fmt: skip
         chats = False
+    if given_count and not (chats and calibrating and calibration_text is None):
+        if not calibrating:
+            how = "does not calibrate"
+        elif calibration_text is not None:
+            how = "calibrates on the given text"
+        else:
+            how = "calibrates on the built-in prose"
+        raise ValueError(
+            "calibration_conversations (--calibration-conversations) only applies when the calibration reads "
+            f"self-generated conversations; this conversion {how}"
+        )
     return ConversionPlan(resolved, out, source, kv_heads, method, calibration_text, do_refit, calibrating, heal,
                           heal_text, tok, chats, source.dtype if dtype is None else dtype, resolve_device(device),
                           max_shard_size, cast=dtype,
