@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -319,13 +318,13 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if ns.dry_run:
         return dry_run(ns, checked)
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 converts (and says what it will take)
-        print_plan(ns, checked, sys.stderr)  # what it will take, before it is paid
     src, cfg = ns.src, checked.plan.source.config
     merging = ns.kv_heads < cfg.num_kv_heads  # then progress bars follow the line
     what = f"{model_label(src)} layer by layer and converting it to {ns.kv_heads} KV heads"
     with launched_world(checked.plan.device) as (rank, _):  # the group ends with the command, after the report
         with loading(what, timed=not merging):
+            if merging and rank == 0:  # minutes ahead: first what they will be spent on (rank 0 converts)
+                print_plan(ns, checked, sys.stderr)
             out = run_conversion(checked.plan, force=ns.force)
         if rank == 0:  # rank 0 reports
             report(ns, checked, out)
