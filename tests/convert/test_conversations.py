@@ -44,6 +44,24 @@ def generated(folder: Path, settings: GenerationSettings = SMALL, cache: bool = 
     )
 
 
+def interrupted_while_answering(folder: Path, monkeypatch) -> None:
+    """Generate ``SMALL`` into the cache until the first answers are in the journal, then stop as an interrupt
+    would."""
+    from gqa.convert.batch_journal import BatchJournal
+
+    real = BatchJournal.add
+
+    def add(self, phase, rows):
+        real(self, phase, rows)
+        if phase == "answers":
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(BatchJournal, "add", add)
+        with pytest.raises(KeyboardInterrupt):
+            generated(folder)
+
+
 def test_generation_is_deterministic_with_a_seed(chat_model):
     a, b = generated(chat_model, cache=False), generated(chat_model, cache=False)
     other = generated(chat_model, GenerationSettings(count=48, batch_size=16, seed=6), cache=False)
@@ -123,27 +141,17 @@ def test_an_interrupted_generation_resumes_with_the_rows_it_lacks(chat_model, ca
     """Interrupted while answering (just after the first answers were recorded), a run leaves a journal of the rows
     finished so far; the next run generates exactly the rows the journal lacks and gives the set an uninterrupted run
     gives. The journal stays beside the written set (a larger count continues from it)."""
-    from gqa.convert.batch_journal import BatchJournal
     from gqa.serve.engine import Engine
 
     whole = generated(chat_model, cache=False)
-    real_record, real_add = BatchJournal.add, Engine.add
-
-    def interrupted(self, phase, rows):
-        real_record(self, phase, rows)
-        if phase == "answers":
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(BatchJournal, "add", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        generated(chat_model)
+    real_add = Engine.add
+    interrupted_while_answering(chat_model, monkeypatch)
     (journal,) = cache_root.rglob("*.rows.jsonl")
     entries = [json.loads(line) for line in journal.read_text().splitlines()]
     assert [e["phase"] for e in entries][-2:] == ["user turns", "answers"]
     kept = len(entries[-1]["rows"])
     assert 0 < kept < len(whole)  # else this test could not fail
     added = []
-    monkeypatch.setattr(BatchJournal, "add", real_record)
     monkeypatch.setattr(Engine, "add", lambda self, *a, **k: added.append(1) or real_add(self, *a, **k))
     resumed = generated(chat_model)
     assert len(added) == len(whole) - kept  # no user turn and no recorded answer again
@@ -376,19 +384,8 @@ def test_the_cost_counts_the_rows_an_interrupted_run_left(chat_model, cache_root
     """A run stopped while answering leaves a journal: the cost says how many user turns were made before and
     estimates only the rest (a probe run on the model), reading the journal without cutting a line being written."""
     from gqa.convert import generation_cost
-    from gqa.convert.batch_journal import BatchJournal
 
-    real_add = BatchJournal.add
-
-    def interrupted(self, phase, rows):
-        real_add(self, phase, rows)
-        if phase == "answers":
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(BatchJournal, "add", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        generated(chat_model)
-    monkeypatch.setattr(BatchJournal, "add", real_add)
+    interrupted_while_answering(chat_model, monkeypatch)
     model = gqa.load_model(chat_model)
     (journal,) = cache_root.rglob("*.rows.jsonl")
     journal.write_bytes(journal.read_bytes() + b'{"phase": "answers", "rows": {"9')  # a line being written
