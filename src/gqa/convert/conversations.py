@@ -58,6 +58,7 @@ __all__ = [
     "GenerationSettings",
     "cache_dir",
     "cache_key",
+    "cached_file",
     "cached_path",
     "chat_stream",
     "end_of_turn_ids",
@@ -66,6 +67,7 @@ __all__ = [
     "model_content_hash",
     "read_cached",
     "self_generated_conversations",
+    "stored_count",
     "user_turn_prompts",
 ]
 
@@ -308,11 +310,11 @@ def self_generated_conversations(
         raise ValueError("self-generated conversations need a chat template; this tokenizer has none")
     settings = settings or GenerationSettings()
     path = cached_path(model_hash, settings)
-    if cache and path.is_file():
+    if cache:
         try:
-            return _read(path, settings, model_hash)
+            return read_cached(model_hash, settings)
         except (OSError, ValueError, KeyError, TypeError):
-            pass  # unreadable or too few rows: generate (the journal keeps the rows made before)
+            pass  # none, unreadable or too few rows: generate (the journal keeps the rows made before)
     start = time.perf_counter()
     journal = BatchJournal(path.with_suffix(".rows.jsonl")) if cache else None  # the rows made so far
     with torch.random.fork_rng(devices=[]):
@@ -321,7 +323,8 @@ def self_generated_conversations(
     result = ConversationSet(*_split(convs), settings, model_hash, seconds, path if cache else None)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not _holds(path, settings.count):  # never replace a larger set with a smaller one
+        stored = cached_file(model_hash, settings)
+        if stored is None or stored_count(stored) <= settings.count:  # never replace a larger set with a smaller one
             write_json_atomic(path, {
                 "format": CACHE_FORMAT, "model_hash": model_hash, "settings": dataclasses.asdict(settings),
                 "seconds": seconds, "stats": stats, "conversations": [dataclasses.asdict(c) for c in convs],
@@ -334,29 +337,35 @@ def cached_path(model_hash: str, settings: GenerationSettings) -> Path:
     return cache_dir() / f"{cache_key(model_hash, settings)}.json"
 
 
-def read_cached(model_hash: str, settings: GenerationSettings) -> ConversationSet:
-    """The cached set of ``settings.count`` user turns of the model ``model_hash`` (``ValueError`` or ``OSError`` when
-    the cache does not hold it)."""
-    return _read(cached_path(model_hash, settings), settings, model_hash)
-
-
-def _holds(path: Path, count: int) -> bool:
+def cached_file(model_hash: str, settings: GenerationSettings) -> dict | None:
+    """The cache file of this model and these settings (any count), parsed; ``None`` when there is none of this
+    format and model that reads."""
     try:
-        return int(json.loads(path.read_text(encoding="utf-8"))["settings"]["count"]) > count
+        data = json.loads(cached_path(model_hash, settings).read_text(encoding="utf-8"))
+        if data["format"] == CACHE_FORMAT and data["model_hash"] == model_hash:
+            stored_count(data)
+            return data
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        pass
+    return None
 
 
-def _read(path: Path, settings: GenerationSettings, model_hash: str) -> ConversationSet:
-    """The set of ``settings.count`` user turns from the cache file ``path``: its conversations of the first rows.
-    ``ValueError`` when the file is of another format or model, or holds fewer rows."""
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if data["format"] != CACHE_FORMAT or data["model_hash"] != model_hash:
-        raise ValueError(f"{path}: another format or model")
-    if int(data["settings"]["count"]) < settings.count:
-        raise ValueError(f"{path}: {data['settings']['count']} user turns, {settings.count} wanted")
+def stored_count(data: dict) -> int:
+    """User turns a parsed cache file holds."""
+    return int(data["settings"]["count"])
+
+
+def read_cached(model_hash: str, settings: GenerationSettings) -> ConversationSet:
+    """The cached set of ``settings.count`` user turns of the model ``model_hash``: the conversations of the first
+    rows of the cached file. ``ValueError`` when the cache holds no such file or fewer rows."""
+    path = cached_path(model_hash, settings)
+    data = cached_file(model_hash, settings)
+    if data is None:
+        raise ValueError(f"{path}: no readable set of this format and model")
+    if stored_count(data) < settings.count:
+        raise ValueError(f"{path}: {stored_count(data)} user turns, {settings.count} wanted")
     convs = [Conversation(**c) for c in data["conversations"]]
-    stored = dataclasses.replace(settings, count=int(data["settings"]["count"]))
+    stored = dataclasses.replace(settings, count=stored_count(data))
     return ConversationSet(*_split(convs), stored, model_hash, 0.0, path).first(settings.count)
 
 

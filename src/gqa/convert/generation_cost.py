@@ -12,21 +12,21 @@ or shorter turns, so the estimate is a guide, within a factor of about two.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .conversations import (
-    CACHE_FORMAT,
     HELD_OUT_PER_MILLE,
     ConversationSet,
     GenerationSettings,
+    cached_file,
     cached_path,
     end_of_turn_ids,
     model_content_hash,
     read_cached,
+    stored_count,
     user_turn_prompts,
 )
 
@@ -95,17 +95,10 @@ def cached_rows(model_hash: str, settings: GenerationSettings) -> tuple[int, int
     ``settings.count`` user turns."""
     from .batch_journal import BatchJournal
 
-    path = cached_path(model_hash, settings)
-    turns = answers = 0
-    whole = False
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if data["format"] == CACHE_FORMAT and data["model_hash"] == model_hash:
-            turns, answers = int(data["settings"]["count"]), len(data["conversations"])
-            whole = turns >= settings.count
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    journal = path.with_suffix(".rows.jsonl")
+    data = cached_file(model_hash, settings)
+    turns, answers = (0, 0) if data is None else (stored_count(data), len(data["conversations"]))
+    whole = turns >= settings.count
+    journal = cached_path(model_hash, settings).with_suffix(".rows.jsonl")
     if journal.is_file():
         rows = BatchJournal(journal, read_only=True)  # a run may be writing it
         turns, answers = max(turns, len(rows.finished("user turns"))), max(answers, len(rows.finished("answers")))
@@ -117,7 +110,14 @@ def generation_cost(
 ) -> GenerationCost:
     """What making ``settings``' conversations will cost (module docstring). ``model`` is only run when rows are
     missing (``None`` then gives no time estimate)."""
-    turns, answers, whole = cached_rows(model_hash, settings)
+    return _cost(model, tok, model_hash, settings, cached_rows(model_hash, settings))
+
+
+def _cost(
+    model: CausalLM | None, tok: Tokenizer, model_hash: str, settings: GenerationSettings, rows: tuple[int, int, bool]
+) -> GenerationCost:
+    """``generation_cost`` given the cache's ``cached_rows``."""
+    turns, answers, whole = rows
     turns = min(turns, settings.count)
     if whole or model is None:
         return GenerationCost(settings, model_hash, turns, answers, 0.0, done=whole)
@@ -162,10 +162,11 @@ def probe_rate(model: CausalLM, tok: Tokenizer, settings: GenerationSettings) ->
 def source_generation_cost(resolved: Path, tok: Tokenizer, settings: GenerationSettings) -> GenerationCost:
     """``generation_cost`` for the model at ``resolved`` (a conversion's source), loaded only when rows are missing."""
     model_hash = model_content_hash(resolved)
-    if cached_rows(model_hash, settings)[2]:
-        return generation_cost(None, tok, model_hash, settings)
+    rows = cached_rows(model_hash, settings)
+    if rows[2]:
+        return _cost(None, tok, model_hash, settings, rows)
     from ..loaders import read_model
     from ..models import CausalLM
 
     cfg, state = read_model(resolved)
-    return generation_cost(CausalLM.from_state(cfg, state, assign=True), tok, model_hash, settings)
+    return _cost(CausalLM.from_state(cfg, state, assign=True), tok, model_hash, settings, rows)
