@@ -85,8 +85,11 @@ def _interpret_env(monkeypatch):
 # the oracle -----------------------------------------------------------------------------------------------------
 
 
-def reference(q, k, v, *, scale=None, is_causal=False, mask=None, start=None, end=None):
-    """float64 attention: ``(B, H_kv, G, L, D)`` einsums, visibility as explicit boolean masks, empty rows -> 0."""
+def reference(q, k, v, *, scale=None, is_causal=False, mask=None, start=None, end=None, window=None, softcap=None,
+              sinks=None):  # fmt: skip
+    """float64 attention: ``(B, H_kv, G, L, D)`` einsums, visibility as explicit boolean masks, empty rows -> 0;
+    ``window (left, right)`` around ``end - L + l``, ``softcap`` on the scaled scores, ``sinks (H_q,)`` as one more
+    key of value zero per head."""
     *batch, H_q, L, D = q.shape
     H_kv, S, D_v = k.shape[-3], k.shape[-2], v.shape[-1]
     G, N = H_q // H_kv, math.prod(batch)
@@ -94,6 +97,8 @@ def reference(q, k, v, *, scale=None, is_causal=False, mask=None, start=None, en
     kk = k.double().reshape(N, H_kv, S, D)
     vv = v.double().reshape(N, H_kv, S, D_v)
     scores = torch.einsum("nhgld,nhsd->nhgls", qq, kk) * (D**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
 
     def per_row(t, default):
         t = torch.full((N,), default, dtype=torch.int64) if t is None else torch.as_tensor(t).long()
@@ -105,6 +110,12 @@ def reference(q, k, v, *, scale=None, is_causal=False, mask=None, start=None, en
     visible = (j >= lo) & (j < hi)
     if is_causal:
         visible = visible & (j <= hi - L + row)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            visible = visible & (j >= hi - L + row - left)
+        if right is not None:
+            visible = visible & (j <= hi - L + row + right)
     if mask is not None:
         m = mask.expand(*batch, H_q, L, S).reshape(N, H_kv, G, L, S)
         if m.dtype == torch.bool:
@@ -112,8 +123,12 @@ def reference(q, k, v, *, scale=None, is_causal=False, mask=None, start=None, en
         else:
             scores = scores + m.double()
     scores = scores.masked_fill(~visible, float("-inf"))
-    any_key = ~(scores == float("-inf")).all(-1, keepdim=True)  # NaN scores count as seen
-    weights = torch.softmax(scores.masked_fill(~any_key, 0.0), -1) * any_key
+    if sinks is not None:  # one more key, of value zero
+        sink = sinks.double().view(1, H_kv, G, 1, 1).expand(N, H_kv, G, L, 1)
+        weights = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :S]
+    else:
+        any_key = ~(scores == float("-inf")).all(-1, keepdim=True)  # NaN scores count as seen
+        weights = torch.softmax(scores.masked_fill(~any_key, 0.0), -1) * any_key
     out = torch.einsum("nhgls,nhsd->nhgld", weights, vv)
     return out.reshape(*batch, H_q, L, D_v)
 
@@ -296,6 +311,90 @@ def test_bad_start_end():
         split_kv_attention(q, k, v, end=torch.zeros(2, 1, dtype=torch.int64))
     with pytest.raises(TypeError, match="start"):
         split_kv_attention(q, k, v, start=torch.zeros(2))
+
+
+# window, soft-cap, sinks ---------------------------------------------------------------------------------------
+
+VARIANTS = {
+    # id: (batch, H_q, H_kv, L, S, D, is_causal, window, softcap, sinks, num_splits, start/end)
+    "left-causal-3splits": ((2,), 18, 6, 3, 700, 40, True, (100, None), None, False, 3, False),
+    "left-default-splits": ((1,), 18, 6, 1, 3000, 40, True, (600, None), None, False, None, False),
+    "left-right-no-causal": ((2,), 6, 2, 4, 150, 16, False, (20, 2), None, False, 2, False),
+    "left0": ((1,), 4, 2, 3, 100, 16, True, (0, None), None, False, None, False),
+    "right-only": ((1,), 4, 2, 3, 6, 16, False, (None, 0), None, False, 2, False),
+    "window-larger-than-S": ((1,), 4, 2, 2, 50, 16, True, (500, 600), None, False, None, False),
+    "left-ragged-rows": ((3,), 6, 2, 2, 400, 16, True, (64, None), None, False, 2, True),
+    "softcap": ((2,), 18, 6, 3, 300, 40, True, None, 5.0, False, 3, False),
+    "softcap-1split": ((1,), 18, 6, 1, 100, 40, True, None, 0.7, False, 1, False),
+    "sinks-3splits": ((2,), 18, 6, 3, 300, 40, True, None, None, True, 3, False),
+    "sinks-1split": ((1,), 18, 6, 1, 100, 5, True, None, None, True, 1, False),
+    "all-ragged": ((3,), 6, 2, 2, 400, 16, True, (64, None), 20.0, True, None, True),
+    "d256-all": ((1,), 4, 2, 2, 120, 256, True, (30, None), 50.0, True, 2, False),
+}
+
+
+HALF_VARIANTS = ("left-causal-3splits", "softcap", "sinks-3splits", "all-ragged")  # float16: a few (it is slow here)
+
+
+@kernel
+@pytest.mark.parametrize(
+    ("case", "dtype"),
+    [(c, torch.float32) for c in VARIANTS] + [(c, torch.float16) for c in HALF_VARIANTS],
+    ids=[*VARIANTS, *(f"{c}-fp16" for c in HALF_VARIANTS)],
+)
+def test_window_softcap_sinks_match_reference(case, dtype):
+    batch, H_q, H_kv, L, S, D, causal, window, softcap, with_sinks, splits, ragged = VARIANTS[case]
+    q, k, v = qkv(batch, H_q, H_kv, L, S, D, dtype=dtype, seed=11)
+    if dtype == torch.float32:
+        q = q * 3  # scores large enough that the soft-cap bends them
+    sinks = torch.randn(H_q, generator=torch.Generator().manual_seed(12)) * 2 + 7 if with_sinks else None
+    bounds = {}
+    if ragged:  # left padding and cursors: the window follows each row's cursor; row 2 is shorter than its window
+        bounds = dict(start=torch.tensor([0, 50, 300])[: math.prod(batch)], end=torch.tensor([400, 333, 340]))
+    out = split_kv_attention(q, k, v, is_causal=causal, window=window, softcap=softcap, sinks=sinks,
+                             num_splits=splits, **bounds)  # fmt: skip
+    ref = reference(q, k, v, is_causal=causal, window=window, softcap=softcap, sinks=sinks, **bounds)
+    check(out, ref, dtype)
+    plain = reference(q, k, v, is_causal=causal, **bounds)
+    assert rel_err(out, plain) > 1e-2 or case == "window-larger-than-S"  # each option changes the answer
+
+
+@kernel
+def test_a_window_reads_only_its_keys():
+    """Keys before each row's window (its cursor - L - left) are NaN: never read. 4,096 keys, a 100-key window."""
+    q, k, v = qkv((2,), 6, 2, 2, 4096, 16, seed=13)
+    end = torch.tensor([4096, 2500])
+    ref = split_kv_attention(q, k, v, is_causal=True, window=100, end=end)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, : 4096 - 2 - 100] = float("nan")
+    v2[0, :, : 4096 - 2 - 100] = float("nan")
+    k2[1, :, : 2500 - 2 - 100] = float("nan")
+    v2[1, :, : 2500 - 2 - 100] = float("nan")
+    out = split_kv_attention(q, k2, v2, is_causal=True, window=100, end=end)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    check(out, reference(q, k, v, is_causal=True, window=(100, None), end=end), torch.float32)
+
+
+@kernel
+def test_sinks_take_weight_from_rows_that_see_nothing_and_from_the_rest():
+    """A row that sees no key is zeros with a sink as without; a huge sink drives every row to zero."""
+    q, k, v = qkv((1,), 4, 2, 2, 60, 16, seed=14)
+    out = split_kv_attention(q, k, v, end=torch.tensor(0), sinks=torch.zeros(4))
+    assert (out == 0).all()
+    out = split_kv_attention(q, k, v, sinks=torch.full((4,), 80.0), num_splits=2)
+    assert out.abs().max() < 1e-20
+
+
+def test_variant_arguments_are_checked():
+    q, k, v = qkv((1,), 4, 2, 1, 32, 16)
+    with pytest.raises(ValueError, match="window"):
+        split_kv_attention(q, k, v, window=-1)
+    with pytest.raises(ValueError, match="softcap"):
+        split_kv_attention(q, k, v, softcap=0.0)
+    with pytest.raises(ValueError, match="sinks"):
+        split_kv_attention(q, k, v, sinks=torch.zeros(3))
+    with pytest.raises(TypeError, match="sinks"):
+        split_kv_attention(q, k, v, sinks=torch.zeros(4, dtype=torch.long))
 
 
 # layouts, dtypes, NaN -------------------------------------------------------------------------------------------

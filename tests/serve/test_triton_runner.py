@@ -42,18 +42,26 @@ def _pools(num_blocks, H_kv, block_size, D, D_v, dtype, seed=0):
     return key, value
 
 
-def _reference(q, key, value, tables, lengths):
-    """float64: each row's keys gathered position by position through its table, K/V repeated per query head."""
+def _reference(q, key, value, tables, lengths, window=None, softcap=None, sinks=None):
+    """float64: each row's keys gathered position by position through its table, K/V repeated per query head; the
+    ``window`` keys before the row's own and it, ``softcap`` on the scaled scores, ``sinks (H_q,)`` as a key of
+    value zero."""
     block_size = key.shape[2]
     G = q.shape[1] // key.shape[1]
     out = []
     for n in range(q.shape[0]):
-        pos = torch.arange(int(lengths[n]))
+        length = int(lengths[n])
+        pos = torch.arange(0 if window is None else max(length - 1 - window, 0), length)
         blocks, slots = tables[n].long()[pos // block_size], pos % block_size
         k = key[blocks, :, slots].double().repeat_interleave(G, dim=1).transpose(0, 1)  # (H_q, len, D)
         v = value[blocks, :, slots].double().repeat_interleave(G, dim=1).transpose(0, 1)
         scores = (q[n].double()[:, None] @ k.transpose(-1, -2))[:, 0] * q.shape[-1] ** -0.5  # (H_q, len)
-        out.append(torch.einsum("hs,hsd->hd", scores.softmax(-1), v))
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None]], -1)
+        weights = scores.softmax(-1)[:, : len(pos)]
+        out.append(torch.einsum("hs,hsd->hd", weights, v))
     return torch.stack(out)
 
 
@@ -71,6 +79,46 @@ def test_paged_attention_matches_float64(dtype, tol, block_size, H_q, H_kv, D, D
     ref = _reference(q, key, value, tables, lengths)
     assert out.shape == (len(lengths), H_q, D_v) and out.dtype == dtype
     assert ((out.double() - ref).norm() / ref.norm()).item() < tol
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "window, softcap, with_sinks",
+    [
+        (100, None, False),
+        (CHUNK, None, False),
+        (0, None, False),
+        (None, 2.0, False),
+        (None, None, True),
+        (700, 5.0, True),
+    ],
+)
+def test_paged_window_softcap_sinks_match_float64(window, softcap, with_sinks):
+    """A window shorter than a split, one as long, the row's own key alone; soft-capping; sinks; all three."""
+    key, value = _pools(500, 2, 16, 32, 32, torch.float32, seed=2)
+    lengths = torch.tensor([1, 90, CHUNK + 3, 3 * CHUNK + 40, 2 * CHUNK])
+    g = torch.Generator().manual_seed(3)
+    tables = torch.randperm(500, generator=g).view(5, 100).int()  # scattered, no block in two rows
+    q = torch.randn(len(lengths), 6, 32, generator=g) * 4  # large scores: the soft-cap bends them
+    sinks = torch.randn(6, generator=g) + 3 if with_sinks else None
+    out = paged_attention(q, key, value, tables, lengths, max_length=int(lengths.max()), max_context=4096,
+                          window=window, softcap=softcap, sinks=sinks)  # fmt: skip
+    ref = _reference(q, key, value, tables, lengths, window, softcap, sinks)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    assert ((out.double() - _reference(q, key, value, tables, lengths)).norm() / ref.norm()).item() > 1e-2
+    if window is not None:  # keys before each row's window: never read; a row alone = in the batch
+        before = torch.zeros(500, 16, dtype=torch.bool)
+        for n, length in enumerate(lengths.tolist()):
+            pos = torch.arange(max(length - 1 - window, 0))
+            before[tables[n].long()[pos // 16], pos % 16] = True
+        key[before.unsqueeze(1).expand(-1, 2, -1)] = float("nan")
+        value[before.unsqueeze(1).expand(-1, 2, -1)] = float("nan")
+        again = paged_attention(q, key, value, tables, lengths, max_length=int(lengths.max()), max_context=4096,
+                                window=window, softcap=softcap, sinks=sinks)  # fmt: skip
+        assert torch.equal(again, out)
+        alone = paged_attention(q[3:4], key, value, tables[3:4], lengths[3:4], max_length=int(lengths[3]),
+                                max_context=4096, window=window, softcap=softcap, sinks=sinks)  # fmt: skip
+        assert torch.equal(alone[0], out[3])
 
 
 @needs_interpreter
@@ -95,6 +143,9 @@ def test_a_row_is_computed_the_same_alone_and_in_any_batch():
         (dict(max_length=0), "max_length must be a positive int"),
         (dict(max_length=1000), "exceeds the tables"),
         (dict(query=torch.randn(2, 5, 16)), "does not match pools"),
+        (dict(window=-1), "window must be an int >= 0"),
+        (dict(sinks=torch.zeros(3)), r"sinks must be a floating-point tensor of shape \(H_q,\) = \(4,\)"),
+        (dict(softcap=-2.0), "softcap must be"),
     ],
 )
 def test_bad_arguments_are_named(change, words):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...attention.checks import shape_str
+from ...attention.checks import check_softcap, shape_str
 from .split_kv import DTYPES, MAX_HEAD_DIM, _precision, interpreted, triton_available, triton_next_pow2
 
 CHUNK = 512  # keys per split: fixed, so that a row's splits do not depend on the batch
@@ -64,6 +64,9 @@ def paged_attention(
     max_length: int,
     max_context: int | None = None,
     scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row ``n`` attends to positions ``[0, lengths[n])`` of its sequence, position ``j`` held in block
     ``tables[n, j // block_size]`` at slot ``j % block_size``.
@@ -78,14 +81,19 @@ def paged_attention(
     max_context : the longest length any call will see (the model's context): fixes the merge's width, so that a row
         is merged the same way whatever the batch; default ``max_length``.
     scale : multiplies the scores; default ``D ** -0.5``.
+    window : keys before the row's own that it sees (a sliding window's left side: positions
+        ``lengths[n] - 1 - window`` on); the keys before them are not read.
+    softcap : ``softcap * tanh(scores / softcap)`` on the scaled scores.
+    sinks : ``(H_q,)`` logits, each a key of value zero in its head's softmax.
 
     Returns
     -------
     ``(N, H_q, D_v)`` in the query's dtype.
     """
-    reason = _check(query, key_pool, value_pool, tables, lengths, max_length)
+    reason = _check(query, key_pool, value_pool, tables, lengths, max_length) or _check_options(query, window, sinks)
     if reason is not None:
         raise ValueError(f"paged_attention cannot run this call: {reason}")
+    softcap = check_softcap(softcap)
     from . import paged_kernels
     from .split_kv_kernels import merge_splits
 
@@ -95,6 +103,10 @@ def paged_attention(
     G = H_q // H_kv
     splits = -(-max_length // CHUNK)
     widest = -(-max(max_context or max_length, max_length) // CHUNK)
+    if window is not None:  # the chunks a window of window + 1 keys can touch, wherever it starts
+        reach = -(-(window + 1) // CHUNK) + 1
+        splits, widest = min(splits, reach), min(widest, reach)
+    sink_logits = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
     block_g, block_d, block_dv = (max(16, triton_next_pow2(n)) for n in (G, D, DV))
     part_out = torch.empty(N * H_kv, splits, G, DV, dtype=torch.float32, device=query.device)
     part_lse = torch.empty(N * H_kv, splits, G, dtype=torch.float32, device=query.device)
@@ -103,18 +115,34 @@ def paged_attention(
         return out
     paged_kernels.paged_attend[(N * H_kv, splits)](
         query, key_pool, value_pool, tables, lengths, part_out, part_lse,
-        float(D**-0.5 if scale is None else scale), G, D, DV, block_size, H_kv, splits,
+        float(D**-0.5 if scale is None else scale), G, D, DV, block_size, H_kv, splits, window or 0, softcap or 1.0,
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         value_pool.stride(0), value_pool.stride(1), value_pool.stride(2),
         tables.stride(0),
-        CHUNK=CHUNK, PRECISION=_precision(query), BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        CHUNK=CHUNK, HAS_LEFT=window is not None, HAS_SOFTCAP=softcap is not None, PRECISION=_precision(query),
+        BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
         BLOCK_DV=block_dv, num_warps=4, num_stages=2,
     )  # fmt: skip
     o = out.view(N, H_kv, G, 1, DV)
     merge_splits[(N * H_kv, G)](
-        part_out, part_lse, o, 1, DV, G, H_kv, splits,
-        o.stride(0), o.stride(1), o.stride(2), 0,
+        part_out, part_lse, part_lse if sink_logits is None else sink_logits, o, 1, DV, G, H_kv, splits, G,
+        o.stride(0), o.stride(1), o.stride(2), 0, HAS_SINKS=sink_logits is not None,
         BLOCK_S=triton_next_pow2(widest), BLOCK_DV=block_dv, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def _check_options(query: torch.Tensor, window: object, sinks: object) -> str | None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        return f"window must be an int >= 0 (keys before the row's own) or None, got {window!r}"
+    if sinks is not None:
+        H_q = query.shape[1] if query.dim() == 3 else None
+        if not isinstance(sinks, torch.Tensor):
+            return f"sinks must be a tensor of shape (H_q,) = ({H_q},), got {type(sinks).__name__}"
+        if not sinks.is_floating_point() or sinks.shape != (H_q,):
+            got = f"{sinks.dtype} {shape_str(sinks)}"
+            return f"sinks must be a floating-point tensor of shape (H_q,) = ({H_q},), got {got}"
+        if sinks.device != query.device:
+            return f"sinks is on {sinks.device}, query on {query.device}"
+    return None

@@ -4,7 +4,9 @@ One program per (row ``n``, KV head ``h``, split of ``CHUNK`` keys). A row is on
 mixes decode rows and prompt-chunk rows, each with its own block table and length (its position + 1). The ``G``
 query heads of KV head ``h`` are one tile of ``BLOCK_G >= 16`` rows, so each K/V tile is read once per group; the
 keys of a tile are gathered through the block table, one page lookup per key, so any block size works. Splits
-start at fixed multiples of ``CHUNK`` whatever else is in the batch, so a row's result depends on that row alone.
+start at fixed multiples of ``CHUNK`` whatever else is in the batch, so a row's result depends on that row alone;
+with a left window the first split is the chunk holding the window's first key, and no key before it is read.
+Soft-capping bends the scaled scores; sinks join in the merge.
 The running softmax and the partial outputs' merge are ``split_kv_kernels``' (``online_softmax_step``, ``finish``,
 ``merge_splits``).
 """
@@ -14,18 +16,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .split_kv_kernels import finish, online_softmax_step
+from .split_kv_kernels import finish, online_softmax_step, soft_cap
 
 
 @triton.jit
 def paged_attend(
     Q, K, V, Tables, Lengths, PartOut, PartLse,  # pointers
     scale, G, D, DV, block_size, H_KV, splits,  # sizes
+    win_left, softcap,  # the window's left side (keys before the row's own); the soft-cap
     sq_n, sq_h,  # q (N, H_q, D), last dim contiguous; head h*G + g
     sk_b, sk_h, sk_s,  # key pool (num_blocks, H_kv, block_size, D), last dim contiguous
     sv_b, sv_h, sv_s,  # value pool (num_blocks, H_kv, block_size, DV)
     st_n,  # tables (N, max_blocks) int32
     CHUNK: tl.constexpr,  # keys per split (a multiple of BLOCK_N)
+    HAS_LEFT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -45,7 +50,12 @@ def paged_attend(
 
     length = tl.load(Lengths + n).to(tl.int32)
     k_lo = split * CHUNK
+    if HAS_LEFT:
+        w_first = tl.maximum(length - 1 - win_left, 0)  # the window's first key
+        k_lo = (w_first // CHUNK + split) * CHUNK
     k_hi = tl.minimum(k_lo + CHUNK, length)
+    if HAS_LEFT:
+        k_lo = tl.maximum(k_lo, w_first)
     table = Tables + n.to(tl.int64) * st_n
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -58,6 +68,8 @@ def paged_attend(
         k_ptr = K + page[:, None] * sk_b + h * sk_h + slot[:, None] * sk_s + d[None, :]
         k = tl.load(k_ptr, mask=j_ok[:, None] & (d[None, :] < D), other=0.0)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_G, BLOCK_N) float32
+        if HAS_SOFTCAP:
+            s = soft_cap(s, softcap)
         s = tl.where(g_ok[:, None] & j_ok[None, :], s, float("-inf"))
         v_ptr = V + page[:, None] * sv_b + h * sv_h + slot[:, None] * sv_s + dv[None, :]
         v = tl.load(v_ptr, mask=j_ok[:, None] & (dv[None, :] < DV), other=0.0)

@@ -7,9 +7,10 @@ programs so that a few sequences still fill the GPU; a second pass merges the sp
 
 It takes what decoding needs: bottom-right causal, bool and additive masks, per-row ``start``/``end`` slots (left
 padding and each row's cursor in a static cache: read from device memory, so a captured CUDA graph stays valid as
-the cache fills), ``L <= 16`` new tokens (speculative decoding), any group size, ``D <= 256``, float16, bfloat16 and
-float32 (its dots as three TF32 products on the tensor cores: float32 accuracy). Inference only.
-``TRITON_INTERPRET=1`` runs it on CPU tensors (tests).
+the cache fills), a sliding window (its keys alone are read: the splits tile the window, wherever each row's cursor
+is), soft-capping and sinks (Gemma 2, gpt-oss), ``L <= 16`` new tokens (speculative decoding), any group size,
+``D <= 256``, float16, bfloat16 and float32 (its dots as three TF32 products on the tensor cores: float32
+accuracy). Inference only. ``TRITON_INTERPRET=1`` runs it on CPU tensors (tests).
 """
 
 from __future__ import annotations
@@ -21,7 +22,18 @@ import os
 
 import torch
 
-from ...attention.checks import HALF_DTYPES, check_mask, check_qkv, flat_view, kernel_refusal, shape_str
+from ...attention.checks import (
+    HALF_DTYPES,
+    Window,
+    check_mask,
+    check_qkv,
+    check_sinks,
+    check_softcap,
+    check_window,
+    flat_view,
+    kernel_refusal,
+    shape_str,
+)
 
 DTYPES = (torch.float32, *HALF_DTYPES)
 MAX_L = 16  # new tokens per call (G * L rows per KV head)
@@ -158,6 +170,9 @@ def split_kv_attention(
     attn_mask: torch.Tensor | None = None,
     start: torch.Tensor | None = None,
     end: torch.Tensor | None = None,
+    window: int | Window | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Grouped attention of a few new tokens over a KV cache.
@@ -171,6 +186,10 @@ def split_kv_attention(
     attn_mask : broadcastable to ``(*B, H_q, L, S)``; bool (True = attend) or additive float.
     start, end : ``(N,)`` integer tensors (``N = prod(*B)``) or scalars: row ``n`` sees only keys
         ``start[n] <= j < end[n]`` (left padding; a static cache's cursor). Read on the device, never synced.
+    window : ``(left, right)`` or ``left``, as ``grouped_attention``'s, aligned bottom-right at ``end``: row ``l``
+        sees keys ``end - L + l - left <= j <= end - L + l + right``; only the window's keys are read.
+    softcap : ``softcap * tanh(scores / softcap)`` on the scaled scores, before the mask.
+    sinks : ``(H_q,)`` logits, each a key of value zero in its head's softmax.
     num_splits : KV splits per head (default: enough programs to fill the GPU, ``plan_splits``).
 
     Returns
@@ -179,18 +198,22 @@ def split_kv_attention(
     """
     shape = check_qkv(query, key, value)
     check_mask(attn_mask, shape, query)
+    window = check_window(window)
+    softcap = check_softcap(softcap)
+    check_sinks(sinks, shape, query)
     reason = supports(query, key, value)
     if reason is not None:
         raise ValueError(f"the triton split-KV kernel cannot run this call: {reason}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     return launch(query, key, value, shape, float(shape.D**-0.5 if scale is None else scale), bool(is_causal),
-                  attn_mask, start, end, num_splits)  # fmt: skip
+                  attn_mask, start, end, num_splits, window=window, softcap=softcap, sinks=sinks)  # fmt: skip
 
 
 def launch(
-    query, key, value, shape, scale: float, is_causal: bool, attn_mask, start, end, num_splits, config=None
-) -> torch.Tensor:
+    query, key, value, shape, scale: float, is_causal: bool, attn_mask, start, end, num_splits, config=None, *,
+    window: Window | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``split_kv_attention`` on validated inputs (the backend and CUDA graphs call this: no checks twice);
     ``config``: ``(BLOCK_N, num_warps, num_stages)`` instead of ``config_for``'s."""
     from . import split_kv_kernels as kernels  # imports triton (seconds): only once a kernel runs
@@ -212,13 +235,17 @@ def launch(
     start_n = _row_index(start, N, "start", q.device)
     end_n = _row_index(end, N, "end", q.device)
 
+    left, right = (None, None) if window is None else window
+    span = S if left is None else min(S, left + L)  # the keys any row's window reaches, from its first on
+    sink_logits = None if sinks is None else sinks.detach().to(torch.float32).contiguous()  # (H_q,)
+
     block_m, block_d, block_dv = _blocks(rows, D, D_v)
     row_blocks = -(-rows // block_m)
     if num_splits is None:
-        splits, chunk = plan_splits(N * H_kv * row_blocks, S, _sm_count(q.device))
+        splits, chunk = plan_splits(N * H_kv * row_blocks, span, _sm_count(q.device))
     else:
-        chunk = -(-S // num_splits)
-        splits = -(-S // chunk)
+        chunk = -(-span // num_splits)
+        splits = -(-span // chunk)
     direct = splits == 1
     part_out = part_lse = out
     if not direct:
@@ -229,21 +256,24 @@ def launch(
         config = config_for(D, D_v, query.element_size(), memory)
     block_n, warps, stages = config
     kernels.split_kv_attend[(N * H_kv, splits, row_blocks)](
-        q, k, v, mask, q if start_n is None else start_n, q if end_n is None else end_n, o, part_out, part_lse,
+        q, k, v, mask, q if start_n is None else start_n, q if end_n is None else end_n,
+        q if sink_logits is None else sink_logits, o, part_out, part_lse,
         scale, S, L, D, D_v, rows, chunk, H_kv, splits,
+        shape.G, left or 0, right or 0, softcap or 1.0,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         *(mask.stride() if mask_kind else (0,) * 5),
         o.stride(0), o.stride(1), o.stride(2), o.stride(3),
         MASK_KIND=mask_kind, IS_CAUSAL=is_causal, HAS_START=start_n is not None, HAS_END=end_n is not None,
-        DIRECT=direct, PRECISION=_precision(q),
+        HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sink_logits is not None, DIRECT=direct, PRECISION=_precision(q),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if not direct:
         kernels.merge_splits[(N * H_kv, rows)](
-            part_out, part_lse, o, L, D_v, rows, H_kv, splits,
-            o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+            part_out, part_lse, part_lse if sink_logits is None else sink_logits, o, L, D_v, rows, H_kv, splits,
+            shape.G, o.stride(0), o.stride(1), o.stride(2), o.stride(3), HAS_SINKS=sink_logits is not None,
             BLOCK_S=triton_next_pow2(splits), BLOCK_DV=block_dv, num_warps=4,
         )  # fmt: skip
     return out

@@ -9,7 +9,11 @@ and log-sum-exp (or, with a single split, the output itself). Pass 2, ``merge_sp
 outputs weighted by ``exp(lse_s - max lse)``.
 
 Visibility of key ``j`` to query row ``(g, l)`` of batch row ``n``: ``start[n] <= j < end[n]`` (the whole ``[0, S)``
-without them), ``j <= end[n] - L + l`` when causal (bottom-right), and the mask: bool (nonzero = attend) or additive.
+without them), ``j <= end[n] - L + l`` when causal (bottom-right), a sliding window
+``end[n] - L + l - left <= j <= end[n] - L + l + right``, and the mask: bool (nonzero = attend) or additive. With a
+left window the splits tile the window, from its first key (``end[n] - L - left``) on: keys before it are not read.
+Soft-capping bends the scaled scores (``softcap * tanh(s / softcap)``) before the mask; a sink (a logit per query
+head) joins each row's softmax as a key whose value is zero — in the merge, or at the end of the one split.
 A row that sees no key gets zeros, as the other backends give. NaN in q/K/V propagates to the output.
 """
 
@@ -41,9 +45,29 @@ def finish(m_i, l_i, acc):
 
 
 @triton.jit
+def soft_cap(s, softcap):
+    """``softcap * tanh(s / softcap)`` in float32, as ``tanh(|x|) = (1 - e) / (1 + e)``, ``e = exp(-2|x|)`` (no
+    overflow for large scores; ``-inf`` stays ``-inf``)."""
+    x = s / softcap
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return softcap * tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def add_sink(sink, m_i, l_i, acc):
+    """A key of logit ``sink (M,)`` and value zero into a running softmax (``online_softmax_step``'s state)."""
+    m_new = tl.maximum(m_i, sink)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    return m_new, l_i * alpha + tl.exp(sink - m_safe), acc * alpha[:, None]
+
+
+@triton.jit
 def split_kv_attend(
-    Q, K, V, Mask, Start, End, Out, PartOut, PartLse,  # pointers
+    Q, K, V, Mask, Start, End, Sinks, Out, PartOut, PartLse,  # pointers
     scale, S, L, D, DV, rows, chunk, H_KV, splits,  # sizes
+    G, win_left, win_right, softcap,  # query heads per KV head; the window's sides; the soft-cap
     sq_n, sq_h, sq_g, sq_l,  # q (N, H_kv, G, L, D), last dim contiguous
     sk_n, sk_h, sk_s,  # k (N, H_kv, S, D), last dim contiguous
     sv_n, sv_h, sv_s,  # v (N, H_kv, S, DV), last dim contiguous
@@ -53,6 +77,10 @@ def split_kv_attend(
     IS_CAUSAL: tl.constexpr,
     HAS_START: tl.constexpr,
     HAS_END: tl.constexpr,
+    HAS_LEFT: tl.constexpr,  # a left window: the splits start at the window's first key
+    HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: write the output, not partials
     PRECISION: tl.constexpr,  # of the dots for float32 inputs: "tf32x3" (GPU: float32 accuracy on tensor cores), "ieee"
     BLOCK_M: tl.constexpr,
@@ -80,9 +108,12 @@ def split_kv_attend(
         lo = tl.load(Start + n).to(tl.int32)
     if HAS_END:
         hi = tl.minimum(tl.load(End + n).to(tl.int32), S)
-    k_lo = tl.maximum(split * chunk, lo)
-    k_hi = tl.minimum(split * chunk + chunk, hi)
-    last_seen = hi - L + lq  # causal: row l sees keys j <= last_seen
+    base = 0
+    if HAS_LEFT:
+        base = tl.maximum(hi - L - win_left, 0)  # the first key any row's window reaches
+    k_lo = tl.maximum(base + split * chunk, lo)
+    k_hi = tl.minimum(base + split * chunk + chunk, hi)
+    last_seen = hi - L + lq  # causal: row l sees keys j <= last_seen; its window is around it
 
     k_base = K + n.to(tl.int64) * sk_n + h * sk_h
     v_base = V + n.to(tl.int64) * sv_n + h * sv_h
@@ -96,9 +127,15 @@ def split_kv_attend(
         j_ok = j < k_hi
         k = tl.load(k_base + j[:, None] * sk_s + d[None, :], mask=j_ok[:, None] & (d[None, :] < D), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N) float32
+        if HAS_SOFTCAP:
+            s = soft_cap(s, softcap)
         seen = r_ok[:, None] & j_ok[None, :]
         if IS_CAUSAL:
             seen = seen & (j[None, :] <= last_seen[:, None])
+        if HAS_LEFT:
+            seen = seen & (j[None, :] >= last_seen[:, None] - win_left)
+        if HAS_RIGHT:
+            seen = seen & (j[None, :] <= last_seen[:, None] + win_right)
         if MASK_KIND == 1:
             allowed = tl.load(m_base + j[None, :] * sm_s, mask=seen, other=0)
             seen = seen & (allowed != 0)
@@ -108,6 +145,9 @@ def split_kv_attend(
         v = tl.load(v_base + j[:, None] * sv_s + dv[None, :], mask=j_ok[:, None] & (dv[None, :] < DV), other=0.0)
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
+    if DIRECT and HAS_SINKS:  # the one split: the sink joins here (else in merge_splits)
+        sink = tl.load(Sinks + h * G + g, mask=r_ok, other=float("-inf")).to(tl.float32)
+        m_i, l_i, acc = add_sink(sink, m_i, l_i, acc)
     out, lse = finish(m_i, l_i, acc)  # (BLOCK_M, BLOCK_DV), (BLOCK_M,); NaN stays NaN
     dv_ok = r_ok[:, None] & (dv[None, :] < DV)
     if DIRECT:
@@ -121,9 +161,10 @@ def split_kv_attend(
 
 @triton.jit
 def merge_splits(
-    PartOut, PartLse, Out,
-    L, DV, rows, H_KV, splits,
+    PartOut, PartLse, Sinks, Out,
+    L, DV, rows, H_KV, splits, G,
     so_n, so_h, so_g, so_l,
+    HAS_SINKS: tl.constexpr,  # Sinks (H_kv * G,) float32: row r's head is h * G + r // L
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
@@ -137,10 +178,15 @@ def merge_splits(
     part = (nh.to(tl.int64) * splits + s) * rows + r  # (BLOCK_S,)
     lse = tl.load(PartLse + part, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h * G + r // L).to(tl.float32)
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp(lse - top)  # (BLOCK_S,): 0 for splits that saw nothing
     o = tl.load(PartOut + part[:, None] * DV + dv[None, :], mask=s_ok[:, None] & (dv[None, :] < DV), other=0.0)
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
     out = tl.sum(w[:, None] * o, 0)
     out = tl.where(total == 0.0, 0.0, out / total)
     o_ptr = Out + n.to(tl.int64) * so_n + h * so_h + (r // L) * so_g + (r % L) * so_l + dv
