@@ -183,6 +183,44 @@ def test_empty_shapes_are_grouped(kw):
         assert route_cuda(call(dtype=dtype, sdpa_native=True, **kw)) == "grouped"
 
 
+# window, soft-capping, sinks ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+@pytest.mark.parametrize("capability", [BLACKWELL, HOPPER, AMPERE, TURING])
+def test_variants_never_go_to_sdpa(dtype, capability):
+    """A window, soft-cap or sinks: decode to the split-KV kernel, prefill to FlexAttention, whatever flash could do
+    with the plain call; without either, the grouped matmul; sinks that need a gradient, the grouped matmul."""
+    for mask in (None, "bool"):
+        for L, S in [(1, 512), (16, 100), (17, 100), (512, 512)]:
+            c = call(L=L, S=S, dtype=dtype, capability=capability, mask=mask, is_causal=True, variant=True, flex=True)
+            decode = L <= 16
+            assert route_cuda(c) == ("triton" if decode else "flex")
+            assert route_cuda(replace(c, triton=False)) == "flex"
+            assert route_cuda(replace(c, flex=False)) == ("triton" if decode else "grouped")
+            assert route_cuda(replace(c, triton=False, flex=False, sdpa_native=True)) == "grouped"
+            assert route_cuda(replace(c, sinks_grad=True)) == "grouped"
+            assert route_cuda(replace(c, needs_grad=True)) == "flex"  # FlexAttention has a backward; the kernel not
+            assert route_cuda(replace(c, return_weights=True)) == "grouped"
+            assert route_cuda(replace(c, dropout_p=0.1)) == "grouped"
+            assert route_cuda(replace(c, variant=False)) != "flex"
+
+
+def test_flex_is_a_backend_and_supports_says_why():
+    from gqa.attention.backends import flex
+
+    assert gqa.BACKENDS["flex"] is flex.flex_attention_rows
+    q, k, v = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    assert flex.supports(q, k, v, dropout_p=0.0, return_weights=False) is None
+    assert "weights" in flex.supports(q, k, v, dropout_p=0.0, return_weights=True)
+    assert "dropout" in flex.supports(q, k, v, dropout_p=0.5, return_weights=False)
+    assert "dtype" in flex.supports(q.long(), k.long(), v.long(), dropout_p=0.0, return_weights=False)
+    sinks = torch.zeros(4, requires_grad=True)
+    assert "sinks that require grad" in flex.supports(q, k, v, dropout_p=0.0, return_weights=False, sinks=sinks)
+    with torch.no_grad():
+        assert flex.supports(q, k, v, dropout_p=0.0, return_weights=False, sinks=sinks) is None
+
+
 # the registry and the CPU policy --------------------------------------------------------------------------------
 
 
@@ -330,3 +368,18 @@ def test_cuda_glue_asks_the_kernel_about_strides(monkeypatch):
     q5, v5 = torch.randn(3, 2, 8, 1, 64), torch.randn(3, 2, 2, 128, 64)
     unmergeable = torch.randn(2, 3, 2, 128, 64).transpose(0, 1)
     assert backends._cuda_backend(q5, unmergeable, v5, check_qkv(q5, unmergeable, v5), None, **args) == "grouped"
+
+
+def test_cuda_glue_routes_variants(monkeypatch):
+    """``_cuda_backend(variant=True)``: never the flash shortcut, FlexAttention asked about the tensors."""
+    monkeypatch.setattr(backends, "device_capability", lambda device: HOPPER)
+    monkeypatch.setattr(backends, "triton_runs", lambda *args: True)
+    monkeypatch.setattr(backends, "sdpa_is_native", lambda *args, **kwargs: True)
+    args = dict(dropout_p=0.0, is_causal=True, scale=0.125, return_weights=False)
+    for L, expected in ((1, "triton"), (64, "flex")):
+        q = torch.randn(1, 8, L, 64).half()
+        k, v = torch.randn(1, 2, 64, 64).half(), torch.randn(1, 2, 64, 64).half()
+        s = check_qkv(q, k, v)
+        assert backends._cuda_backend(q, k, v, s, None, **args) == "sdpa"  # the plain call: flash
+        assert backends._cuda_backend(q, k, v, s, None, **args, variant=True) == expected
+        assert backends._cuda_backend(q, k, v, s, None, **args, variant=True, sinks_grad=True) == "grouped"

@@ -55,10 +55,21 @@ def qkv(batch=(2,), H_q=18, H_kv=6, L=3, S=7, D=5, dtype=torch.float32, seed=0):
 WINDOWS = [2, (1, 1), (0, 0), (0, None), (None, 1), 10, 0]
 
 
-@pytest.mark.parametrize("backend", ["auto", "grouped", "reference"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("batch", [(), (2,), (2, 3)])
-@pytest.mark.parametrize("is_causal", [False, True])
+FLEX_CASES = [(torch.float32, (), False), (torch.float32, (2, 3), True), (torch.bfloat16, (2,), True),
+              (torch.float16, (2,), False)]  # fmt: skip  # FlexAttention unfused on CPU: ~0.2 s a call
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype", "batch", "is_causal"),
+    [
+        (b, d, n, c)
+        for b in ("auto", "grouped", "reference")
+        for d in (torch.float32, torch.bfloat16, torch.float16)
+        for n in ((), (2,), (2, 3))
+        for c in (False, True)
+    ]
+    + [("flex", *case) for case in FLEX_CASES],
+)
 def test_every_option_and_their_combination_matches_float64(backend, dtype, batch, is_causal):
     q, k, v = qkv(batch, dtype=dtype)
     sinks = torch.randn(18, generator=torch.Generator().manual_seed(5))
@@ -192,6 +203,17 @@ def test_gradients_through_window_softcap_and_sinks(backend):
     assert torch.autograd.gradcheck(fn, (q, k, v, sinks))
 
 
+def test_flex_refuses_gradients_it_cannot_give():
+    """FlexAttention has no backward on CPU, and sinks' gradient would go through its log-sum-exp: refused by name
+    (``auto`` on CUDA sends sinks that need a gradient to the grouped matmul)."""
+    q, k, v = (t.double().requires_grad_() for t in qkv((1,), H_q=4, H_kv=2, L=3, S=5, D=3))
+    with pytest.raises(ValueError, match="backend 'flex' cannot run this call: inputs that need gradients on CPU"):
+        gqa.grouped_attention(q, k, v, window=2, backend="flex")
+    q, k, v = (t.detach() for t in (q, k, v))
+    with pytest.raises(ValueError, match="sinks that require grad"):
+        gqa.grouped_attention(q, k, v, sinks=torch.zeros(4, dtype=torch.float64, requires_grad=True), backend="flex")
+
+
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
@@ -207,7 +229,7 @@ def test_gradients_through_window_softcap_and_sinks(backend):
         (dict(sinks=torch.zeros(18, dtype=torch.long)), TypeError, "sinks must be a floating-point tensor"),
         (dict(sinks=[0.0] * 18), TypeError, "sinks must be a torch.Tensor"),
         (dict(softcap=2.0, backend="sdpa"), ValueError, "backend='sdpa' cannot apply softcap or sinks"),
-        (dict(sinks=torch.zeros(18), backend="triton"), ValueError, "backend='triton' cannot apply softcap or sinks"),
+        (dict(sinks=torch.zeros(18), backend="triton"), ValueError, "backend .triton. cannot run this call: device"),
     ],
 )
 def test_bad_options_are_refused_by_name(kwargs, error, words):

@@ -385,6 +385,26 @@ def test_sinks_take_weight_from_rows_that_see_nothing_and_from_the_rest():
     assert out.abs().max() < 1e-20
 
 
+@kernel
+def test_grouped_attention_passes_window_softcap_sinks_to_the_kernel():
+    """``grouped_attention(backend="triton")`` with every option: the float64 oracle; the window reaches the kernel as
+    a window (the keys before it are trimmed on the host, then only the window's are read)."""
+    q, k, v = qkv((2,), 18, 6, 3, 500, 40, seed=15)
+    sinks = torch.randn(18, generator=torch.Generator().manual_seed(15)) + 4
+    mask = torch.rand(2, 1, 1, 500, generator=torch.Generator().manual_seed(16)) > 0.2
+    out = gqa.grouped_attention(q, k, v, mask, is_causal=True, window=(64, None), softcap=3.0, sinks=sinks,
+                                backend="triton")  # fmt: skip
+    assert gqa.last_backend() == "triton"
+    ref = reference(q, k, v, mask=mask, is_causal=True, window=(64, None), softcap=3.0, sinks=sinks)
+    check(out, ref, torch.float32)
+    grad_sinks = sinks.clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="sinks that require grad"):
+        gqa.grouped_attention(q, k, v, sinks=grad_sinks, backend="triton")
+    with torch.no_grad():
+        out = gqa.grouped_attention(q, k, v, sinks=grad_sinks, backend="triton")
+    check(out, reference(q, k, v, sinks=sinks), torch.float32)
+
+
 def test_variant_arguments_are_checked():
     q, k, v = qkv((1,), 4, 2, 1, 32, 16)
     with pytest.raises(ValueError, match="window"):

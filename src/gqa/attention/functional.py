@@ -75,12 +75,13 @@ def grouped_attention(
         the weights of the real keys then sum to less than 1. Gradients flow to it.
     return_weights : bool
         Also return the attention weights ``(*B, H_q, L, S)`` (after dropout, if any).
-    backend : {"auto", "reference", "grouped", "sdpa", "fused", "triton"}
+    backend : {"auto", "reference", "grouped", "sdpa", "fused", "triton", "flex"}
         ``auto`` picks per shape, device and dtype (``last_backend()`` says which ran); ``fused`` is the native CPU
-        decode kernel (``gqa.kernels``), ``triton`` the GPU split-KV decode kernel (``gqa.kernels.triton.split_kv``).
-        A window is a mask to every backend (and the keys no window reaches are not read); ``softcap`` and ``sinks``
-        run on ``reference``, ``grouped`` and ``fused`` (``auto`` picks ``fused`` where it would for the plain call,
-        else ``grouped``), and any other backend refuses them.
+        decode kernel (``gqa.kernels``), ``triton`` the GPU split-KV decode kernel (``gqa.kernels.triton.split_kv``),
+        ``flex`` torch's FlexAttention (compiled on CUDA). The keys no query's window reaches are never read;
+        ``triton`` and ``flex`` take the window itself, the others as a mask. ``softcap`` and ``sinks`` run on every
+        backend but ``sdpa``; on CUDA ``auto`` sends such calls to ``triton`` (decode) or ``flex`` (prefill), on CPU
+        to ``fused`` where it would run the plain call, else to ``grouped``.
 
     Returns
     -------
@@ -135,7 +136,9 @@ def _check_call(query, key, value, attn_mask, dropout_p, is_causal, scale, backe
     return shape
 
 
-SCORE_MOD_BACKENDS = ("grouped", "reference", "fused")  # the backends that take softcap and sinks
+SCORE_MOD_BACKENDS = ("grouped", "reference", "fused", "triton", "flex")  # the backends that take softcap and sinks
+KERNEL_BACKENDS = ("fused", "triton", "flex")  # sinks without gradients
+WINDOW_BACKENDS = ("triton", "flex")  # take the window itself, not as a mask
 
 
 def _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, window, softcap, sinks,
@@ -147,10 +150,13 @@ def _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale
     sides = check_window(window)
     softcap = check_softcap(softcap)
     check_sinks(sinks, shape, query)
+    user_mask = attn_mask
     if sides is not None:
         if not return_weights:  # the keys no query's window reaches are not read at all
             key, value, attn_mask, shape = _within_window(key, value, attn_mask, shape, sides[0])
+            user_mask = attn_mask
         if _hides_nothing(sides, shape):  # e.g. a decoded token over its trimmed window: a plain call
+            sides = None
             if softcap is None and sinks is None:
                 return grouped_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                          return_weights=return_weights, backend=backend)  # fmt: skip
@@ -165,18 +171,25 @@ def _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale
     )
     modified = softcap is not None or sinks is not None
     if backend == "auto":
-        backend = choose_backend(query, key, value, return_weights=return_weights, **kwargs)
-        if modified and not (backend == "fused" and (sinks is None or not sinks.requires_grad)):
-            backend = "grouped"  # where the plain call would not run the native kernel (which takes both)
+        backend = choose_backend(query, key, value, return_weights=return_weights, variant=True,
+                                 sinks_grad=_sinks_need_grad(sinks), **kwargs)  # fmt: skip
+        if modified and not (backend in KERNEL_BACKENDS and not _sinks_need_grad(sinks)):
+            backend = "grouped"  # where the plain call would not run a kernel (which takes both)
     elif modified and backend not in SCORE_MOD_BACKENDS:
         raise ValueError(
             f"backend={backend!r} cannot apply softcap or sinks; use 'auto' or one of {SCORE_MOD_BACKENDS}"
         )
     extra = dict(softcap=softcap, sinks=sinks) if modified else {}
+    if backend in WINDOW_BACKENDS and sides is not None:  # the window itself, not its mask
+        kwargs["attn_mask"], extra["window"] = user_mask, sides
     out, weights = BACKENDS[backend](query, key, value, return_weights=return_weights, **kwargs, **extra)
     if not torch.compiler.is_compiling():
         _last[0] = backend
     return (out, weights) if return_weights else out
+
+
+def _sinks_need_grad(sinks: torch.Tensor | None) -> bool:
+    return sinks is not None and sinks.requires_grad and torch.is_grad_enabled()
 
 
 def _within_window(key, value, attn_mask, shape: AttnShape, left: int | None):

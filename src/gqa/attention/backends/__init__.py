@@ -15,7 +15,7 @@ import torch
 from ... import kernels
 from ...kernels.triton import split_kv
 from ..checks import AttnShape
-from . import fused
+from . import flex, fused
 from .cuda_routing import CudaCall, device_capability, flash_supports, route_cuda
 from .grouped import grouped_attention_rows
 from .reference import reference_attention
@@ -28,6 +28,7 @@ BACKENDS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor | None]]] = {
     "sdpa": sdpa_attention,
     "fused": fused.fused_attention,
     "triton": triton_attention,
+    "flex": flex.flex_attention_rows,
 }
 
 # Backends whose own checks the first call of a signature has already passed (``attention.routes``): the unchecked
@@ -90,18 +91,21 @@ def choose_backend(
     is_causal: bool,
     scale: float,
     return_weights: bool,
+    variant: bool = False,
+    sinks_grad: bool = False,
 ) -> str:
-    """The ``auto`` policy. On CUDA: ``gqa.attention.backends.cuda_routing.route_cuda``. On CPU: the native fused
-    kernel for decode
-    (where built); the grouped matmul for other decode-like shapes, weights or dropout; SDPA where it is natively
-    grouped (prefill); else the grouped matmul."""
+    """The ``auto`` policy. On CUDA: ``gqa.attention.backends.cuda_routing.route_cuda`` (``variant``: the call has a
+    window, soft-capping or sinks, ``sinks_grad``: sinks that need a gradient). On CPU: the native fused kernel for
+    decode (where built); the grouped matmul for other decode-like shapes, weights or dropout; SDPA where it is
+    natively grouped (prefill); else the grouped matmul."""
     rows = shape.G * shape.L  # query rows per KV head
     if query.numel() == 0 or key.numel() == 0:
         return "grouped"  # empty in or out: plain tensor ops give the empty or all-zero result
     if shape.broadcast:
         return "grouped"  # batch dims that broadcast: the matmuls broadcast them as views; the kernels want one N
     if query.device.type == "cuda":
-        return _cuda_backend(query, key, value, shape, attn_mask, dropout_p, is_causal, scale, return_weights)
+        return _cuda_backend(query, key, value, shape, attn_mask, dropout_p, is_causal, scale, return_weights,
+                             variant, sinks_grad)  # fmt: skip
     if (
         rows <= FUSED_ROWS
         and fused_is_fast(query.dtype)
@@ -128,10 +132,12 @@ def triton_runs(query, key, value, dropout_p: float, return_weights: bool) -> bo
     return split_kv.supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights) is None
 
 
-def _cuda_backend(query, key, value, shape, attn_mask, dropout_p, is_causal, scale, return_weights) -> str:
+def _cuda_backend(query, key, value, shape, attn_mask, dropout_p, is_causal, scale, return_weights, variant=False,
+                  sinks_grad=False) -> str:  # fmt: skip
     capability = device_capability(query.device)
     if (  # route_cuda's first rule, checked before building its argument (host time matters on a GPU)
-        attn_mask is None
+        not variant
+        and attn_mask is None
         and not return_weights
         and dropout_p == 0.0
         and flash_supports(capability, query.dtype, shape.D, shape.D_v)
@@ -148,8 +154,11 @@ def _cuda_backend(query, key, value, shape, attn_mask, dropout_p, is_causal, sca
         return_weights=return_weights,
         needs_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)),
         triton=triton_runs(query, key, value, dropout_p, return_weights),
+        variant=variant,
+        sinks_grad=sinks_grad,
+        flex=variant and flex.supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights) is None,
     )
-    if route_cuda(call) == "grouped" and not (return_weights or dropout_p > 0.0):  # would torch run it natively?
+    if not variant and route_cuda(call) == "grouped" and not (return_weights or dropout_p > 0.0):  # torch natively?
         native = sdpa_is_native(query, key, value, shape=shape, attn_mask=attn_mask, dropout_p=dropout_p,
                                 is_causal=is_causal, scale=scale)  # fmt: skip
         call = replace(call, sdpa_native=native)

@@ -13,6 +13,10 @@
   cache bounds from device memory;
 * **prefill with a mask** (or on a GPU the rule above does not know): SDPA only where torch's dispatcher says a
   fused kernel takes it natively (cuDNN on Hopper), which the caller asks and passes in as ``sdpa_native``;
+* a **window, soft-capping or sinks** (which SDPA cannot take exactly): the split-KV kernel for decode, which takes
+  all three itself and reads only a window's keys; FlexAttention (compiled: block-sparse over the window, the
+  soft-cap a ``score_mod``, sinks from its log-sum-exp) for prefill and for gradients; sinks that need a gradient go to
+  the grouped matmul;
 * everything else (weights, dropout, gradients through decode, float32 prefill): the grouped matmul — one product per
   KV head, the group folded into rows — which never copies K/V. Never SDPA's math path, which copies K/V per query
   head and materializes the scores.
@@ -45,6 +49,9 @@ class CudaCall:
     needs_grad: bool = False
     triton: bool = True  # triton installed
     sdpa_native: bool = False  # torch's dispatcher picks a fused (natively grouped) kernel for this call
+    variant: bool = False  # a window, soft-capping or sinks
+    sinks_grad: bool = False  # sinks that need a gradient
+    flex: bool = False  # FlexAttention takes these tensors (``backends.flex.supports``)
 
 
 def flash_supports(capability: tuple[int, int], dtype: torch.dtype, D: int, D_v: int) -> bool:
@@ -81,6 +88,12 @@ def route_cuda(call: CudaCall) -> str:
         return "grouped"  # empty in or out: plain tensor ops give the empty or all-zero result
     if call.return_weights or call.dropout_p > 0.0:
         return "grouped"
+    if call.variant:
+        if call.sinks_grad:
+            return "grouped"
+        if triton_takes(call):
+            return "triton"
+        return "flex" if call.flex else "grouped"
     if flash_takes(call):
         return "sdpa"
     if triton_takes(call):

@@ -1,13 +1,13 @@
 """The ``triton`` backend: the split-KV grouped decode kernel of ``gqa.kernels.triton.split_kv`` (CUDA; CPU tensors
-under
-``TRITON_INTERPRET=1``). Decode-shaped calls only (``L <= 16``), inference only; ``supports`` says why it refuses."""
+under ``TRITON_INTERPRET=1``). Decode-shaped calls only (``L <= 16``), inference only; ``supports`` says why it
+refuses. It takes a sliding window itself (reading only the window's keys), soft-capping and sinks."""
 
 from __future__ import annotations
 
 import torch
 
 from ...kernels.triton.split_kv import launch, supports
-from ..checks import AttnShape
+from ..checks import AttnShape, Window
 
 
 def triton_attention(
@@ -21,11 +21,18 @@ def triton_attention(
     is_causal: bool,
     scale: float,
     return_weights: bool,
+    window: Window | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
     reason = supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
+    if reason is None and sinks is not None and sinks.requires_grad and torch.is_grad_enabled():
+        reason = "sinks that require grad (inference only)"
     if reason is not None:
         raise ValueError(f"backend 'triton' cannot run this call: {reason}")
-    return triton_run(query, key, value, shape=shape, attn_mask=attn_mask, is_causal=is_causal, scale=scale), None
+    out = launch(query, key, value, shape, scale, is_causal, attn_mask, None, None, None, window=window,
+                 softcap=softcap, sinks=sinks)  # fmt: skip
+    return out, None
 
 
 def triton_run(
