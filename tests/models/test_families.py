@@ -12,47 +12,15 @@ import pytest
 import torch
 
 import gqa
+from tests.helpers.families import FAMILIES, family_model
 from tests.helpers.serving import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
 
-FAMILIES = ["qwen3", "mistral", "gemma2", "gemma3_text", "smollm3"]
-GEMMA = dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=12)  # a scale other than head_dim's
-
-
-def _family(arch: str, path, context: int = 128, **extra):
-    """A random transformers model of ``arch`` saved in ``path``; ``extra`` overrides its config's keys."""
-    torch.manual_seed(0)
-    kw = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
-              num_key_value_heads=2, max_position_embeddings=context, rms_norm_eps=1e-6, bos_token_id=1,
-              eos_token_id=2, tie_word_embeddings=False, attn_implementation="eager")  # fmt: skip
-    if arch == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw | dict(head_dim=16) | extra))
-    elif arch == "mistral":
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**kw | dict(sliding_window=5) | extra))
-    elif arch == "gemma2":  # soft-caps low enough to bend these scores; sliding and global layers alternate
-        kw |= dict(num_hidden_layers=4, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
-        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**kw | GEMMA | extra))
-    elif arch == "smollm3":  # layers 1 and 3 without RoPE (NoPE)
-        kw |= dict(num_hidden_layers=4, no_rope_layer_interval=2, pad_token_id=0)
-        model = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**kw | extra))
-    else:  # two sliding layers, then a global one whose RoPE is scaled
-        kw |= dict(num_hidden_layers=3, sliding_window_pattern=3, rope_scaling={"rope_type": "linear", "factor": 2.0})
-        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**kw | GEMMA | extra))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.3)
-            else:  # Gemma's norms scale by 1 + weight
-                p.uniform_(-0.5, 0.5) if arch.startswith("gemma") else p.uniform_(0.5, 1.5)
-    model.eval().save_pretrained(path, safe_serialization=True)
-    return model
-
-
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_logits_match_transformers_past_the_window(tmp_path, arch):
-    ref = _family(arch, tmp_path)
+    ref = family_model(arch, tmp_path)
     model = gqa.load_model(tmp_path, tokenizer=False)
     assert model.config.arch == arch
     cfg = model.config
@@ -70,7 +38,7 @@ def test_logits_match_transformers_past_the_window(tmp_path, arch):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_greedy_generation_equals_transformers_well_past_the_window(tmp_path, arch):
-    ref = _family(arch, tmp_path)
+    ref = family_model(arch, tmp_path)
     model = gqa.load_model(tmp_path, tokenizer=False)
     prompt = [5, 9, 17, 33, 2, 8, 40]
     ours = model.generate(prompt, max_new_tokens=24, eos_token_ids=[])
@@ -80,7 +48,7 @@ def test_greedy_generation_equals_transformers_well_past_the_window(tmp_path, ar
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_the_config_written_back_loads_in_transformers(tmp_path, arch):
-    _family(arch, tmp_path / "src")
+    family_model(arch, tmp_path / "src")
     model = gqa.load_model(tmp_path / "src", tokenizer=False)
     cfg = model.config.to_hf()
     (tmp_path / "out").mkdir()
@@ -103,7 +71,7 @@ def test_converting_to_more_kv_heads_keeps_the_qk_norm_and_the_window_exact(tmp_
     the original's: the q/k norms and the window survive the conversion."""
     from gqa.cli import main as cli
 
-    ref = _family(arch, tmp_path / "src")
+    ref = family_model(arch, tmp_path / "src")
     assert cli(["convert", str(tmp_path / "src"), str(tmp_path / "mha"), "--kv-heads", "6", "--no-conversations"]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mha", attn_implementation="eager").eval()
     assert hf.config.num_key_value_heads == 6 and hf.config.model_type == arch
@@ -124,7 +92,7 @@ def test_merging_kv_heads_with_the_refit_keeps_each_familys_attention(tmp_path, 
     from gqa.loaders import read_model
     from gqa.loaders.lazy import open_lazy
 
-    ref = _family(arch, tmp_path / "src")
+    ref = family_model(arch, tmp_path / "src")
     g = torch.Generator().manual_seed(3)
     calibration = torch.randint(3, 96, (1500,), generator=g).tolist()
     held_out = torch.randint(3, 96, (4, 24), generator=g)
@@ -163,7 +131,7 @@ def test_the_native_step_decodes_the_family_as_transformers_does(tmp_path, arch,
 
     if not kernels.vectorized():
         pytest.skip("the native step needs the SIMD kernels")
-    ref = _family(arch, tmp_path)
+    ref = family_model(arch, tmp_path)
     model = gqa.load_model(tmp_path, tokenizer=False)
     assert native_step.whole_model(model)
     calls = []
@@ -190,7 +158,7 @@ def test_the_native_step_decodes_the_family_as_transformers_does(tmp_path, arch,
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
 def test_gemma_in_bf16_stays_as_close_to_float32_as_transformers_does(tmp_path, arch):
     """bf16 logits are as close to transformers' float32 ones as transformers' own bf16 logits are."""
-    ref = _family(arch, tmp_path)
+    ref = family_model(arch, tmp_path)
     ids = torch.randint(3, 96, (2, 17), generator=torch.Generator().manual_seed(1))
     bf16 = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -209,7 +177,7 @@ def test_window_caches_hold_the_window_and_decode_as_transformers_does(tmp_path,
     from gqa.decoding import native_step
     from gqa.decoding.steps import select_step
 
-    ref = _family(arch, tmp_path, context=512)
+    ref = family_model(arch, tmp_path, context=512)
     model = gqa.load_model(tmp_path, tokenizer=False)
     prompt, new = [5, 9, 17, 33, 2, 8, 40], 300
     caches = model.new_caches(1, len(prompt) + new)
@@ -230,7 +198,7 @@ def test_info_reports_the_window_caches_memory(tmp_path, capsys):
     2 x (5 + 256) + 4096 token slots of the full 3 x 4096."""
     from gqa.cli import main as cli
 
-    _family("gemma3_text", tmp_path, context=4096)
+    family_model("gemma3_text", tmp_path, context=4096)
     assert cli(["info", "--model", str(tmp_path), "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out
     per_slot = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head dim 16, fp32
@@ -261,7 +229,7 @@ def test_a_gguf_file_as_llama_cpp_writes_it_loads_as_transformers_runs_it(tmp_pa
 
     from tests.helpers.llamacpp_gguf import write_family_gguf
 
-    ref = _family(arch, tmp_path / "hf", **GGUF_LAYOUTS[arch])
+    ref = family_model(arch, tmp_path / "hf", **GGUF_LAYOUTS[arch])
     path = write_family_gguf(tmp_path / f"{arch}.gguf", ref)
     model = gqa.load_model(path, tokenizer=False)
     want = gqa.models.ModelConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
@@ -310,7 +278,7 @@ def test_the_serving_engine_serves_the_family_as_transformers_decodes_it(tmp_pat
 
     if not kernels.vectorized():
         pytest.skip("the engine needs the SIMD kernels")
-    ref = _family(arch, tmp_path)
+    ref = family_model(arch, tmp_path)
     model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     prompts = [[5, 9, 17, 33, 2, 8, 40, 41, 7], [11], [7] * 20 + [12, 13], list(range(20, 50))]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -332,7 +300,7 @@ def test_serving_a_sliding_window_model_gives_blocks_behind_the_window_back(tmp_
 
     if not kernels.vectorized():
         pytest.skip("the engine needs the SIMD kernels")
-    ref = _family("mistral", tmp_path)
+    ref = family_model("mistral", tmp_path)
     engine = Engine(gqa.load_model(tmp_path, tokenizer=False), kv_cache_mib=1, block_size=4, prefill_chunk=8)
     total = engine.blocks.num_free
     prompt = list(range(10, 50))

@@ -17,6 +17,7 @@ import gqa
 from gqa.kernels.triton.paged import CHUNK, paged_attention
 from gqa.serve.engine import Engine
 from gqa.serve.sampling import SamplingParams
+from tests.helpers.families import FAMILIES, family_model
 from tests.helpers.interpreter import interpreting, run_interpreted
 from tests.helpers.serving import hf_greedy, serve_all, tiny_qwen2
 
@@ -182,6 +183,27 @@ def test_engine_on_the_triton_runner_equals_hf_and_each_request_alone(tiny):
     for prompt, tokens in zip(prompts, together, strict=True):
         assert tokens == hf_greedy(ref, prompt, 6)
         assert serve_all(_engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=16), [prompt], params) == [tokens]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_the_triton_runner_serves_every_family_past_its_window(tmp_path, arch):
+    """Qwen3, Mistral (every layer slides: blocks behind the window go back to the pool as it moves), Gemma 2,
+    Gemma 3, SmolLM3: greedy answers equal transformers' for 10 tokens past 5-key windows (Mistral's alone too)."""
+    ref = family_model(arch, tmp_path)
+    model = gqa.load_model(tmp_path, dtype=torch.float32, tokenizer=False)
+    prompts = [[5, 9, 17, 33, 2, 8, 40, 41, 7], [11, 12], list(range(20, 40))]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    engine = _engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=8)
+    assert engine.runner.window == (4 if arch == "mistral" else None)
+    free = engine.blocks.num_free
+    together = serve_all(engine, prompts, params)
+    assert engine.blocks.num_free == free
+    for prompt, tokens in zip(prompts, together, strict=True):
+        assert tokens == hf_greedy(ref, prompt, 10)
+    if arch == "mistral":
+        alone = _engine(model, kv_cache_mib=1, block_size=4, prefill_chunk=8)
+        assert serve_all(alone, [prompts[2]], params) == [together[2]]
 
 
 @needs_interpreter

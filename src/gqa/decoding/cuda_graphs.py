@@ -8,8 +8,9 @@ device memory, and RoPE looks its angles up from a table sized for the cache. Su
 replayed: ``GraphedDecoder`` runs the first step eagerly (which also compiles the Triton kernels), captures the
 second and replays the graph from then on. ``gqa.decoding.generate`` uses it for every model on CUDA.
 
-What it captures is ``fused_step.fused_step`` (one GEMM for q/k/v and one for gate/up) where the model's projections
-are plain float linears, else ``static_step``; with ``compile=True`` (``generate(compile=True)``, ``gqa generate
+What it captures is ``fused_step.fused_step`` (one GEMM for q/k/v and one for gate/up; every family: windows,
+soft-caps, sinks, q/k norms, Gemma's layers) where the model's projections are plain float linears, else
+``static_step`` (plain Llama layers); with ``compile=True`` (``generate(compile=True)``, ``gqa generate
 --compile``) the fused step is compiled by Inductor first, which fuses the norms, RoPE, the cache writes and the
 residual adds into a few kernels per layer, and the compiled step is what the graph holds.
 """
@@ -23,21 +24,24 @@ import torch
 from ..cache.kv import StaticKVCache
 from ..kernels.triton.split_kv import split_kv_attention
 from ..models.linear import linears
-from .fused_step import fused_applies, fused_step, step_weights
+from .fused_step import fused_applies, fused_step, step_ropes, step_weights
 
 
-def graphs_apply(model: torch.nn.Module, caches: list) -> str | None:
-    """``None`` if ``GraphedDecoder`` can decode ``model`` over ``caches``, else why not."""
+def graphs_apply(model: torch.nn.Module, caches: list | None) -> str | None:
+    """``None`` if ``GraphedDecoder`` can decode ``model`` over ``caches`` (None: over static caches, not yet made),
+    else why not."""
     if model.device.type != "cuda":
         return f"device {model.device.type} (CUDA only)"
     if getattr(model, "shard", None) is not None:
         return "tensor parallelism"
-    if not all(isinstance(c, StaticKVCache) for c in caches):
+    if caches is not None and not all(isinstance(c, StaticKVCache) for c in caches):
         return "caches that are not StaticKVCache"
     if model.training:
         return "training mode"
-    if not all(layer.self_attn.plain for layer in model.model.layers):
-        return "attention with a window, soft-capping, sinks or q/k norm"
+    if fused_applies(model) is None:  # the fused step takes every family
+        return None
+    if not (model.runs_llama_layers() and all(layer.self_attn.plain for layer in model.model.layers)):
+        return f"{fused_applies(model)}, in a model whose layers are not plain Llama layers (static_step's)"
     return None
 
 
@@ -83,9 +87,9 @@ class GraphedDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.steps = 0
-        rope = model.model.rope
-        if rope.cos_cached.shape[0] < caches[0].capacity:  # every position the caches can reach, before capture
-            rope.cos_sin(torch.tensor([caches[0].capacity - 1], device=model.device))
+        for rope in step_ropes(model):  # every position the caches can reach, in every table, before capture
+            if rope.cos_cached.shape[0] < caches[0].capacity:
+                rope.cos_sin(torch.tensor([caches[0].capacity - 1], device=model.device))
 
     def __call__(self, tokens: torch.Tensor, caches: list[StaticKVCache]) -> torch.Tensor:
         if caches is not self.caches:

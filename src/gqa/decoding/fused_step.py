@@ -9,6 +9,11 @@ each); ``fused_step`` is the step over them, which never reads a value back to t
 and captured in a CUDA graph (``cuda_graphs.GraphedDecoder``). The split-KV attention kernel is an opaque custom op
 to the compiler (``kernels.triton.split_kv.decode_op``).
 
+Every family gqa loads runs through it: a layer's q/k norms (Qwen3, Gemma 3), no RoPE (SmolLM3's NoPE layers), its own
+RoPE table (Gemma 3's sliding layers), a sliding window (the kernel reads only the window's keys of the static cache),
+attention soft-capping and sinks (in the kernel), Gemma's sandwich norms, GELU gate and scaled embeddings, and the
+final soft-cap — each layer's options are read from its modules once, into ``LayerWeights``.
+
 The concatenated matrices are copies (the model's own weights stay as they are, so saving or training the model
 is unaffected): extra device memory of the q/k/v and gate/up weights, ~85% of a Llama-shaped model's. They are
 rebuilt when any weight changed since (``StepWeights.current``: a new storage, or an in-place change outside
@@ -25,28 +30,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention.rope import RoPE
 from ..cache.kv import StaticKVCache
 from ..kernels.triton.split_kv import decode_op
+from ..models.layers import ACTIVATIONS
+
+Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer's weights, q/k/v as one ``(H_q*D + 2*H_kv*D, E)`` matrix, gate/up as one ``(2F, E)``."""
+    """One decoder layer as the step runs it: q/k/v as one ``(H_q*D + 2*H_kv*D, E)`` matrix, gate/up as one
+    ``(2F, E)``, the layer's norms (its own modules) and its attention's options."""
 
-    norm1: torch.Tensor  # (E,)
+    norm1: Norm  # before attention
     qkv: torch.Tensor  # (H_q*D + 2*H_kv*D, E)
     qkv_bias: torch.Tensor | None  # (H_q*D + 2*H_kv*D,)
     o: torch.Tensor  # (E, H_q*D)
     o_bias: torch.Tensor | None  # (E,)
-    norm2: torch.Tensor  # (E,)
+    norm2: Norm  # before the MLP
     gate_up: torch.Tensor  # (2F, E)
     down: torch.Tensor  # (E, F)
+    act: Callable[[torch.Tensor], torch.Tensor]  # the gate's activation
+    post_attn_norm: Norm | None = None  # Gemma's sandwich: on the attention's and the MLP's outputs
+    post_mlp_norm: Norm | None = None
+    q_norm: Norm | None = None  # per head, before RoPE (Qwen3, Gemma 3)
+    k_norm: Norm | None = None
+    rope: RoPE | None = None  # None: a layer without RoPE
+    window: int | None = None  # keys to the left a token sees (a sliding window)
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # (H_q,)
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)
 class StepWeights:
     layers: tuple[LayerWeights, ...]
-    eps: float
     H_q: int
     H_kv: int
     D: int
@@ -62,13 +81,12 @@ def _versions(model: nn.Module) -> tuple[int, ...]:
 
 
 def fused_applies(model: nn.Module) -> str | None:
-    """``None`` if ``StepWeights`` can be built for ``model``, else why not (quantized or hooked projections)."""
-    if not model.runs_llama_layers():
-        return f"{model.config.arch}'s own layers (the eager forward takes them)"
+    """``None`` if ``StepWeights`` can be built for ``model``, else why not (quantized or hooked projections, a window
+    with a right side)."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not attn.plain:
-            return "attention with a window, soft-capping, sinks or q/k norm (the eager forward takes it)"
+        if attn.window is not None and (attn.window[0] is None or attn.window[1] is not None):
+            return f"a window {attn.window} with an unbounded left or a bounded right side"
         projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         for proj in projections:
             if not isinstance(proj, nn.Linear) or proj._forward_hooks or proj._forward_pre_hooks:
@@ -85,6 +103,32 @@ def _cat_bias(projections: tuple[nn.Linear, ...]) -> torch.Tensor | None:
     return torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections])
 
 
+def _layer_weights(layer: nn.Module) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma's layer (models.gemma)
+    return LayerWeights(
+        norm1=layer.input_layernorm,
+        qkv=torch.cat([p.weight for p in qkv]),
+        qkv_bias=_cat_bias(qkv),
+        o=attn.o_proj.weight,
+        o_bias=attn.o_proj.bias,
+        norm2=layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
+        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        down=mlp.down_proj.weight,
+        act=ACTIVATIONS[mlp.act],
+        post_attn_norm=layer.post_attention_layernorm if sandwich else None,
+        post_mlp_norm=layer.post_feedforward_layernorm if sandwich else None,
+        q_norm=attn.q_norm,
+        k_norm=attn.k_norm,
+        rope=attn.rope,
+        window=None if attn.window is None else attn.window[0],
+        softcap=attn.softcap,
+        sinks=None if attn.sinks is None else attn.sinks.detach(),
+        scale=attn.head_dim**-0.5 if attn.scale is None else attn.scale,
+    )
+
+
 @torch.no_grad()
 def step_weights(model: nn.Module) -> StepWeights:
     """The fused weights of ``model`` (module docstring), made once and kept while the model lives and its weights
@@ -95,81 +139,77 @@ def step_weights(model: nn.Module) -> StepWeights:
     reason = fused_applies(model)
     if reason is not None:
         raise ValueError(f"the fused decode step does not apply: {reason}")
-    layers = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
-        layers.append(
-            LayerWeights(
-                norm1=layer.input_layernorm.weight,
-                qkv=torch.cat([p.weight for p in qkv]),
-                qkv_bias=_cat_bias(qkv),
-                o=attn.o_proj.weight,
-                o_bias=attn.o_proj.bias,
-                norm2=layer.post_attention_layernorm.weight,
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                down=mlp.down_proj.weight,
-            )
-        )
     first = model.model.layers[0].self_attn
-    weights = StepWeights(tuple(layers), model.model.norm.eps, first.num_heads, first.num_kv_heads, first.head_dim,
-                          _versions(model))  # fmt: skip
+    weights = StepWeights(tuple(_layer_weights(layer) for layer in model.model.layers), first.num_heads,
+                          first.num_kv_heads, first.head_dim, _versions(model))  # fmt: skip
     _weights[model] = weights
     return weights
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``models.llama.RMSNorm``'s arithmetic: in float32, cast back, then scaled."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+def step_ropes(model: nn.Module) -> list[RoPE]:
+    """The distinct RoPE tables the layers rotate by (one; two for Gemma 3; none for a model without RoPE)."""
+    ropes: dict[int, RoPE] = {}
+    for layer in model.model.layers:
+        if layer.self_attn.rope is not None:
+            ropes.setdefault(id(layer.self_attn.rope), layer.self_attn.rope)
+    return list(ropes.values())
 
 
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Attend = Callable[[int, LayerWeights, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Rotation = Callable[[RoPE], tuple[torch.Tensor, torch.Tensor]]
 
 
-def fused_layers(
-    model: nn.Module, w: StepWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
-) -> torch.Tensor:
-    """Every decoder layer over ``x (B, 1, E)``, one token per row, RoPE at ``cos, sin (B, 1, rotary_dim)``;
-    ``attend(layer, q (B, H_q, 1, D), k, v (B, H_kv, 1, D)) -> (B, H_q, 1, D)`` stores the new K/V and attends
-    (a static cache here, the paged pool in ``serve.triton_runner``). -> the last hidden states ``(B, 1, E)``."""
-    rope = model.model.rope
+def fused_layers(model: nn.Module, w: StepWeights, x: torch.Tensor, rotation: Rotation, attend: Attend) -> torch.Tensor:
+    """Every decoder layer over ``x (B, 1, E)``, one token per row; ``rotation(rope) -> (cos, sin)``
+    ``(B, 1, rotary_dim)`` each at the rows' positions (asked once per table); ``attend(layer, lw, q (B, H_q, 1, D),
+    k, v (B, H_kv, 1, D)) -> (B, H_q, 1, D)`` stores the new K/V and attends with the layer's options ``lw`` (a
+    static cache here, the paged pool in ``serve.triton_runner``). -> the last hidden states ``(B, 1, E)``."""
     H_q, H_kv, D = w.H_q, w.H_kv, w.D
+    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for i, lw in enumerate(w.layers):
-        h = _rms_norm(x, lw.norm1, w.eps)
+        h = lw.norm1(x)
         q, k, v = F.linear(h, lw.qkv, lw.qkv_bias).split([H_q * D, H_kv * D, H_kv * D], dim=-1)  # (B, 1, n*D)
-        q = rope.rotate(q.unflatten(-1, (H_q, D)).transpose(1, 2), cos, sin)  # (B, H_q, 1, D)
-        k = rope.rotate(k.unflatten(-1, (H_kv, D)).transpose(1, 2), cos, sin)  # (B, H_kv, 1, D)
+        q = q.unflatten(-1, (H_q, D)).transpose(1, 2)  # (B, H_q, 1, D)
+        k = k.unflatten(-1, (H_kv, D)).transpose(1, 2)  # (B, H_kv, 1, D)
         v = v.unflatten(-1, (H_kv, D)).transpose(1, 2)  # (B, H_kv, 1, D)
-        a = attend(i, q, k, v)  # (B, H_q, 1, D)
-        x = x + F.linear(a.transpose(1, 2).flatten(-2), lw.o, lw.o_bias)
-        gate, up = F.linear(_rms_norm(x, lw.norm2, w.eps), lw.gate_up).chunk(2, dim=-1)  # (B, 1, F) each
-        x = x + F.linear(F.silu(gate) * up, lw.down)
+        if lw.q_norm is not None:
+            q, k = lw.q_norm(q), lw.k_norm(k)
+        if lw.rope is not None:
+            cos, sin = tables.get(id(lw.rope)) or tables.setdefault(id(lw.rope), rotation(lw.rope))
+            q, k = lw.rope.rotate(q, cos, sin), lw.rope.rotate(k, cos, sin)
+        a = F.linear(attend(i, lw, q, k, v).transpose(1, 2).flatten(-2), lw.o, lw.o_bias)  # (B, 1, E)
+        x = x + (a if lw.post_attn_norm is None else lw.post_attn_norm(a))
+        gate, up = F.linear(lw.norm2(x), lw.gate_up).chunk(2, dim=-1)  # (B, 1, F) each
+        m = F.linear(lw.act(gate) * up, lw.down)
+        x = x + (m if lw.post_mlp_norm is None else lw.post_mlp_norm(m))
     return x
 
 
 def logits_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The final norm and the LM head: ``(..., E)`` -> ``(..., vocab)``."""
-    norm = model.model.norm
-    return model.lm_head(_rms_norm(x, norm.weight, norm.eps))
+    """The final norm, the LM head and the final soft-cap (Gemma 2): ``(..., E)`` -> ``(..., vocab)``."""
+    logits = model.lm_head(model.model.norm(x))
+    cap = model.config.final_softcap
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def fused_step(model: nn.Module, w: StepWeights, tokens: torch.Tensor, caches: list[StaticKVCache]) -> torch.Tensor:
     """Logits ``(B, 1, vocab)`` of ``tokens (B, 1)``, each layer's K/V appended at its cache's cursor: the eager
-    model's decode step (``models.llama``) with fused projections, no host synchronisation and fixed shapes."""
-    rope = model.model.rope
+    model's decode step (``models.llama``) with fused projections, no host synchronisation and fixed shapes. The RoPE
+    tables must already hold every position the caches reach (``GraphedDecoder`` grows them)."""
     first = caches[0]
     positions = (first.cursor - first.start).clamp_min(0)[:, None]  # (B, 1): RoPE positions, padding excluded
-    cos, sin = rope.cos_cached[positions], rope.sin_cached[positions]  # (B, 1, rotary_dim) each
-    scale = w.D**-0.5
 
-    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def rotation(rope: RoPE) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope.cos_cached[positions], rope.sin_cached[positions]  # (B, 1, rotary_dim) each
+
+    def attend(i: int, lw: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = caches[i]
         slot = cache.cursor.view(1)
         cache.key.index_copy_(2, slot, k)
         cache.value.index_copy_(2, slot, v)
         cache.cursor.add_(1)
-        return decode_op(q, cache.key, cache.value, cache.start, cache.cursor, scale)  # (B, H_q, 1, D)
+        return decode_op(q, cache.key, cache.value, cache.start, cache.cursor, lw.scale,
+                         -1 if lw.window is None else lw.window, lw.softcap or 0.0, lw.sinks)  # fmt: skip
 
-    x = fused_layers(model, w, model.model.embed_tokens(tokens), cos, sin, attend)  # (B, 1, E)
+    x = fused_layers(model, w, model.model.embed(tokens), rotation, attend)  # (B, 1, E)
     return logits_of(model, x)  # (B, 1, vocab)

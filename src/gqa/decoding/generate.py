@@ -115,7 +115,7 @@ def generate_stream(
         from .compiled import cache_bucket
 
         capacity = cache_bucket(capacity, cfg.max_position_embeddings)  # a few cache sizes: a few compilations
-    caches = model.new_caches(B, capacity, window_caches=not compile)  # compiled steps take static caches
+    caches = model.new_caches(B, capacity, window_caches=not (compile or _graphed(model, step_fn)))
     for cache in caches:
         cache.set_left_padding(pads)
     logits = model(ids, caches=caches, last_only=True)[:, -1]  # (B, vocab)
@@ -199,3 +199,14 @@ def generate(
                 out[row].append(t)
                 done[row] = t in eos
     return out[0] if single else out
+
+
+def _graphed(model: torch.nn.Module, step_fn: object) -> bool:
+    """Whether decoding will replay a CUDA graph, which takes static caches (a sliding-window layer's kernel reads
+    only its window's keys of them: compute as a window cache, memory as a full one)."""
+    if step_fn is not None or model.device.type != "cuda":
+        return False
+    from ..kernels.triton.split_kv import triton_available
+    from .cuda_graphs import graphs_apply
+
+    return triton_available() and graphs_apply(model, None) is None

@@ -41,9 +41,7 @@ class ModelRunner:
             raise ValueError(f"kv_cache_mib={mib} holds no block of {config.block_size} tokens")
         self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, config.block_size,
                                   model.dtype)  # fmt: skip
-        # when every layer slides: the most keys a query reads to its left (older blocks can go back to the pool)
-        lefts = [layer.self_attn.window for layer in model.model.layers]
-        self.window = None if None in lefts else max(w[0] for w in lefts)
+        self.window = serving_window(model)
 
     @staticmethod
     def check_model(model: torch.nn.Module) -> None:
@@ -108,3 +106,10 @@ def default_kv_cache_mib(model: torch.nn.Module, max_running: int) -> float:
     except (ValueError, OSError, AttributeError):
         available = 4 * 2**30
     return max(1.0, min(available / 4, full * max_running) / 2**20)
+
+
+def serving_window(model: torch.nn.Module) -> int | None:
+    """When every layer slides: the most keys a query reads to its left (older blocks can go back to the pool);
+    else None."""
+    lefts = [layer.self_attn.window for layer in model.model.layers]
+    return None if None in lefts else max(w[0] for w in lefts)

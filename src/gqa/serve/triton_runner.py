@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import torch
 
-from ..decoding.fused_step import fused_applies, fused_layers, logits_of, step_weights
+from ..attention.rope import RoPE
+from ..decoding.fused_step import LayerWeights, fused_applies, fused_layers, logits_of, step_weights
 from ..kernels.triton.paged import paged_attention
 from ..kernels.triton.split_kv import DTYPES, interpreted, triton_available
 from .config import EngineConfig
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
 from .request import EngineError, Request
-from .runner import batch_rows, full_context_bytes
+from .runner import batch_rows, full_context_bytes, serving_window
 
 __all__ = ["TritonModelRunner", "default_device_kv_cache_mib"]
 
 
 class TritonModelRunner:
-    """A ``CausalLM`` on a GPU (float32, float16 or bfloat16, plain float linears) and its paged KV pool on the same
-    device, sized by ``config``."""
+    """A ``CausalLM`` of any family gqa loads on a GPU (float32, float16 or bfloat16, plain float linears) and its
+    paged KV pool on the same device, sized by ``config``. A sliding-window layer's attention reads only its window's
+    blocks; when every layer slides, blocks behind every window go back to the pool (``serving_window``)."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         self.check_model(model)
@@ -39,7 +41,7 @@ class TritonModelRunner:
             raise ValueError(f"kv_cache_mib={mib} holds no block of {config.block_size} tokens")
         self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, config.block_size,
                                   model.dtype, device=model.device)  # fmt: skip
-        self.window = None  # plain attention only (fused_applies): every key stays read
+        self.window = serving_window(model)
 
     @staticmethod
     def check_model(model: torch.nn.Module) -> None:
@@ -70,18 +72,21 @@ class TritonModelRunner:
         lengths = pos + 1
         max_length = max(positions) + 1
         context = model.config.max_position_embeddings
-        cos, sin = model.model.rope.cos_sin(pos.view(N, 1))  # (N, 1, rotary_dim) each
         w = step_weights(model)
         key, value = self.cache.key, self.cache.value
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(i: int, lw: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             key[i][blocks, :, slots] = k[:, :, 0]  # (N, H_kv, D)
             value[i][blocks, :, slots] = v[:, :, 0]
             out = paged_attention(q[:, :, 0], key[i], value[i], table, lengths, max_length=max_length,
-                                  max_context=max(context, max_length))  # fmt: skip
+                                  max_context=max(context, max_length), scale=lw.scale, window=lw.window,
+                                  softcap=lw.softcap, sinks=lw.sinks)  # fmt: skip
             return out[:, :, None]  # (N, H_q, 1, D)
 
-        x = fused_layers(model, w, model.model.embed_tokens(ids_t.view(N, 1)), cos, sin, attend)  # (N, 1, E)
+        def rotation(rope: RoPE) -> tuple[torch.Tensor, torch.Tensor]:
+            return rope.cos_sin(pos.view(N, 1))  # (N, 1, rotary_dim) each
+
+        x = fused_layers(model, w, model.model.embed(ids_t.view(N, 1)), rotation, attend)  # (N, 1, E)
         picked = torch.tensor(wanted, dtype=torch.long, device=device)
         logits = logits_of(model, x[picked, 0]).float()  # (n, vocab)
         return logits, logits.argmax(-1).cpu()

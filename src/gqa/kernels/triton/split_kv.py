@@ -281,15 +281,26 @@ def launch(
 
 @torch.library.custom_op("gqa_triton::split_kv_decode", mutates_args=())
 def decode_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: torch.Tensor, end: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    scale: float,
+    window: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``split_kv_attention(query, key, value, scale=scale, start=start, end=end)`` as a custom op, so that
-    ``torch.compile`` keeps the Triton kernel as one opaque call (``decoding.fused_step``): query ``(B, H_q, L, D)``,
-    key/value a whole static cache ``(B, H_kv, C, D | D_v)``, ``start``/``end`` ``(B,)`` or 0-dim slot bounds.
-    -> ``(B, H_q, L, D_v)``. Checked as ``split_kv_attention`` checks."""
-    return split_kv_attention(query, key, value, scale=scale, start=start, end=end)
+    """``split_kv_attention(query, key, value, scale=scale, start=start, end=end, window=..., softcap=...,
+    sinks=sinks)`` as a custom op, so that ``torch.compile`` keeps the Triton kernel as one opaque call
+    (``decoding.fused_step``): query ``(B, H_q, L, D)``, key/value a whole static cache ``(B, H_kv, C, D | D_v)``,
+    ``start``/``end`` ``(B,)`` or 0-dim slot bounds, ``window`` the keys a query sees to its left (-1: all),
+    ``softcap`` 0 for none, ``sinks`` ``(H_q,)`` or None. -> ``(B, H_q, L, D_v)``. Checked as ``split_kv_attention``
+    checks."""
+    return split_kv_attention(query, key, value, scale=scale, start=start, end=end,
+                              window=None if window < 0 else window, softcap=softcap or None, sinks=sinks)  # fmt: skip
 
 
 @decode_op.register_fake
-def _decode_op_fake(query, key, value, start, end, scale):
+def _decode_op_fake(query, key, value, start, end, scale, window=-1, softcap=0.0, sinks=None):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
