@@ -76,8 +76,8 @@ def test_fast_decode_paths_leave_variant_layers_to_the_eager_forward():
     model = CausalLM(cfg).eval()
     model.model.layers[1].self_attn.softcap = 5.0
     caches = model.new_caches(1, 8)
-    assert select_step(model, caches).name == "eager"  # soft-capping: no native kernel takes it
-    assert "soft-capping" in fused_applies(model)
+    assert select_step(model, caches).name == "eager"  # soft-capping in a Llama layer: the per-layer step lacks it
+    assert fused_applies(model) is None  # the GPU step takes it (and windows, sinks, q/k norms)
     model.model.layers[1].self_attn.softcap = None
-    model.model.layers[1].self_attn.window = (4, None)
-    assert "window" in fused_applies(model)  # the GPU step: windows not yet
+    model.model.layers[1].self_attn.window = (4, 2)
+    assert "window" in fused_applies(model)  # a right side: not a decode step's window

@@ -134,3 +134,36 @@ def test_greedy_agreement_and_bandwidth_fraction_in_the_table():
     payload = {"results": [ours, theirs], "args": {"contexts": [4]}, "config": {"num_heads": 9}, "read_gbps": 10.0}
     md = table(payload)
     assert "| 2.00x vs llama.cpp | 50% |" in md  # 1e8 bytes x 50 tok/s = 5 GB/s of 10
+
+
+def test_window_caches_mode_compares_window_and_full_caches(tmp_path, capsys):
+    """``--window-caches``: each context decoded over window-sized and full caches by the step generate takes; the
+    window caches hold their 512-key windows only (counted from the model's layers here), the tokens agree."""
+    out = tmp_path / "w.json"
+    argv = ["--window-caches", "--contexts", "800", "40", "--new-tokens", "3", "--repeats", "1", "--json", str(out)]
+    assert bench_model(argv) == 0
+    payload = json.loads(out.read_text())
+    rows = payload["results"]
+    assert [(r["context"], r["window_caches"]) for r in rows] == [(800, True), (800, False), (40, True), (40, False)]
+    slot = 2 * 256 * 4  # K and V of one token in one layer: 1 KV head of dim 256, fp32
+    assert rows[1]["kv_bytes"] == 26 * 803 * slot
+    assert rows[0]["kv_bytes"] == (22 * (512 + 256) + 4 * 803) * slot  # 22 sliding layers: 512 keys + 256 spare
+    assert rows[2]["kv_bytes"] == rows[3]["kv_bytes"] == 26 * 43 * slot  # shorter than the window: no saving
+    assert all(r["decode_tok_s"] > 0 and r["step"] == ("native" if kernels.vectorized() else "eager") for r in rows)
+    text = capsys.readouterr().out
+    assert "| 800 | window-sized on sliding layers |" in text and "One 32,768-token sequence" in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--batch", "2"], "--window-caches runs its own model"),
+        (["--repeats", "0"], "--repeats >= 1"),
+        (["--dtypes", "q4_1"], "one float dtype"),
+    ],
+)
+def test_window_caches_mode_refuses_what_it_does_not_run(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli(["bench", "model", "--window-caches", "--contexts", "16", *flags])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

@@ -10,6 +10,10 @@ One row per (dtype, ``H_kv``, context ``S``), ``B`` from ``--batches`` (first va
 * ``band mask``: the same window given as a boolean ``(1, S)`` mask, as a caller without ``window=`` would write it;
 * ``softcap`` (50, Gemma 2's) and ``sinks`` (a logit per query head, gpt-oss's): their cost over ``plain``.
 
+On CUDA each row also times the peers a caller could reach for, side by side: the window and the soft-cap through
+compiled FlexAttention (``backend="flex"``), and the band mask through SDPA (``backend="sdpa"``, where torch runs it
+natively; a refusal is noted, not an error). ``auto`` runs the split-KV kernel for every variant there.
+
 Before timing, each variant's output is checked: the window against ``plain`` on the window's keys alone, softcap and
 sinks against the float64 ``reference`` backend.
 """
@@ -27,6 +31,7 @@ from .. import print_and_save
 from .limits import time_ms
 
 SOFTCAP = 50.0
+PEER_COLUMNS = ("window", "window · flex", "band mask · sdpa", "softcap", "softcap · flex")
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}  # max abs error (outputs are O(1))
 
 
@@ -46,15 +51,27 @@ def variant_row(B: int, H_q: int, H_kv: int, S: int, D: int, W: int, dtype: torc
         "softcap": lambda: gqa.grouped_attention(q, k, v, softcap=SOFTCAP),
         "sinks": lambda: gqa.grouped_attention(q, k, v, sinks=sinks),
     }
+    peers = {}
+    if device.type == "cuda":
+        peers = {
+            "window · flex": lambda: gqa.grouped_attention(q, k, v, window=W - 1, backend="flex"),
+            "softcap · flex": lambda: gqa.grouped_attention(q, k, v, softcap=SOFTCAP, backend="flex"),
+            "band mask · sdpa": lambda: gqa.grouped_attention(q, k, v, band, backend="sdpa"),
+        }
+    window_only = lambda: gqa.grouped_attention(q, k[..., -W:, :], v[..., -W:, :])  # noqa: E731
+    capped = lambda: gqa.grouped_attention(q, k, v, softcap=SOFTCAP, backend="reference")  # noqa: E731
     expected = {
-        "window": lambda: gqa.grouped_attention(q, k[..., -W:, :], v[..., -W:, :]),
-        "band mask": lambda: gqa.grouped_attention(q, k[..., -W:, :], v[..., -W:, :]),
-        "softcap": lambda: gqa.grouped_attention(q, k, v, softcap=SOFTCAP, backend="reference"),
+        "window": window_only,
+        "band mask": window_only,
+        "softcap": capped,
         "sinks": lambda: gqa.grouped_attention(q, k, v, sinks=sinks, backend="reference"),
+        "window · flex": window_only,
+        "softcap · flex": capped,
+        "band mask · sdpa": window_only,
     }
     row = {"dtype": str(dtype).removeprefix("torch."), "B": B, "H_q": H_q, "H_kv": H_kv, "S": S, "D": D, "W": W,
-           "ms": {}, "backend": {}, "errors": {}}  # fmt: skip
-    for name, call in calls.items():
+           "ms": {}, "backend": {}, "errors": {}, "refused": {}}  # fmt: skip
+    for name, call in {**calls, **peers}.items():
         try:
             out = call()
             row["backend"][name] = gqa.attention.last_backend()
@@ -65,7 +82,8 @@ def variant_row(B: int, H_q: int, H_kv: int, S: int, D: int, W: int, dtype: torc
                     continue
             row["ms"][name] = statistics.median(time_ms(call, device, repeats, warmup=2))
         except Exception as err:  # a backend that refuses the variant
-            row["errors"][name] = f"{type(err).__name__}: {str(err)[:160]}"
+            where = row["refused"] if name in peers else row["errors"]
+            where[name] = f"{type(err).__name__}: {str(err)[:160]}"
     item = torch.empty((), dtype=dtype).element_size()
     kv_bytes = {"plain": 2 * B * H_kv * S * D * item, "window": 2 * B * H_kv * min(W, S) * D * item}
     row["gbs"] = {n: kv_bytes[n] / (row["ms"][n] * 1e-3) / 1e9 for n in kv_bytes if n in row["ms"]}
@@ -84,6 +102,12 @@ def _cell(ms: dict[str, float], name: str, how: str) -> str:
     return f"{ms[name]:.3f} ({100 * (ms[name] / plain - 1):+.0f}%)"
 
 
+def _peer_cell(row: dict, name: str) -> str:
+    if name in row["ms"]:
+        return f"{row['ms'][name]:.3f}"
+    return "refused" if name in row.get("refused", {}) else "—"
+
+
 def table(rows: list[dict]) -> str:
     """The markdown table: ms per variant, the window's speed-up and GB/s, softcap's and sinks' cost, the backends."""
     lines = ["| dtype | B | H_q | H_kv | S | D | W | plain ms | window ms (x plain) | window GB/s | band mask ms "
@@ -100,6 +124,14 @@ def table(rows: list[dict]) -> str:
             f"{_cell(ms, 'window', 'speed-up')} | {gbs} | {_cell(ms, 'band mask', 'speed-up')} | "
             f"{_cell(ms, 'softcap', 'cost')} | {_cell(ms, 'sinks', 'cost')} | {runs} | {errors} |"
         )
+    peers = [r for r in rows if any(" · " in name for name in (*r["ms"], *r.get("refused", {})))]
+    if peers:
+        lines += ["", "Peers (ms; auto is gqa's own choice above):", "",
+                  "| dtype | H_kv | S | W | window: auto | window: flex | band mask: sdpa | softcap: auto | "
+                  "softcap: flex |", "|" + "---|" * 9]  # fmt: skip
+        for r in peers:
+            cells = [_peer_cell(r, n) for n in PEER_COLUMNS]
+            lines.append(f"| {r['dtype']} | {r['H_kv']} | {r['S']} | {r['W']} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 

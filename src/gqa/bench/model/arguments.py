@@ -72,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-budget", type=float, default=None, metavar="GIB",
         help="with --batch: also the largest batch whose KV cache fits GIB GiB at each context, and its throughput",
     )  # fmt: skip
+    parser.add_argument(
+        "--window-caches", action="store_true",
+        help="instead: a Gemma-3-1B-like random model (26 layers, 5 of every 6 sliding with 512 keys) decoded with "
+        "window-sized caches on its sliding layers vs full caches: KV memory held and decode tok/s at each context "
+        "(--contexts 4096 16384 unless given; one float --dtypes, fp32 unless given)",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, metavar="N",
+                        help="--window-caches: runs of each, the median reported")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens generated per context")
     parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, 8 new tokens, fp32, no compile")
     parser.add_argument(

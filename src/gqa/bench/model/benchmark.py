@@ -118,7 +118,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if "hf-static-compile" in ns.engines:
         parser.error("--engines hf-static-compile runs with --device cuda (transformers compiles it on CUDA only)")
     if ns.contexts is None:
-        ns.contexts = [512] if ns.tp else [128, 1024, 4096]
+        ns.contexts = [512] if ns.tp else [4096, 16384] if ns.window_caches else [128, 1024, 4096]
     if ns.quick:
         ns.contexts, ns.new_tokens, ns.dtypes = [64, 256], 8, ["fp32"]
         ns.engines = [e for e in ns.engines if e != "gqa-compile"] or ["gqa"]
@@ -133,6 +133,17 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
 
     if ns.tp is not None:
         return _run_tp(parser, ns)
+    if ns.window_caches:
+        from .window_caches import run_window_caches
+
+        if ns.model is not None or ns.batch is not None or ns.kv_heads is not None or ns.repeats < 1:
+            parser.error("--window-caches runs its own model at batch 1 (no --model, --batch, --kv-heads); "
+                         "--repeats >= 1")  # fmt: skip
+        started = time.perf_counter()
+        args, rows, config, text = run_window_caches(parser, ns)
+        ns.model = "Gemma-3-1B-like random model"
+        _report(ns, _payload("model-window-caches", ns, started, args, rows, config=config), text)
+        return 0
     if ns.kv_budget is not None and (ns.batch is None or ns.kv_budget <= 0):
         parser.error("--kv-budget needs --batch and a positive size in GiB")
     if ns.batch is not None and min(ns.batch) < 1:
