@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "window-sized caches on its sliding layers vs full caches: KV memory held and decode tok/s at each context "
         "(--contexts 4096 16384 unless given; one float --dtypes, fp32 unless given)",
     )  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=3, metavar="N",
+    parser.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="--window-caches: runs of each, the median reported")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens generated per context")
     parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, 8 new tokens, fp32, no compile")
