@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._atomic import write_json_atomic
+from .._paths import cache_root
 from ..options.defaults import CALIBRATION_CONVERSATIONS, EVALUATION_CONVERSATIONS, HEALING_CONVERSATIONS
 from .batch_journal import BatchJournal
 from .bulk_generation import generate_many
@@ -168,12 +168,9 @@ def has_chat_template(tok: Tokenizer | None) -> bool:
 
 
 def cache_dir() -> Path:
-    """Where sets are cached: ``$GQA_CACHE_DIR``, else ``$XDG_CACHE_HOME/gqa``, else ``~/.cache/gqa``; then
-    ``conversations/``."""
-    root = os.environ.get("GQA_CACHE_DIR")
-    if root is None:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gqa"
-    return Path(root).expanduser() / "conversations"
+    """Where sets are cached: ``conversations/`` under ``gqa._paths.cache_root()`` (``$GQA_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/gqa``, else ``~/.cache/gqa``)."""
+    return cache_root() / "conversations"
 
 
 def model_content_hash(resolved: Path) -> str:

@@ -107,15 +107,24 @@ def read_config(path: str | Path | GGUFFile | None = None) -> ModelConfig:
 
 def load_tokenizer(path: str | Path | GGUFFile | None = None) -> Tokenizer:
     """The tokenizer (with its chat template) of the model at ``path`` (same meaning as in ``read_model``; ``None``:
-    the embedded SmolLM2): built natively from a GGUF file's byte-level BPE vocabulary, else through transformers."""
+    the embedded SmolLM2): built natively from a GGUF file's byte-level BPE vocabulary, else through transformers —
+    for a GGUF file once, then read back from gqa's cache (``loaders.tokenizer_cache``)."""
     from .gguf_tokenizer import NATIVE_MODELS
     from .tokenizer import Tokenizer
 
     source = open_model(path)
-    if not isinstance(source, Path):
-        kind = source.metadata.get("tokenizer.ggml.model")
-        if kind in NATIVE_MODELS:
-            return Tokenizer.from_gguf(source)
-        if not isinstance(kind, str):
-            raise ValueError(f"{source.path}: the GGUF file has no tokenizer (no tokenizer.ggml.model)")
-    return Tokenizer.from_pretrained(resolve_model_path(source))  # sentencepiece, unigram, ...
+    if isinstance(source, Path):
+        return Tokenizer.from_pretrained(resolve_model_path(source))
+    kind = source.metadata.get("tokenizer.ggml.model")
+    if kind in NATIVE_MODELS:
+        return Tokenizer.from_gguf(source)
+    if not isinstance(kind, str):
+        raise ValueError(f"{source.path}: the GGUF file has no tokenizer (no tokenizer.ggml.model)")
+    from . import tokenizer_cache  # sentencepiece, unigram, ...: transformers' conversion, kept
+
+    key = tokenizer_cache.cache_key(source)
+    tok = tokenizer_cache.read_cached(key)
+    if tok is None:
+        tok = Tokenizer.from_pretrained(resolve_model_path(source))
+        tokenizer_cache.write_cached(key, tok)
+    return tok
