@@ -6,6 +6,7 @@ a damaged entry is built again."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,7 +96,7 @@ def test_a_warm_load_does_not_import_transformers(tmp_path, cache):
     code = ("import sys, gqa; tok = gqa.load_tokenizer(sys.argv[1]); "
             "print(tok.encode('hello world'), 'transformers' in sys.modules)")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "GQA_CACHE_DIR": str(cache.parent)})  # fmt: skip
+                          env={**os.environ, "GQA_CACHE_DIR": str(cache.parent)})  # fmt: skip
     assert done.returncode == 0, done.stderr
     ids, imported = done.stdout.rsplit(" ", 1)
     assert imported.strip() == "False"
