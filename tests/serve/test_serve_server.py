@@ -153,8 +153,7 @@ def test_models_health_and_metrics(server, client):
          "top_logprobs": 21}, 400, "top_logprobs", "in [0, 20]"),
         ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
          400, "top_logprobs", "needs 'logprobs': true"),
-        ("completions", {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo",
-         "with 'logprobs'"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "must be >= 1"),
         ("completions", {"model": MODEL, "prompt": "hi", "echo": 1}, 400, "echo", "must be a boolean"),
         ("completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of", "not supported"),
         ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens",
@@ -255,6 +254,39 @@ def test_logprobs_through_the_openai_client_are_the_models_log_softmax(client):
                                         seed=3, logprobs=0)  # fmt: skip
     assert all(p <= 0 for p in sampled.choices[0].logprobs.token_logprobs)
     assert sampled.choices[0].logprobs.top_logprobs == [{}] * 4
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, hf_smollm2):
+    """Completions ``echo`` + ``logprobs``, and ``max_tokens: 0`` (the prompt scored, nothing generated, as evaluation
+    harnesses ask): every prompt token after the first carries the log-softmax of transformers' float32 logits for
+    it, the first none; with an answer its tokens follow the prompt's; streamed alike."""
+    tok = gqa.load_tokenizer()
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    ids = tok.encode(prompt)
+    with torch.no_grad():
+        want = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0].float(), -1)  # (L, vocab)
+    r = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=3, max_tokens=0)
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 0)
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):  # the served model's bf16/int8 rounding against float32 (as the test above)
+        assert abs(lp.token_logprobs[i] - float(want[i - 1, ids[i]])) < 0.15, (i, lp.token_logprobs[i])
+        top = lp.top_logprobs[i]
+        assert len(top) == 3 and abs(max(top.values()) - float(want[i - 1].max())) < 0.15
+    assert sum(lp.token_logprobs[1:]) < -5  # not all zeros
+    answered = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=3, max_tokens=4,
+                                         temperature=0)  # fmt: skip
+    lp2 = answered.choices[0].logprobs
+    assert answered.choices[0].text.startswith(prompt) and len(lp2.tokens) == len(ids) + 4
+    assert lp2.token_logprobs[: len(ids)] == lp.token_logprobs
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=3, max_tokens=4,
+                                            temperature=0, stream=True))  # fmt: skip
+    streamed = [p for c in chunks if c.choices and c.choices[0].logprobs for p in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp2.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == answered.choices[0].text
+    zero = list(client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0, stream=True))
+    assert "".join(c.choices[0].text for c in zero if c.choices) == prompt
 
 
 def test_structured_output_through_the_openai_client_validates(client):

@@ -16,7 +16,8 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from .engine import Engine, EngineStats, RequestOutput
 from .sampling import SamplingParams
@@ -109,6 +110,22 @@ class AsyncEngine:
                 self._commands.put(("abort", request_id, None, None))
                 self._wake.set()
 
+    async def run_in_engine(self, fn: Callable[[Engine], Any]) -> Any:
+        """``fn(engine)`` run in the engine thread between two steps (the model is the thread's alone), its result or
+        its exception here. ``EngineStopped`` if the thread is not running or stops first."""
+        if not self.alive:
+            raise EngineStopped("the engine is not running")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._commands.put(("call", None, fn, (loop, done)))
+        self._wake.set()
+        while True:
+            finished, _ = await asyncio.wait({done}, timeout=ALIVE_CHECK_SECONDS)
+            if finished:
+                return done.result()
+            if not self._thread.is_alive():
+                raise EngineStopped("the engine stopped")
+
     # -- the engine thread -----------------------------------------------------------------------------------------
 
     def _forget(self, request_id: str) -> bool:
@@ -169,6 +186,9 @@ class AsyncEngine:
                 op, request_id, prompt, params = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if op == "call":
+                self._call(prompt, *params)
+                continue
             try:
                 if op == "add":
                     self.engine.add(prompt, params, request_id)
@@ -179,6 +199,20 @@ class AsyncEngine:
                     self._post(request_id, e)
                 else:
                     traceback.print_exc()
+
+    def _call(self, fn: Callable[[Engine], Any], loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+        """``run_in_engine``'s work: ``fn(engine)``, its result or exception handed to ``done`` on ``loop``."""
+        try:
+            result, error = fn(self.engine), None
+        except Exception as e:  # the caller's error alone: the engine serves on
+            result, error = None, e
+
+        def settle() -> None:
+            if not done.done():  # the caller may have gone (a disconnect cancels it)
+                done.set_exception(error) if error is not None else done.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits
+            loop.call_soon_threadsafe(settle)
 
     def _post_output(self, out: RequestOutput | None) -> None:
         if out is not None:

@@ -73,6 +73,8 @@ class ParsedRequest:
     n: int = 1  # choices: answers to the same prompt
     tools: ToolRequest | None = None  # a chat request's functions and tool_choice
     echo: str = ""  # text that precedes each answer (completions' ``echo``: the prompt)
+    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's own, with this many alternatives
+    score_only: bool = False  # echo with max_tokens 0: the prompt alone (and its logprobs), nothing generated
 
 
 JSON_TYPES = {
@@ -149,8 +151,9 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 def logprobs_body(entries: list, tokenizer, chat: bool, offset: int = 0) -> dict:
     """A choice's (or a stream chunk's) ``logprobs`` for ``entries`` (``TokenLogprob``: id, logprob, alternatives):
-    chat's ``content`` list, or the completions' arrays, ``text_offset`` counting from ``offset``. A token's text is
-    what it decodes to alone (a piece of a multi-byte character decodes to U+FFFD)."""
+    chat's ``content`` list, or the completions' arrays, ``text_offset`` counting from ``offset`` (an echoed prompt's
+    first token has no logprob and no alternatives: ``null`` in both, as OpenAI sends it). A token's text is what it
+    decodes to alone (a piece of a multi-byte character decodes to U+FFFD)."""
 
     def text(token: int) -> str:
         return tokenizer.decode([token])
@@ -165,7 +168,7 @@ def logprobs_body(entries: list, tokenizer, chat: bool, offset: int = 0) -> dict
         return {"content": content, "refusal": None}
     tokens = [text(t) for t, _, _ in entries]
     offsets = [offset + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
-    top = [{text(a): alp for a, alp in alternatives} for _, _, alternatives in entries]
+    top = [None if alts is None else {text(a): alp for a, alp in alts} for _, _, alts in entries]
     return {
         "tokens": tokens,
         "token_logprobs": [lp for _, lp, _ in entries],
@@ -323,13 +326,15 @@ def parse_completion(
             raise ApiError("'prompt' is empty", param="prompt")
     else:
         ids = []
+    echo = isinstance(body, dict) and _get(body, "echo", "a boolean", False)
+    score_only = echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
+    if score_only:  # the prompt scored, nothing generated (evaluation harnesses): checked as one new token would be
+        body = body | {"max_tokens": 1}
     fields = _common(body, models, Room(context, pool, len(ids), "prompt"), 16)
-    echo = ""
-    if _get(body, "echo", "a boolean", False):
-        if fields["params"].logprobs is not None:
-            raise ApiError("'echo' with 'logprobs' (the prompt's log-probabilities) is not supported", param="echo")
-        echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
-    return ParsedRequest(ids, **fields, echo=echo)
+    if not echo:
+        return ParsedRequest(ids, **fields)
+    text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+    return ParsedRequest(ids, **fields, echo=text, prompt_logprobs=fields["params"].logprobs, score_only=score_only)
 
 
 def parse_chat(body: object, tokenizer, models: list[str], context: int, pool: int | None = None) -> ParsedRequest:

@@ -38,6 +38,7 @@ from .openai_api import (
     parse_completion,
     usage,
 )
+from .prompt_logprobs import prompt_logprobs
 from .request import EngineError, RequestOutput
 from .tools import tool_calls_in
 
@@ -142,6 +143,9 @@ def build_app(
             # tokenizing, the chat template and a grammar's compilation off the event loop: a huge prompt or schema
             # must not stall /health
             parsed = await asyncio.to_thread(prepare, body, chat)
+            prompt_entries = await scored(parsed)
+            if parsed.score_only:
+                return score_response(new_id("cmpl"), parsed, prompt_entries, created)
             firsts = await start(parsed, outputs)  # raises here, before any response, for a request the engine refuses
         except ApiError as e:
             return fail(e)
@@ -154,7 +158,7 @@ def build_app(
         rid = new_id("chatcmpl" if chat else "cmpl")
         if parsed.stream:
             return StreamingResponse(
-                stream(rid, parsed, firsts, outputs, chat, created),
+                stream(rid, parsed, firsts, outputs, chat, created, prompt_entries),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )  # fmt: skip
         ends = [[first] for first in firsts]
@@ -189,7 +193,8 @@ def build_app(
                 return fail(ApiError(f"the request failed in the engine: {last.error}", 500))
             logprobs = None
             if parsed.params.logprobs is not None:
-                logprobs = logprobs_body([e for out in got for e in out.logprobs or ()], tokenizer, chat)
+                entries = [*(prompt_entries or ()), *(e for out in got for e in out.logprobs or ())]
+                logprobs = logprobs_body(entries, tokenizer, chat)
             text = parsed.echo + "".join(out.text for out in got)
             choices.append(completion_body(rid, parsed.model, text, last.finish_reason, {}, chat, created, logprobs))
             calls = tool_calls(parsed, text, last.finish_reason)
@@ -201,6 +206,29 @@ def build_app(
         body["choices"] = [c["choices"][0] | {"index": i} for i, c in enumerate(choices)]
         body["usage"] = usage(firsts[0].prompt_tokens, sum(got[-1].completion_tokens for got in ends))
         return JSONResponse(body)
+
+    async def scored(parsed: ParsedRequest) -> list | None:
+        """The prompt's own logprobs (echo with logprobs), computed in the engine thread; None when not asked."""
+        if parsed.prompt_logprobs is None:
+            return None
+        top, ids = parsed.prompt_logprobs, parsed.prompt_ids
+        return await engine.run_in_engine(lambda e: prompt_logprobs(e.runner.model, ids, top))
+
+    def score_response(rid: str, parsed: ParsedRequest, entries: list | None, created: int) -> Response:
+        """``echo`` with ``max_tokens: 0``: each choice is the prompt (with its logprobs), nothing generated."""
+        logprobs = None if entries is None else logprobs_body(entries, tokenizer, False)
+        body = completion_body(rid, parsed.model, parsed.echo, "length", None if parsed.stream else {}, False,
+                               created, logprobs)  # fmt: skip
+        body["choices"] = [body["choices"][0] | {"index": i} for i in range(parsed.n)]
+        if not parsed.stream:
+            body["usage"] = usage(len(parsed.prompt_ids), 0)
+            return JSONResponse(body)
+        events = [f"data: {json.dumps(body, ensure_ascii=False)}\n\n"]
+        if parsed.include_usage:
+            tail = body | {"choices": [], "usage": usage(len(parsed.prompt_ids), 0)}
+            events.append(f"data: {json.dumps(tail, ensure_ascii=False)}\n\n")
+        events.append("data: [DONE]\n\n")
+        return StreamingResponse(iter(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def tool_calls(parsed: ParsedRequest, text: str, reason: str | None) -> tuple[str | None, list] | None:
         """``(content, tool_calls)`` of an answer that calls tools (``tools.tool_calls_in``); ``None`` for one that
@@ -265,8 +293,9 @@ def build_app(
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stream(
-        rid: str, parsed: ParsedRequest, firsts: list[RequestOutput], outputs: list, chat: bool, created: int
-    ) -> AsyncIterator[str]:
+        rid: str, parsed: ParsedRequest, firsts: list[RequestOutput], outputs: list, chat: bool, created: int,
+        prompt_entries: list | None = None,
+    ) -> AsyncIterator[str]:  # fmt: skip
         def event(body: dict) -> str:
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
@@ -288,7 +317,11 @@ def build_app(
                     head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                     yield event(head)
                 elif parsed.echo:
-                    yield event(chunk(i, parsed.echo, None))
+                    logprobs = None
+                    if prompt_entries is not None:  # the prompt's own logprobs go with its text
+                        logprobs = logprobs_body(prompt_entries, tokenizer, False)
+                        offset[i] = sum(len(t) for t in logprobs["tokens"])
+                    yield event(chunk(i, parsed.echo, None, logprobs))
             async for i, out in answers:
                 if isinstance(out, Exception):  # the engine stopped mid-stream: an error event, then the stream's end
                     yield event(error_body(engine_failure(out)))
