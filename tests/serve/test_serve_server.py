@@ -155,7 +155,11 @@ def test_models_health_and_metrics(server, client):
          400, "top_logprobs", "needs 'logprobs': true"),
         ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "must be >= 1"),
         ("completions", {"model": MODEL, "prompt": "hi", "echo": 1}, 400, "echo", "must be a boolean"),
-        ("completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of", "not supported"),
+        ("completions", {"model": MODEL, "prompt": "hi", "best_of": 3, "n": 4}, 400, "best_of", "in [n=4, 16]"),
+        ("completions", {"model": MODEL, "prompt": "hi", "best_of": 3, "stream": True}, 400, "best_of",
+         "cannot be streamed"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "best_of": 2}, 400,
+         "best_of", "not supported"),
         ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens",
          "in [0, max_tokens=3]"),
         ("completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids", ">= 0"),
@@ -287,6 +291,23 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, hf_sm
     assert "".join(c.choices[0].text for c in chunks if c.choices) == answered.choices[0].text
     zero = list(client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0, stream=True))
     assert "".join(c.choices[0].text for c in zero if c.choices) == prompt
+
+
+def test_best_of_returns_the_answers_with_the_best_mean_logprob(client):
+    """``best_of=4, n=2``, sampled with a seed: the two of the four answers ``n=4`` gives (answer i seeded seed + i)
+    whose tokens' mean logprob is highest, best first; the usage counts all four; no logprobs unless asked."""
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=11)
+    four = client.completions.create(**kw, n=4, logprobs=0)
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in four.choices]
+    order = sorted(range(4), key=lambda i: (-means[i], i))
+    assert len({c.text for c in four.choices}) > 1  # the answers differ, so the choice matters
+    best = client.completions.create(**kw, n=2, best_of=4)
+    assert [c.text for c in best.choices] == [four.choices[i].text for i in order[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == four.usage.completion_tokens
+    with_logprobs = client.completions.create(**kw, best_of=4, logprobs=1)
+    assert with_logprobs.choices[0].text == four.choices[order[0]].text
+    assert with_logprobs.choices[0].logprobs.token_logprobs == four.choices[order[0]].logprobs.token_logprobs
 
 
 def test_structured_output_through_the_openai_client_validates(client):

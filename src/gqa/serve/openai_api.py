@@ -4,6 +4,7 @@ built. No HTTP here (``server`` does that)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -46,7 +47,7 @@ MAX_CHOICES = 16  # the most answers (``n``) one request asks for
 # anything else is refused with a 400 naming it, never served as if it had not asked
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "suffix": ("",),
-    "best_of": (1,),
+    "best_of": (1,),  # completions serve it (``parse_completion``); chat refuses it
     "functions": ([],),
 }
 # vLLM's structured_outputs keys (the kind of StructuredOutput each means), and its older one-key fields for them
@@ -55,8 +56,10 @@ STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex":
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def _refuse_not_implemented(body: dict) -> None:
+def _refuse_not_implemented(body: dict, served: tuple[str, ...] = ()) -> None:
     for name, off in NOT_IMPLEMENTED.items():
+        if name in served:
+            continue
         value = body.get(name)
         if value is not None and not any(value == o and type(value) is type(o) for o in off):
             raise ApiError(f"'{name}' is not supported by this server (got {json.dumps(value)[:80]})", param=name)
@@ -74,6 +77,8 @@ class ParsedRequest:
     tools: ToolRequest | None = None  # a chat request's functions and tool_choice
     echo: str = ""  # text that precedes each answer (completions' ``echo``: the prompt)
     prompt_logprobs: int | None = None  # echo with logprobs: the prompt's own, with this many alternatives
+    best_of: int | None = None  # of the ``n`` answers generated, return this many with the best mean logprob
+    hide_logprobs: bool = False  # the logprobs were asked for the ranking (best_of), not by the client
     score_only: bool = False  # echo with max_tokens 0: the prompt alone (and its logprobs), nothing generated
 
 
@@ -223,16 +228,18 @@ def _stop_token_ids(body: dict) -> tuple[int, ...]:
 
 
 def _common(
-    body: object, models: list[str], room: Room, default_max_tokens: int | None, forced: StructuredOutput | None = None
-) -> dict[str, Any]:
-    """The fields both endpoints share, checked; ``forced``: the structured output a forced ``tool_choice`` needs."""
+    body: object, models: list[str], room: Room, default_max_tokens: int | None, forced: StructuredOutput | None = None,
+    served: tuple[str, ...] = (),
+) -> dict[str, Any]:  # fmt: skip
+    """The fields both endpoints share, checked; ``forced``: the structured output a forced ``tool_choice`` needs;
+    ``served``: fields of ``NOT_IMPLEMENTED`` the endpoint serves itself."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     model = _get(body, "model", "a string", required=True)
     if model not in models:
         raise ApiError(f"the model '{model}' does not exist; this server has {models}", 404, "model",
                        code="model_not_found")  # fmt: skip
-    _refuse_not_implemented(body)
+    _refuse_not_implemented(body, served)
     n = _get(body, "n", "an integer", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise ApiError(f"'n' must be in [1, {MAX_CHOICES}], got {n}", param="n")
@@ -330,11 +337,31 @@ def parse_completion(
     score_only = echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
     if score_only:  # the prompt scored, nothing generated (evaluation harnesses): checked as one new token would be
         body = body | {"max_tokens": 1}
-    fields = _common(body, models, Room(context, pool, len(ids), "prompt"), 16)
+    fields = _common(body, models, Room(context, pool, len(ids), "prompt"), 16, served=("best_of",))
+    ranking = _best_of(body, fields)
     if not echo:
-        return ParsedRequest(ids, **fields)
+        return ParsedRequest(ids, **fields, **ranking)
     text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
-    return ParsedRequest(ids, **fields, echo=text, prompt_logprobs=fields["params"].logprobs, score_only=score_only)
+    asked = None if ranking.get("hide_logprobs") else fields["params"].logprobs
+    return ParsedRequest(ids, **fields, echo=text, prompt_logprobs=asked, score_only=score_only, **ranking)
+
+
+def _best_of(body: dict, fields: dict) -> dict[str, Any]:
+    """Completions' ``best_of``: ``best_of`` answers are generated (``fields`` changed to ask for them, and for the
+    chosen tokens' logprobs) and the ``n`` with the highest mean token logprob returned; not streamed (as OpenAI)."""
+    n = fields["n"]
+    best_of = _get(body, "best_of", "an integer", None)
+    if best_of is None or best_of == n == 1:
+        return {}
+    if not n <= best_of <= MAX_CHOICES:
+        raise ApiError(f"'best_of' must be in [n={n}, {MAX_CHOICES}], got {best_of}", param="best_of")
+    if fields["stream"]:
+        raise ApiError("'best_of' cannot be streamed (the best answers are known at the end)", param="best_of")
+    params = fields["params"]
+    fields["n"] = best_of
+    if params.logprobs is None:
+        fields["params"] = dataclasses.replace(params, logprobs=0)
+    return {"best_of": n, "hide_logprobs": params.logprobs is None}
 
 
 def parse_chat(body: object, tokenizer, models: list[str], context: int, pool: int | None = None) -> ParsedRequest:

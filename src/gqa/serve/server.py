@@ -188,11 +188,13 @@ def build_app(
             await close(outputs)  # the unfinished answers' requests are aborted, their blocks freed
         choices = []
         for got in ends:
+            if got[-1].finish_reason == "error":
+                return fail(ApiError(f"the request failed in the engine: {got[-1].error}", 500))
+        kept = ends if parsed.best_of is None else best(ends, parsed.best_of)
+        for got in kept:
             last = got[-1]
-            if last.finish_reason == "error":
-                return fail(ApiError(f"the request failed in the engine: {last.error}", 500))
             logprobs = None
-            if parsed.params.logprobs is not None:
+            if parsed.params.logprobs is not None and not parsed.hide_logprobs:
                 entries = [*(prompt_entries or ()), *(e for out in got for e in out.logprobs or ())]
                 logprobs = logprobs_body(entries, tokenizer, chat)
             text = parsed.echo + "".join(out.text for out in got)
@@ -207,6 +209,16 @@ def build_app(
         body["usage"] = usage(firsts[0].prompt_tokens, sum(got[-1].completion_tokens for got in ends))
         return JSONResponse(body)
 
+    def best(ends: list[list[RequestOutput]], n: int) -> list[list[RequestOutput]]:
+        """The ``n`` answers with the highest mean logprob of their tokens (``best_of``), best first; ties by order."""
+
+        def mean_logprob(got: list[RequestOutput]) -> float:
+            values = [lp for out in got for _, lp, _ in out.logprobs or ()]
+            return sum(values) / len(values) if values else float("-inf")
+
+        order = sorted(range(len(ends)), key=lambda i: (-mean_logprob(ends[i]), i))
+        return [ends[i] for i in order[:n]]
+
     async def scored(parsed: ParsedRequest) -> list | None:
         """The prompt's own logprobs (echo with logprobs), computed in the engine thread; None when not asked."""
         if parsed.prompt_logprobs is None:
@@ -219,7 +231,7 @@ def build_app(
         logprobs = None if entries is None else logprobs_body(entries, tokenizer, False)
         body = completion_body(rid, parsed.model, parsed.echo, "length", None if parsed.stream else {}, False,
                                created, logprobs)  # fmt: skip
-        body["choices"] = [body["choices"][0] | {"index": i} for i in range(parsed.n)]
+        body["choices"] = [body["choices"][0] | {"index": i} for i in range(parsed.best_of or parsed.n)]
         if not parsed.stream:
             body["usage"] = usage(len(parsed.prompt_ids), 0)
             return JSONResponse(body)
