@@ -139,7 +139,20 @@ def test_tool_calls_through_gqa_serve_and_the_openai_client(tmp_path):
         chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named,
                                                      max_tokens=64, temperature=0, stream=True))  # fmt: skip
         streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
-        assert [(t.function.name, t.function.arguments) for t in streamed] == [("get_weather", call.function.arguments)]
+        assert streamed[0].function.name == "get_weather" and streamed[0].id.startswith("call_")
+        assert len(streamed) > 2 and all(t.index == 0 and t.function.name is None for t in streamed[1:])  # pieces
+        assert "".join(t.function.arguments for t in streamed) == call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        required = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                                  max_tokens=64, temperature=0)  # fmt: skip
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                                     tool_choice="required", max_tokens=64, temperature=0,
+                                                     stream=True))  # fmt: skip
+        merged: dict[int, list] = {}
+        for t in (t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()):
+            merged.setdefault(t.index, [t.function.name, ""])[1] += t.function.arguments
+        want = [(c.function.name, json.loads(c.function.arguments)) for c in required.choices[0].message.tool_calls]
+        assert [(name, json.loads(args)) for name, args in merged.values()] == want
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         follow = [*messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                   {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]  # fmt: skip

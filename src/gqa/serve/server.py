@@ -40,6 +40,7 @@ from .openai_api import (
 )
 from .prompt_logprobs import prompt_logprobs
 from .request import EngineError, RequestOutput
+from .tool_stream import ToolCallStream
 from .tools import tool_calls_in
 
 __all__ = ["build_app"]
@@ -320,7 +321,9 @@ def build_app(
         # per answer: the logprobs of tokens whose text is still held back, the text offset where they start, and
         # the tokens it generated once it finished
         pending, offset, tokens = [[] for _ in range(n)], [0] * n, [None] * n
-        holding, held = parsed.tools is not None and parsed.tools.choice != "none", [""] * n
+        calling = None  # per answer, its tool calls read as they stream
+        if parsed.tools is not None and parsed.tools.choice != "none":
+            calling = [ToolCallStream(parsed.tools) for _ in range(n)]
         answers = merged(firsts, outputs)
         try:
             for i in range(n):
@@ -342,19 +345,19 @@ def build_app(
                     yield event(error_body(ApiError(f"the request failed in the engine: {out.error}", 500)))
                     break
                 pending[i] += out.logprobs or ()
-                if holding:  # an answer that may call tools goes out whole, as text or as calls, when it ends
-                    held[i] += out.text
-                    if not out.finished:
-                        continue
-                    calls = tool_calls(parsed, held[i], out.finish_reason)
-                    if calls is None:
-                        yield event(chunk(i, held[i], out.finish_reason))
-                    else:
-                        if calls[0]:
-                            yield event(chunk(i, calls[0], None))
-                        body = chunk(i, "", "tool_calls")
-                        body["choices"][0]["delta"] = {"tool_calls": [c | {"index": j} for j, c in enumerate(calls[1])]}
+                if calling is not None:  # an answer that may call tools: its content and calls as they come
+                    content, calls = calling[i].feed(out.text)
+                    if out.finished:
+                        more, last = calling[i].finish()
+                        content, calls = content + more, calls + last
+                    if content:
+                        yield event(chunk(i, content, None))
+                    if calls:
+                        body = chunk(i, "", None)
+                        body["choices"][0]["delta"] = {"tool_calls": calls}
                         yield event(body)
+                    if out.finished:
+                        yield event(chunk(i, "", "tool_calls" if calling[i].calls else out.finish_reason))
                 elif out.text or out.finished:
                     logprobs = None
                     if parsed.params.logprobs is not None:
