@@ -160,6 +160,8 @@ def test_window_caches_mode_compares_window_and_full_caches(tmp_path, capsys):
         (["--batch", "2"], "--window-caches runs its own model"),
         (["--repeats", "0"], "--repeats >= 1"),
         (["--dtypes", "q4_1"], "one float dtype"),
+        (["--device", "cuda"], "runs on the CPU at batch 1"),
+        (["--tp", "2"], "runs on the CPU at batch 1"),
     ],
 )
 def test_window_caches_mode_refuses_what_it_does_not_run(flags, message, capsys):

@@ -26,7 +26,7 @@ WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello"
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 
 
-def spm_gguf(path: Path, extra_words: tuple[str, ...] = ()) -> Path:
+def spm_gguf(path: Path, extra_words: tuple[str, ...] = (), retype: int | None = None) -> Path:
     """A llama-style sentencepiece vocabulary: special tokens, the 256 byte tokens, ``▁``, letters and digits, every
     prefix of ``▁word`` and of ``word`` for a few words (so merges can be derived), control and user-defined tokens,
     scores falling with the id; a chat template."""
@@ -47,6 +47,8 @@ def spm_gguf(path: Path, extra_words: tuple[str, ...] = ()) -> Path:
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores([-float(i) for i in range(len(tokens))])
+    if retype is not None:  # one token in the middle of the vocabulary typed as control
+        types[retype] = 3
     w.add_token_types(types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -107,6 +109,11 @@ def test_another_vocabulary_is_another_entry_and_a_damaged_one_is_rebuilt(tmp_pa
     a = spm_gguf(tmp_path / "a.gguf")
     b = spm_gguf(tmp_path / "b.gguf", extra_words=("zebra",))
     assert tokenizer_cache.cache_key(GGUFFile(a)) != tokenizer_cache.cache_key(GGUFFile(b))
+    many = tuple(x + y for x in "abcdefghijklmnopqrstuvwxyz" for y in "abcdefghijklmnopqrstuvwxyz")  # > 1,000 tokens
+    big, retyped = spm_gguf(tmp_path / "big.gguf", many), spm_gguf(tmp_path / "re.gguf", many, retype=1000)
+    assert len(GGUFFile(big).metadata["tokenizer.ggml.token_type"]) > 1500
+    # one type changed in the middle of the array (numpy's repr would elide it)
+    assert tokenizer_cache.cache_key(GGUFFile(big)) != tokenizer_cache.cache_key(GGUFFile(retyped))
     load_tokenizer(a)
     load_tokenizer(b)
     assert len(list(cache.iterdir())) == 2

@@ -98,3 +98,23 @@ def test_the_scanner_reads_keys_in_any_order_and_nested_values():
         s.feed(c)
     assert s.name == "f" and s.done and s.text[s.end - 1] == "}"
     assert json.loads(s.text[s.args_start : s.args_end]) == {"a": "}", "b": [1, {"c": '"'}]}
+
+
+@pytest.mark.parametrize(
+    ("request_", "text", "reason", "want"),
+    [
+        (AUTO, '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>', "stop", "tool_calls"),
+        (AUTO, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "U', "length", "length"),  # cut
+        (AUTO, '<tool_call>{"name": "get_time", "arguments": {"zone": "U"}, "x": oops}</tool_call>', "stop", "stop"),
+        (AUTO, "no calls", "stop", "stop"),
+        (ToolRequest((WEATHER, TIME), "get_time"), '{"zone": "U', "length", "length"),
+        (ToolRequest((WEATHER, TIME), "get_time"), '{"zone": "UTC"}', "stop", "tool_calls"),
+        (ToolRequest((WEATHER, TIME), "required"), '[{"name": "get_time", "parameters": {}}]', "stop", "tool_calls"),
+    ],
+)
+def test_the_finish_reason_is_the_whole_answers(request_, text, reason, want):
+    """``tool_calls`` only where every call the stream started is whole and valid; a cut call keeps ``length``."""
+    stream = ToolCallStream(request_)
+    stream.feed(text)
+    stream.finish()
+    assert stream.finish_reason(reason) == want

@@ -122,9 +122,13 @@ def load_tokenizer(path: str | Path | GGUFFile | None = None) -> Tokenizer:
         raise ValueError(f"{source.path}: the GGUF file has no tokenizer (no tokenizer.ggml.model)")
     from . import tokenizer_cache  # sentencepiece, unigram, ...: transformers' conversion, kept
 
-    key = tokenizer_cache.cache_key(source)
-    tok = tokenizer_cache.read_cached(key)
+    try:
+        key = tokenizer_cache.cache_key(source)
+    except TypeError:  # a field the key cannot hold exactly: built every time, never mistaken for another
+        key = None
+    tok = None if key is None else tokenizer_cache.read_cached(key)
     if tok is None:
         tok = Tokenizer.from_pretrained(resolve_model_path(source))
-        tokenizer_cache.write_cached(key, tok)
+        if key is not None:
+            tokenizer_cache.write_cached(key, tok)
     return tok

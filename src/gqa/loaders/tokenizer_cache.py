@@ -20,6 +20,7 @@ import importlib.metadata
 import json
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer as BackendTokenizer
 
 from .._atomic import write_json_atomic
@@ -27,7 +28,7 @@ from .._paths import cache_root
 from .gguf_reader import GGUFFile
 from .tokenizer import Tokenizer
 
-FORMAT = 1
+FORMAT = 2
 PROBE = (
     "Hello, world! The quick brown fox jumps over the lazy dog 1234567890.\n"
     "  Two spaces, a tab\there, ünïcödé, 日本語のテキスト, emoji 🙂, and <b>markup</b>.\n\n"
@@ -40,8 +41,20 @@ def cache_key(g: GGUFFile) -> str:
     that builds the tokenizer from them."""
     h = hashlib.sha256(f"gqa-tokenizer-{FORMAT}|transformers {_transformers_version()}".encode())
     for name in sorted(k for k in g.metadata if k.startswith("tokenizer.")):
-        h.update(json.dumps([name, g.metadata[name]], ensure_ascii=False, default=repr).encode())
+        value = g.metadata[name]
+        h.update(name.encode() + b"\0")
+        if isinstance(value, np.ndarray):  # every element, exactly (repr would elide the middle of a long array)
+            h.update(f"{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
+        else:
+            h.update(json.dumps(value, ensure_ascii=False, default=_scalar).encode())
     return h.hexdigest()
+
+
+def _scalar(value: object) -> object:
+    """A numpy scalar as its Python value; anything else JSON cannot hold raises ``TypeError`` (no key: no cache)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"cannot key a tokenizer field of type {type(value).__name__}")
 
 
 def _transformers_version() -> str:

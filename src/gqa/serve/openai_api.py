@@ -334,7 +334,8 @@ def parse_completion(
     else:
         ids = []
     echo = isinstance(body, dict) and _get(body, "echo", "a boolean", False)
-    score_only = echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
+    score_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+    score_only = score_only and body.get("max_completion_tokens") is None
     if score_only:  # the prompt scored, nothing generated (evaluation harnesses): checked as one new token would be
         body = body | {"max_tokens": 1}
     fields = _common(body, models, Room(context, pool, len(ids), "prompt"), 16, served=("best_of",))

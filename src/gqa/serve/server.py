@@ -127,6 +127,8 @@ def build_app(
     def prepare(body: object, chat: bool) -> ParsedRequest:
         """The request parsed and checked, its grammar (if any) compiled."""
         parsed = (parse_chat if chat else parse_completion)(body, tokenizer, [model_name], context, pool)
+        if parsed.prompt_logprobs is not None or parsed.score_only:  # the model reads the prompt before start(): check
+            engine.engine.check(parsed.prompt_ids, parsed.params)  # it now (vocabulary, context), as start() would
         if parsed.params.structured is not None:
             try:
                 engine.engine.compile(parsed.params)
@@ -357,7 +359,7 @@ def build_app(
                         body["choices"][0]["delta"] = {"tool_calls": calls}
                         yield event(body)
                     if out.finished:
-                        yield event(chunk(i, "", "tool_calls" if calling[i].calls else out.finish_reason))
+                        yield event(chunk(i, "", calling[i].finish_reason(out.finish_reason)))
                 elif out.text or out.finished:
                     logprobs = None
                     if parsed.params.logprobs is not None:

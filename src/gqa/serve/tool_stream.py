@@ -142,11 +142,14 @@ class ToolCallStream:
         self._held_space = ""  # content whitespace held until more content comes (or dropped at the end)
         self._array_pos = 0  # required: where scanning of the array resumes
         self._element: _Call | None = None
+        self._text = ""  # required, named: the whole answer (judged whole at its end)
+        self._broken = False  # auto: a started call's block did not close into a valid call
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         choice = self.request.choice
         if choice == "none":
             return text, []
+        self._text += text
         if choice == "required":
             return "", self._feed_required(text)
         if choice != "auto":  # a named function: the answer is its arguments
@@ -154,6 +157,23 @@ class ToolCallStream:
             self.calls = 1
             return "", [*calls, _delta(0, arguments=text)] if text else calls
         return self._feed_auto(text)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """The answer's ``finish_reason`` given the engine's: ``"tool_calls"`` when it made calls and every one of
+        them is whole and valid (as the whole answer reads them: ``tools.tool_calls_in``); a call cut by
+        ``max_tokens`` keeps ``"length"``, as the whole answer does."""
+        if not self.calls or reason == "length":
+            return reason
+        choice = self.request.choice
+        if choice == "auto":
+            whole = not self._broken and (self._block is None or self._block.index is None)
+        else:
+            try:
+                parsed = json.loads(self._text)
+                whole = isinstance(parsed, list) if choice == "required" else True
+            except ValueError:
+                whole = False
+        return "tool_calls" if whole else reason
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """What is held at the answer's end: an unclosed block's text as content (no call started from it), and the
@@ -208,14 +228,16 @@ class ToolCallStream:
         """A block's end: a call that never started is started whole if the block is a valid call (else the block is
         content, as the whole answer keeps it)."""
         call = self._block
-        if call.index is not None:
-            return ""
         try:
             parsed = json.loads(block[len(OPEN) : -len(CLOSE)])
         except ValueError:
-            return self._content(block)
-        if not (isinstance(parsed, dict) and parsed.get("name") in self.names
-                and isinstance(parsed.get("arguments", {}), dict)):  # fmt: skip
+            parsed = None
+        valid = (isinstance(parsed, dict) and parsed.get("name") in self.names
+                 and isinstance(parsed.get("arguments", {}), dict))  # fmt: skip
+        if call.index is not None:
+            self._broken |= not valid  # sent already: the answer ends without "tool_calls"
+            return ""
+        if not valid:
             return self._content(block)
         calls.append(_delta(self.calls, parsed["name"], json.dumps(parsed.get("arguments", {}), ensure_ascii=False)))
         self.calls += 1

@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     """The benchmark on flags ``parser`` (``build_parser`` or ``add_arguments``'s parser) has parsed."""
+    if ns.window_caches and (ns.device != "cpu" or ns.tp is not None):
+        parser.error("--window-caches runs on the CPU at batch 1 (no --device, --tp)")
     if ns.device != "cpu":
         from .cuda import run as run_cuda
 
