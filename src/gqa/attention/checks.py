@@ -192,6 +192,11 @@ def check_softcap(softcap: object) -> float | None:
     return float(softcap)
 
 
+def sinks_need_grad(sinks: torch.Tensor | None) -> bool:
+    """Whether ``sinks`` would need a gradient from this call (the inference kernels give none)."""
+    return sinks is not None and sinks.requires_grad and torch.is_grad_enabled()
+
+
 def check_sinks(sinks: object, shape: AttnShape, query: torch.Tensor) -> None:
     """Sinks: one logit per query head, ``(H_q,)``, floating point, on the query's device."""
     if sinks is None:

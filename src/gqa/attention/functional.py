@@ -16,6 +16,7 @@ from .checks import (
     check_sinks,
     check_softcap,
     check_window,
+    sinks_need_grad,
 )
 from .masks import merge_masks, window_mask
 from .routes import Route, find_route, remember_route, signature
@@ -172,8 +173,8 @@ def _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale
     modified = softcap is not None or sinks is not None
     if backend == "auto":
         backend = choose_backend(query, key, value, return_weights=return_weights, variant=True,
-                                 sinks_grad=_sinks_need_grad(sinks), **kwargs)  # fmt: skip
-        if modified and not (backend in KERNEL_BACKENDS and not _sinks_need_grad(sinks)):
+                                 sinks_grad=sinks_need_grad(sinks), **kwargs)  # fmt: skip
+        if modified and not (backend in KERNEL_BACKENDS and not sinks_need_grad(sinks)):
             backend = "grouped"  # where the plain call would not run a kernel (which takes both)
     elif modified and backend not in SCORE_MOD_BACKENDS:
         raise ValueError(
@@ -186,10 +187,6 @@ def _variant_attention(query, key, value, attn_mask, dropout_p, is_causal, scale
     if not torch.compiler.is_compiling():
         _last[0] = backend
     return (out, weights) if return_weights else out
-
-
-def _sinks_need_grad(sinks: torch.Tensor | None) -> bool:
-    return sinks is not None and sinks.requires_grad and torch.is_grad_enabled()
 
 
 def _within_window(key, value, attn_mask, shape: AttnShape, left: int | None):

@@ -38,10 +38,11 @@ def graphs_apply(model: torch.nn.Module, caches: list | None) -> str | None:
         return "caches that are not StaticKVCache"
     if model.training:
         return "training mode"
-    if fused_applies(model) is None:  # the fused step takes every family
+    why_not = fused_applies(model)
+    if why_not is None:  # the fused step takes every family
         return None
     if not (model.runs_llama_layers() and all(layer.self_attn.plain for layer in model.model.layers)):
-        return f"{fused_applies(model)}, in a model whose layers are not plain Llama layers (static_step's)"
+        return f"{why_not}, in a model whose layers are not plain Llama layers (static_step's)"
     return None
 
 

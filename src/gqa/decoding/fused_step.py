@@ -175,7 +175,9 @@ def fused_layers(model: nn.Module, w: StepWeights, x: torch.Tensor, rotation: Ro
         if lw.q_norm is not None:
             q, k = lw.q_norm(q), lw.k_norm(k)
         if lw.rope is not None:
-            cos, sin = tables.get(id(lw.rope)) or tables.setdefault(id(lw.rope), rotation(lw.rope))
+            if id(lw.rope) not in tables:
+                tables[id(lw.rope)] = rotation(lw.rope)
+            cos, sin = tables[id(lw.rope)]
             q, k = lw.rope.rotate(q, cos, sin), lw.rope.rotate(k, cos, sin)
         a = F.linear(attend(i, lw, q, k, v).transpose(1, 2).flatten(-2), lw.o, lw.o_bias)  # (B, 1, E)
         x = x + (a if lw.post_attn_norm is None else lw.post_attn_norm(a))

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from ..checks import AttnShape, Window
+from ..checks import AttnShape, Window, sinks_need_grad
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MIN_HEAD_DIM = 16  # the compiled kernel's smallest head dim
@@ -50,7 +50,7 @@ def supports(
         if D_v != D or not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM or D % 8:
             return f"head dims {D}, {D_v} (equal, a multiple of 8 in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}] on CUDA)"
     grad = torch.is_grad_enabled()
-    if sinks is not None and sinks.requires_grad and grad:
+    if sinks_need_grad(sinks):
         return "sinks that require grad (their gradient would go through the log-sum-exp)"
     if query.device.type == "cpu" and grad and any(t.requires_grad for t in (query, key, value)):
         return "inputs that need gradients on CPU (FlexAttention has no backward there)"

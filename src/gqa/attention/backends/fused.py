@@ -14,7 +14,7 @@ import torch
 
 from ... import kernels
 from ...kernels import ops
-from ..checks import AttnShape, flat_view, kernel_refusal
+from ..checks import AttnShape, flat_view, kernel_refusal, sinks_need_grad
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -55,7 +55,7 @@ def fused_attention(
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
     reason = supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
-    if reason is None and sinks is not None and sinks.requires_grad and torch.is_grad_enabled():
+    if reason is None and sinks_need_grad(sinks):
         reason = "sinks that require grad (inference only)"
     if reason is not None:
         raise ValueError(f"backend 'fused' cannot run this call: {reason}")

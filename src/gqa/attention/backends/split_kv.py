@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.triton.split_kv import launch, supports
-from ..checks import AttnShape, Window
+from ..checks import AttnShape, Window, sinks_need_grad
 
 
 def triton_attention(
@@ -26,7 +26,7 @@ def triton_attention(
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
     reason = supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
-    if reason is None and sinks is not None and sinks.requires_grad and torch.is_grad_enabled():
+    if reason is None and sinks_need_grad(sinks):
         reason = "sinks that require grad (inference only)"
     if reason is not None:
         raise ValueError(f"backend 'triton' cannot run this call: {reason}")

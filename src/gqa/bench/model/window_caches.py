@@ -73,10 +73,10 @@ def full_and_window_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> tuple
     return cfg.num_layers * tokens * per_slot, held * per_slot
 
 
-def window_rows(contexts: list[int], new: int, repeats: int, dtype: torch.dtype) -> list[dict]:
+def window_rows(contexts: list[int], new: int, repeats: int, dtype: torch.dtype) -> tuple[list[dict], ModelConfig]:
     """One row per (context, cache kind): medians of ``repeats`` runs, decode tokens/s as one over the median step
     (robust to one slow step: the first one after a long prefill can be; the mean rate is kept beside it); raises if
-    the two kinds' tokens differ."""
+    the two kinds' tokens differ. Also the model's config."""
     model = gemma3_like(max(contexts) + new, dtype)
     rows = []
     for context in contexts:
@@ -94,7 +94,7 @@ def window_rows(contexts: list[int], new: int, repeats: int, dtype: torch.dtype)
                          "decode_runs_s": [r["decode_s"] for r in runs]})  # fmt: skip
         if len(tokens) != 1:
             raise RuntimeError(f"context {context}: window and full caches decoded different tokens")
-    return rows
+    return rows, model.config
 
 
 def window_table(rows: list[dict], cfg: ModelConfig, itemsize: int) -> str:
@@ -126,8 +126,7 @@ def run_window_caches(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
     if len(ns.dtypes) != 1 or ns.dtypes[0] not in dtypes:
         parser.error(f"--window-caches runs one float dtype (fp32 or bf16), got --dtypes {' '.join(ns.dtypes)}")
     dtype = dtypes[ns.dtypes[0]]
-    rows = window_rows(ns.contexts, ns.new_tokens, ns.repeats, dtype)
-    cfg = gemma3_like(max(ns.contexts) + ns.new_tokens).config
+    rows, cfg = window_rows(ns.contexts, ns.new_tokens, ns.repeats, dtype)
     args = {"contexts": ns.contexts, "new_tokens": ns.new_tokens, "repeats": ns.repeats, "dtype": ns.dtypes[0]}
     header = (
         f"Window-sized vs full KV caches: a Gemma-3-1B-like random model ({LAYERS} layers, 5 of every 6 sliding with "
