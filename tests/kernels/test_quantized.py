@@ -10,6 +10,7 @@ import torch
 
 import gqa
 from gqa import kernels
+from gqa.kernels import ops
 from gqa.models.quantized import (
     FORMATS,
     QUANTIZABLE,
@@ -61,14 +62,14 @@ def test_dequantize_is_ggufs_exactly(fmt, dtype):
 
 @native
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("rows", [1, 3, 5, 8])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 21])
 def test_quantized_gemv_against_float64(fmt, rows):
     M, K = 37, width(fmt, 5)  # odd row count, 5 blocks per row
     blocks, ref = reference_blocks(M, K, fmt, seed=rows)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0.0  # an all-zero block (scale 0)
     bias = torch.randn(M)
-    y = QuantizedLinear(QuantizedTensor(blocks, get_format(fmt), (M, K)), bias)(x)
+    y = ops.qlinear_rows_n(x, [blocks], [get_format(fmt).code], [bias])[0]
     w = torch.from_numpy(ref)
     exact = quantized_inputs(x) @ w.T + bias.double()  # the kernel's arithmetic in float64
     torch.testing.assert_close(y.double(), exact, atol=1e-4, rtol=1e-5)
@@ -96,11 +97,17 @@ def test_quantized_gemv_in_bfloat16_and_several_matrices_at_once(fmt):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(fmt, dtype):
-    """Serving's batch invariance: each of 7 rows (a group of four, then three alone in the kernel) equals the same
-    row computed alone, whatever the number of threads (1-3) splitting the weight rows."""
+    """Serving's batch invariance: each of 21 rows equals the same row computed alone (one row: the GEMV), whatever
+    the number of threads (1-3) splitting the weight rows. 21 rows are, with AVX-512 VNNI, a group of 16 lanes and one
+    of 8 lanes holding 5 rows; else five groups of four, then one row alone in the kernel."""
     M, K = 45, width(fmt, 3)
-    layer = QuantizedLinear(QuantizedTensor(reference_blocks(M, K, fmt, seed=9)[0], get_format(fmt), (M, K)))
-    x = torch.randn(7, K, generator=torch.Generator().manual_seed(9)).to(dtype)
+    blocks = reference_blocks(M, K, fmt, seed=9)[0]
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return ops.qlinear_rows_n(x, [blocks], [get_format(fmt).code], [None])[0]
+
+    N = 21
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(9)).to(dtype)
     threads = torch.get_num_threads()
     try:
         with torch.inference_mode():
@@ -108,7 +115,7 @@ def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(fmt,
             for n in (1, 2, 3):
                 torch.set_num_threads(n)
                 outs.append(layer(x))
-                for r in range(7):
+                for r in range(N):
                     assert torch.equal(layer(x[r : r + 1])[0], outs[-1][r]), f"row {r} alone, {n} threads"
     finally:
         torch.set_num_threads(threads)
@@ -116,15 +123,27 @@ def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(fmt,
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_prefill_goes_through_the_dequantized_weight(fmt, monkeypatch):
+def test_a_prompt_goes_through_the_lane_kernel_or_the_dequantized_weight(fmt, monkeypatch):
+    """36 rows: with lane kernels (AVX-512 VNNI) a 32-value format's blocks are multiplied as they are (int8 inputs,
+    never F.linear); otherwise, and for the K formats, ``F.linear`` on the dequantized weight (no input rounding)."""
     from gqa.models import quantized
 
     K = width(fmt, 2)
     blocks, ref = reference_blocks(16, K, fmt)
     bias = torch.randn(16)
     layer = QuantizedLinear(QuantizedTensor(blocks, get_format(fmt), (16, K)), bias)
-    x = torch.randn(3, 12, K)  # 36 rows: a GEMM, no activation rounding
-    want = x.double() @ torch.from_numpy(ref).T + bias.double()
+    x = torch.randn(3, 12, K)
+    w = torch.from_numpy(ref)
+    want = x.double() @ w.T + bias.double()
+    lanes = kernels.lane_rows() > 0 and FORMATS[fmt].block_values == 32
+    if lanes:
+        with monkeypatch.context() as m:
+            m.setattr(quantized.F, "linear", None)  # not called
+            y = layer(x)
+        exact = quantized_inputs(x) @ w.T + bias.double()
+        torch.testing.assert_close(y.double(), exact, atol=1e-4, rtol=1e-5)
+        assert (y.double() - want).abs().max() < 0.02 * want.abs().max()
+        monkeypatch.setattr(kernels, "lane_rows", lambda: 0)  # a build without them
     torch.testing.assert_close(layer(x).double(), want, atol=1e-4, rtol=1e-5)
     monkeypatch.setattr(quantized, "DEQUANTIZED_ROWS", 5)  # the weight dequantized 5 rows at a time: 5, 5, 5, 1
     torch.testing.assert_close(layer(x).double(), want, atol=1e-4, rtol=1e-5)

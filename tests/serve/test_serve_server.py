@@ -278,10 +278,15 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, hf_sm
     assert choice.text == prompt and choice.finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 0)
     assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    for i in range(1, len(ids)):  # the served model's bf16/int8 rounding against float32 (as the test above)
-        assert abs(lp.token_logprobs[i] - float(want[i - 1, ids[i]])) < 0.15, (i, lp.token_logprobs[i])
+    # the served model's bf16 activations, rounded to int8 per 32 values as llama.cpp rounds them (the prompt's rows
+    # too, where the build has lane kernels), against float32: ~0.07 nats on average, 0.19 at most on this prompt
+    errors = []
+    for i in range(1, len(ids)):
+        errors.append(abs(lp.token_logprobs[i] - float(want[i - 1, ids[i]])))
+        assert errors[-1] < 0.3, (i, lp.token_logprobs[i])
         top = lp.top_logprobs[i]
-        assert len(top) == 3 and abs(max(top.values()) - float(want[i - 1].max())) < 0.15
+        assert len(top) == 3 and abs(max(top.values()) - float(want[i - 1].max())) < 0.3
+    assert sum(errors) / len(errors) < 0.1
     assert sum(lp.token_logprobs[1:]) < -5  # not all zeros
     answered = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=3, max_tokens=4,
                                          temperature=0)  # fmt: skip

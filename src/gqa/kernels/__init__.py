@@ -38,6 +38,7 @@ SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-f
 
 _loaded: bool | None = None  # None: not tried yet
 _simd = 0  # gqa::simd_width() of the loaded library, read once: vectorized() runs inside torch.compile'd code too
+_lane_rows = 0  # gqa::lane_rows(), read once likewise
 
 
 def _key() -> str:
@@ -188,10 +189,17 @@ def vectorized() -> bool:
     return simd_width() > 1
 
 
+def lane_rows() -> int:
+    """The fewest input rows the quantized kernel runs in SIMD lanes (``ops.lane_rows``); 0: not loaded, or a build
+    without those kernels (no AVX-512 VNNI)."""
+    return _lane_rows if available() else 0
+
+
 def _loaded_now() -> None:
-    global _loaded, _simd
+    global _loaded, _simd, _lane_rows
     from . import ops
 
     ops.register_fakes()
     _simd = ops.simd_width()
+    _lane_rows = ops.lane_rows()
     _loaded = True

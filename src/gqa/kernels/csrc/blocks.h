@@ -1,5 +1,5 @@
-// What quantized.cpp and k_quants.h share: the block formats' codes and sizes, fp16 scales, and the integer dot
-// products of unsigned weight bytes with signed int8 inputs.
+// What quantized.cpp, row_lanes.h and k_quants.h share: the block formats' codes, sizes and layouts, fp16 scales, the
+// unpacking of 4- and 5-bit blocks, and the integer dot products of unsigned weight bytes with signed int8 inputs.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -49,6 +49,16 @@ inline float half_at(const uint8_t* p) {
 inline float to_float(float x) { return x; }
 inline float to_float(BFloat16 x) { return static_cast<float>(x); }
 
+// Where a 32-value block's parts are: the minimum m (q4_1, q5_1) follows d; the fifth bits (q5_*) come before the
+// nibbles.
+constexpr bool has_min(int64_t f) { return f == Q4_1 || f == Q5_1; }
+constexpr bool five_bit(int64_t f) { return f == Q5_0 || f == Q5_1; }
+constexpr int64_t high_bits_at(int64_t f) { return has_min(f) ? 4 : 2; }
+constexpr int64_t nibbles_at(int64_t f) { return high_bits_at(f) + (five_bit(f) ? 4 : 0); }
+// The offset of q in w = d * (q - offset) (formats without m): 8 (q4_0), 16 (q5_0).
+constexpr float q_offset(int64_t f) { return f == Q5_0 ? 16.0f : 8.0f; }
+
+
 #if defined(__AVX2__)
 // Weight rows come from the file's pages in DRAM, once per token: the hardware's stream prefetchers stop at each 4 KiB
 // page, so the kernels ask for the bytes ~1.5 KiB ahead of those they read (Q4_K GEMV streamed from DRAM, 2 threads:
@@ -93,5 +103,35 @@ inline void store_chains4(const __m128* acc, const __m128* mins, float* out, int
   for (int n = 0; n < 4; ++n) out[n * stride] = o[n];
 }
 #endif
+
+#if defined(__AVX2__)
+// The 32 weights of a 4-bit block as unsigned bytes in order 0..31.
+inline __m256i nibbles(const uint8_t* qs) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+}
+
+// 16 in byte i where bit i of the 32 bits at qh is set, else 0: byte i takes byte i / 8 of qh (every 128-bit lane
+// holds all four), then keeps its bit i % 8.
+inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+#endif
+
+// The constant term a weight block adds per unit of the input block's sum: m (q4_1, q5_1), -8 d (q4_0), -16 d (q5_0),
+// 0 (q8_0).
+template <int F>
+inline float block_min(const uint8_t* blk, float dw) {
+  if constexpr (F == Q8_0) return 0.0f;
+  if constexpr (has_min(F)) return half_at(blk + 2);
+  return -q_offset(F) * dw;
+}
 
 }  // namespace gqa_blocks

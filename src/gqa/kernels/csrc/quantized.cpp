@@ -20,6 +20,9 @@
 //       products with the weight blocks are taken in float, d * q (+ m) times x, and added to the row's sum, so such
 //       inputs give what x @ dequant(W)^T gives in float (NaN, +-inf, or a huge finite sum) — the rows without one
 //       take the integer path alone, unchanged.
+//       With AVX-512 VNNI, 4 or more rows and a 32-value format, the rows go through row_lanes.h (rows in SIMD
+//       lanes: 2-4x the products per second at 8-64 rows), with the same sums.
+//   gqa::lane_rows() -> int: the fewest rows that take row_lanes.h's kernels; 0 where the build has none.
 //   gqa::dequantize_rows(blocks (M, K / 32 * bytes), format, K, dtype) -> (M, K) of dtype
 //       the float weights (prefill, embedding rows), exactly d * q (+ m) rounded to dtype.
 //
@@ -41,19 +44,11 @@
 #include "blocks.h"
 #include "k_quants.h"
 #include "quantized.h"
+#include "row_lanes.h"
 
 namespace {
 
 using namespace gqa_blocks;
-
-// Where a 32-value block's parts are: the minimum m (q4_1, q5_1) follows d; the fifth bits (q5_*) come before the
-// nibbles.
-constexpr bool has_min(int64_t f) { return f == Q4_1 || f == Q5_1; }
-constexpr bool five_bit(int64_t f) { return f == Q5_0 || f == Q5_1; }
-constexpr int64_t high_bits_at(int64_t f) { return has_min(f) ? 4 : 2; }
-constexpr int64_t nibbles_at(int64_t f) { return high_bits_at(f) + (five_bit(f) ? 4 : 0); }
-// The offset of q in w = d * (q - offset) (formats without m): 8 (q4_0), 16 (q5_0).
-constexpr float q_offset(int64_t f) { return f == Q5_0 ? 16.0f : 8.0f; }
 
 // Bytes of a weight row of K values (K a multiple of the format's block).
 int64_t row_bytes_of(int64_t format, int64_t K) { return K / block_values(format) * block_bytes(format); }
@@ -65,6 +60,9 @@ using gqa::QuantizedRows;
 // term is smaller: below 2^64 a row's float32 sums cannot overflow for any K < 2^30. Larger (finite) inputs are taken in float, with the non-finite ones.
 constexpr float INTEGER_PATH_MAX = 18446744073709551616.0f;  // 2^64
 
+// Inputs of at least this many rows go through row_lanes.h's kernels (32-value formats, AVX-512 VNNI builds).
+constexpr int64_t LANE_ROWS = 4;
+
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   const int64_t nb = K / QK;
@@ -72,6 +70,7 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   QuantizedRows r{std::vector<int8_t>(N * K), std::vector<float>(N * nb), std::vector<float>(N * nb), {},
                   std::vector<float>(nb * n4), std::vector<float>(nb * n4), n4};
   std::vector<float> xf(QK);
+  std::vector<int32_t> isum(N * nb);  // the integer sums of the blocks' q (row_lanes.h's q8_0)
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       const T* xb = x + n * K + b * QK;
@@ -100,9 +99,13 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
       }
       r.d[n * nb + b] = d;
       r.ds[n * nb + b] = d * static_cast<float>(sum);
+      isum[n * nb + b] = sum;
     }
   for (int64_t n = 0; n < n4; ++n)
     for (int64_t b = 0; b < nb; ++b) r.dt[b * n4 + n] = r.d[n * nb + b], r.dst[b * n4 + n] = r.ds[n * nb + b];
+#if defined(GQA_ROW_LANES)
+  if (N >= LANE_ROWS) pack_lanes(r, isum.data(), N, K);
+#endif
   return r;
 }
 
@@ -149,36 +152,6 @@ void add_float_blocks(const T* x, const QuantizedRows& xr, int64_t K, const uint
       buf[n * rows + i] += s;
     }
   }
-}
-
-#if defined(__AVX2__)
-// The 32 weights of a 4-bit block as unsigned bytes in order 0..31.
-inline __m256i nibbles(const uint8_t* qs) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
-}
-
-// 16 in byte i where bit i of the 32 bits at qh is set, else 0: byte i takes byte i / 8 of qh (every 128-bit lane
-// holds all four), then keeps its bit i % 8.
-inline __m256i fifth_bits(const uint8_t* qh) {
-  uint32_t bits;
-  std::memcpy(&bits, qh, 4);
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int32_t>(bits)),
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-}
-#endif
-
-// The constant term a weight block adds per unit of the input block's sum: m (q4_1, q5_1), -8 d (q4_0), -16 d (q5_0),
-// 0 (q8_0).
-template <int F>
-inline float block_min(const uint8_t* blk, float dw) {
-  if constexpr (F == Q8_0) return 0.0f;
-  if constexpr (has_min(F)) return half_at(blk + 2);
-  return -q_offset(F) * dw;
 }
 
 // Every kernel below gives row n of x and weight row w the same float sum, whatever the other rows: per block b,
@@ -298,11 +271,37 @@ inline float dot1(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t
 }
 #endif
 
+constexpr int64_t ROW_BLOCK = 16;  // weight rows run against every group of x rows while they are in L1
+
+#if defined(GQA_ROW_LANES)
+// qdot_rows for x in lane groups (row_lanes.h), 16 groups (256 rows) at a time: those rows stay in L2 while a thread's
+// weight rows stream past them.
+template <int F>
+void lanes_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const QuantizedRows& xr, int64_t nb, float* buf) {
+  constexpr size_t GROUPS = 16;
+  for (size_t g0 = 0; g0 < xr.groups.size(); g0 += GROUPS)
+    for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK)
+      for (size_t gi = g0; gi < std::min(xr.groups.size(), g0 + GROUPS); ++gi) {
+        const QuantizedRows::LaneGroup& g = xr.groups[gi];
+        for (int64_t i = i0; i < std::min(rows, i0 + ROW_BLOCK); ++i) {
+          float* o = buf + g.n0 * rows + i;
+          if (g.lanes == 16) {
+            lanes_dot<F, 16>(w + i * row_bytes, nb, xr, g, o, rows);
+          } else {
+            lanes_dot<F, 8>(w + i * row_bytes, nb, xr, g, o, rows);
+          }
+        }
+      }
+}
+#endif
+
 template <int F>
 void qdot_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const QuantizedRows& xr, int64_t N, int64_t K,
                float* buf) {  // buf (N, rows)
   const int64_t nb = K / QK;
-  constexpr int64_t ROW_BLOCK = 16;  // weight rows run against every group of x rows while they are in L1
+#if defined(GQA_ROW_LANES)
+  if (!k_quant(F) && !xr.groups.empty()) return lanes_rows<F>(w, rows, row_bytes, xr, nb, buf);
+#endif
   for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK) {
     const int64_t i1 = std::min(rows, i0 + ROW_BLOCK);
     int64_t n0 = 0;
@@ -496,7 +495,17 @@ void gqa::quantized_rows_dot(const uint8_t* w, int64_t format, int64_t rows, int
   rows_dot(w, format, rows, K, xr, x, N, buf);
 }
 
+// The fewest input rows qlinear_rows_n runs through row_lanes.h's kernels (32-value formats), 0 in a build without them.
+int64_t lane_rows() {
+#if defined(GQA_ROW_LANES)
+  return LANE_ROWS;
+#else
+  return 0;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(gqa, m) {
+  m.def("lane_rows() -> int", &lane_rows);  // no tensor arguments: one kernel for every backend
   m.def("qlinear_rows_n(Tensor x, Tensor[] blocks, int[] formats, Tensor?[] biases) -> Tensor[]");
   m.def("dequantize_rows(Tensor blocks, int format, int K, ScalarType dtype) -> Tensor");
 }

@@ -23,6 +23,17 @@ struct QuantizedRows {
   std::vector<int64_t> nonfinite;
   std::vector<float> dt, dst;  // d and ds of the first n4 = N / 4 * 4 rows, block-major: (K / 32, n4)
   int64_t n4 = 0;
+  // The rows in SIMD lanes, for row_lanes.h's kernels (AVX-512 VNNI builds, N >= 2; else empty): groups of `lanes`
+  // rows (16, or 8 for the last <= 8), the missing rows of a group zero. Group g's block b holds, at
+  // lq[g.q_at + b * 32 * lanes], eight runs of lanes x 4 bytes (run j: q[4j .. 4j + 3] of each row), and at
+  // g.s_at + b * lanes its rows' d (ld), ds (lds) and the integer sums of their q (lsum).
+  struct LaneGroup {
+    int64_t n0, rows, lanes, q_at, s_at;
+  };
+  std::vector<LaneGroup> groups;
+  std::vector<int8_t> lq;
+  std::vector<float> ld, lds;
+  std::vector<int32_t> lsum;
 };
 
 // Bytes of one weight row of K values in `format` (K a multiple of its block: 32, or 256 for the K formats).

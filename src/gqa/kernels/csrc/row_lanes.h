@@ -1,0 +1,139 @@
+// Few-row products of the 32-value formats with the input rows in SIMD lanes (AVX-512 VNNI builds): the prompt rows,
+// serving's batch rows and speculation's draft rows. A weight block is unpacked once into 32 unsigned bytes and each
+// group of four is broadcast against the same four inputs of 8 or 16 rows at once (vpdpbusd), so a block's exact
+// integer dot products with every row of the group come out in lanes, with no horizontal sums; the scales and the
+// four float chains are lane-wise too. Each lane does what quantized.cpp's dot1 does for its row — the same integer
+// sums, the same float operations in the same order — so a row's result does not depend on its batch.
+//
+// q8_0's signed weights go in as w + 128 (unsigned): the products then hold 128 * (the sum of the block's q_x) more,
+// taken off exactly with the integer sums quantize_rows keeps.
+#pragma once
+
+#include "blocks.h"
+#include "quantized.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define GQA_ROW_LANES 1
+
+namespace gqa_blocks {
+
+// The lane widths: 16 rows in a zmm, 8 in a ymm (a group of <= 8 rows runs at half the width).
+template <int L>
+struct Lanes;
+
+template <>
+struct Lanes<16> {
+  using I = __m512i;
+  using V = __m512;
+  static I izero() { return _mm512_setzero_si512(); }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I dot(I acc, int32_t w4, const int8_t* x) {
+    return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(w4), _mm512_loadu_si512(x));
+  }
+  static I minus_128x(I s, const int32_t* sums) {
+    return _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_loadu_si512(sums), 7));
+  }
+  static V zero() { return _mm512_setzero_ps(); }
+  static V cvt(I s) { return _mm512_cvtepi32_ps(s); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+
+template <>
+struct Lanes<8> {
+  using I = __m256i;
+  using V = __m256;
+  static I izero() { return _mm256_setzero_si256(); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I dot(I acc, int32_t w4, const int8_t* x) {
+    return _mm256_dpbusd_epi32(acc, _mm256_set1_epi32(w4), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  }
+  static I minus_128x(I s, const int32_t* sums) {
+    return _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)), 7));
+  }
+  static V zero() { return _mm256_setzero_ps(); }
+  static V cvt(I s) { return _mm256_cvtepi32_ps(s); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+
+// A weight block's 32 values as unsigned bytes, in order (q8_0: q + 128).
+template <int F>
+inline __m256i lane_weights(const uint8_t* blk) {
+  if constexpr (F == Q8_0) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
+  } else if constexpr (five_bit(F)) {
+    return _mm256_or_si256(nibbles(blk + nibbles_at(F)), fifth_bits(blk + high_bits_at(F)));
+  } else {
+    return nibbles(blk + nibbles_at(F));
+  }
+}
+
+// out[n * stride] for the g.rows rows of lane group g and one weight row w of nb blocks.
+template <int F, int L>
+inline void lanes_dot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr,
+                      const gqa::QuantizedRows::LaneGroup& g, float* out, int64_t stride) {
+  using S = Lanes<L>;
+  constexpr int64_t BYTES = block_bytes_of(F);
+  typename S::V acc[4], mins[4];
+  for (int c = 0; c < 4; ++c) acc[c] = S::zero(), mins[c] = S::zero();
+  const int8_t* xq = xr.lq.data() + g.q_at;
+  const float *xd = xr.ld.data() + g.s_at, *xds = xr.lds.data() + g.s_at;
+  const int32_t* xs = xr.lsum.data() + g.s_at;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * BYTES;
+    if ((b & 3) == 0) prefetch_ahead(blk, 4 * BYTES);
+    alignas(32) int32_t w4[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(w4), lane_weights<F>(blk));
+    const int8_t* xb = xq + b * QK * L;
+    typename S::I p[4];  // four independent chains of vpdpbusd (one chain is latency-bound); the sums are exact
+    for (int j = 0; j < 4; ++j) p[j] = S::dot(S::izero(), w4[j], xb + j * 4 * L);
+    for (int j = 4; j < 8; ++j) p[j - 4] = S::dot(p[j - 4], w4[j], xb + j * 4 * L);
+    typename S::I s = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
+    if constexpr (F == Q8_0) s = S::minus_128x(s, xs + b * L);
+    const float dw = half_at(blk);
+    acc[b & 3] = S::fma(S::cvt(s), S::mul(S::set1(dw), S::load(xd + b * L)), acc[b & 3]);
+    if constexpr (F != Q8_0) mins[b & 3] = S::fma(S::set1(block_min<F>(blk, dw)), S::load(xds + b * L), mins[b & 3]);
+  }
+  const typename S::V a = S::add(S::add(acc[0], acc[2]), S::add(acc[1], acc[3]));
+  const typename S::V m = S::add(S::add(mins[0], mins[2]), S::add(mins[1], mins[3]));
+  alignas(64) float o[L];
+  S::store(o, S::add(a, m));
+  for (int64_t n = 0; n < g.rows; ++n) out[n * stride] = o[n];
+}
+
+// Packs rows [0, N) of a quantized input (q (N, K), d, ds and the integer sums isum (N, K / 32)) into xr's lane groups.
+inline void pack_lanes(gqa::QuantizedRows& xr, const int32_t* isum, int64_t N, int64_t K) {
+  const int64_t nb = K / QK;
+  int64_t q_at = 0, s_at = 0;
+  for (int64_t n0 = 0; n0 < N;) {
+    const int64_t lanes = N - n0 > 8 ? 16 : 8, rows = std::min<int64_t>(lanes, N - n0);
+    xr.groups.push_back({n0, rows, lanes, q_at, s_at});
+    q_at += lanes * K, s_at += lanes * nb, n0 += rows;
+  }
+  xr.lq.assign(q_at, 0);
+  xr.ld.assign(s_at, 0.0f), xr.lds.assign(s_at, 0.0f), xr.lsum.assign(s_at, 0);
+  for (const auto& g : xr.groups)
+    for (int64_t r = 0; r < g.rows; ++r) {
+      const int64_t n = g.n0 + r;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t s = g.s_at + b * g.lanes + r;
+        xr.ld[s] = xr.d[n * nb + b], xr.lds[s] = xr.ds[n * nb + b], xr.lsum[s] = isum[n * nb + b];
+        int8_t* dst = xr.lq.data() + g.q_at + b * QK * g.lanes + 4 * r;
+        const int8_t* src = xr.q.data() + n * K + b * QK;
+        for (int j = 0; j < 8; ++j) std::memcpy(dst + j * 4 * g.lanes, src + 4 * j, 4);
+      }
+    }
+}
+
+}  // namespace gqa_blocks
+
+#endif
