@@ -124,8 +124,8 @@ def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(fmt,
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_prompt_goes_through_the_lane_kernel_or_the_dequantized_weight(fmt, monkeypatch):
-    """36 rows: with lane kernels (AVX-512 VNNI) a 32-value format's blocks are multiplied as they are (int8 inputs,
-    never F.linear); otherwise, and for the K formats, ``F.linear`` on the dequantized weight (no input rounding)."""
+    """36 rows: with lane kernels (AVX-512 VNNI) the blocks are multiplied as they are (int8 inputs, never F.linear);
+    otherwise ``F.linear`` on the dequantized weight (no input rounding)."""
     from gqa.models import quantized
 
     K = width(fmt, 2)
@@ -135,8 +135,7 @@ def test_a_prompt_goes_through_the_lane_kernel_or_the_dequantized_weight(fmt, mo
     x = torch.randn(3, 12, K)
     w = torch.from_numpy(ref)
     want = x.double() @ w.T + bias.double()
-    lanes = kernels.lane_rows() > 0 and FORMATS[fmt].block_values == 32
-    if lanes:
+    if kernels.lane_rows() > 0:
         with monkeypatch.context() as m:
             m.setattr(quantized.F, "linear", None)  # not called
             y = layer(x)

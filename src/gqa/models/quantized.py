@@ -29,7 +29,6 @@ the K formats only come from files: gguf has no quantizer for them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,16 +142,16 @@ def quantize(weight: torch.Tensor, fmt: Format | str) -> QuantizedTensor:
 
 
 # Up to this many rows of x the kernel streams the blocks once for all of them; more rows go through F.linear, except
-# where the kernel puts the rows in SIMD lanes (``kernels.lane_rows``: AVX-512 VNNI, the 32-value formats) — there it
-# takes any number, 2-4x faster than F.linear even on a kept float32 copy of the weight (docs/performance.md).
+# where the kernel puts the rows in SIMD lanes (``kernels.lane_rows``: AVX-512 VNNI) — there it takes any number,
+# 2-4x faster than F.linear even on a kept float32 copy of the weight (docs/performance.md).
 KERNEL_MAX_ROWS = 8
 # F.linear on more rows takes the weight dequantized this many output rows at a time (a 1B model's 8192-row MLP
 # matrix: 8 MiB of bf16 at once, not 32)
 DEQUANTIZED_ROWS = 2048
 
 
-def uses_kernel(x: torch.Tensor, formats: Sequence[Format] = ()) -> bool:
-    """Whether ``QuantizedLinear`` runs the native kernel for input ``x`` and weights in ``formats``."""
+def uses_kernel(x: torch.Tensor) -> bool:
+    """Whether ``QuantizedLinear`` runs the native kernel for input ``x``."""
     if not (
         x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
@@ -163,7 +162,7 @@ def uses_kernel(x: torch.Tensor, formats: Sequence[Format] = ()) -> bool:
         return False
     if x.numel() <= KERNEL_MAX_ROWS * x.shape[-1]:
         return True
-    return kernels.lane_rows() > 0 and bool(formats) and all(f.block_values == BLOCK for f in formats)
+    return kernels.lane_rows() > 0
 
 
 class QuantizedLinear(nn.Module):
@@ -193,7 +192,7 @@ class QuantizedLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input of shape {tuple(x.shape)} does not end in in_features={self.in_features}")
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if uses_kernel(x, (self.format,)):
+        if uses_kernel(x):
             rows = x.reshape(-1, x.shape[-1]).contiguous()
             out = ops.qlinear_rows_n(rows, [self.blocks], [self.format.code], [bias])[0]
             return out.view(*x.shape[:-1], self.out_features)
@@ -218,7 +217,7 @@ class QuantizedLinear(nn.Module):
 
 def quantized_linears(x: torch.Tensor, layers: list[QuantizedLinear]) -> list[torch.Tensor]:
     """``[layer(x) for layer in layers]`` in one kernel call (one pass of the threads over all the blocks)."""
-    if not uses_kernel(x, [m.format for m in layers]):
+    if not uses_kernel(x):
         return [layer(x) for layer in layers]
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     biases = [None if m.bias is None else m.bias.to(x.dtype) for m in layers]

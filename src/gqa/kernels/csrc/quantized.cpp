@@ -20,8 +20,8 @@
 //       products with the weight blocks are taken in float, d * q (+ m) times x, and added to the row's sum, so such
 //       inputs give what x @ dequant(W)^T gives in float (NaN, +-inf, or a huge finite sum) — the rows without one
 //       take the integer path alone, unchanged.
-//       With AVX-512 VNNI, 4 or more rows and a 32-value format, the rows go through row_lanes.h (rows in SIMD
-//       lanes: 2-4x the products per second at 8-64 rows), with the same sums.
+//       With AVX-512 VNNI and 4 or more rows, the rows go through row_lanes.h (rows in SIMD lanes: 2-4x the
+//       products per second at 8-64 rows), with the same sums.
 //   gqa::lane_rows() -> int: the fewest rows that take row_lanes.h's kernels; 0 where the build has none.
 //   gqa::dequantize_rows(blocks (M, K / 32 * bytes), format, K, dtype) -> (M, K) of dtype
 //       the float weights (prefill, embedding rows), exactly d * q (+ m) rounded to dtype.
@@ -60,7 +60,7 @@ using gqa::QuantizedRows;
 // term is smaller: below 2^64 a row's float32 sums cannot overflow for any K < 2^30. Larger (finite) inputs are taken in float, with the non-finite ones.
 constexpr float INTEGER_PATH_MAX = 18446744073709551616.0f;  // 2^64
 
-// Inputs of at least this many rows go through row_lanes.h's kernels (32-value formats, AVX-512 VNNI builds).
+// Inputs of at least this many rows go through row_lanes.h's kernels (AVX-512 VNNI builds).
 constexpr int64_t LANE_ROWS = 4;
 
 template <typename T>
@@ -70,7 +70,7 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   QuantizedRows r{std::vector<int8_t>(N * K), std::vector<float>(N * nb), std::vector<float>(N * nb), {},
                   std::vector<float>(nb * n4), std::vector<float>(nb * n4), n4};
   std::vector<float> xf(QK);
-  std::vector<int32_t> isum(N * nb);  // the integer sums of the blocks' q (row_lanes.h's q8_0)
+  std::vector<int32_t> isum(N * nb), isum_lo(N * nb);  // the integer sums of the blocks' q, of their first 16
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       const T* xb = x + n * K + b * QK;
@@ -96,6 +96,7 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
       for (int64_t i = 0; i < QK; ++i) {
         qb[i] = static_cast<int8_t>(std::nearbyint(xf[i] * id));
         sum += qb[i];
+        if (i == QK / 2 - 1) isum_lo[n * nb + b] = sum;
       }
       r.d[n * nb + b] = d;
       r.ds[n * nb + b] = d * static_cast<float>(sum);
@@ -104,7 +105,7 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   for (int64_t n = 0; n < n4; ++n)
     for (int64_t b = 0; b < nb; ++b) r.dt[b * n4 + n] = r.d[n * nb + b], r.dst[b * n4 + n] = r.ds[n * nb + b];
 #if defined(GQA_ROW_LANES)
-  if (N >= LANE_ROWS) pack_lanes(r, isum.data(), N, K);
+  if (N >= LANE_ROWS) pack_lanes(r, isum.data(), isum_lo.data(), N, K);
 #endif
   return r;
 }
@@ -285,7 +286,13 @@ void lanes_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const Quantiz
         const QuantizedRows::LaneGroup& g = xr.groups[gi];
         for (int64_t i = i0; i < std::min(rows, i0 + ROW_BLOCK); ++i) {
           float* o = buf + g.n0 * rows + i;
-          if (g.lanes == 16) {
+          if constexpr (k_quant(F)) {
+            if (g.lanes == 16) {
+              lanes_kdot<F, 16>(w + i * row_bytes, nb, xr, g, o, rows);
+            } else {
+              lanes_kdot<F, 8>(w + i * row_bytes, nb, xr, g, o, rows);
+            }
+          } else if (g.lanes == 16) {
             lanes_dot<F, 16>(w + i * row_bytes, nb, xr, g, o, rows);
           } else {
             lanes_dot<F, 8>(w + i * row_bytes, nb, xr, g, o, rows);
@@ -300,7 +307,7 @@ void qdot_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const Quantize
                float* buf) {  // buf (N, rows)
   const int64_t nb = K / QK;
 #if defined(GQA_ROW_LANES)
-  if (!k_quant(F) && !xr.groups.empty()) return lanes_rows<F>(w, rows, row_bytes, xr, nb, buf);
+  if (!xr.groups.empty()) return lanes_rows<F>(w, rows, row_bytes, xr, nb, buf);
 #endif
   for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK) {
     const int64_t i1 = std::min(rows, i0 + ROW_BLOCK);
@@ -495,7 +502,7 @@ void gqa::quantized_rows_dot(const uint8_t* w, int64_t format, int64_t rows, int
   rows_dot(w, format, rows, K, xr, x, N, buf);
 }
 
-// The fewest input rows qlinear_rows_n runs through row_lanes.h's kernels (32-value formats), 0 in a build without them.
+// The fewest input rows qlinear_rows_n runs through row_lanes.h's kernels, 0 in a build without them.
 int64_t lane_rows() {
 #if defined(GQA_ROW_LANES)
   return LANE_ROWS;

@@ -26,14 +26,14 @@ struct QuantizedRows {
   // The rows in SIMD lanes, for row_lanes.h's kernels (AVX-512 VNNI builds, N >= 2; else empty): groups of `lanes`
   // rows (16, or 8 for the last <= 8), the missing rows of a group zero. Group g's block b holds, at
   // lq[g.q_at + b * 32 * lanes], eight runs of lanes x 4 bytes (run j: q[4j .. 4j + 3] of each row), and at
-  // g.s_at + b * lanes its rows' d (ld), ds (lds) and the integer sums of their q (lsum).
+  // g.s_at + b * lanes its rows' d (ld), ds (lds) and the integer sums of their q (lsum; lsum_lo: of the first 16).
   struct LaneGroup {
     int64_t n0, rows, lanes, q_at, s_at;
   };
   std::vector<LaneGroup> groups;
   std::vector<int8_t> lq;
   std::vector<float> ld, lds;
-  std::vector<int32_t> lsum;
+  std::vector<int32_t> lsum, lsum_lo;
 };
 
 // Bytes of one weight row of K values in `format` (K a multiple of its block: 32, or 256 for the K formats).

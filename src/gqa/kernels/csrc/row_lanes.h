@@ -6,10 +6,12 @@
 // sums, the same float operations in the same order — so a row's result does not depend on its batch.
 //
 // q8_0's signed weights go in as w + 128 (unsigned): the products then hold 128 * (the sum of the block's q_x) more,
-// taken off exactly with the integer sums quantize_rows keeps.
+// taken off exactly with the integer sums quantize_rows keeps; q6_k's q - 32 likewise as q, per 16-value half. The K
+// formats' sub-blocks (k_quants.h) follow kdot1 as the 32-value formats follow dot1.
 #pragma once
 
 #include "blocks.h"
+#include "k_quants.h"
 #include "quantized.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
@@ -27,11 +29,13 @@ struct Lanes<16> {
   using V = __m512;
   static I izero() { return _mm512_setzero_si512(); }
   static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I iload(const int32_t* p) { return _mm512_loadu_si512(p); }
+  static I imul(I a, int32_t b) { return _mm512_mullo_epi32(a, _mm512_set1_epi32(b)); }
+  template <int BITS>
+  static I shl(I a) { return _mm512_slli_epi32(a, BITS); }
   static I dot(I acc, int32_t w4, const int8_t* x) {
     return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(w4), _mm512_loadu_si512(x));
-  }
-  static I minus_128x(I s, const int32_t* sums) {
-    return _mm512_sub_epi32(s, _mm512_slli_epi32(_mm512_loadu_si512(sums), 7));
   }
   static V zero() { return _mm512_setzero_ps(); }
   static V cvt(I s) { return _mm512_cvtepi32_ps(s); }
@@ -49,11 +53,13 @@ struct Lanes<8> {
   using V = __m256;
   static I izero() { return _mm256_setzero_si256(); }
   static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I iload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I imul(I a, int32_t b) { return _mm256_mullo_epi32(a, _mm256_set1_epi32(b)); }
+  template <int BITS>
+  static I shl(I a) { return _mm256_slli_epi32(a, BITS); }
   static I dot(I acc, int32_t w4, const int8_t* x) {
     return _mm256_dpbusd_epi32(acc, _mm256_set1_epi32(w4), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  }
-  static I minus_128x(I s, const int32_t* sums) {
-    return _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)), 7));
   }
   static V zero() { return _mm256_setzero_ps(); }
   static V cvt(I s) { return _mm256_cvtepi32_ps(s); }
@@ -77,6 +83,17 @@ inline __m256i lane_weights(const uint8_t* blk) {
   }
 }
 
+// out[n * stride] = ((acc_0 + acc_2) + (acc_1 + acc_3)) + ((min_0 + min_2) + (min_1 + min_3)), lane n, n < rows.
+template <class S>
+inline void lanes_store(const typename S::V* acc, const typename S::V* mins, int64_t rows, float* out,
+                        int64_t stride) {
+  const typename S::V a = S::add(S::add(acc[0], acc[2]), S::add(acc[1], acc[3]));
+  const typename S::V m = S::add(S::add(mins[0], mins[2]), S::add(mins[1], mins[3]));
+  alignas(64) float o[sizeof(typename S::V) / sizeof(float)];
+  S::store(o, S::add(a, m));
+  for (int64_t n = 0; n < rows; ++n) out[n * stride] = o[n];
+}
+
 // out[n * stride] for the g.rows rows of lane group g and one weight row w of nb blocks.
 template <int F, int L>
 inline void lanes_dot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr,
@@ -98,20 +115,69 @@ inline void lanes_dot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr
     for (int j = 0; j < 4; ++j) p[j] = S::dot(S::izero(), w4[j], xb + j * 4 * L);
     for (int j = 4; j < 8; ++j) p[j - 4] = S::dot(p[j - 4], w4[j], xb + j * 4 * L);
     typename S::I s = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
-    if constexpr (F == Q8_0) s = S::minus_128x(s, xs + b * L);
+    if constexpr (F == Q8_0) s = S::isub(s, S::template shl<7>(S::iload(xs + b * L)));
     const float dw = half_at(blk);
     acc[b & 3] = S::fma(S::cvt(s), S::mul(S::set1(dw), S::load(xd + b * L)), acc[b & 3]);
     if constexpr (F != Q8_0) mins[b & 3] = S::fma(S::set1(block_min<F>(blk, dw)), S::load(xds + b * L), mins[b & 3]);
   }
-  const typename S::V a = S::add(S::add(acc[0], acc[2]), S::add(acc[1], acc[3]));
-  const typename S::V m = S::add(S::add(mins[0], mins[2]), S::add(mins[1], mins[3]));
-  alignas(64) float o[L];
-  S::store(o, S::add(a, m));
-  for (int64_t n = 0; n < g.rows; ++n) out[n * stride] = o[n];
+  lanes_store<S>(acc, mins, g.rows, out, stride);
 }
 
-// Packs rows [0, N) of a quantized input (q (N, K), d, ds and the integer sums isum (N, K / 32)) into xr's lane groups.
-inline void pack_lanes(gqa::QuantizedRows& xr, const int32_t* isum, int64_t N, int64_t K) {
+// The K formats' sub-blocks in lanes (k_quants.h's kdot1 for each row): per super-block its scales once, then each
+// sub-block's 32 q (q6_k: q + 32, unsigned) broadcast four at a time. q6_k's two scales per sub-block multiply the
+// integer sums of its halves, each less 32 * the half's sum of q_x: the same integer kdot1 sums.
+template <int F, int L>
+inline void lanes_kdot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr,
+                       const gqa::QuantizedRows::LaneGroup& g, float* out, int64_t stride) {
+  using S = Lanes<L>;
+  constexpr int64_t BYTES = block_bytes_of(F);
+  typename S::V acc[4], mins[4];
+  for (int c = 0; c < 4; ++c) acc[c] = S::zero(), mins[c] = S::zero();
+  const int8_t* xq = xr.lq.data() + g.q_at;
+  const float *xd = xr.ld.data() + g.s_at, *xds = xr.lds.data() + g.s_at;
+  const int32_t *xs = xr.lsum.data() + g.s_at, *xlo = xr.lsum_lo.data() + g.s_at;
+  for (int64_t s = 0; s < nb / 8; ++s) {
+    const uint8_t* sb = w + s * BYTES;
+    prefetch_ahead(sb, BYTES);
+    const SuperScales sc = super_scales<F>(sb);
+    for (int j0 = 0; j0 < 8; j0 += 4) {
+      __m256i wq[4], scales[4];
+      k_quad<F>(sb, j0, wq, scales);
+      alignas(32) int32_t w4[4][8];
+      for (int i = 0; i < 4; ++i) {
+        const __m256i q = F == Q6_K ? _mm256_add_epi8(wq[i], _mm256_set1_epi8(32)) : wq[i];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(w4[i]), q);
+      }
+      for (int i = 0; i < 4; ++i) {
+        const int j = j0 + i;
+        const int64_t b = s * 8 + j;
+        const int8_t* xb = xq + b * QK * L;
+        typename S::I p[4];  // q6_k: p[0], p[1] the first half's chains, p[2], p[3] the second's
+        p[0] = S::dot(S::izero(), w4[i][0], xb), p[1] = S::dot(S::izero(), w4[i][1], xb + 4 * L);
+        p[2] = S::dot(S::izero(), w4[i][4], xb + 16 * L), p[3] = S::dot(S::izero(), w4[i][5], xb + 20 * L);
+        p[0] = S::dot(p[0], w4[i][2], xb + 8 * L), p[1] = S::dot(p[1], w4[i][3], xb + 12 * L);
+        p[2] = S::dot(p[2], w4[i][6], xb + 24 * L), p[3] = S::dot(p[3], w4[i][7], xb + 28 * L);
+        typename S::I sum;
+        if constexpr (F == Q6_K) {
+          const typename S::I lo_x = S::iload(xlo + b * L), hi_x = S::isub(S::iload(xs + b * L), lo_x);
+          const typename S::I lo = S::isub(S::iadd(p[0], p[1]), S::template shl<5>(lo_x));
+          const typename S::I hi = S::isub(S::iadd(p[2], p[3]), S::template shl<5>(hi_x));
+          sum = S::iadd(S::imul(lo, static_cast<int8_t>(sb[192 + 2 * j])),
+                        S::imul(hi, static_cast<int8_t>(sb[193 + 2 * j])));
+        } else {
+          sum = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
+        }
+        acc[i] = S::fma(S::cvt(sum), S::mul(S::set1(sc.dw[j]), S::load(xd + b * L)), acc[i]);
+        if constexpr (F != Q6_K) mins[i] = S::fma(S::set1(sc.mw[j]), S::load(xds + b * L), mins[i]);
+      }
+    }
+  }
+  lanes_store<S>(acc, mins, g.rows, out, stride);
+}
+
+// Packs rows [0, N) of a quantized input (q (N, K), d, ds, and the integer sums of each block's q, isum (N, K / 32),
+// and of its first 16, isum_lo) into xr's lane groups.
+inline void pack_lanes(gqa::QuantizedRows& xr, const int32_t* isum, const int32_t* isum_lo, int64_t N, int64_t K) {
   const int64_t nb = K / QK;
   int64_t q_at = 0, s_at = 0;
   for (int64_t n0 = 0; n0 < N;) {
@@ -120,13 +186,14 @@ inline void pack_lanes(gqa::QuantizedRows& xr, const int32_t* isum, int64_t N, i
     q_at += lanes * K, s_at += lanes * nb, n0 += rows;
   }
   xr.lq.assign(q_at, 0);
-  xr.ld.assign(s_at, 0.0f), xr.lds.assign(s_at, 0.0f), xr.lsum.assign(s_at, 0);
+  xr.ld.assign(s_at, 0.0f), xr.lds.assign(s_at, 0.0f), xr.lsum.assign(s_at, 0), xr.lsum_lo.assign(s_at, 0);
   for (const auto& g : xr.groups)
     for (int64_t r = 0; r < g.rows; ++r) {
       const int64_t n = g.n0 + r;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t s = g.s_at + b * g.lanes + r;
         xr.ld[s] = xr.d[n * nb + b], xr.lds[s] = xr.ds[n * nb + b], xr.lsum[s] = isum[n * nb + b];
+        xr.lsum_lo[s] = isum_lo[n * nb + b];
         int8_t* dst = xr.lq.data() + g.q_at + b * QK * g.lanes + 4 * r;
         const int8_t* src = xr.q.data() + n * K + b * QK;
         for (int j = 0; j < 8; ++j) std::memcpy(dst + j * 4 * g.lanes, src + 4 * j, 4);
