@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .blocks import BlockManager, OutOfBlocks
 from .request import EngineError, Request, RequestOutput, RequestState
-from .speculation import LENGTHS, MAX_DRAFTING, propose
+from .speculation import MAX_DRAFTING, MIN_DRAFT, propose
 
 __all__ = ["ScheduledBatch", "Scheduler"]
 
@@ -109,7 +109,7 @@ class Scheduler:
             return []
         k = min(r.drafting.wanted(self.speculate), p.max_tokens - len(r.outputs) - 1)
         draft = propose(r.tokens, k) if k else []
-        if len(draft) < min(k, LENGTHS[0]):  # 2 or 3 rows cost more than 4
+        if len(draft) < min(k, MIN_DRAFT):
             draft = []
         if draft:
             try:

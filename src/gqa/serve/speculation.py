@@ -9,22 +9,33 @@ the first pick that differs (or the one after the whole draft) comes free: the o
 1 to ``k + 1`` tokens per step. Rows are independent in the kernels (a row's result does not depend on the others),
 so verifying a draft gives the same logits as decoding the tokens one by one.
 
-When it pays: a draft's rows are not free. The native kernels take rows four at a time, and on 2 cores one request's
-step with 4 rows costs ~1.7x its 1-row step and with 8 rows ~3x (SmolLM2, Q4_1), while 2 or 3 rows cost more than 4.
-So drafts are 3 or 7 tokens long (4 or 8 rows), shorter proposals are dropped, a request that drafts in vain pauses
-its drafts for 2, 4, ... 32 steps, and only a batch of at most ``MAX_DRAFTING`` decoding requests drafts at all — in
-a bigger batch the kernels are busy with every row and an extra row costs about a token's time.
+When it pays: a draft's rows are not free, and 2 or 3 rows cost more than 4 (they run as separate GEMVs), so
+proposals shorter than 3 tokens are dropped. Where the quantized kernels put the rows in SIMD lanes
+(``kernels.lane_rows``, AVX-512 VNNI) 4 to 8 rows are one 8-lane pass costing about 2-2.5x a 1-row GEMV, so drafts are
+always up to 7 tokens long; elsewhere the kernels take rows four at a time (on 2 cores 4 rows ~1.7x the 1-row step, 8
+rows ~3x: SmolLM2, Q4_1) and drafts are 3 tokens, 7 after a draft accepted whole. A request that drafts in vain
+pauses its drafts for 2, 4, ... 32 steps, and only a batch of at most ``MAX_DRAFTING`` decoding requests drafts at
+all — in a bigger batch the kernels are busy with every row and an extra row costs about a token's time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["MAX_DRAFTING", "DraftState", "accepted", "propose"]
+from .. import kernels
+
+__all__ = ["MAX_DRAFTING", "MIN_DRAFT", "DraftState", "accepted", "draft_lengths", "propose"]
 
 NGRAMS = (3,)  # the suffix lengths looked up, longest first (shorter ones match too often to pay)
 MAX_DRAFTING = 2  # decoding requests at most in a step whose requests draft
-LENGTHS = (3, 7)  # draft lengths: 4 and 8 rows with the newest token
+MIN_DRAFT = 3  # shorter proposals are dropped: 2 or 3 rows cost more than 4
+LENGTHS = (3, 7)  # draft lengths, short and long: 4 and 8 rows with the newest token
+LANE_LENGTHS = (7, 7)  # with lane kernels 4 to 8 rows cost one pass: always the long one
+
+
+def draft_lengths() -> tuple[int, int]:
+    """The short and the long draft length for this machine's kernels."""
+    return LANE_LENGTHS if 0 < kernels.lane_rows() <= MIN_DRAFT + 1 else LENGTHS
 
 
 def propose(tokens: list[int], k: int, ngrams: tuple[int, ...] = NGRAMS) -> list[int]:
@@ -57,7 +68,7 @@ def accepted(draft: list[int], picks: list[int]) -> list[int]:
 class DraftState:
     """One request's drafting: the next draft's length, drafts in a row with nothing accepted, steps left to pause."""
 
-    length: int = LENGTHS[0]
+    length: int = field(default_factory=lambda: draft_lengths()[0])
     misses: int = 0
     pause: int = 0
 
@@ -71,10 +82,11 @@ class DraftState:
     def verified(self, drafted: int, taken: int) -> None:
         """A draft of ``drafted`` tokens had its first ``taken`` accepted: a whole one lengthens the next, a wasted
         one pauses drafting (twice as long as the last pause, up to 32 steps)."""
+        short, long = draft_lengths()
         if taken == drafted:
-            self.length, self.misses = LENGTHS[-1], 0
+            self.length, self.misses = long, 0
         elif taken == 0:
-            self.length, self.misses = LENGTHS[0], self.misses + 1
+            self.length, self.misses = short, self.misses + 1
             self.pause = 2 ** min(self.misses, 5)
         else:
-            self.length, self.misses = LENGTHS[0], 0
+            self.length, self.misses = short, 0
