@@ -64,7 +64,7 @@ def test_dequantize_is_ggufs_exactly(fmt, dtype):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 21])
 def test_quantized_gemv_against_float64(fmt, rows):
-    M, K = 37, width(fmt, 5)  # odd row count, 5 blocks per row
+    M, K = 37, width(fmt, 5 if FORMATS[fmt].block_values > 32 else 13)  # odd row count, 13 blocks (8 + 4 + 1)
     blocks, ref = reference_blocks(M, K, fmt, seed=rows)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0.0  # an all-zero block (scale 0)
@@ -100,7 +100,7 @@ def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(fmt,
     """Serving's batch invariance: each of 21 rows equals the same row computed alone (one row: the GEMV), whatever
     the number of threads (1-3) splitting the weight rows. 21 rows are, with AVX-512 VNNI, a group of 16 lanes and one
     of 8 lanes holding 5 rows; else five groups of four, then one row alone in the kernel."""
-    M, K = 45, width(fmt, 3)
+    M, K = 45, width(fmt, 3 if FORMATS[fmt].block_values > 32 else 11)  # 11 blocks: 8 in one step, then 3
     blocks = reference_blocks(M, K, fmt, seed=9)[0]
 
     def layer(x: torch.Tensor) -> torch.Tensor:
