@@ -124,8 +124,8 @@ def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(fmt,
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_prompt_goes_through_the_lane_kernel_or_the_dequantized_weight(fmt, monkeypatch):
-    """36 rows: with lane kernels (AVX-512 VNNI) the blocks are multiplied as they are (int8 inputs, never F.linear);
-    otherwise ``F.linear`` on the dequantized weight (no input rounding)."""
+    """36 rows: with lane kernels (AVX-512 VNNI) the blocks are multiplied as they are (int8 inputs, never F.linear;
+    bfloat16 inputs up to 64 rows); otherwise ``F.linear`` on the dequantized weight (no input rounding)."""
     from gqa.models import quantized
 
     K = width(fmt, 2)
@@ -136,6 +136,7 @@ def test_a_prompt_goes_through_the_lane_kernel_or_the_dequantized_weight(fmt, mo
     w = torch.from_numpy(ref)
     want = x.double() @ w.T + bias.double()
     if kernels.lane_rows() > 0:
+        assert quantized.uses_kernel(x.bfloat16()[:2]) and not quantized.uses_kernel(torch.randn(65, K).bfloat16())
         with monkeypatch.context() as m:
             m.setattr(quantized.F, "linear", None)  # not called
             y = layer(x)

@@ -142,9 +142,11 @@ def quantize(weight: torch.Tensor, fmt: Format | str) -> QuantizedTensor:
 
 
 # Up to this many rows of x the kernel streams the blocks once for all of them; more rows go through F.linear, except
-# where the kernel puts the rows in SIMD lanes (``kernels.lane_rows``: AVX-512 VNNI) — there it takes any number,
-# 2-4x faster than F.linear even on a kept float32 copy of the weight (docs/performance.md).
+# where the kernel puts the rows in SIMD lanes (``kernels.lane_rows``: AVX-512 VNNI) — there it takes any number of
+# float32 rows (2-4x faster than F.linear even on a kept float32 copy of the weight) and up to LANE_MAX_BF16_ROWS of
+# bfloat16 ones (beyond, oneDNN's bf16 GEMM on the dequantized weight catches up: docs/performance.md).
 KERNEL_MAX_ROWS = 8
+LANE_MAX_BF16_ROWS = 64
 # F.linear on more rows takes the weight dequantized this many output rows at a time (a 1B model's 8192-row MLP
 # matrix: 8 MiB of bf16 at once, not 32)
 DEQUANTIZED_ROWS = 2048
@@ -160,9 +162,10 @@ def uses_kernel(x: torch.Tensor) -> bool:
         and kernels.vectorized()
     ):
         return False
-    if x.numel() <= KERNEL_MAX_ROWS * x.shape[-1]:
+    rows = x.numel() // x.shape[-1]
+    if rows <= KERNEL_MAX_ROWS:
         return True
-    return kernels.lane_rows() > 0
+    return kernels.lane_rows() > 0 and (x.dtype == torch.float32 or rows <= LANE_MAX_BF16_ROWS)
 
 
 class QuantizedLinear(nn.Module):
