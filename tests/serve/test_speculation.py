@@ -37,22 +37,27 @@ def test_accepted_is_the_matching_prefix_then_one_pick(draft, data):
     assert n == len(draft) or draft[n] != picks[n]
 
 
-@pytest.mark.parametrize(("lane_rows", "lengths"), [(0, (3, 7)), (4, (7, 7))])
-def test_a_request_pauses_after_wasted_drafts_and_lengthens_after_whole_ones(lane_rows, lengths, monkeypatch):
-    """GEMV kernels: drafts of 3, 7 after a whole one; lane kernels (4 to 8 rows in one pass): always 7."""
+@pytest.mark.parametrize(
+    ("lane_rows", "quantized", "lengths"), [(0, True, (3, 7)), (4, True, (7, 7)), (4, False, (3, 7))]
+)
+def test_a_request_pauses_after_wasted_drafts_and_lengthens_after_whole_ones(
+    lane_rows, quantized, lengths, monkeypatch
+):
+    """GEMV kernels (or float weights): drafts of 3, 7 after a whole one; lane kernels on quantized weights (4 to 8
+    rows in one pass): always 7."""
     monkeypatch.setattr(kernels, "lane_rows", lambda: lane_rows)
-    assert draft_lengths() == lengths
+    assert draft_lengths(quantized) == lengths
     short, long = lengths
     s = DraftState()
-    assert s.wanted(7) == short and s.wanted(2) == 2
-    s.verified(3, 3)
-    assert s.wanted(7) == long
-    s.verified(7, 0)  # wasted: pause 2 steps
-    assert [s.wanted(7) for _ in range(3)] == [0, 0, short]
-    s.verified(3, 0)  # wasted again: pause 4
-    assert [s.wanted(7) for _ in range(5)] == [0, 0, 0, 0, short]
-    s.verified(3, 1)  # a partly accepted draft ends the streak
-    assert s.misses == 0 and s.wanted(7) == short
+    assert s.wanted(7, lengths) == short and s.wanted(2, lengths) == 2
+    s.verified(3, 3, lengths)
+    assert s.wanted(7, lengths) == long
+    s.verified(7, 0, lengths)  # wasted: pause 2 steps
+    assert [s.wanted(7, lengths) for _ in range(3)] == [0, 0, short]
+    s.verified(3, 0, lengths)  # wasted again: pause 4
+    assert [s.wanted(7, lengths) for _ in range(5)] == [0, 0, 0, 0, short]
+    s.verified(3, 1, lengths)  # a partly accepted draft ends the streak
+    assert s.misses == 0 and s.wanted(7, lengths) == short
     for _ in range(10):
         s.verified(3, 0)
     assert s.misses == 10 and s.pause == 32  # the pause stops growing at 32 steps

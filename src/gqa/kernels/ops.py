@@ -99,8 +99,8 @@ def simd_width() -> int:
 
 
 def lane_rows() -> int:
-    """The fewest input rows ``qlinear_rows_n`` puts in SIMD lanes for the 32-value formats (AVX-512 VNNI builds),
-    where many rows run 2-4x faster than as GEMVs and than ``F.linear`` on the dequantized weight; 0: none built."""
+    """The fewest input rows ``qlinear_rows_n`` puts in SIMD lanes (AVX-512 VNNI builds), where many rows run 2-4x
+    faster than as GEMVs and than ``F.linear`` on the dequantized weight; 0: none built."""
     return int(torch.ops.gqa.lane_rows())
 
 

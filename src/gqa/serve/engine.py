@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.quantized import QuantizedLinear
 from .blocks import BlockManager
 from .config import EngineConfig
 from .detokenizer import TextStream
@@ -27,7 +28,7 @@ from .runner import ModelRunner, default_kv_cache_mib
 from .sampler import adjusted, sample_rows, token_logprob
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .speculation import accepted
+from .speculation import accepted, draft_lengths
 from .structured import Grammars
 
 __all__ = ["Engine", "EngineError", "EngineStats", "Request", "RequestOutput", "RequestState", "default_kv_cache_mib"]
@@ -80,7 +81,9 @@ class Engine:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_id
         self.scheduler = Scheduler(self.blocks, config.max_running, config.prefill_chunk,
                                    {int(t) for t in eos_token_ids or []}, window=self.runner.window,
-                                   speculate=config.speculate)  # fmt: skip
+                                   speculate=config.speculate,
+                                   draft_lengths=draft_lengths(any(isinstance(m, QuantizedLinear)
+                                                                   for m in model.modules())))  # fmt: skip
         # structured output's grammars, compiled against this tokenizer and the model's logits (needs a tokenizer)
         self.grammars = None if tokenizer is None else Grammars(tokenizer, self.config.vocab_size, self.scheduler.eos)
         self._ids = itertools.count()

@@ -11,16 +11,17 @@ so verifying a draft gives the same logits as decoding the tokens one by one.
 
 When it pays: a draft's rows are not free, and 2 or 3 rows cost more than 4 (they run as separate GEMVs), so
 proposals shorter than 3 tokens are dropped. Where the quantized kernels put the rows in SIMD lanes
-(``kernels.lane_rows``, AVX-512 VNNI) 4 to 8 rows are one 8-lane pass costing about 2-2.5x a 1-row GEMV, so drafts are
-always up to 7 tokens long; elsewhere the kernels take rows four at a time (on 2 cores 4 rows ~1.7x the 1-row step, 8
-rows ~3x: SmolLM2, Q4_1) and drafts are 3 tokens, 7 after a draft accepted whole. A request that drafts in vain
-pauses its drafts for 2, 4, ... 32 steps, and only a batch of at most ``MAX_DRAFTING`` decoding requests drafts at
-all — in a bigger batch the kernels are busy with every row and an extra row costs about a token's time.
+(``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass costing about 2-2.5x a
+1-row GEMV, so drafts are always up to 7 tokens long; elsewhere the kernels take rows four at a time (on 2 cores 4
+rows ~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3 tokens, 7 after a draft accepted whole. A
+request that drafts in vain pauses its drafts for 2, 4, ... 32 steps, and only a batch of at most ``MAX_DRAFTING``
+decoding requests drafts at all — in a bigger batch the kernels are busy with every row and an extra row costs about
+a token's time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .. import kernels
 
@@ -33,9 +34,10 @@ LENGTHS = (3, 7)  # draft lengths, short and long: 4 and 8 rows with the newest 
 LANE_LENGTHS = (7, 7)  # with lane kernels 4 to 8 rows cost one pass: always the long one
 
 
-def draft_lengths() -> tuple[int, int]:
-    """The short and the long draft length for this machine's kernels."""
-    return LANE_LENGTHS if 0 < kernels.lane_rows() <= MIN_DRAFT + 1 else LENGTHS
+def draft_lengths(quantized: bool = True) -> tuple[int, int]:
+    """The short and the long draft length for this machine's kernels and a model with ``quantized`` weights (the
+    lanes take quantized products only)."""
+    return LANE_LENGTHS if quantized and 0 < kernels.lane_rows() <= MIN_DRAFT + 1 else LENGTHS
 
 
 def propose(tokens: list[int], k: int, ngrams: tuple[int, ...] = NGRAMS) -> list[int]:
@@ -68,21 +70,22 @@ def accepted(draft: list[int], picks: list[int]) -> list[int]:
 class DraftState:
     """One request's drafting: the next draft's length, drafts in a row with nothing accepted, steps left to pause."""
 
-    length: int = field(default_factory=lambda: draft_lengths()[0])
+    length: int = 0  # 0: the short one
     misses: int = 0
     pause: int = 0
 
-    def wanted(self, speculate: int) -> int:
-        """The draft length to ask for this step (0: none), at most ``speculate``."""
+    def wanted(self, speculate: int, lengths: tuple[int, int] = LENGTHS) -> int:
+        """The draft length to ask for this step (0: none), at most ``speculate``; ``lengths``: the short and the
+        long one (``draft_lengths``)."""
         if self.pause:
             self.pause -= 1
             return 0
-        return min(self.length, speculate)
+        return min(self.length or lengths[0], speculate)
 
-    def verified(self, drafted: int, taken: int) -> None:
+    def verified(self, drafted: int, taken: int, lengths: tuple[int, int] = LENGTHS) -> None:
         """A draft of ``drafted`` tokens had its first ``taken`` accepted: a whole one lengthens the next, a wasted
         one pauses drafting (twice as long as the last pause, up to 32 steps)."""
-        short, long = draft_lengths()
+        short, long = lengths
         if taken == drafted:
             self.length, self.misses = long, 0
         elif taken == 0:

@@ -502,6 +502,8 @@ void gqa::quantized_rows_dot(const uint8_t* w, int64_t format, int64_t rows, int
   rows_dot(w, format, rows, K, xr, x, N, buf);
 }
 
+namespace {
+
 // The fewest input rows qlinear_rows_n runs through row_lanes.h's kernels, 0 in a build without them.
 int64_t lane_rows() {
 #if defined(GQA_ROW_LANES)
@@ -510,6 +512,8 @@ int64_t lane_rows() {
   return 0;
 #endif
 }
+
+}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gqa, m) {
   m.def("lane_rows() -> int", &lane_rows);  // no tensor arguments: one kernel for every backend

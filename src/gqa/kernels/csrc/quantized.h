@@ -23,7 +23,7 @@ struct QuantizedRows {
   std::vector<int64_t> nonfinite;
   std::vector<float> dt, dst;  // d and ds of the first n4 = N / 4 * 4 rows, block-major: (K / 32, n4)
   int64_t n4 = 0;
-  // The rows in SIMD lanes, for row_lanes.h's kernels (AVX-512 VNNI builds, N >= 2; else empty): groups of `lanes`
+  // The rows in SIMD lanes, for row_lanes.h's kernels (AVX-512 VNNI builds, N >= 4; else empty): groups of `lanes`
   // rows (16, or 8 for the last <= 8), the missing rows of a group zero. Group g's block b holds, at
   // lq[g.q_at + b * 32 * lanes], eight runs of lanes x 4 bytes (run j: q[4j .. 4j + 3] of each row), and at
   // g.s_at + b * lanes its rows' d (ld), ds (lds) and the integer sums of their q (lsum; lsum_lo: of the first 16).

@@ -1,4 +1,4 @@
-// Few-row products of the 32-value formats with the input rows in SIMD lanes (AVX-512 VNNI builds): the prompt rows,
+// Few-row quantized products with the input rows in SIMD lanes (AVX-512 VNNI builds): the prompt rows,
 // serving's batch rows and speculation's draft rows. A weight block is unpacked once into 32 unsigned bytes and each
 // group of four is broadcast against the same four inputs of 8 or 16 rows at once (vpdpbusd), so a block's exact
 // integer dot products with every row of the group come out in lanes, with no horizontal sums; the scales and the
@@ -9,6 +9,9 @@
 // taken off exactly with the integer sums quantize_rows keeps; q6_k's q - 32 likewise as q, per 16-value half. The K
 // formats' sub-blocks (k_quants.h) follow kdot1 as the 32-value formats follow dot1.
 #pragma once
+
+#include <algorithm>
+#include <cstring>
 
 #include "blocks.h"
 #include "k_quants.h"
