@@ -22,9 +22,11 @@ llama.cpp's K formats (what ``Q4_K_M``/``Q5_K_M``/``Q6_K`` files hold) group 256
 
 ``QuantizedLinear`` multiplies a few rows (decode) with the native kernel ``gqa::qlinear_rows_n``, which quantizes
 each 32-value block of the input to ``int8`` and takes integer dot products with the blocks (llama.cpp's scheme), and
-larger inputs (prefill) through the dequantized weight and ``F.linear``. ``QuantizedEmbedding`` dequantizes the rows
-it looks up. ``quantize`` makes blocks from float weights (``gguf.quants``, bit-exact with llama.cpp's reference;
-the K formats only come from files: gguf has no quantizer for them).
+larger inputs (prefill) through the dequantized weight and ``F.linear`` — except where the kernel puts the rows in
+SIMD lanes (AVX-512 VNNI): there float32 prompts of any length and bfloat16 ones up to 64 rows take the kernel too.
+``QuantizedEmbedding`` dequantizes the rows it looks up. ``quantize`` makes blocks from float weights
+(``gguf.quants``, bit-exact with llama.cpp's reference; the K formats only come from files: gguf has no quantizer for
+them).
 """
 
 from __future__ import annotations
