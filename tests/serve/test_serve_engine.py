@@ -305,6 +305,45 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(async_en
     assert async_engine.alive and async_engine.errors == 1 and engine.blocks.num_free == engine.blocks.num_blocks
 
 
+@pytest.mark.parametrize(("handling", "handover"), [(0.003, 0.5), (0.2, None)])
+def test_the_next_step_waits_for_the_consumer_to_take_up_the_last_output_but_not_long(
+    async_engine, monkeypatch, handling, handover
+):
+    """A consumer that spends 3 ms on each output (writing its chunk) sees the next step start only after it asks for
+    the next output — a consumer running beside the step's native call would stall one of its threads; one that
+    spends 200 ms does not hold the engine back more than ``HANDOVER_SECONDS`` (5 ms) per step."""
+    import asyncio
+    import itertools
+    import time
+
+    from gqa.serve import async_engine as module
+
+    if handover is not None:  # ordering, not the time limit, is what the first case checks (a busy CI machine)
+        monkeypatch.setattr(module, "HANDOVER_SECONDS", handover)
+    engine = async_engine.engine
+    real, starts = engine.step, []
+
+    def step():
+        starts.append(time.monotonic())
+        return real()
+
+    monkeypatch.setattr(engine, "step", step)
+    asked = []  # when the consumer asked for the next output, after handling one
+
+    async def consume():
+        async for _ in async_engine.generate([5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True)):
+            await asyncio.sleep(handling)
+            asked.append(time.monotonic())
+
+    asyncio.run(asyncio.wait_for(consume(), 30))
+    assert len(asked) >= 7 and len(starts) >= len(asked)
+    if handover is not None:  # every step after an output starts once its consumer asked again
+        assert all(start >= taken for start, taken in zip(starts[1:], asked[:-1], strict=False))
+    else:  # the engine went on without it: its steps ran well before the consumer caught up
+        assert starts[len(asked) - 1] < asked[-2]
+        assert max(b - a for a, b in itertools.pairwise(starts)) < handling
+
+
 def test_a_step_that_raises_while_admitting_fails_that_request_alone(async_engine, monkeypatch):
     """A fault in admission (the block manager raising something other than 'out of blocks' for one prompt) fails
     that request; it does not stay at the head of the queue failing every step, and the next request is served."""
