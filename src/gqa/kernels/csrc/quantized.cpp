@@ -63,14 +63,22 @@ constexpr float INTEGER_PATH_MAX = 18446744073709551616.0f;  // 2^64
 // Inputs of at least this many rows go through row_lanes.h's kernels (AVX-512 VNNI builds).
 constexpr int64_t LANE_ROWS = 4;
 
+#if defined(GQA_ROW_LANES)
+constexpr bool LANES_BUILT = true;
+#else
+constexpr bool LANES_BUILT = false;
+#endif
+
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   const int64_t nb = K / QK;
-  const int64_t n4 = N / 4 * 4;  // the rows dot4 reads, in groups of four
+  const bool lanes = LANES_BUILT && N >= LANE_ROWS;  // the rows go in lane groups, or dot4 reads them
+  const int64_t n4 = lanes ? 0 : N / 4 * 4;          // the rows dot4 reads, in groups of four
   QuantizedRows r{std::vector<int8_t>(N * K), std::vector<float>(N * nb), std::vector<float>(N * nb), {},
                   std::vector<float>(nb * n4), std::vector<float>(nb * n4), n4};
   std::vector<float> xf(QK);
-  std::vector<int32_t> isum(N * nb), isum_lo(N * nb);  // the integer sums of the blocks' q, of their first 16
+  // the lanes' integer sums of each block's q, and of its first 16
+  std::vector<int32_t> isum(lanes ? N * nb : 0), isum_lo(lanes ? N * nb : 0);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       const T* xb = x + n * K + b * QK;
@@ -96,16 +104,16 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
       for (int64_t i = 0; i < QK; ++i) {
         qb[i] = static_cast<int8_t>(std::nearbyint(xf[i] * id));
         sum += qb[i];
-        if (i == QK / 2 - 1) isum_lo[n * nb + b] = sum;
+        if (lanes && i == QK / 2 - 1) isum_lo[n * nb + b] = sum;
       }
       r.d[n * nb + b] = d;
       r.ds[n * nb + b] = d * static_cast<float>(sum);
-      isum[n * nb + b] = sum;
+      if (lanes) isum[n * nb + b] = sum;
     }
   for (int64_t n = 0; n < n4; ++n)
     for (int64_t b = 0; b < nb; ++b) r.dt[b * n4 + n] = r.d[n * nb + b], r.dst[b * n4 + n] = r.ds[n * nb + b];
 #if defined(GQA_ROW_LANES)
-  if (N >= LANE_ROWS) pack_lanes(r, isum.data(), isum_lo.data(), N, K);
+  if (lanes) pack_lanes(r, isum.data(), isum_lo.data(), N, K);
 #endif
   return r;
 }

@@ -21,7 +21,7 @@ struct QuantizedRows {
   std::vector<float> d;
   std::vector<float> ds;  // d * (sum of the block's q): the block's sum of x, as the kernel sees it
   std::vector<int64_t> nonfinite;
-  std::vector<float> dt, dst;  // d and ds of the first n4 = N / 4 * 4 rows, block-major: (K / 32, n4)
+  std::vector<float> dt, dst;  // d and ds of the first n4 = N / 4 * 4 rows (0 when in lanes), block-major: (K / 32, n4)
   int64_t n4 = 0;
   // The rows in SIMD lanes, for row_lanes.h's kernels (AVX-512 VNNI builds, N >= 4; else empty): groups of `lanes`
   // rows (16, or 8 for the last <= 8), the missing rows of a group zero. Group g's block b holds, at

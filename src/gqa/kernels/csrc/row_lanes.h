@@ -86,16 +86,35 @@ inline __m256i lane_weights(const uint8_t* blk) {
   }
 }
 
+// The four float chains (and their minima's) of every lane, and their sum stored per row:
 // out[n * stride] = ((acc_0 + acc_2) + (acc_1 + acc_3)) + ((min_0 + min_2) + (min_1 + min_3)), lane n, n < rows.
 template <class S>
-inline void lanes_store(const typename S::V* acc, const typename S::V* mins, int64_t rows, float* out,
-                        int64_t stride) {
-  const typename S::V a = S::add(S::add(acc[0], acc[2]), S::add(acc[1], acc[3]));
-  const typename S::V m = S::add(S::add(mins[0], mins[2]), S::add(mins[1], mins[3]));
-  alignas(64) float o[sizeof(typename S::V) / sizeof(float)];
-  S::store(o, S::add(a, m));
-  for (int64_t n = 0; n < rows; ++n) out[n * stride] = o[n];
-}
+struct Chains {
+  typename S::V acc[4] = {S::zero(), S::zero(), S::zero(), S::zero()};
+  typename S::V mins[4] = {S::zero(), S::zero(), S::zero(), S::zero()};
+
+  void store(int64_t rows, float* out, int64_t stride) const {
+    const typename S::V a = S::add(S::add(acc[0], acc[2]), S::add(acc[1], acc[3]));
+    const typename S::V m = S::add(S::add(mins[0], mins[2]), S::add(mins[1], mins[3]));
+    alignas(64) float o[sizeof(typename S::V) / sizeof(float)];
+    S::store(o, S::add(a, m));
+    for (int64_t n = 0; n < rows; ++n) out[n * stride] = o[n];
+  }
+};
+
+// Lane group g's inputs in xr: the interleaved int8 values, then per block its rows' d, ds and the integer sums of
+// their q (all 32, the first 16).
+struct LaneInputs {
+  const int8_t* q;
+  const float *d, *ds;
+  const int32_t *sum, *sum_lo;
+  LaneInputs(const gqa::QuantizedRows& xr, const gqa::QuantizedRows::LaneGroup& g)
+      : q(xr.lq.data() + g.q_at),
+        d(xr.ld.data() + g.s_at),
+        ds(xr.lds.data() + g.s_at),
+        sum(xr.lsum.data() + g.s_at),
+        sum_lo(xr.lsum_lo.data() + g.s_at) {}
+};
 
 // out[n * stride] for the g.rows rows of lane group g and one weight row w of nb blocks.
 template <int F, int L>
@@ -103,27 +122,25 @@ inline void lanes_dot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr
                       const gqa::QuantizedRows::LaneGroup& g, float* out, int64_t stride) {
   using S = Lanes<L>;
   constexpr int64_t BYTES = block_bytes_of(F);
-  typename S::V acc[4], mins[4];
-  for (int c = 0; c < 4; ++c) acc[c] = S::zero(), mins[c] = S::zero();
-  const int8_t* xq = xr.lq.data() + g.q_at;
-  const float *xd = xr.ld.data() + g.s_at, *xds = xr.lds.data() + g.s_at;
-  const int32_t* xs = xr.lsum.data() + g.s_at;
+  const LaneInputs x(xr, g);
+  Chains<S> c;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * BYTES;
     if ((b & 3) == 0) prefetch_ahead(blk, 4 * BYTES);
     alignas(32) int32_t w4[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(w4), lane_weights<F>(blk));
-    const int8_t* xb = xq + b * QK * L;
+    const int8_t* xb = x.q + b * QK * L;
     typename S::I p[4];  // four independent chains of vpdpbusd (one chain is latency-bound); the sums are exact
     for (int j = 0; j < 4; ++j) p[j] = S::dot(S::izero(), w4[j], xb + j * 4 * L);
     for (int j = 4; j < 8; ++j) p[j - 4] = S::dot(p[j - 4], w4[j], xb + j * 4 * L);
     typename S::I s = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
-    if constexpr (F == Q8_0) s = S::isub(s, S::template shl<7>(S::iload(xs + b * L)));
+    if constexpr (F == Q8_0) s = S::isub(s, S::template shl<7>(S::iload(x.sum + b * L)));
     const float dw = half_at(blk);
-    acc[b & 3] = S::fma(S::cvt(s), S::mul(S::set1(dw), S::load(xd + b * L)), acc[b & 3]);
-    if constexpr (F != Q8_0) mins[b & 3] = S::fma(S::set1(block_min<F>(blk, dw)), S::load(xds + b * L), mins[b & 3]);
+    c.acc[b & 3] = S::fma(S::cvt(s), S::mul(S::set1(dw), S::load(x.d + b * L)), c.acc[b & 3]);
+    if constexpr (F != Q8_0)
+      c.mins[b & 3] = S::fma(S::set1(block_min<F>(blk, dw)), S::load(x.ds + b * L), c.mins[b & 3]);
   }
-  lanes_store<S>(acc, mins, g.rows, out, stride);
+  c.store(g.rows, out, stride);
 }
 
 // The K formats' sub-blocks in lanes (k_quants.h's kdot1 for each row): per super-block its scales once, then each
@@ -134,11 +151,8 @@ inline void lanes_kdot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& x
                        const gqa::QuantizedRows::LaneGroup& g, float* out, int64_t stride) {
   using S = Lanes<L>;
   constexpr int64_t BYTES = block_bytes_of(F);
-  typename S::V acc[4], mins[4];
-  for (int c = 0; c < 4; ++c) acc[c] = S::zero(), mins[c] = S::zero();
-  const int8_t* xq = xr.lq.data() + g.q_at;
-  const float *xd = xr.ld.data() + g.s_at, *xds = xr.lds.data() + g.s_at;
-  const int32_t *xs = xr.lsum.data() + g.s_at, *xlo = xr.lsum_lo.data() + g.s_at;
+  const LaneInputs x(xr, g);
+  Chains<S> c;
   for (int64_t s = 0; s < nb / 8; ++s) {
     const uint8_t* sb = w + s * BYTES;
     prefetch_ahead(sb, BYTES);
@@ -154,7 +168,7 @@ inline void lanes_kdot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& x
       for (int i = 0; i < 4; ++i) {
         const int j = j0 + i;
         const int64_t b = s * 8 + j;
-        const int8_t* xb = xq + b * QK * L;
+        const int8_t* xb = x.q + b * QK * L;
         typename S::I p[4];  // q6_k: p[0], p[1] the first half's chains, p[2], p[3] the second's
         p[0] = S::dot(S::izero(), w4[i][0], xb), p[1] = S::dot(S::izero(), w4[i][1], xb + 4 * L);
         p[2] = S::dot(S::izero(), w4[i][4], xb + 16 * L), p[3] = S::dot(S::izero(), w4[i][5], xb + 20 * L);
@@ -162,7 +176,7 @@ inline void lanes_kdot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& x
         p[2] = S::dot(p[2], w4[i][6], xb + 24 * L), p[3] = S::dot(p[3], w4[i][7], xb + 28 * L);
         typename S::I sum;
         if constexpr (F == Q6_K) {
-          const typename S::I lo_x = S::iload(xlo + b * L), hi_x = S::isub(S::iload(xs + b * L), lo_x);
+          const typename S::I lo_x = S::iload(x.sum_lo + b * L), hi_x = S::isub(S::iload(x.sum + b * L), lo_x);
           const typename S::I lo = S::isub(S::iadd(p[0], p[1]), S::template shl<5>(lo_x));
           const typename S::I hi = S::isub(S::iadd(p[2], p[3]), S::template shl<5>(hi_x));
           sum = S::iadd(S::imul(lo, static_cast<int8_t>(sb[192 + 2 * j])),
@@ -170,12 +184,12 @@ inline void lanes_kdot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& x
         } else {
           sum = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
         }
-        acc[i] = S::fma(S::cvt(sum), S::mul(S::set1(sc.dw[j]), S::load(xd + b * L)), acc[i]);
-        if constexpr (F != Q6_K) mins[i] = S::fma(S::set1(sc.mw[j]), S::load(xds + b * L), mins[i]);
+        c.acc[i] = S::fma(S::cvt(sum), S::mul(S::set1(sc.dw[j]), S::load(x.d + b * L)), c.acc[i]);
+        if constexpr (F != Q6_K) c.mins[i] = S::fma(S::set1(sc.mw[j]), S::load(x.ds + b * L), c.mins[i]);
       }
     }
   }
-  lanes_store<S>(acc, mins, g.rows, out, stride);
+  c.store(g.rows, out, stride);
 }
 
 // Packs rows [0, N) of a quantized input (q (N, K), d, ds, and the integer sums of each block's q, isum (N, K / 32),
