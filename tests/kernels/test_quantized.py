@@ -146,7 +146,7 @@ def test_a_prompt_goes_through_the_lane_kernel_or_the_dequantized_weight(fmt, mo
         assert (y.double() - want).abs().max() < 0.02 * want.abs().max()
         monkeypatch.setattr(kernels, "lane_rows", lambda: 0)  # a build without them
     torch.testing.assert_close(layer(x).double(), want, atol=1e-4, rtol=1e-5)
-    monkeypatch.setattr(quantized, "DEQUANTIZED_ROWS", 5)  # the weight dequantized 5 rows at a time: 5, 5, 5, 1
+    monkeypatch.setattr(quantized, "DEQUANTIZED_VALUES", 5 * K + 3)  # the weight 5 rows at a time: 5, 5, 5, 1
     torch.testing.assert_close(layer(x).double(), want, atol=1e-4, rtol=1e-5)
 
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import gqa
 from gqa.loaders import default_model_path, load_tokenizer, read_model
-from gqa.loaders.gguf_file import unpermute_qk
+from gqa.loaders.gguf_file import unpermute_qk_
 from gqa.loaders.lazy import open_lazy
 from tests.helpers.k_quants import quantize as quantize_blocks
 
@@ -205,17 +205,18 @@ def test_smollm2_weights_match_transformers(smol, hf_smollm2):
     torch.testing.assert_close(ref["lm_head.weight"], sd["model.embed_tokens.weight"], rtol=0, atol=1e-6)
 
 
-def test_unpermute_qk_inverts_llamacpp_permute():
+def test_unpermute_qk_inverts_llamacpp_permute_in_place():
     assert llamacpp_permute(np.arange(4), 1).tolist() == [0, 2, 1, 3]  # rotate-half pairs (0, 2), (1, 3) interleaved
-    assert unpermute_qk(torch.tensor([0, 2, 1, 3]), 1).tolist() == [0, 1, 2, 3]
+    assert unpermute_qk_(torch.tensor([0, 2, 1, 3]), 1).tolist() == [0, 1, 2, 3]
     torch.manual_seed(0)
     for n_heads, D, rest in [(3, 8, (5,)), (2, 4, ()), (6, 2, (3,))]:
         w = torch.randn(n_heads * D, *rest)
         permuted = torch.from_numpy(llamacpp_permute(w.numpy(), n_heads))
-        assert torch.equal(unpermute_qk(permuted, n_heads), w)
-        assert torch.equal(
-            unpermute_qk(permuted, n_heads), torch.from_numpy(unpermute_by_index(permuted.numpy(), n_heads))
-        )
+        expected = torch.from_numpy(unpermute_by_index(permuted.numpy(), n_heads))
+        out = unpermute_qk_(permuted, n_heads)
+        assert out.data_ptr() == permuted.data_ptr()  # in place: no second copy of the rows
+        assert torch.equal(out, w)
+        assert torch.equal(out, expected)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -700,6 +701,26 @@ def test_a_k_quant_gguf_stays_in_its_blocks_and_runs_as_transformers_reads_the_f
     assert kept.generate(prompt, max_new_tokens=8, eos_token_ids=[]) == dense.generate(
         prompt, max_new_tokens=8, eos_token_ids=[]
     )
+
+
+def test_kept_blocks_are_the_files_pages_and_q_k_are_reordered_in_them_without_changing_the_file(tmp_path):
+    """Every kept weight of a llama GGUF, q and k projections included (their rows reordered in place on the
+    copy-on-write map), lies in the file's one memory map: nothing is copied at load, and the file is unchanged."""
+    import hashlib
+
+    from gqa.models.quantized import QuantizedEmbedding, QuantizedLinear
+
+    ref = tiny_hf("llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    path = write_model_gguf(tmp_path / "m.gguf", ref, q4_k_m)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    model = gqa.load_model(path, tokenizer=False, dtype="auto")
+    blocks = [m.blocks for m in model.modules() if isinstance(m, QuantizedLinear | QuantizedEmbedding)]
+    assert any(".q_proj" in n for n, m in model.named_modules() if isinstance(m, QuantizedLinear))
+    start = min(b.data_ptr() for b in blocks)
+    assert max(b.data_ptr() + b.nbytes for b in blocks) - start <= path.stat().st_size
+    with torch.no_grad():
+        model(torch.tensor([[3, 5, 7]]))
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
 
 
 def test_the_serving_engine_runs_a_k_quant_gguf_batch_invariantly(tmp_path):

@@ -246,3 +246,35 @@ def test_compiled_prefill_and_decode_trace_as_one_graph(dtype):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "frames 2" in proc.stdout  # one graph for the prefill shape, one for the decode shape
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_the_mlp_in_place_without_autograd_and_out_of_place_with_it_equal_the_formula(act):
+    """``MLP`` computes ``act(gate)`` and the product in place when no gradient is wanted (a prompt's temporaries
+    halved): the same values as the plain formula, the input untouched; with autograd, the formula's gradients."""
+    from gqa.models.layers import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(12, 20, act).double()
+    f = torch.nn.functional.silu if act == "silu" else (lambda t: torch.nn.functional.gelu(t, approximate="tanh"))
+    wg, wu, wd = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+
+    def formula(x):
+        return (f(x @ wg.T) * (x @ wu.T)) @ wd.T
+
+    x = torch.randn(2, 3, 12, dtype=torch.float64)
+    kept = x.clone()
+    with torch.no_grad():
+        want = formula(x)
+        torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
+    with torch.inference_mode():
+        torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(x, kept)
+    x.requires_grad_()
+    mlp(x).square().sum().backward()
+    got = [x.grad, wg.grad, wu.grad, wd.grad]
+    mlp.zero_grad()
+    x.grad = None
+    formula(x).square().sum().backward()
+    for a, b in zip(got, [x.grad, wg.grad, wu.grad, wd.grad], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

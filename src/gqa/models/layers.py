@@ -28,7 +28,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = linears(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(ACTIVATIONS[self.act](gate) * up)
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return self.down_proj(ACTIVATIONS[self.act](gate) * up)
+        # without autograd, in place: a prompt's (L, hidden) temporaries at once are two, not four
+        act = F.silu(gate, inplace=True) if self.act == "silu" else ACTIVATIONS[self.act](gate)
+        return self.down_proj(act.mul_(up))
 
 
 def model_rope(cfg: ModelConfig, *, local: bool = False) -> RoPE:
