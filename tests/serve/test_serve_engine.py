@@ -560,3 +560,20 @@ def test_speculation_gives_hf_greedy_tokens_with_drafts_accepted_and_rejected(ti
     again = prompts[0] + out[:20]
     assert run(engine, [again], SamplingParams(max_tokens=12, ignore_eos=True)) == [hf_greedy(ref, again, 12)]
     assert engine.blocks.prefix_hits > 0
+
+
+def test_the_runner_gathers_the_models_weights_once_not_at_every_step(tiny, monkeypatch):
+    """The engine owns its model while it serves: the weights the native call reads are gathered when it starts
+    and kept (walking every module for a replacement cost 5% of a one-stream step), and the answers are unchanged."""
+    from gqa.decoding import native_step
+
+    path, ref = tiny
+    model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
+    calls = []
+    real = native_step.decode_weights
+    monkeypatch.setattr(native_step, "decode_weights", lambda *a: calls.append(1) or real(*a))
+    engine = Engine(model, kv_cache_mib=1, prefill_chunk=32)
+    calls.clear()  # (the engine checks the model, and the runner gathers its weights, once)
+    tokens = run(engine, PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert engine.stats().steps >= 8 and not calls
+    assert tokens == [hf_greedy(ref, prompt, 8) for prompt in PROMPTS[:2]]
