@@ -1,7 +1,7 @@
 // gqa::decode_model: a whole decode step for one new token per row — every layer, the final norm and lm_head — in one
 // call and one parallel region (team.h). Per layer, seven phases, each cut into chunks the threads claim:
-//   1. q/k/v GEMV in chunks of whole heads; a chunk ropes its q heads (into qr) or its k heads (into the cache slot),
-//      or writes its v heads to the cache;
+//   1. q/k/v GEMV in chunks of whole heads (about 128 KB of weights each); a chunk ropes its q heads (into qr) or its
+//      k heads (into the cache slot), or writes its v heads to the cache;
 //   2. attention: (row, KV head, split of the context) tasks, as gqa::decode_attention cuts them;
 //   3. o_proj GEMV and the residual add, in row chunks (Gemma: into a buffer, for phase 4);
 //   4. Gemma only: per batch row, the attention output's norm added to the residual;
@@ -29,6 +29,8 @@
 //                     after attention, after the MLP] (norms1 then the input norm, norms2 the one before the MLP),
 //                     offset_norms (every norm scales by 1 + w, in float32), gelu (GELU-tanh gate), softcaps [per
 //                     layer: attention-logit soft-capping, 0 for none].
+
+#include <algorithm>
 
 #include "attention.h"
 #include "gemv.h"
@@ -109,7 +111,13 @@ struct Layer {
     return base + table[b * table_stride + p / block] * st[0] + h * st[1] + (p % block) * st[2];
   }
   GroupedAttention<T> attention;
+  int64_t q_heads, k_heads, v_heads;  // heads per chunk of q, k and v
   int64_t o_rows, f_rows, down_rows;  // rows per chunk
+
+  // The q/k/v phase's chunks: ceil(Hq / q_heads) of q, then of k, then of v.
+  int64_t qkv_chunks(int64_t Hq, int64_t Hkv) const {
+    return ceil_div(Hq, q_heads) + ceil_div(Hkv, k_heads) + ceil_div(Hkv, v_heads);
+  }
 };
 
 // What each thread keeps for itself.
@@ -146,7 +154,7 @@ struct Step {
   std::vector<int64_t> chunks() const {
     std::vector<int64_t> c;
     for (const Layer<T>& l : layers) {
-      c.push_back(Hq + 2 * Hkv);
+      c.push_back(l.qkv_chunks(Hq, Hkv));
       c.push_back(l.attention.tasks());
       c.push_back(ceil_div(E, l.o_rows));
       c.push_back(l.post_attn_norm ? B : 0);
@@ -213,29 +221,33 @@ struct Step {
 
   // Head `c` of q (c < Hq), k or v: its rows through the GEMV, then RoPE / the cache write.
   void qkv_chunk(ThreadState<T>& s, const Layer<T>& l, int64_t c) const {
-    const bool is_q = c < Hq, is_k = !is_q && c < Hq + Hkv;
+    const int64_t nq = ceil_div(Hq, l.q_heads), nk = ceil_div(Hkv, l.k_heads);
+    const bool is_q = c < nq, is_k = !is_q && c < nq + nk;
     const Matrix& w = is_q ? l.q : is_k ? l.k : l.v;
-    const int64_t h = is_q ? c : is_k ? c - Hq : c - Hq - Hkv, width = is_q || is_k ? D : Dv;
-    gemv(s, w, h * width, width, s.sums);
-    round_out(s.sums, w, h * width, width, s.rounded);
+    const int64_t per = is_q ? l.q_heads : is_k ? l.k_heads : l.v_heads;
+    const int64_t h0 = (is_q ? c : is_k ? c - nq : c - nq - nk) * per, h1 = std::min(h0 + per, is_q ? Hq : Hkv);
+    const int64_t width = is_q || is_k ? D : Dv, rows = (h1 - h0) * width;
+    gemv(s, w, h0 * width, rows, s.sums);
+    round_out(s.sums, w, h0 * width, rows, s.rounded);
     const T* head_norm = is_q ? l.q_norm : is_k ? l.k_norm : nullptr;
     if (head_norm != nullptr) s.rounded2.resize(D);
-    for (int64_t b = 0; b < B; ++b) {
-      const T* r = s.rounded.data() + b * width;
-      if (head_norm != nullptr) {  // as the op-by-op path's rms_norm of the head's row
-        this->norm(r, head_norm, s.rounded2.data(), 1, D, qk_eps);
-        r = s.rounded2.data();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = h0; h < h1; ++h) {
+        const T* r = s.rounded.data() + b * rows + (h - h0) * width;
+        if (head_norm != nullptr) {  // as the op-by-op path's rms_norm of the head's row
+          this->norm(r, head_norm, s.rounded2.data(), 1, D, qk_eps);
+          r = s.rounded2.data();
+        }
+        T* dst = is_q ? qr + (b * Hq + h) * D : l.slot(is_k, b, h);
+        if (!is_q && !is_k) {
+          std::copy(r, r + Dv, dst);
+        } else if (l.rope == 0) {
+          std::copy(r, r + D, dst);
+        } else {
+          const float *cs = l.rope == 2 ? cos_local : cos, *sn = l.rope == 2 ? sin_local : sin;
+          rope_row(r, cs + b * D, sn + b * D, dst, D);
+        }
       }
-      T* dst = is_q ? qr + (b * Hq + h) * D : l.slot(is_k, b, h);
-      if (!is_q && !is_k) {
-        std::copy(r, r + Dv, dst);
-      } else if (l.rope == 0) {
-        std::copy(r, r + D, dst);
-      } else {
-        const float *c = l.rope == 2 ? cos_local : cos, *sn = l.rope == 2 ? sin_local : sin;
-        rope_row(r, c + b * D, sn + b * D, dst, D);
-      }
-    }
   }
 
   // Rows [m0, m0 + rows) of o_proj or down_proj, added to the residual: x = T(x + T(sum)); with `post` (Gemma),
@@ -518,6 +530,10 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
       TORCH_CHECK(l.pos >= 0 && l.pos < kc.size(2), "gqa::decode_model: layer ", li, "'s cache is full (",
                   kc.size(2), " slots)");
     }
+    // whole heads per q/k/v chunk, about chunk_rows' bytes
+    l.q_heads = std::clamp<int64_t>(chunk_rows(l.q, elem) / st.D, 1, st.Hq);
+    l.k_heads = std::clamp<int64_t>(chunk_rows(l.k, elem) / st.D, 1, st.Hkv);
+    l.v_heads = std::clamp<int64_t>(chunk_rows(l.v, elem) / st.Dv, 1, st.Hkv);
     l.o_rows = chunk_rows(l.o, elem);
     l.f_rows = std::max<int64_t>(16, chunk_rows(l.gate, elem) / 32 * 16);  // gate and up rows: about the same bytes
     l.down_rows = chunk_rows(l.down, elem);
