@@ -723,6 +723,37 @@ def test_kept_blocks_are_the_files_pages_and_q_k_are_reordered_in_them_without_c
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
 
 
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0])
+def test_one_opened_gguf_read_twice_gives_hf_q_k_both_times_and_f16_pages_stay_the_files(tmp_path, qtype):
+    """llama q/k rows are put in HF order in place on the file's copy-on-write map where they stay views of it (F32,
+    kept Q8_0 blocks) — once per opened file: a second read of it gives the same weights and leaves the first read's
+    alone — and in a copy where the caller converts them (F16), so that the map's pages stay the file's."""
+    from gqa.loaders import open_model
+    from gqa.models.quantized import QuantizedTensor
+
+    ref = tiny_hf("llama", hidden_size=64, intermediate_size=64)  # 4 query heads, 2 KV heads of 16
+    path = write_model_gguf(tmp_path / "m.gguf", ref, lambda name: qtype if "_proj" in name else Q.F32)
+    keep = qtype == Q.Q8_0
+    names = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qk"]
+
+    def values(state: dict) -> dict:
+        return {n: (state[n].blocks if isinstance(state[n], QuantizedTensor) else state[n]).clone() for n in names}
+
+    source = open_model(path)
+    _, first = read_model(source, keep_quantized=keep)
+    before = values(first)
+    _, second = read_model(source, keep_quantized=keep)
+    fresh = values(read_model(path, keep_quantized=keep)[1])  # a file opened anew
+    for n in names:
+        assert torch.equal(values(first)[n], before[n]) and torch.equal(values(second)[n], fresh[n]), n
+        assert torch.equal(before[n], fresh[n]), n
+        if not keep:  # HF's own weights (F16: within its rounding)
+            torch.testing.assert_close(fresh[n], ref.state_dict()[n], rtol=0, atol=1e-3 if qtype == Q.F16 else 0)
+    q = source.tensor("blk.0.attn_q.weight")
+    on_disk = np.fromfile(path, dtype=np.uint8, count=q.nbytes, offset=q.offset)
+    assert np.array_equal(source.data(q), on_disk) == (qtype == Q.F16)  # only the converted ones left the map alone
+
+
 def test_the_serving_engine_runs_a_k_quant_gguf_batch_invariantly(tmp_path):
     """The mixed K-quant file through ``gqa serve``'s engine (the paged one-call step over Q4_K/Q5_K/Q6_K/Q5_0
     blocks): three requests served together get the tokens each gets alone, and the ones ``generate`` gives."""

@@ -250,8 +250,9 @@ def test_compiled_prefill_and_decode_trace_as_one_graph(dtype):
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 def test_the_mlp_in_place_without_autograd_and_out_of_place_with_it_equal_the_formula(act):
-    """``MLP`` computes ``act(gate)`` and the product in place when no gradient is wanted (a prompt's temporaries
-    halved): the same values as the plain formula, the input untouched; with autograd, the formula's gradients."""
+    """``MLP`` takes the product in place into ``act(gate)`` when no gradient is wanted (a prompt's temporaries
+    fewer): the same values as the plain formula, the input and the projections' outputs untouched (a forward hook
+    holding them sees what the projection gave); with autograd, the formula's gradients."""
     from gqa.models.layers import MLP
 
     torch.manual_seed(0)
@@ -264,9 +265,17 @@ def test_the_mlp_in_place_without_autograd_and_out_of_place_with_it_equal_the_fo
 
     x = torch.randn(2, 3, 12, dtype=torch.float64)
     kept = x.clone()
+    held = []
+    hooks = [
+        m.register_forward_hook(lambda mod, i, out: held.append((out, out.clone())))
+        for m in (mlp.gate_proj, mlp.up_proj)
+    ]
     with torch.no_grad():
         want = formula(x)
         torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
+    for hook in hooks:
+        hook.remove()
+    assert len(held) == 2 and all(torch.equal(out, copy) for out, copy in held)
     with torch.inference_mode():
         torch.testing.assert_close(mlp(x), want, rtol=1e-12, atol=1e-12)
     assert torch.equal(x, kept)

@@ -78,23 +78,39 @@ def gguf_tensor(
     shape: tuple[int, ...],
     data: np.ndarray,
     keep_quantized: bool = False,
+    reordered: set[str] | None = None,
 ) -> Any:
     """The HF-layout torch tensor of GGUF tensor ``t`` (HF name ``name``, torch ``shape``) from its raw bytes
-    ``data`` (``uint8 (t.nbytes,)``: a view of the file's map or the same bytes read from it): in
+    ``data`` (``uint8 (t.nbytes,)``: a view of the file's map, or the same bytes read from it): in
     ``stored_dtype(t)`` (or a ``QuantizedTensor``, see ``read_gguf``), llama q/k rows put back in HF order, Gemma's
-    norm weights back to HF's offsets from one. Float
-    tensors and kept blocks are views of ``data`` where no reordering or alignment fix is needed."""
+    norm weights back to HF's offsets from one. Float tensors and kept blocks are views of ``data`` where no alignment
+    fix is needed.
+
+    ``reordered``: for ``data`` in a file's copy-on-write map, the file's ``GGUFFile.reordered``. q/k rows kept as
+    views of the map (float32, kept blocks) are reordered there, in place and once per file: their pages take the
+    place of the file's in memory rather than sitting beside them. F16/BF16 ones (converted to float32 by the caller)
+    are reordered in a copy, leaving the map's pages clean. ``None``: ``data`` is the caller's own (read from the
+    file), reordered in place."""
     kind = t.type.name
+    mapped = reordered is not None
     if keep_quantized and kind.lower() in FORMATS and len(shape) == 2:
         w = torch.from_numpy(data).reshape(shape[0], -1)  # (M, blocks bytes)
     elif kind in _FLOATS:
         if data.ctypes.data % _FLOATS[kind].itemsize:
-            data = data.copy()  # an alignment below the element size: torch wants aligned storage
+            data, mapped = data.copy(), False  # an alignment below the element size: torch wants aligned storage
         w = torch.from_numpy(data).view(_FLOATS[kind]).reshape(shape)
     else:
-        w = _dequantize(t, data, shape)
+        w, mapped = _dequantize(t, data, shape), False
     if cfg.arch in PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
-        unpermute_qk_(w, cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads)
+        heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+        if not mapped:
+            unpermute_qk_(w, heads)
+        elif w.dtype in (torch.uint8, torch.float32):  # kept as a view of the map
+            if name not in reordered:
+                unpermute_qk_(w, heads)
+                reordered.add(name)
+        else:
+            w = unpermute_qk_(w.clone(), heads)
     elif cfg.gemma and name.endswith("norm.weight"):
         w = w - 1  # HF's offset from one
 
@@ -133,6 +149,6 @@ def read_gguf(path: str | Path | GGUFFile, *, keep_quantized: bool = False) -> t
         _say_dequantized(by_name.values())
     tensors: dict[str, Any] = {}
     for name, t in by_name.items():
-        w = gguf_tensor(cfg, name, t, shapes[name], reader.data(t), keep_quantized)
+        w = gguf_tensor(cfg, name, t, shapes[name], reader.data(t), keep_quantized, reader.reordered)
         tensors[name] = w if isinstance(w, QuantizedTensor) else w.float()
     return cfg, tensors

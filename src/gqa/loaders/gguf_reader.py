@@ -219,10 +219,13 @@ class GGUFFile:
     tensors : the tensor index in file order (names unique; each tensor inside the file, at an aligned offset).
     alignment, data_start : the data section's alignment and absolute start.
     header_bytes : the bytes before the data section (what the metadata and index were read from).
+    reordered : names of the tensors whose bytes in the (copy-on-write) map a reader has rewritten in place (llama q/k
+        rows put in HF order, ``gguf_file.gguf_tensor``): every later read of this file finds them so.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.reordered: set[str] = set()
         try:
             with open(self.path, "rb") as f:
                 magic = f.read(4)

@@ -30,9 +30,9 @@ class MLP(nn.Module):
         gate, up = linears(x, (self.gate_proj, self.up_proj))
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
             return self.down_proj(ACTIVATIONS[self.act](gate) * up)
-        # without autograd, in place: a prompt's (L, hidden) temporaries at once are two, not four
-        act = F.silu(gate, inplace=True) if self.act == "silu" else ACTIVATIONS[self.act](gate)
-        return self.down_proj(act.mul_(up))
+        # without autograd the product goes in place into the activation's own output: a prompt's (L, hidden)
+        # temporaries at once are three, not four (gate and up stay as the projections gave them: a hook may hold them)
+        return self.down_proj(ACTIVATIONS[self.act](gate).mul_(up))
 
 
 def model_rope(cfg: ModelConfig, *, local: bool = False) -> RoPE:
