@@ -54,16 +54,28 @@ struct Matrix {
   int64_t row_bytes(int64_t elem) const { return format < 0 ? K * elem : gqa::quantized_row_bytes(format, K); }
 };
 
-// Rows per chunk of a matrix: about 128 KB of weights (5-10 microseconds of streaming at one row), at least 16 rows.
-// Each chunk a thread claims starts a new stream of weights for the hardware prefetchers and prefetch_ahead, and two
-// threads claiming small chunks alternately restart theirs every chunk: on SmolLM2 (2 threads) a one-row step took
-// 5.36 ms with 32 KB chunks, 5.05 with 64 KB, 4.42 with 128 KB and 4.40 with 256 KB (medians of 12).
-int64_t chunk_rows(const Matrix& m, int64_t elem) {
-  const int64_t rows = (131072 / std::max<int64_t>(1, m.row_bytes(elem)) + 15) / 16 * 16;
-  return std::max<int64_t>(16, rows);
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Bytes of weights per chunk: CHUNK_BYTES, or less (not below MIN_CHUNK_BYTES) where that would leave a phase fewer
+// chunks than threads. Each chunk a thread claims starts a new stream of weights for the hardware prefetchers and
+// prefetch_ahead, and two threads claiming small chunks alternately restart theirs every chunk: on SmolLM2 (2 threads)
+// a one-row step took 5.36 ms with 32 KB chunks, 5.05 with 64 KB, 4.42 with 128 KB and 4.40 with 256 KB (medians of
+// 12); with many threads, a phase of few big chunks would leave most of them idle.
+constexpr int64_t CHUNK_BYTES = 131072, MIN_CHUNK_BYTES = 32768;
+
+// Rows of a weight row's bytes that make `bytes`, a multiple of 16, at least 16.
+int64_t rows_of(const Matrix& m, int64_t elem, int64_t bytes) {
+  return std::max<int64_t>(16, (bytes / std::max<int64_t>(1, m.row_bytes(elem)) + 15) / 16 * 16);
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Rows per chunk of a matrix that `threads` threads share: CHUNK_BYTES' worth, or about a thread's share of the rows
+// where that is fewer chunks than threads (at least MIN_CHUNK_BYTES' worth).
+int64_t chunk_rows(const Matrix& m, int64_t elem, int64_t threads) {
+  const int64_t rows = rows_of(m, elem, CHUNK_BYTES);
+  if (ceil_div(m.M, rows) >= threads) return rows;
+  return std::min(rows, std::max(rows_of(m, elem, MIN_CHUNK_BYTES), (ceil_div(m.M, threads) + 15) / 16 * 16));
+}
+
 
 // A row's largest logit in a range and its first index; NaN counts as larger than any number (as torch.argmax has
 // it), the first NaN winning.
@@ -219,7 +231,8 @@ struct Step {
       }
   }
 
-  // Head `c` of q (c < Hq), k or v: its rows through the GEMV, then RoPE / the cache write.
+  // Chunk `c` of the q/k/v phase: heads [h0, h1) of q (the first ceil(Hq / q_heads) chunks), of k, or of v; their
+  // rows through one GEMV, then per head RoPE (and the head norm) and the write to qr or the cache.
   void qkv_chunk(ThreadState<T>& s, const Layer<T>& l, int64_t c) const {
     const int64_t nq = ceil_div(Hq, l.q_heads), nk = ceil_div(Hkv, l.k_heads);
     const bool is_q = c < nq, is_k = !is_q && c < nq + nk;
@@ -530,13 +543,14 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
       TORCH_CHECK(l.pos >= 0 && l.pos < kc.size(2), "gqa::decode_model: layer ", li, "'s cache is full (",
                   kc.size(2), " slots)");
     }
-    // whole heads per q/k/v chunk, about chunk_rows' bytes
-    l.q_heads = std::clamp<int64_t>(chunk_rows(l.q, elem) / st.D, 1, st.Hq);
-    l.k_heads = std::clamp<int64_t>(chunk_rows(l.k, elem) / st.D, 1, st.Hkv);
-    l.v_heads = std::clamp<int64_t>(chunk_rows(l.v, elem) / st.Dv, 1, st.Hkv);
-    l.o_rows = chunk_rows(l.o, elem);
-    l.f_rows = std::max<int64_t>(16, chunk_rows(l.gate, elem) / 32 * 16);  // gate and up rows: about the same bytes
-    l.down_rows = chunk_rows(l.down, elem);
+    // whole heads per q/k/v chunk, CHUNK_BYTES' worth; a head each where that leaves fewer chunks than threads
+    l.q_heads = std::clamp<int64_t>(rows_of(l.q, elem, CHUNK_BYTES) / st.D, 1, st.Hq);
+    l.k_heads = std::clamp<int64_t>(rows_of(l.k, elem, CHUNK_BYTES) / st.D, 1, st.Hkv);
+    l.v_heads = std::clamp<int64_t>(rows_of(l.v, elem, CHUNK_BYTES) / st.Dv, 1, st.Hkv);
+    if (l.qkv_chunks(st.Hq, st.Hkv) < threads) l.q_heads = l.k_heads = l.v_heads = 1;
+    l.o_rows = chunk_rows(l.o, elem, threads);
+    l.f_rows = std::max<int64_t>(16, chunk_rows(l.gate, elem, threads) / 32 * 16);  // gate and up rows: same bytes
+    l.down_rows = chunk_rows(l.down, elem, threads);
     // The attention reads the roped queries (B, H_kv, G, D) and the cache's slots [0, pos].
     GroupedAttention<T>& a = l.attention;
     a.q = nullptr, a.k = l.key_cache, a.v = l.value_cache;
@@ -568,7 +582,7 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
               "gqa::decode_model: final_norm must be contiguous (E,) of x's dtype");
   st.final_norm = final_norm.const_data_ptr<T>();
   st.head = matrix(head, head_format, st.E, c10::nullopt, dtype, "lm_head", -1);
-  st.head_rows = chunk_rows(st.head, elem);
+  st.head_rows = chunk_rows(st.head, elem, threads);
   st.NL = st.B;
   if (logit_rows.has_value()) {
     const at::Tensor& lr = *logit_rows;
