@@ -1,6 +1,6 @@
 // gqa::decode_model: a whole decode step for one new token per row — every layer, the final norm and lm_head — in one
 // call and one parallel region (team.h). Per layer, seven phases, each cut into chunks the threads claim:
-//   1. q/k/v GEMV in chunks of whole heads (about 128 KB of weights each); a chunk ropes its q heads (into qr) or its
+//   1. q/k/v GEMV in chunks of whole heads (about 256 KB of weights each); a chunk ropes its q heads (into qr) or its
 //      k heads (into the cache slot), or writes its v heads to the cache;
 //   2. attention: (row, KV head, split of the context) tasks, as gqa::decode_attention cuts them;
 //   3. o_proj GEMV and the residual add, in row chunks (Gemma: into a buffer, for phase 4);
@@ -58,10 +58,12 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Bytes of weights per chunk: CHUNK_BYTES, or less (not below MIN_CHUNK_BYTES) where that would leave a phase fewer
 // chunks than threads. Each chunk a thread claims starts a new stream of weights for the hardware prefetchers and
-// prefetch_ahead, and two threads claiming small chunks alternately restart theirs every chunk: on SmolLM2 (2 threads)
-// a one-row step took 5.36 ms with 32 KB chunks, 5.05 with 64 KB, 4.42 with 128 KB and 4.40 with 256 KB (medians of
-// 12); with many threads, a phase of few big chunks would leave most of them idle.
-constexpr int64_t CHUNK_BYTES = 131072, MIN_CHUNK_BYTES = 32768;
+// prefetch_ahead, and two threads claiming small chunks alternately restart theirs every chunk. One-row steps on 2
+// threads (medians of 12 alternating runs): SmolLM2 Q4_1 5.36 ms with 32 KB chunks, 5.05 with 64 KB, 4.42 with 128
+// KB; then 4.08 with 128 KB against 3.87 with 256 KB, and 4.03 with 256 KB against 4.53 with 512 KB (too few chunks
+// of its small matrices to balance two threads); the random 1B Q4_K_M model decoded at 46.9-49.7 tok/s with 128 KB,
+// 49.1-50.6 with 256 KB, 50.4-53.0 with 512 KB. With many threads a phase of few big chunks would leave most idle.
+constexpr int64_t CHUNK_BYTES = 262144, MIN_CHUNK_BYTES = 32768;
 
 // Rows of a weight row's bytes that make `bytes`, a multiple of 16, at least 16.
 int64_t rows_of(const Matrix& m, int64_t elem, int64_t bytes) {
