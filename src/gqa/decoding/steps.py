@@ -111,10 +111,12 @@ def select_step(
     if _native_possible(model) and all(isinstance(c, StaticKVCache) or whole for c in caches):
         # the one native call computes windows; the call per layer does not, so it runs while they hide nothing
         left = None if whole else _window_left(model)
+        # the one call's weights, gathered once for the step's life (a generation): not checked again at every token
+        weights = native_step.decode_weights(model, model.dtype) if whole else None
 
         def native(tokens: torch.Tensor, caches: list, greedy: torch.Tensor | None) -> torch.Tensor:
             if native_step.applies(model, tokens, caches) and (left is None or _within(caches[0], left)):
-                return native_step.decode_step(model, tokens, caches, greedy=greedy)
+                return native_step.decode_step(model, tokens, caches, greedy=greedy, weights=weights)
             logits = eager(tokens, caches)
             if greedy is not None:
                 greedy.copy_(logits[:, -1].float().argmax(-1))
