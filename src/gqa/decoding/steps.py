@@ -107,12 +107,14 @@ def select_step(
         from .compiled import compiled_step
 
         return DecodeStep("compiled", compiled_step(model), fixed_batch=True)
-    whole = _native_possible(model) and native_step.whole_model(model)  # the one call: window caches too
-    if _native_possible(model) and all(isinstance(c, StaticKVCache) or whole for c in caches):
+    possible = _native_possible(model)
+    # the one call's weights (None: the model is not one call's), gathered once for the step's life (a generation):
+    # not checked again at every token
+    weights = native_step.decode_weights(model, model.dtype) if possible else None
+    whole = weights is not None  # the one call: window caches too
+    if possible and all(isinstance(c, StaticKVCache) or whole for c in caches):
         # the one native call computes windows; the call per layer does not, so it runs while they hide nothing
         left = None if whole else _window_left(model)
-        # the one call's weights, gathered once for the step's life (a generation): not checked again at every token
-        weights = native_step.decode_weights(model, model.dtype) if whole else None
 
         def native(tokens: torch.Tensor, caches: list, greedy: torch.Tensor | None) -> torch.Tensor:
             if native_step.applies(model, tokens, caches) and (left is None or _within(caches[0], left)):
