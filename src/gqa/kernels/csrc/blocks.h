@@ -87,6 +87,22 @@ inline __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
   return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define GQA_ZMM_DOTS 1
+// The full sums of eight blocks' dot products held two to a vector (z_k: 8 int32 lanes of block 2k, then 8 of block
+// 2k + 1), in block order. Integer sums: exact in any order, so the same as sum4's of the blocks one by one.
+inline __m256i sum8_pairs(__m512i z0, __m512i z1, __m512i z2, __m512i z3) {
+  // 128-bit quarter i of u0: four lanes summing to block i (of u1: block 4 + i)
+  const __m512i u0 = _mm512_add_epi32(_mm512_shuffle_i64x2(z0, z1, 0x88), _mm512_shuffle_i64x2(z0, z1, 0xDD));
+  const __m512i u1 = _mm512_add_epi32(_mm512_shuffle_i64x2(z2, z3, 0x88), _mm512_shuffle_i64x2(z2, z3, 0xDD));
+  // quarter i: block i's two partial sums in lanes 0, 2 and block 4 + i's in lanes 1, 3; then their totals
+  const __m512i r = _mm512_add_epi32(_mm512_unpacklo_epi32(u0, u1), _mm512_unpackhi_epi32(u0, u1));
+  const __m512i t = _mm512_add_epi32(r, _mm512_shuffle_epi32(r, _MM_PERM_BADC));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, t));
+}
+#endif
+
 // ((a_0 + a_2) + (a_1 + a_3)) + ((m_0 + m_2) + (m_1 + m_3)) of four chains held as the lanes of acc and mins.
 inline float sum_chains(__m128 acc, __m128 mins) {
   const __m128 a = _mm_add_ps(acc, _mm_movehl_ps(acc, acc)), m = _mm_add_ps(mins, _mm_movehl_ps(mins, mins));

@@ -51,16 +51,16 @@ inline SuperScales super_scales(const uint8_t* sb) {
   } else {
     const float d = half_at(sb), dmin = half_at(sb + 2);
 #if defined(__AVX2__)
-    // The eight scales, then the eight mins, as bytes (llama.cpp's unpacking of the 12 bytes with masks).
-    uint32_t u[4];
-    std::memcpy(u, sb + 4, 12);
-    u[3] = ((u[2] >> 4) & 0x0F0F0F0F) | (((u[1] >> 6) & 0x03030303) << 4);
-    const uint32_t mins = u[1] & 0x3F3F3F3F;
-    u[1] = (u[2] & 0x0F0F0F0F) | (((u[0] >> 6) & 0x03030303) << 4);
-    u[2] = mins;
-    u[0] &= 0x3F3F3F3F;
-    const __m128i bytes = _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]), static_cast<int>(u[1]),
-                                        static_cast<int>(u[0]));  // from registers: no store-forwarding stall
+    // The eight scales, then the eight mins, as bytes, unpacked from the 12 bytes u0 u1 u2 in vector registers (the
+    // bit-twiddling in general registers cost a third of a one-row q4_k product): sc0-3 = u0 & 63, m0-3 = u1 & 63,
+    // sc4-7 = (u2 & 15) | (u0 >> 6) << 4, m4-7 = (u2 >> 4) | (u1 >> 6) << 4, byte by byte.
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 4));  // u0 u1 u2, 4 bytes of nibbles
+    const __m128i low6 = _mm_and_si128(v, _mm_set1_epi8(0x3F));                      // sc0-3, m0-3
+    const __m128i top2 = _mm_and_si128(_mm_srli_epi16(v, 2), _mm_set1_epi8(0x30));   // their bits 6-7 at 4-5
+    const __m128i u2 = _mm_shuffle_epi32(v, 0xAA), low4 = _mm_set1_epi8(0x0F);
+    const __m128i sc47 = _mm_or_si128(_mm_and_si128(u2, low4), top2);                        // dword 0
+    const __m128i m47 = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(u2, 4), low4), top2);      // dword 1
+    const __m128i bytes = _mm_blend_epi32(_mm_unpacklo_epi32(low6, sc47), _mm_shuffle_epi32(m47, 0x55), 0x8);
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
     const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
     _mm256_store_ps(s.dw, _mm256_mul_ps(_mm256_set1_ps(d), sc));
@@ -226,6 +226,81 @@ inline void k_super_weights(const uint8_t* sb, float* out) {
   }
 }
 
+#if defined(GQA_ZMM_DOTS)
+// Sub-blocks 2k and 2k + 1 (k = 0..3) of super-block sb as 64 unsigned bytes in order: q (q4_k, q5_k; 0..31), or q6_k's
+// q before the offset 32 is taken (0..63). Shifts on 16-bit lanes by a count per half (the first 32 bytes, the last),
+// whose spill into the next byte the masks drop, as k_quad's.
+template <int F>
+inline __m512i k_pair(const uint8_t* sb, int k) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const auto counts = [](int16_t first, int16_t second) {
+    return _mm512_inserti64x4(_mm512_set1_epi16(first), _mm256_set1_epi16(second), 1);
+  };
+  if constexpr (F == Q6_K) {  // k even: p = 0, 1 of half h = k / 2 (low nibbles); k odd: p = 2, 3 (high nibbles)
+    const __m512i ab = _mm512_loadu_si512(sb + 64 * (k / 2));
+    const __m256i high_bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * (k / 2)));
+    const __m512i high = _mm512_broadcast_i64x4(high_bytes);
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    if (k % 2 == 0)  // high bits 2p, 2p + 1 to bits 4, 5
+      return _mm512_or_si512(_mm512_and_si512(ab, low4),
+                             _mm512_and_si512(_mm512_sllv_epi16(high, counts(4, 2)), bits45));
+    return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ab, 4), low4),
+                           _mm512_and_si512(_mm512_srlv_epi16(high, counts(0, 2)), bits45));
+  } else {
+    const uint8_t* qs = sb + (F == Q4_K ? 16 : 48) + 32 * k;  // sub-block 2k in the low nibbles, 2k + 1 in the high
+    const __m512i a = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
+    const __m512i q = _mm512_and_si512(_mm512_srlv_epi16(a, counts(0, 4)), low4);
+    if constexpr (F == Q4_K) return q;
+    // q5_k: bit 2k (then 2k + 1) of the fifth-bit bytes to bit 4
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16)));
+    const __m512i bit = k < 2 ? _mm512_sllv_epi16(qh, counts(4 - 2 * k, 3 - 2 * k))
+                              : _mm512_srlv_epi16(qh, counts(2 * k - 4, 2 * k - 3));
+    return _mm512_or_si512(q, _mm512_and_si512(bit, _mm512_set1_epi8(16)));
+  }
+}
+
+// 16 int32 lanes, 8 summing to sub-block 2k's integer dot product with the 32 inputs at xq and 8 to sub-block
+// 2k + 1's with the next 32 (q6_k: each 16 values' (q - 32) . x times its scale; sc: the super-block's 16 scales).
+template <int F>
+inline __m512i k_pair_dot(const uint8_t* sb, int k, const int8_t* xq, __m512i sc) {
+  const __m512i x = _mm512_loadu_si512(xq), zero = _mm512_setzero_si512();
+  const __m512i dots = _mm512_dpbusd_epi32(zero, k_pair<F>(sb, k), x);
+  if constexpr (F != Q6_K) return dots;
+  const __m512i offset = _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(32), x);  // 4 lanes per 16 values
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // each scale's 4 lanes
+  const __m512i scales = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(4 * k), lanes), sc);
+  return _mm512_mullo_epi32(_mm512_sub_epi32(dots, offset), scales);
+}
+
+// Row n of x and one weight row w: each super-block's eight sub-block sums from four 512-bit products (two
+// sub-blocks each; 1.4x the 256-bit loop's speed), then the float steps of the 256-bit loop, in its order.
+template <int F>
+inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, int64_t n, int64_t K) {
+  constexpr int64_t BYTES = block_bytes_of(F);
+  const int8_t* x = xr.q.data() + n * K;
+  const float *d = xr.d.data() + n * (K / QK), *ds = xr.ds.data() + n * (K / QK);
+  __m128 acc = _mm_setzero_ps(), mins = _mm_setzero_ps();
+  for (int64_t s = 0; s < nb / 8; ++s) {
+    const uint8_t* sb = w + s * BYTES;
+    prefetch_ahead(sb, BYTES);
+    const SuperScales sc = super_scales<F>(sb);
+    const __m512i sc16 = F == Q6_K ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)))
+                                   : _mm512_setzero_si512();
+    const int64_t b = s * 8;
+    const __m512i z0 = k_pair_dot<F>(sb, 0, x + b * QK, sc16), z1 = k_pair_dot<F>(sb, 1, x + (b + 2) * QK, sc16);
+    const __m512i z2 = k_pair_dot<F>(sb, 2, x + (b + 4) * QK, sc16), z3 = k_pair_dot<F>(sb, 3, x + (b + 6) * QK, sc16);
+    const __m256 sums = _mm256_cvtepi32_ps(sum8_pairs(z0, z1, z2, z3));
+    const __m256 scale = _mm256_mul_ps(_mm256_load_ps(sc.dw), _mm256_loadu_ps(d + b));
+    acc = _mm_fmadd_ps(_mm256_castps256_ps128(sums), _mm256_castps256_ps128(scale), acc);
+    acc = _mm_fmadd_ps(_mm256_extractf128_ps(sums, 1), _mm256_extractf128_ps(scale, 1), acc);
+    if constexpr (F != Q6_K) {
+      mins = _mm_fmadd_ps(_mm_load_ps(sc.mw), _mm_loadu_ps(ds + b), mins);
+      mins = _mm_fmadd_ps(_mm_load_ps(sc.mw + 4), _mm_loadu_ps(ds + b + 4), mins);
+    }
+  }
+  return sum_chains(acc, mins);
+}
+#else
 // Row n of x and one weight row w, four sub-blocks per step (a chain per lane).
 template <int F>
 inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, int64_t n, int64_t K) {
@@ -249,6 +324,7 @@ inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, i
   }
   return sum_chains(acc, mins);
 }
+#endif
 #else
 // The same sums in scalar code.
 template <int F>

@@ -216,6 +216,45 @@ inline void dot4(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t 
   store_chains4(acc, mins, out, stride);
 }
 
+// Four blocks' float steps in dot1's chains: s their integer sums, blk the first block, d and ds x's scales there.
+template <int F>
+inline void blocks_step(__m128i s, const uint8_t* blk, const float* d, const float* ds, __m128& acc, __m128& mins) {
+  constexpr int64_t BYTES = block_bytes_of(F);
+  const __m128 dw = halves4(blk, BYTES);
+  acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(dw, _mm_loadu_ps(d)), acc);
+  if constexpr (has_min(F)) mins = _mm_fmadd_ps(halves4(blk + 2, BYTES), _mm_loadu_ps(ds), mins);
+  if constexpr (F == Q4_0 || F == Q5_0)
+    mins = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(-q_offset(F)), dw), _mm_loadu_ps(ds), mins);
+}
+
+#if defined(GQA_ZMM_DOTS)
+// 16 int32 lanes, 8 summing to block blk's integer dot product with the 32 inputs at xq and 8 to the next block's
+// with the next 32: block_dot's sums for two blocks in one 512-bit product (q8_0: |q| times x with q's sign).
+template <int F>
+inline __m512i pair_dot(const uint8_t* blk, const int8_t* xq) {
+  constexpr int64_t BYTES = block_bytes_of(F);
+  const __m512i x = _mm512_loadu_si512(xq), zero = _mm512_setzero_si512();
+  if constexpr (F == Q8_0) {
+    const __m512i q = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + BYTES + 2)), 1);
+    return _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(q), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(q), zero, x));
+  } else {
+    // each block's 16 nibble bytes twice: the low nibbles (weights 0-15), then the high ones (16-31)
+    const __m512i bytes = _mm512_mask_broadcast_i32x4(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + nibbles_at(F)))), 0xFF00,
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + BYTES + nibbles_at(F))));
+    const int64_t four = 0x0004000400040004;
+    __m512i q = _mm512_and_si512(_mm512_srlv_epi16(bytes, _mm512_setr_epi64(0, 0, four, four, 0, 0, four, four)),
+                                 _mm512_set1_epi8(0x0F));
+    if constexpr (five_bit(F))
+      q = _mm512_or_si512(q, _mm512_inserti64x4(_mm512_castsi256_si512(fifth_bits(blk + high_bits_at(F))),
+                                                fifth_bits(blk + BYTES + high_bits_at(F)), 1));
+    return _mm512_dpbusd_epi32(zero, q, x);
+  }
+}
+#endif
+
 // Row n of x and one weight row w, four blocks per step.
 template <int F>
 inline float dot1(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t n, int64_t K) {
@@ -224,17 +263,24 @@ inline float dot1(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t
   const float *d = xr.d.data() + n * (K / QK), *ds = xr.ds.data() + n * (K / QK);
   __m128 acc = _mm_setzero_ps(), mins = _mm_setzero_ps();
   int64_t b = 0;
+#if defined(GQA_ZMM_DOTS)
+  for (; b + 8 <= nb; b += 8) {  // eight blocks from four 512-bit products: the same sums, ~1.4x the speed
+    const uint8_t* blk = w + b * BYTES;
+    prefetch_ahead(blk, 8 * BYTES);
+    const int8_t* xb = x + b * QK;
+    const __m256i s = sum8_pairs(pair_dot<F>(blk, xb), pair_dot<F>(blk + 2 * BYTES, xb + 2 * QK),
+                                 pair_dot<F>(blk + 4 * BYTES, xb + 4 * QK), pair_dot<F>(blk + 6 * BYTES, xb + 6 * QK));
+    blocks_step<F>(_mm256_castsi256_si128(s), blk, d + b, ds + b, acc, mins);
+    blocks_step<F>(_mm256_extracti128_si256(s, 1), blk + 4 * BYTES, d + b + 4, ds + b + 4, acc, mins);
+  }
+#endif
   for (; b + 4 <= nb; b += 4) {
     const uint8_t* blk = w + b * BYTES;
     prefetch_ahead(blk, 4 * BYTES);
     const int8_t* xb = x + b * QK;
     const __m128i s = sum4(block_dot<F>(blk, xb), block_dot<F>(blk + BYTES, xb + QK),
                            block_dot<F>(blk + 2 * BYTES, xb + 2 * QK), block_dot<F>(blk + 3 * BYTES, xb + 3 * QK));
-    const __m128 dw = halves4(blk, BYTES);
-    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(dw, _mm_loadu_ps(d + b)), acc);
-    if constexpr (has_min(F)) mins = _mm_fmadd_ps(halves4(blk + 2, BYTES), _mm_loadu_ps(ds + b), mins);
-    if constexpr (F == Q4_0 || F == Q5_0)
-      mins = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(-q_offset(F)), dw), _mm_loadu_ps(ds + b), mins);
+    blocks_step<F>(s, blk, d + b, ds + b, acc, mins);
   }
   if (b < nb) {  // the last 1-3 blocks; the other lanes add 0 * 0
     __m256i dots[4];

@@ -116,30 +116,44 @@ struct LaneInputs {
         sum_lo(xr.lsum_lo.data() + g.s_at) {}
 };
 
+// Block b (at blk) of one weight row against lane group x, into chain C = b % 4 of every lane (a constant, so that
+// the chains stay in registers: 1.2x the speed of indexing them by b & 3).
+template <int F, int L, int C>
+inline void lane_block(const uint8_t* blk, int64_t b, const LaneInputs& x, Chains<Lanes<L>>& c) {
+  using S = Lanes<L>;
+  alignas(32) int32_t w4[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w4), lane_weights<F>(blk));
+  const int8_t* xb = x.q + b * QK * L;
+  typename S::I p[4];  // four independent chains of vpdpbusd (one chain is latency-bound); the sums are exact
+  for (int j = 0; j < 4; ++j) p[j] = S::dot(S::izero(), w4[j], xb + j * 4 * L);
+  for (int j = 4; j < 8; ++j) p[j - 4] = S::dot(p[j - 4], w4[j], xb + j * 4 * L);
+  typename S::I s = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
+  if constexpr (F == Q8_0) s = S::isub(s, S::template shl<7>(S::iload(x.sum + b * L)));
+  const float dw = half_at(blk);
+  c.acc[C] = S::fma(S::cvt(s), S::mul(S::set1(dw), S::load(x.d + b * L)), c.acc[C]);
+  if constexpr (F != Q8_0) c.mins[C] = S::fma(S::set1(block_min<F>(blk, dw)), S::load(x.ds + b * L), c.mins[C]);
+}
+
 // out[n * stride] for the g.rows rows of lane group g and one weight row w of nb blocks.
 template <int F, int L>
 inline void lanes_dot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr,
                       const gqa::QuantizedRows::LaneGroup& g, float* out, int64_t stride) {
-  using S = Lanes<L>;
   constexpr int64_t BYTES = block_bytes_of(F);
   const LaneInputs x(xr, g);
-  Chains<S> c;
-  for (int64_t b = 0; b < nb; ++b) {
+  Chains<Lanes<L>> c;
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
     const uint8_t* blk = w + b * BYTES;
-    if ((b & 3) == 0) prefetch_ahead(blk, 4 * BYTES);
-    alignas(32) int32_t w4[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(w4), lane_weights<F>(blk));
-    const int8_t* xb = x.q + b * QK * L;
-    typename S::I p[4];  // four independent chains of vpdpbusd (one chain is latency-bound); the sums are exact
-    for (int j = 0; j < 4; ++j) p[j] = S::dot(S::izero(), w4[j], xb + j * 4 * L);
-    for (int j = 4; j < 8; ++j) p[j - 4] = S::dot(p[j - 4], w4[j], xb + j * 4 * L);
-    typename S::I s = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
-    if constexpr (F == Q8_0) s = S::isub(s, S::template shl<7>(S::iload(x.sum + b * L)));
-    const float dw = half_at(blk);
-    c.acc[b & 3] = S::fma(S::cvt(s), S::mul(S::set1(dw), S::load(x.d + b * L)), c.acc[b & 3]);
-    if constexpr (F != Q8_0)
-      c.mins[b & 3] = S::fma(S::set1(block_min<F>(blk, dw)), S::load(x.ds + b * L), c.mins[b & 3]);
+    prefetch_ahead(blk, 4 * BYTES);
+    lane_block<F, L, 0>(blk, b, x, c);
+    lane_block<F, L, 1>(blk + BYTES, b + 1, x, c);
+    lane_block<F, L, 2>(blk + 2 * BYTES, b + 2, x, c);
+    lane_block<F, L, 3>(blk + 3 * BYTES, b + 3, x, c);
   }
+  if (b < nb) prefetch_ahead(w + b * BYTES, 4 * BYTES);
+  if (b < nb) lane_block<F, L, 0>(w + b * BYTES, b, x, c), ++b;  // the last 1-3 blocks
+  if (b < nb) lane_block<F, L, 1>(w + b * BYTES, b, x, c), ++b;
+  if (b < nb) lane_block<F, L, 2>(w + b * BYTES, b, x, c);
   c.store(g.rows, out, stride);
 }
 
