@@ -69,6 +69,18 @@ constexpr bool LANES_BUILT = true;
 constexpr bool LANES_BUILT = false;
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define GQA_VECTOR_QUANTIZE 1
+// 16 values as float32 (bfloat16: its bits shifted up, exactly to_float's value).
+inline __m512 floats16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 floats16(const BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+
+// x (N, K) quantized per block of 32 (d = amax / 127, q = round-to-nearest-even(x / d)); with AVX-512 a block at a
+// time in two vectors (the same values: every step is exact or rounds once, as the scalar loop does).
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   const int64_t nb = K / QK;
@@ -76,12 +88,21 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   const int64_t n4 = lanes ? 0 : N / 4 * 4;          // the rows dot4 reads, in groups of four
   QuantizedRows r{std::vector<int8_t>(N * K), std::vector<float>(N * nb), std::vector<float>(N * nb), {},
                   std::vector<float>(nb * n4), std::vector<float>(nb * n4), n4};
+#if !defined(GQA_VECTOR_QUANTIZE)
   std::vector<float> xf(QK);
+#endif
   // the lanes' integer sums of each block's q, and of its first 16
   std::vector<int32_t> isum(lanes ? N * nb : 0), isum_lo(lanes ? N * nb : 0);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       const T* xb = x + n * K + b * QK;
+#if defined(GQA_VECTOR_QUANTIZE)
+      const __m512 lo = floats16(xb), hi = floats16(xb + 16), alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
+      const __m512 limit = _mm512_set1_ps(INTEGER_PATH_MAX);  // (NaN compares false)
+      const bool finite =
+          (_mm512_cmp_ps_mask(alo, limit, _CMP_LE_OQ) & _mm512_cmp_ps_mask(ahi, limit, _CMP_LE_OQ)) == 0xFFFF;
+      const float amax = finite ? _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi)) : 0.0f;
+#else
       float amax = 0.0f;
       bool finite = true;
       for (int64_t i = 0; i < QK; ++i) {
@@ -90,6 +111,7 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
         amax = std::max(amax, a);
         finite &= a <= INTEGER_PATH_MAX;  // false for +-inf and NaN (which std::max drops) too
       }
+#endif
       int8_t* qb = r.q.data() + n * K + b * QK;
       if (!finite) {  // taken in float by add_float_blocks; q, d, ds stay 0
         r.nonfinite.push_back(n * nb + b);
@@ -100,12 +122,22 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
         r.d[n * nb + b] = d;                                // (inf or NaN) has no int8: the block's q stay 0
         continue;
       }
+#if defined(GQA_VECTOR_QUANTIZE)
+      // vcvtps2dq rounds in the current mode, as std::nearbyint does (to nearest, ties to even)
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + QK / 2), _mm512_cvtepi32_epi8(qhi));
+      const int32_t sum_lo = _mm512_reduce_add_epi32(qlo), sum = sum_lo + _mm512_reduce_add_epi32(qhi);
+      if (lanes) isum_lo[n * nb + b] = sum_lo;
+#else
       int32_t sum = 0;
       for (int64_t i = 0; i < QK; ++i) {
         qb[i] = static_cast<int8_t>(std::nearbyint(xf[i] * id));
         sum += qb[i];
         if (lanes && i == QK / 2 - 1) isum_lo[n * nb + b] = sum;
       }
+#endif
       r.d[n * nb + b] = d;
       r.ds[n * nb + b] = d * static_cast<float>(sum);
       if (lanes) isum[n * nb + b] = sum;
