@@ -88,7 +88,7 @@ class WorkerPool {
   }
 
  private:
-  static constexpr int IDLE_SPINS = 20000;  // ~1-2 ms of pauses (a token's Python side) before a worker sleeps
+  static constexpr int IDLE_SPINS = 20000;  // 0.5-2 ms of pauses (PAUSE: 25-100 ns) before a worker sleeps
 
   static WorkerPool* instance() {
     static WorkerPool* pool = new WorkerPool();  // never destroyed: workers may still wait on it at exit
