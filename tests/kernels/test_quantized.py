@@ -127,6 +127,46 @@ def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(fmt,
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def expected_input_products(x: np.ndarray) -> np.ndarray:
+    """x's values as the int8 path sees them, from numpy in float32: per block of 32, d = amax / 127, q = x * (1 / d)
+    rounded half to even, the value q * d; a block too small to scale is 0, one beyond 2^64 stays as it is (float)."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        q = np.rint(blocks * inv)
+        scaled = np.where(np.isfinite(inv), q * d, np.float32(0)).astype(np.float32)
+    return np.where(amax > np.float32(2.0**64), blocks, scaled).reshape(x.shape)
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 21])
+def test_inputs_are_quantized_as_an_independent_float32_reference_has_it(dtype, rows):
+    """The int8 quantization of the inputs (a vector path with AVX-512, a scalar loop elsewhere) against numpy: q8_0
+    weights that pick one input each (w_i,j = 1 for j = i) make output i exactly q_i * d of x_i's block. Blocks with
+    ties (x * (1 / d) = k + 0.5: half to even), a block too small to scale, one beyond 2^64, random ones; one row alone
+    (the one-row kernel) and 21 (the lanes)."""
+    K = 11 * 32  # a row alone: 8 blocks in one step, then 3
+    blocks = np.zeros((K, K // 32, 34), dtype=np.uint8)
+    for i in range(K):
+        blocks[i, i // 32, :2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+        blocks[i, i // 32, 2 + i % 32] = 1
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, K, generator=g)
+    x[:, :32] = (torch.randint(-254, 255, (rows, 32), generator=g) / 2.0).clamp(-127, 127)
+    x[:, 0] = 127.0  # d = 1: every half is a tie
+    x[:, 32:64] *= 1e-39  # too small: 1 / d overflows
+    x[:, 64:96] *= 2.0**70  # taken in float
+    x[:, 96:128] *= 1e-3
+    x = x.to(dtype)
+    with torch.inference_mode():
+        y = ops.qlinear_rows_n(x, [torch.from_numpy(blocks.reshape(K, -1))], [get_format("q8_0").code], [None])[0]
+    expected = torch.from_numpy(expected_input_products(x.float().numpy()))
+    assert torch.equal(y.float(), expected.to(y.dtype).float())
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_prompt_goes_through_the_lane_kernel_or_the_dequantized_weight(fmt, monkeypatch):
     """36 rows: with lane kernels (AVX-512 VNNI) the blocks are multiplied as they are (int8 inputs, never F.linear;

@@ -56,15 +56,16 @@ struct Matrix {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Bytes of weights per chunk: CHUNK_BYTES, or less (not below MIN_CHUNK_BYTES) where that would leave a phase fewer
-// chunks than threads. Each chunk a thread claims starts a new stream of weights for the hardware prefetchers and
-// prefetch_ahead, and two threads claiming small chunks alternately restart theirs every chunk. One-row steps on 2
-// threads (medians of 12 alternating runs): SmolLM2 Q4_1 5.36 ms with 32 KB chunks, 5.05 with 64 KB, 4.42 with 128
-// KB; then 4.08 with 128 KB against 3.87 with 256 KB, and 4.03 with 256 KB against 4.53 with 512 KB (too few chunks
-// of its small matrices to balance two threads); the random 1B Q4_K_M model decoded at 46.9-49.7 tok/s with 128 KB,
-// 49.1-50.6 with 256 KB, 50.4-53.0 with 512 KB. With many threads a phase of few big chunks would leave most idle.
-// Hence twice CHUNK_BYTES for a matrix that still makes 8 such chunks per thread (the 1B model's MLP and lm_head:
-// 46.3 against 42.9 tok/s, medians of 12 alternating runs; SmolLM2's lm_head only, 5.1-5.5 ms a step either way).
+// Bytes of weights per chunk: CHUNK_BYTES (twice that for big matrices, below), or less (not below MIN_CHUNK_BYTES)
+// where that would leave a phase fewer chunks than threads. Each chunk a thread claims starts a new stream of weights
+// for the hardware prefetchers and prefetch_ahead, and two threads claiming small chunks alternately restart theirs
+// every chunk. One-row steps on 2 threads (medians of 12 alternating runs): SmolLM2 Q4_1 5.36 ms with 32 KB chunks,
+// 5.05 with 64 KB, 4.42 with 128 KB; then 4.08 with 128 KB against 3.87 with 256 KB, and 4.03 with 256 KB against 4.53
+// with 512 KB (too few chunks of its small matrices to balance two threads); the random 1B Q4_K_M model decoded at
+// 46.9-49.7 tok/s with 128 KB, 49.1-50.6 with 256 KB, 50.4-53.0 with 512 KB. With many threads a phase of few big
+// chunks would leave most idle. Hence twice CHUNK_BYTES for a matrix that still makes 8 such chunks per thread (the 1B
+// model's MLP and lm_head: 46.3 against 42.9 tok/s, medians of 12 alternating runs; SmolLM2's lm_head only, 5.1-5.5 ms
+// a step either way).
 constexpr int64_t CHUNK_BYTES = 262144, MIN_CHUNK_BYTES = 32768;
 
 // Rows of a weight row's bytes that make `bytes`, a multiple of 16, at least 16.

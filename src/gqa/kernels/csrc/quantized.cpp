@@ -79,8 +79,8 @@ inline __m512 floats16(const BFloat16* p) {
 }
 #endif
 
-// x (N, K) quantized per block of 32 (d = amax / 127, q = round-to-nearest-even(x / d)); with AVX-512 a block at a
-// time in two vectors (the same values: every step is exact or rounds once, as the scalar loop does).
+// x (N, K) quantized per block of 32 (d = amax / 127, q = round-to-nearest-even(x * (1 / d))); with AVX-512 a block
+// at a time in two vectors (the same values: every step is exact or rounds once, as the scalar loop does).
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   const int64_t nb = K / QK;
@@ -199,7 +199,8 @@ void add_float_blocks(const T* x, const QuantizedRows& xr, int64_t K, const uint
 // the exact integer dot product s_b of the weights' q with x's q, then in four chains c = b % 4 (ascending b)
 //   acc_c = fma(float(s_b), d_w,b * d_x,b, acc_c)      min_c = fma(min_w,b, ds_x,b, min_c)
 // and out = ((acc_0 + acc_2) + (acc_1 + acc_3)) + ((min_0 + min_2) + (min_1 + min_3)). dot4 runs four rows of x
-// (a row per lane), dot1 one row (four blocks per step, a block per lane); the serving engine's batch invariance
+// (a row per lane), dot1 one row (four blocks per step, a block per lane; eight, two per 512-bit product, with
+// AVX-512 VNNI, the same sums); the serving engine's batch invariance
 // rests on both giving the same bits (tested through the op).
 #if defined(__AVX2__)
 // The 8 int32 lanes of a weight block's products with 32 int8 inputs (q8_0: |w| as unsigned times sign(w) * x).
@@ -287,7 +288,7 @@ inline __m512i pair_dot(const uint8_t* blk, const int8_t* xq) {
 }
 #endif
 
-// Row n of x and one weight row w, four blocks per step.
+// Row n of x and one weight row w, eight blocks per step (AVX-512 VNNI), then four, then the last 1-3.
 template <int F>
 inline float dot1(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t n, int64_t K) {
   constexpr int64_t BYTES = block_bytes_of(F);

@@ -203,7 +203,7 @@ class PhasedWork : public WorkerPool::Job {
   struct Counters {
     Counter claimed, done;
   };
-  static constexpr int SPINS = 256;  // pauses (~0.1 us each) before a waiting thread starts yielding its core
+  static constexpr int SPINS = 256;  // pauses (25-100 ns each) before a waiting thread starts yielding its core
 
   template <typename State, typename Run>
   void phases(State& state, const Run& run_chunk) {
