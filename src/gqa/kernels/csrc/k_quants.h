@@ -271,9 +271,11 @@ inline __m512i k_pair_dot(const uint8_t* sb, int k, const int8_t* xq, __m512i sc
   const __m512i scales = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(4 * k), lanes), sc);
   return _mm512_mullo_epi32(_mm512_sub_epi32(dots, offset), scales);
 }
+#endif
 
-// Row n of x and one weight row w: each super-block's eight sub-block sums from four 512-bit products (two
-// sub-blocks each; 1.4x the 256-bit loop's speed), then the float steps of the 256-bit loop, in its order.
+// Row n of x and one weight row w: per super-block its eight sub-blocks' integer sums, from four 512-bit products of
+// two sub-blocks each (AVX-512 VNNI: 1.4x the speed) or from two steps of four 256-bit ones, then the float steps of
+// four sub-blocks at a time (a chain per lane), in the same order either way.
 template <int F>
 inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, int64_t n, int64_t K) {
   constexpr int64_t BYTES = block_bytes_of(F);
@@ -284,47 +286,31 @@ inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, i
     const uint8_t* sb = w + s * BYTES;
     prefetch_ahead(sb, BYTES);
     const SuperScales sc = super_scales<F>(sb);
+    const int64_t b = s * 8;
+    __m128i sums[2];  // sub-blocks 0-3, 4-7
+#if defined(GQA_ZMM_DOTS)
     const __m512i sc16 = F == Q6_K ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)))
                                    : _mm512_setzero_si512();
-    const int64_t b = s * 8;
-    const __m512i z0 = k_pair_dot<F>(sb, 0, x + b * QK, sc16), z1 = k_pair_dot<F>(sb, 1, x + (b + 2) * QK, sc16);
-    const __m512i z2 = k_pair_dot<F>(sb, 2, x + (b + 4) * QK, sc16), z3 = k_pair_dot<F>(sb, 3, x + (b + 6) * QK, sc16);
-    const __m256 sums = _mm256_cvtepi32_ps(sum8_pairs(z0, z1, z2, z3));
-    const __m256 scale = _mm256_mul_ps(_mm256_load_ps(sc.dw), _mm256_loadu_ps(d + b));
-    acc = _mm_fmadd_ps(_mm256_castps256_ps128(sums), _mm256_castps256_ps128(scale), acc);
-    acc = _mm_fmadd_ps(_mm256_extractf128_ps(sums, 1), _mm256_extractf128_ps(scale, 1), acc);
-    if constexpr (F != Q6_K) {
-      mins = _mm_fmadd_ps(_mm_load_ps(sc.mw), _mm_loadu_ps(ds + b), mins);
-      mins = _mm_fmadd_ps(_mm_load_ps(sc.mw + 4), _mm_loadu_ps(ds + b + 4), mins);
-    }
-  }
-  return sum_chains(acc, mins);
-}
+    const __m256i all = sum8_pairs(k_pair_dot<F>(sb, 0, x + b * QK, sc16), k_pair_dot<F>(sb, 1, x + (b + 2) * QK, sc16),
+                                   k_pair_dot<F>(sb, 2, x + (b + 4) * QK, sc16),
+                                   k_pair_dot<F>(sb, 3, x + (b + 6) * QK, sc16));
+    sums[0] = _mm256_castsi256_si128(all), sums[1] = _mm256_extracti128_si256(all, 1);
 #else
-// Row n of x and one weight row w, four sub-blocks per step (a chain per lane).
-template <int F>
-inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, int64_t n, int64_t K) {
-  constexpr int64_t BYTES = block_bytes_of(F);
-  const int8_t* x = xr.q.data() + n * K;
-  const float *d = xr.d.data() + n * (K / QK), *ds = xr.ds.data() + n * (K / QK);
-  __m128 acc = _mm_setzero_ps(), mins = _mm_setzero_ps();
-  for (int64_t s = 0; s < nb / 8; ++s) {
-    const uint8_t* sb = w + s * BYTES;
-    prefetch_ahead(sb, BYTES);
-    const SuperScales sc = super_scales<F>(sb);
     for (int j = 0; j < 8; j += 4) {
-      const int64_t b = s * 8 + j;
       __m256i wq[4], scales[4], dots[4];
       k_quad<F>(sb, j, wq, scales);
-      for (int i = 0; i < 4; ++i) dots[i] = k_sub_dot<F>(wq[i], scales[i], x + (b + i) * QK);
-      const __m128i sums = sum4(dots[0], dots[1], dots[2], dots[3]);
-      acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums), _mm_mul_ps(_mm_load_ps(sc.dw + j), _mm_loadu_ps(d + b)), acc);
-      if constexpr (F != Q6_K) mins = _mm_fmadd_ps(_mm_load_ps(sc.mw + j), _mm_loadu_ps(ds + b), mins);
+      for (int i = 0; i < 4; ++i) dots[i] = k_sub_dot<F>(wq[i], scales[i], x + (b + j + i) * QK);
+      sums[j / 4] = sum4(dots[0], dots[1], dots[2], dots[3]);
+    }
+#endif
+    for (int j = 0; j < 8; j += 4) {
+      const __m128 scale = _mm_mul_ps(_mm_load_ps(sc.dw + j), _mm_loadu_ps(d + b + j));
+      acc = _mm_fmadd_ps(_mm_cvtepi32_ps(sums[j / 4]), scale, acc);
+      if constexpr (F != Q6_K) mins = _mm_fmadd_ps(_mm_load_ps(sc.mw + j), _mm_loadu_ps(ds + b + j), mins);
     }
   }
   return sum_chains(acc, mins);
 }
-#endif
 #else
 // The same sums in scalar code.
 template <int F>
