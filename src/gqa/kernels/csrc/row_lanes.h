@@ -116,42 +116,18 @@ struct LaneInputs {
         sum_lo(xr.lsum_lo.data() + g.s_at) {}
 };
 
-// An 8-lane group's exact integer sums for one block of 32 unsigned weight bytes w (its rows' inputs at xb: eight runs
-// of 8 rows x 4 bytes) in 512-bit products: lanes 0-7 take weight dword 2k against run 2k and lanes 8-15 dword 2k + 1
-// against run 2k + 1 (the two runs are 64 contiguous bytes): half the instructions of eight 256-bit products (with the
-// chains in registers, Q4_1 at 8 rows 1.49x and Q8_0 1.66x faster). lo: the sums over the block's first 16 values,
-// hi: over the last 16.
-inline void eight_lane_halves(__m256i w, const int8_t* xb, __m256i& lo, __m256i& hi) {
-  const __m512i wz = _mm512_castsi256_si512(w);
-  __m512i p[2];  // the halves' chains
-  for (int k = 0; k < 4; ++k) {
-    const __m512i pick = _mm512_inserti64x4(_mm512_set1_epi32(2 * k), _mm256_set1_epi32(2 * k + 1), 1);
-    const __m512i wk = _mm512_permutexvar_epi32(pick, wz), xk = _mm512_loadu_si512(xb + 64 * k);
-    p[k / 2] = _mm512_dpbusd_epi32(k % 2 == 0 ? _mm512_setzero_si512() : p[k / 2], wk, xk);
-  }
-  lo = _mm256_add_epi32(_mm512_castsi512_si256(p[0]), _mm512_extracti64x4_epi64(p[0], 1));
-  hi = _mm256_add_epi32(_mm512_castsi512_si256(p[1]), _mm512_extracti64x4_epi64(p[1], 1));
-}
-
 // Block b (at blk) of one weight row against lane group x, into chain C = b % 4 of every lane (a constant, so that
 // the chains stay in registers: 1.2x the speed of indexing them by b & 3).
 template <int F, int L, int C>
 inline void lane_block(const uint8_t* blk, int64_t b, const LaneInputs& x, Chains<Lanes<L>>& c) {
   using S = Lanes<L>;
+  alignas(32) int32_t w4[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w4), lane_weights<F>(blk));
   const int8_t* xb = x.q + b * QK * L;
-  typename S::I s;
-  if constexpr (L == 8) {
-    __m256i lo, hi;
-    eight_lane_halves(lane_weights<F>(blk), xb, lo, hi);
-    s = _mm256_add_epi32(lo, hi);
-  } else {
-    alignas(32) int32_t w4[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(w4), lane_weights<F>(blk));
-    typename S::I p[4];  // four independent chains of vpdpbusd (one chain is latency-bound); the sums are exact
-    for (int j = 0; j < 4; ++j) p[j] = S::dot(S::izero(), w4[j], xb + j * 4 * L);
-    for (int j = 4; j < 8; ++j) p[j - 4] = S::dot(p[j - 4], w4[j], xb + j * 4 * L);
-    s = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
-  }
+  typename S::I p[4];  // four independent chains of vpdpbusd (one chain is latency-bound); the sums are exact
+  for (int j = 0; j < 4; ++j) p[j] = S::dot(S::izero(), w4[j], xb + j * 4 * L);
+  for (int j = 4; j < 8; ++j) p[j - 4] = S::dot(p[j - 4], w4[j], xb + j * 4 * L);
+  typename S::I s = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
   if constexpr (F == Q8_0) s = S::isub(s, S::template shl<7>(S::iload(x.sum + b * L)));
   const float dw = half_at(blk);
   c.acc[C] = S::fma(S::cvt(s), S::mul(S::set1(dw), S::load(x.d + b * L)), c.acc[C]);
@@ -198,35 +174,29 @@ inline void lanes_kdot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& x
     for (int j0 = 0; j0 < 8; j0 += 4) {
       __m256i wq[4], scales[4];
       k_quad<F>(sb, j0, wq, scales);
-      alignas(32) int32_t w4[4][8];  // 16 lanes: each dword broadcast from here
+      alignas(32) int32_t w4[4][8];
       for (int i = 0; i < 4; ++i) {
-        if constexpr (F == Q6_K) wq[i] = _mm256_add_epi8(wq[i], _mm256_set1_epi8(32));
-        if constexpr (L == 16) _mm256_store_si256(reinterpret_cast<__m256i*>(w4[i]), wq[i]);
+        const __m256i q = F == Q6_K ? _mm256_add_epi8(wq[i], _mm256_set1_epi8(32)) : wq[i];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(w4[i]), q);
       }
       for (int i = 0; i < 4; ++i) {
         const int j = j0 + i;
         const int64_t b = s * 8 + j;
         const int8_t* xb = x.q + b * QK * L;
-        typename S::I first, second;  // the integer sums over the sub-block's first 16 values and its last 16
-        if constexpr (L == 8) {
-          eight_lane_halves(wq[i], xb, first, second);
-        } else {
-          typename S::I p[4];  // p[0], p[1] the first half's chains, p[2], p[3] the second's
-          p[0] = S::dot(S::izero(), w4[i][0], xb), p[1] = S::dot(S::izero(), w4[i][1], xb + 4 * L);
-          p[2] = S::dot(S::izero(), w4[i][4], xb + 16 * L), p[3] = S::dot(S::izero(), w4[i][5], xb + 20 * L);
-          p[0] = S::dot(p[0], w4[i][2], xb + 8 * L), p[1] = S::dot(p[1], w4[i][3], xb + 12 * L);
-          p[2] = S::dot(p[2], w4[i][6], xb + 24 * L), p[3] = S::dot(p[3], w4[i][7], xb + 28 * L);
-          first = S::iadd(p[0], p[1]), second = S::iadd(p[2], p[3]);
-        }
+        typename S::I p[4];  // q6_k: p[0], p[1] the first half's chains, p[2], p[3] the second's
+        p[0] = S::dot(S::izero(), w4[i][0], xb), p[1] = S::dot(S::izero(), w4[i][1], xb + 4 * L);
+        p[2] = S::dot(S::izero(), w4[i][4], xb + 16 * L), p[3] = S::dot(S::izero(), w4[i][5], xb + 20 * L);
+        p[0] = S::dot(p[0], w4[i][2], xb + 8 * L), p[1] = S::dot(p[1], w4[i][3], xb + 12 * L);
+        p[2] = S::dot(p[2], w4[i][6], xb + 24 * L), p[3] = S::dot(p[3], w4[i][7], xb + 28 * L);
         typename S::I sum;
         if constexpr (F == Q6_K) {
           const typename S::I lo_x = S::iload(x.sum_lo + b * L), hi_x = S::isub(S::iload(x.sum + b * L), lo_x);
-          const typename S::I lo = S::isub(first, S::template shl<5>(lo_x));
-          const typename S::I hi = S::isub(second, S::template shl<5>(hi_x));
+          const typename S::I lo = S::isub(S::iadd(p[0], p[1]), S::template shl<5>(lo_x));
+          const typename S::I hi = S::isub(S::iadd(p[2], p[3]), S::template shl<5>(hi_x));
           sum = S::iadd(S::imul(lo, static_cast<int8_t>(sb[192 + 2 * j])),
                         S::imul(hi, static_cast<int8_t>(sb[193 + 2 * j])));
         } else {
-          sum = S::iadd(first, second);
+          sum = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
         }
         c.acc[i] = S::fma(S::cvt(sum), S::mul(S::set1(sc.dw[j]), S::load(x.d + b * L)), c.acc[i]);
         if constexpr (F != Q6_K) c.mins[i] = S::fma(S::set1(sc.mw[j]), S::load(x.ds + b * L), c.mins[i]);
