@@ -88,7 +88,7 @@ inline __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-#define GQA_ZMM_DOTS 1
+#define GQA_ZMM_DOTS 1  // the AVX-512 VNNI kernels: these one-row products and row_lanes.h
 // The full sums of eight blocks' dot products held two to a vector (z_k: 8 int32 lanes of block 2k, then 8 of block
 // 2k + 1), in block order. Integer sums: exact in any order, so the same as sum4's of the blocks one by one.
 inline __m256i sum8_pairs(__m512i z0, __m512i z1, __m512i z2, __m512i z3) {

@@ -17,7 +17,7 @@
 #include "k_quants.h"
 #include "quantized.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if defined(GQA_ZMM_DOTS)  // blocks.h: AVX-512 VNNI (with VL, BW, DQ)
 #define GQA_ROW_LANES 1
 
 namespace gqa_blocks {
