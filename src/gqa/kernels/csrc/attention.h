@@ -226,7 +226,7 @@ struct GroupedAttention {
 
   // Per-thread buffers of `task`.
   struct Scratch {
-    std::vector<float> qf, scores, alpha, kbuf;
+    std::vector<float> qf, scores, alpha, ones, kbuf;
   };
 
   // Task `task` = (head, split): the partial result of head `task / splits` over its split of the keys.
@@ -248,6 +248,7 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
   sc.qf.resize(R * D);
   sc.scores.resize(R * CHUNK);
   sc.alpha.resize(R);
+  sc.ones.assign(R, 1.0f);
   sc.kbuf.resize(std::is_same_v<T, float> ? 0 : CHUNK * D);
   float* qf = sc.qf.data();
   float* alpha = sc.alpha.data();
@@ -275,11 +276,11 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
   int64_t first = start ? std::max(j_begin, start[b]) : j_begin;  // left padding: slots before start[b]
   if (window >= 0) first = std::max(first, S_b - 1 - window);     // a sliding window: the last window + 1 slots
 
+  // A chunk of a paged cache spans several blocks: it is read in segments [a, a + seg_len(a)) within one block each
+  // (the whole chunk without a table).
+  auto seg_len = [&](int64_t a, int64_t end) { return blocks ? std::min(end - a, block - a % block) : end - a; };
   for (int64_t c0 = first, n; c0 < j_end; c0 += n) {
     n = std::min(CHUNK, j_end - c0);
-    if (blocks) n = std::min(n, block - c0 % block);  // a chunk's rows are in one block
-    const T* kh = key_row(c0);  // the chunk's rows: kh + c * sk, vh + c * sv
-    const T* vh = value_row(c0);
 #if GQA_SIMD > 1
     // Prefetch the K/V rows PREFETCH_CHUNKS chunks ahead: the hardware prefetcher alone leaves bandwidth unused.
     for (int64_t c = c0 + PREFETCH_CHUNKS * CHUNK; c < std::min(j_end, c0 + (PREFETCH_CHUNKS + 1) * CHUNK); ++c) {
@@ -289,30 +290,29 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
         _mm_prefetch(reinterpret_cast<const char*>(value_row(c) + d), _MM_HINT_T0);
     }
 #endif
-    const float* kc = nullptr;  // the chunk's keys as float32 rows, stride kstride
-    int64_t kstride = 0;
-    if (use_dpbf16) {
-      // scores straight from the bf16 rows, below
-    } else if constexpr (std::is_same_v<T, float>) {
-      kc = kh;
-      kstride = sk;
-    } else {
-      for (int64_t c = 0; c < n; ++c) to_float_row(kh + c * sk, sc.kbuf.data() + c * D, D);
-      kc = sc.kbuf.data();
-      kstride = D;
-    }
+    // bf16 and fp16 keys as float32 rows in kbuf (float32 keys are read in place, bf16 ones with vdpbf16ps)
+    if (!use_dpbf16 && !std::is_same_v<T, float>)
+      for (int64_t c = 0; c < n; ++c) to_float_row(key_row(c0 + c), sc.kbuf.data() + c * D, D);
     for (int64_t r = 0; r < R; ++r) {
       const int64_t g = r / L, lr = r % L;
       // Keys this row may see in the chunk: [c0, c0 + visible).
       int64_t visible = n;
       if (causal) visible = std::max<int64_t>(0, std::min(n, S - L + lr + 1 - c0));
       float* s = sc.scores.data() + r * CHUNK;
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t a = c0, len; a < c0 + visible; a += len)
+          len = seg_len(a, c0 + visible), chunk_scores(qf + r * D, key_row(a), sk, len, D, s + (a - c0));
+      } else if (!use_dpbf16) {
+        chunk_scores(qf + r * D, sc.kbuf.data(), D, visible, D, s);
+      }
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, BFloat16>) {
-        if (use_dpbf16) chunk_scores_bf16(qh + r * qs[2], kh, sk, visible, D, scale, s);
+        if (use_dpbf16)
+          for (int64_t a = c0, len; a < c0 + visible; a += len)
+            len = seg_len(a, c0 + visible),
+            chunk_scores_bf16(qh + r * qs[2], key_row(a), sk, len, D, scale, s + (a - c0));
       }
 #endif
-      if (!use_dpbf16) chunk_scores(qf + r * D, kc, kstride, visible, D, s);
       if (softcap > 0.0f) soft_cap(s, visible, softcap);
       for (int64_t c = visible; c < n; ++c) s[c] = NEG_INF;
       if (mask.data) {
@@ -339,14 +339,18 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
       l[r] = l[r] * alpha[r] + psum;
       m[r] = m_new;
     }
-    const T* vc = vh;
-    int64_t r = 0;
-    for (; r + ROW_TILE <= R; r += ROW_TILE)
-      accumulate_values<T, ROW_TILE>(acc + r * Dv, Dv, alpha + r, sc.scores.data() + r * CHUNK, CHUNK, vc,
-                                     sv, n, Dv);
-    for (; r < R; ++r)
-      accumulate_values<T, 1>(acc + r * Dv, Dv, alpha + r, sc.scores.data() + r * CHUNK, CHUNK, vc, sv, n,
-                              Dv);
+    // the accumulators rescaled by alpha with the first segment's values (then by 1: exact)
+    for (int64_t a = c0, len; a < c0 + n; a += len) {
+      len = seg_len(a, c0 + n);
+      const T* vc = value_row(a);
+      const float* scaled = a == c0 ? alpha : sc.ones.data();
+      const float* p = sc.scores.data() + (a - c0);
+      int64_t r = 0;
+      for (; r + ROW_TILE <= R; r += ROW_TILE)
+        accumulate_values<T, ROW_TILE>(acc + r * Dv, Dv, scaled + r, p + r * CHUNK, CHUNK, vc, sv, len, Dv);
+      for (; r < R; ++r)
+        accumulate_values<T, 1>(acc + r * Dv, Dv, scaled + r, p + r * CHUNK, CHUNK, vc, sv, len, Dv);
+    }
   }
 }
 
