@@ -38,20 +38,20 @@ def test_accepted_is_the_matching_prefix_then_one_pick(draft, data):
 
 
 @pytest.mark.parametrize(
-    ("lane_rows", "quantized", "lengths"), [(0, True, (3, 7)), (4, True, (7, 7)), (4, False, (3, 7))]
+    ("lane_rows", "quantized", "lengths"), [(0, True, (3, 7)), (4, True, (7, 15)), (4, False, (3, 7))]
 )
 def test_a_request_pauses_after_wasted_drafts_and_lengthens_after_whole_ones(
     lane_rows, quantized, lengths, monkeypatch
 ):
     """GEMV kernels (or float weights): drafts of 3, 7 after a whole one; lane kernels on quantized weights (4 to 8
-    rows in one pass): always 7."""
+    rows in one 8-lane pass, 9 to 16 in one 16-lane pass): 7, 15 after a whole one."""
     monkeypatch.setattr(kernels, "lane_rows", lambda: lane_rows)
     assert draft_lengths(quantized) == lengths
     short, long = lengths
     s = DraftState()
-    assert s.wanted(7, lengths) == short and s.wanted(2, lengths) == 2
+    assert s.wanted(16, lengths) == short and s.wanted(2, lengths) == 2
     s.verified(3, 3, lengths)
-    assert s.wanted(7, lengths) == long
+    assert s.wanted(16, lengths) == long and s.wanted(7, lengths) == 7
     s.verified(7, 0, lengths)  # wasted: pause 2 steps
     assert [s.wanted(7, lengths) for _ in range(3)] == [0, 0, short]
     s.verified(3, 0, lengths)  # wasted again: pause 4

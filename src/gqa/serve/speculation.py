@@ -11,12 +11,13 @@ so verifying a draft gives the same logits as decoding the tokens one by one.
 
 When it pays: a draft's rows are not free, and 2 or 3 rows cost more than 4 (they run as separate GEMVs), so
 proposals shorter than 3 tokens are dropped. Where the quantized kernels put the rows in SIMD lanes
-(``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass costing about 2-2.5x a
-1-row GEMV, so drafts are always up to 7 tokens long; elsewhere the kernels take rows four at a time (on 2 cores 4
-rows ~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3 tokens, 7 after a draft accepted whole. A
-request that drafts in vain pauses its drafts for 2, 4, ... 32 steps, and only a batch of at most ``MAX_DRAFTING``
-decoding requests drafts at all — in a bigger batch the kernels are busy with every row and an extra row costs about
-a token's time.
+(``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass costing about 2.5x a 1-row
+step and 9 to 16 rows one 16-lane pass costing about 1.15-1.35x the 8-lane one (the same instructions, twice as wide;
+more rows of lm_head), so drafts are up to 7 tokens long, 15 after a draft accepted whole. Elsewhere the kernels take
+rows four at a time (on 2 cores 4 rows ~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3 tokens, 7
+after a draft accepted whole. A request that drafts in vain pauses its drafts for 2, 4, ... 32 steps, and only a
+batch of at most ``MAX_DRAFTING`` decoding requests drafts at all — in a bigger batch the kernels are busy with every
+row and an extra row costs about a token's time.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ NGRAMS = (3,)  # the suffix lengths looked up, longest first (shorter ones match
 MAX_DRAFTING = 2  # decoding requests at most in a step whose requests draft
 MIN_DRAFT = 3  # shorter proposals are dropped: 2 or 3 rows cost more than 4
 LENGTHS = (3, 7)  # draft lengths, short and long: 4 and 8 rows with the newest token
-LANE_LENGTHS = (7, 7)  # with lane kernels 4 to 8 rows cost one pass: always the long one
+LANE_LENGTHS = (7, 15)  # with lane kernels 8 rows (4 to 8) and 16 rows (9 to 16) are one pass each
 
 
 def draft_lengths(quantized: bool = True) -> tuple[int, int]:
