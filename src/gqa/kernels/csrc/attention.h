@@ -53,8 +53,18 @@ inline void chunk_scores(const float* q, const float* k, int64_t sk, int64_t n, 
 inline void chunk_scores_bf16(const BFloat16* q, const BFloat16* k, int64_t sk, int64_t n, int64_t D, float scale,
                               float* s) {
   int64_t c = 0;
-  for (; c < n; c += 16) {
-    const int64_t m = std::min<int64_t>(16, n - c);
+  for (; c + 16 <= n; c += 16) {  // a constant 16 keys: the accumulators stay in registers
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + d);
+      for (int i = 0; i < 16; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], qd, (__m512bh)_mm512_loadu_si512(k + (c + i) * sk + d));
+    }
+    _mm512_storeu_ps(s + c, _mm512_mul_ps(reduce_lanes(acc), _mm512_set1_ps(scale)));
+  }
+  if (c < n) {  // the last 1-15 keys, the same operations
+    const int64_t m = n - c;
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 32) {
