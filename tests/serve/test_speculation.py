@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gqa import kernels
-from gqa.serve.speculation import DraftState, accepted, draft_lengths, propose
+from gqa.serve.speculation import DraftLengths, DraftState, accepted, draft_lengths, propose
 
 
 def brute_propose(tokens: list[int], k: int, n: int = 3) -> list[int]:
@@ -38,26 +38,31 @@ def test_accepted_is_the_matching_prefix_then_one_pick(draft, data):
 
 
 @pytest.mark.parametrize(
-    ("lane_rows", "quantized", "lengths"), [(0, True, (3, 7)), (4, True, (7, 15)), (4, False, (3, 7))]
+    ("lane_rows", "quantized", "lengths"),
+    [(0, True, (3, 7, False)), (4, True, (7, 15, True)), (4, False, (3, 7, False))],
 )
 def test_a_request_pauses_after_wasted_drafts_and_lengthens_after_whole_ones(
     lane_rows, quantized, lengths, monkeypatch
 ):
-    """GEMV kernels (or float weights): drafts of 3, 7 after a whole one; lane kernels on quantized weights (4 to 8
-    rows in one 8-lane pass, 9 to 16 in one 16-lane pass): 7, 15 after a whole one."""
+    """GEMV kernels (or float weights): drafts of 3, 7 after a whole one, 3 again after one accepted in part; lane
+    kernels on quantized weights (4 to 8 rows in one 8-lane pass, 9 to 16 in one 16-lane pass): 7, 15 after a whole
+    one, and still 15 after one accepted in part."""
     monkeypatch.setattr(kernels, "lane_rows", lambda: lane_rows)
+    lengths = DraftLengths(*lengths)
     assert draft_lengths(quantized) == lengths
-    short, long = lengths
+    short, long, keep = lengths
     s = DraftState()
     assert s.wanted(16, lengths) == short and s.wanted(2, lengths) == 2
     s.verified(3, 3, lengths)
     assert s.wanted(16, lengths) == long and s.wanted(7, lengths) == 7
+    s.verified(long, 2, lengths)  # accepted in part
+    assert s.wanted(16, lengths) == (long if keep else short)
     s.verified(7, 0, lengths)  # wasted: pause 2 steps
-    assert [s.wanted(7, lengths) for _ in range(3)] == [0, 0, short]
+    assert [s.wanted(16, lengths) for _ in range(3)] == [0, 0, short]
     s.verified(3, 0, lengths)  # wasted again: pause 4
-    assert [s.wanted(7, lengths) for _ in range(5)] == [0, 0, 0, 0, short]
+    assert [s.wanted(16, lengths) for _ in range(5)] == [0, 0, 0, 0, short]
     s.verified(3, 1, lengths)  # a partly accepted draft ends the streak
-    assert s.misses == 0 and s.wanted(7, lengths) == short
+    assert s.misses == 0 and s.wanted(16, lengths) == short
     for _ in range(10):
         s.verified(3, 0)
     assert s.misses == 10 and s.pause == 32  # the pause stops growing at 32 steps

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .blocks import BlockManager, OutOfBlocks
 from .request import EngineError, Request, RequestOutput, RequestState
-from .speculation import LENGTHS, MAX_DRAFTING, MIN_DRAFT, propose
+from .speculation import LENGTHS, MAX_DRAFTING, MIN_DRAFT, DraftLengths, propose
 
 __all__ = ["ScheduledBatch", "Scheduler"]
 
@@ -43,12 +43,12 @@ class Scheduler:
 
     def __init__(
         self, blocks: BlockManager, max_running: int, prefill_chunk: int, eos: set[int], window: int | None = None,
-        speculate: int = 0, draft_lengths: tuple[int, int] = LENGTHS,
+        speculate: int = 0, draft_lengths: DraftLengths = LENGTHS,
     ) -> None:  # fmt: skip
         self.blocks, self.max_running, self.prefill_chunk, self.eos = blocks, max_running, prefill_chunk, eos
         self.window = window  # every layer's query sees at most this many keys to its left: older blocks go back
         self.speculate = speculate  # draft tokens per greedy request and step at most (speculation.py)
-        self.draft_lengths = draft_lengths  # a draft's short and long length (speculation.draft_lengths)
+        self.draft_lengths = draft_lengths  # a draft's lengths (speculation.draft_lengths)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -109,7 +109,7 @@ class Scheduler:
         if self.window is not None or not p.greedy or p.adjusts_logits or p.logprobs is not None:
             return []
         k = min(r.drafting.wanted(self.speculate, self.draft_lengths), p.max_tokens - len(r.outputs) - 1)
-        draft = propose(r.tokens, k) if k else []
+        draft = propose(r.tokens, k, r.drafting.ngrams()) if k else []
         if len(draft) < min(k, MIN_DRAFT):
             draft = []
         if draft:

@@ -1,13 +1,14 @@
 """Prompt-lookup speculative decoding: draft tokens without a draft model, verified exactly.
 
 A request that copies from its context (summarising, editing or quoting a given text, code) often continues with
-tokens it has already seen: when its last ``n`` tokens (3, else 2) occurred earlier, the tokens that followed that
-occurrence are proposed as a draft (HF's ``prompt_lookup_num_tokens``, vLLM's n-gram proposer). The engine feeds
-the draft as extra rows of the request in the same call as every other row; each row's greedy token is what plain
-decoding would pick after the tokens before it, so the drafted tokens are accepted while they equal those picks and
-the first pick that differs (or the one after the whole draft) comes free: the output is exactly greedy decoding's,
-1 to ``k + 1`` tokens per step. Rows are independent in the kernels (a row's result does not depend on the others),
-so verifying a draft gives the same logits as decoding the tokens one by one.
+tokens it has already seen: when its last 3 tokens (4 until a draft of it had a token accepted) occurred earlier,
+the tokens that followed the latest such occurrence are proposed as a draft (HF's ``prompt_lookup_num_tokens``,
+vLLM's n-gram proposer). The engine feeds the draft as extra rows of the request in the same call as every other
+row; each row's greedy token is what plain decoding would pick after the tokens before it, so the drafted tokens are
+accepted while they equal those picks and the first pick that differs (or the one after the whole draft) comes free:
+the output is exactly greedy decoding's, 1 to ``k + 1`` tokens per step. Rows are independent in the kernels (a
+row's result does not depend on the others), so verifying a draft gives the same logits as decoding the tokens one
+by one.
 
 When it pays: a draft's rows are not free, and 2 or 3 rows cost more than 4 (they run as separate GEMVs), so
 proposals shorter than 3 tokens are dropped. Where the quantized kernels put the rows in SIMD lanes
@@ -23,19 +24,38 @@ row and an extra row costs about a token's time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .. import kernels
 
-__all__ = ["MAX_DRAFTING", "MIN_DRAFT", "DraftState", "accepted", "draft_lengths", "propose"]
+__all__ = ["MAX_DRAFTING", "MIN_DRAFT", "DraftLengths", "DraftState", "accepted", "draft_lengths", "propose"]
 
 NGRAMS = (3,)  # the suffix lengths looked up, longest first (shorter ones match too often to pay)
+# ... and before a request's first accepted draft, or after a wasted one: a wasted draft costs 1.2-1.6 steps, so a
+# draft needs a longer match while nothing says the request copies (SmolLM2's free-form answers 1.04x against 0.99x,
+# copying ones 1.90x against 1.94x, in a replay of the benchmark's requests with the passes' measured costs)
+COLD_NGRAMS = (4,)
 MAX_DRAFTING = 2  # decoding requests at most in a step whose requests draft
 MIN_DRAFT = 3  # shorter proposals are dropped: 2 or 3 rows cost more than 4
-LENGTHS = (3, 7)  # draft lengths, short and long: 4 and 8 rows with the newest token
-LANE_LENGTHS = (7, 15)  # with lane kernels 8 rows (4 to 8) and 16 rows (9 to 16) are one pass each
 
 
-def draft_lengths(quantized: bool = True) -> tuple[int, int]:
+class DraftLengths(NamedTuple):
+    """A request's draft lengths: ``short`` at first and after a wasted draft, ``long`` after one accepted whole;
+    ``keep``: a draft accepted in part keeps the length (else the next is short)."""
+
+    short: int
+    long: int
+    keep: bool = False
+
+
+LENGTHS = DraftLengths(3, 7)  # 4 and 8 rows with the newest token; 8 rows cost ~3x one on these kernels
+# With lane kernels 8 rows (4 to 8) and 16 rows (9 to 16) are one pass each, and a copy that a correction interrupts
+# goes on after it (SmolLM2 fixing a text's spelling: 2.17x against 2.07x when a partly accepted draft shortens the
+# next, in a replay of the benchmark's requests with the passes' measured costs).
+LANE_LENGTHS = DraftLengths(7, 15, keep=True)
+
+
+def draft_lengths(quantized: bool = True) -> DraftLengths:
     """The short and the long draft length for this machine's kernels and a model with ``quantized`` weights (the
     lanes take quantized products only)."""
     return LANE_LENGTHS if quantized and 0 < kernels.lane_rows() <= MIN_DRAFT + 1 else LENGTHS
@@ -69,28 +89,34 @@ def accepted(draft: list[int], picks: list[int]) -> list[int]:
 
 @dataclass
 class DraftState:
-    """One request's drafting: the next draft's length, drafts in a row with nothing accepted, steps left to pause."""
+    """One request's drafting: the next draft's length, drafts in a row with nothing accepted, steps left to pause,
+    whether the last draft had a token accepted."""
 
     length: int = 0  # 0: the short one
     misses: int = 0
     pause: int = 0
+    hot: bool = False
 
-    def wanted(self, speculate: int, lengths: tuple[int, int] = LENGTHS) -> int:
-        """The draft length to ask for this step (0: none), at most ``speculate``; ``lengths``: the short and the
-        long one (``draft_lengths``)."""
+    def ngrams(self) -> tuple[int, ...]:
+        """The suffix lengths to look up (``propose``): 3 tokens after an accepted draft, else 4."""
+        return NGRAMS if self.hot else COLD_NGRAMS
+
+    def wanted(self, speculate: int, lengths: DraftLengths = LENGTHS) -> int:
+        """The draft length to ask for this step (0: none), at most ``speculate``; ``lengths``: ``draft_lengths``."""
         if self.pause:
             self.pause -= 1
             return 0
         return min(self.length or lengths[0], speculate)
 
-    def verified(self, drafted: int, taken: int, lengths: tuple[int, int] = LENGTHS) -> None:
+    def verified(self, drafted: int, taken: int, lengths: DraftLengths = LENGTHS) -> None:
         """A draft of ``drafted`` tokens had its first ``taken`` accepted: a whole one lengthens the next, a wasted
-        one pauses drafting (twice as long as the last pause, up to 32 steps)."""
-        short, long = lengths
+        one shortens it and pauses drafting (twice as long as the last pause, up to 32 steps), one accepted in part
+        keeps the length or shortens it (``lengths.keep``)."""
+        self.hot = taken > 0
         if taken == drafted:
-            self.length, self.misses = long, 0
+            self.length, self.misses = lengths.long, 0
         elif taken == 0:
-            self.length, self.misses = short, self.misses + 1
+            self.length, self.misses = lengths.short, self.misses + 1
             self.pause = 2 ** min(self.misses, 5)
         else:
-            self.length, self.misses = short, 0
+            self.length, self.misses = (self.length if lengths.keep else lengths.short), 0
