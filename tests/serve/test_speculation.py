@@ -66,3 +66,15 @@ def test_a_request_pauses_after_wasted_drafts_and_lengthens_after_whole_ones(
     for _ in range(10):
         s.verified(3, 0)
     assert s.misses == 10 and s.pause == 32  # the pause stops growing at 32 steps
+
+
+def test_drafts_need_a_four_token_match_until_one_had_a_token_accepted():
+    """A cold request (no draft yet, or the last one wasted) looks up its last 4 tokens; after a draft with a token
+    accepted, its last 3: ``propose`` then finds a continuation that a 4-token lookup does not."""
+    tokens = [1, 2, 3, 4, 5, 9, 3, 4, 5]  # the last 3 tokens occurred before, the last 4 did not
+    s = DraftState()
+    assert s.ngrams() == (4,) and propose(tokens, 3, s.ngrams()) == []
+    s.verified(7, 2)
+    assert s.ngrams() == (3,) and propose(tokens, 3, s.ngrams()) == [9, 3, 4]
+    s.verified(7, 0)
+    assert s.ngrams() == (4,)
