@@ -3,22 +3,16 @@ step on tiny shapes, the JSON and markdown it writes). What it measures on a GPU
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
-
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+from helpers.scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_check")
 
 
 @pytest.mark.parametrize(

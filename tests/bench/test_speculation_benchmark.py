@@ -3,21 +3,15 @@ copy-heavy response, and a short run end to end (the table, the groups, exit 0 w
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
-
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "speculation.py"
+from helpers.scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("speculation_benchmark", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("speculation")
 
 
 @pytest.mark.parametrize(
