@@ -1,6 +1,7 @@
 """The native ops at their edges, called directly as a caller with a bug would call them: caches whose shapes
 disagree (refused before anything is written), empty batches (empty results), zero head sizes (clear errors), FFN
-widths that are not a multiple of the SIMD width (a row's logits do not depend on the batch), huge finite inputs to
+widths that are not a multiple of the SIMD width (a row's logits do not depend on the batch), RMSNorm of any width
+against float64, huge finite inputs to
 the quantized GEMV (no NaN where float gives none), and a kernel library that exists but cannot be loaded."""
 
 from __future__ import annotations
@@ -229,6 +230,29 @@ def test_silu_mul_gives_each_element_the_same_value_in_any_tensor(n, dtype):
         )
     expected = (F.silu(gate.double()).to(dtype).double() * up.double()).to(dtype)
     torch.testing.assert_close(whole, expected, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E", [1, 5, 16, 17, 576, 1000])
+def test_rms_norm_matches_float64_and_each_row_its_value_in_any_batch(E, dtype):
+    """``gqa::rms_norm`` (every norm of the decode steps) against HF's RMSNorm in float64 — ``w * T(x / rms(x))``,
+    the rms in float32 — for widths below, at and past the SIMD width with a tail; rows of very different scales; a
+    row alone equals the same row in a batch, bit for bit."""
+    g = torch.Generator().manual_seed(E)
+    scales = torch.tensor([1e-3, 1.0, 30.0, 1e4, 0.5, 2.0, 7.0])[:, None]
+    x = (torch.randn(7, E, generator=g) * scales).to(dtype)
+    w = (torch.rand(E, generator=g) + 0.5).to(dtype)
+    out = torch.ops.gqa.rms_norm(x, w, 1e-6)
+    x64 = x.double()
+    normed = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).double()
+    expected = (w.double() * normed).to(dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=0, rtol=2e-6)
+    else:  # the float32 sum may round x / rms to the neighbouring bf16 value: one ulp, then times w
+        torch.testing.assert_close(out.double(), expected.double(), atol=0, rtol=2 * 2**-8)
+    for b in range(7):
+        assert torch.equal(torch.ops.gqa.rms_norm(x[b : b + 1].contiguous(), w, 1e-6)[0], out[b])
 
 
 # -- the quantized GEMV with huge finite inputs ---------------------------------------------------------------------

@@ -7,11 +7,24 @@ namespace gqa_cpu {
 
 using namespace gqa_simd;
 
-// 1 / rms(x) of one row of E values, in float32: 1 / sqrt(mean(x^2) + eps).
+// 1 / rms(x) of one row of E values, in float32: 1 / sqrt(mean(x^2) + eps). The squares are summed LANES at a time,
+// then the lanes, then the rest one by one: a fixed order for a row whatever its batch (one scalar chain of E adds
+// was half of a 16-row step's norms: 61 norms a step, each 576 adds 4 cycles apart).
 template <typename T>
 inline float inv_rms(const T* x, int64_t E, float eps) {
   float ss = 0.0f;
-  for (int64_t e = 0; e < E; ++e) ss += to_float(x[e]) * to_float(x[e]);
+  int64_t e = 0;
+#if GQA_SIMD > 1
+  if (E >= LANES) {
+    vec acc = vzero();
+    for (; e + LANES <= E; e += LANES) {
+      const vec v = vload(x + e);
+      acc = vfma(v, v, acc);
+    }
+    ss = vsum(acc);
+  }
+#endif
+  for (; e < E; ++e) ss += to_float(x[e]) * to_float(x[e]);
   return 1.0f / std::sqrt(ss / static_cast<float>(E) + eps);
 }
 
