@@ -1,8 +1,8 @@
 """The native ops at their edges, called directly as a caller with a bug would call them: caches whose shapes
 disagree (refused before anything is written), empty batches (empty results), zero head sizes (clear errors), FFN
 widths that are not a multiple of the SIMD width (a row's logits do not depend on the batch), RMSNorm of any width
-against float64, huge finite inputs to
-the quantized GEMV (no NaN where float gives none), and a kernel library that exists but cannot be loaded."""
+against float64, huge finite inputs to the quantized GEMV (no NaN where float gives none), and a kernel library that
+exists but cannot be loaded."""
 
 from __future__ import annotations
 
