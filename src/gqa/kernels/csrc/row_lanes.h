@@ -37,9 +37,6 @@ struct Lanes<16> {
   static I imul(I a, int32_t b) { return _mm512_mullo_epi32(a, _mm512_set1_epi32(b)); }
   template <int BITS>
   static I shl(I a) { return _mm512_slli_epi32(a, BITS); }
-  static I dot(I acc, int32_t w4, const int8_t* x) {
-    return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(w4), _mm512_loadu_si512(x));
-  }
   // the J-th four bytes of w in every lane
   template <int J>
   static I spread(__m256i w) {
@@ -67,9 +64,6 @@ struct Lanes<8> {
   static I imul(I a, int32_t b) { return _mm256_mullo_epi32(a, _mm256_set1_epi32(b)); }
   template <int BITS>
   static I shl(I a) { return _mm256_slli_epi32(a, BITS); }
-  static I dot(I acc, int32_t w4, const int8_t* x) {
-    return _mm256_dpbusd_epi32(acc, _mm256_set1_epi32(w4), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  }
   template <int J>
   static I spread(__m256i w) {
     return _mm256_permutevar8x32_epi32(w, _mm256_set1_epi32(J));
@@ -194,20 +188,20 @@ inline void lanes_kdot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& x
     for (int j0 = 0; j0 < 8; j0 += 4) {
       __m256i wq[4], scales[4];
       k_quad<F>(sb, j0, wq, scales);
-      alignas(32) int32_t w4[4][8];
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < 4; ++i) {  // permutes, as lane_block (q4_k at 8 lanes 1.11x, q6_k 1.21x; 16 lanes the same)
         const __m256i q = F == Q6_K ? _mm256_add_epi8(wq[i], _mm256_set1_epi8(32)) : wq[i];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(w4[i]), q);
-      }
-      for (int i = 0; i < 4; ++i) {
         const int j = j0 + i;
         const int64_t b = s * 8 + j;
         const int8_t* xb = x.q + b * QK * L;
         typename S::I p[4];  // q6_k: p[0], p[1] the first half's chains, p[2], p[3] the second's
-        p[0] = S::dot(S::izero(), w4[i][0], xb), p[1] = S::dot(S::izero(), w4[i][1], xb + 4 * L);
-        p[2] = S::dot(S::izero(), w4[i][4], xb + 16 * L), p[3] = S::dot(S::izero(), w4[i][5], xb + 20 * L);
-        p[0] = S::dot(p[0], w4[i][2], xb + 8 * L), p[1] = S::dot(p[1], w4[i][3], xb + 12 * L);
-        p[2] = S::dot(p[2], w4[i][6], xb + 24 * L), p[3] = S::dot(p[3], w4[i][7], xb + 28 * L);
+        p[0] = S::dot(S::izero(), S::template spread<0>(q), xb);
+        p[1] = S::dot(S::izero(), S::template spread<1>(q), xb + 4 * L);
+        p[2] = S::dot(S::izero(), S::template spread<4>(q), xb + 16 * L);
+        p[3] = S::dot(S::izero(), S::template spread<5>(q), xb + 20 * L);
+        p[0] = S::dot(p[0], S::template spread<2>(q), xb + 8 * L);
+        p[1] = S::dot(p[1], S::template spread<3>(q), xb + 12 * L);
+        p[2] = S::dot(p[2], S::template spread<6>(q), xb + 24 * L);
+        p[3] = S::dot(p[3], S::template spread<7>(q), xb + 28 * L);
         typename S::I sum;
         if constexpr (F == Q6_K) {
           const typename S::I lo_x = S::iload(x.sum_lo + b * L), hi_x = S::isub(S::iload(x.sum + b * L), lo_x);
