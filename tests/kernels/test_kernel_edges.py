@@ -249,8 +249,8 @@ def test_rms_norm_matches_float64_and_each_row_its_value_in_any_batch(E, dtype):
     expected = (w.double() * normed).to(dtype)
     if dtype == torch.float32:
         torch.testing.assert_close(out, expected, atol=0, rtol=2e-6)
-    else:  # the float32 sum may round x / rms to the neighbouring bf16 value: one ulp, then times w
-        torch.testing.assert_close(out.double(), expected.double(), atol=0, rtol=2 * 2**-8)
+    else:  # the float32 sum may round x / rms to the neighbouring bf16 value: one ulp, up to 2 after times w
+        torch.testing.assert_close(out.double(), expected.double(), atol=0, rtol=2**-6)
     for b in range(7):
         assert torch.equal(torch.ops.gqa.rms_norm(x[b : b + 1].contiguous(), w, 1e-6)[0], out[b])
 

@@ -1,24 +1,24 @@
 """Prompt-lookup speculative decoding: draft tokens without a draft model, verified exactly.
 
 A request that copies from its context (summarising, editing or quoting a given text, code) often continues with
-tokens it has already seen: when its last 3 tokens (4 until a draft of it had a token accepted) occurred earlier,
-the tokens that followed the latest such occurrence are proposed as a draft (HF's ``prompt_lookup_num_tokens``,
-vLLM's n-gram proposer). The engine feeds the draft as extra rows of the request in the same call as every other
-row; each row's greedy token is what plain decoding would pick after the tokens before it, so the drafted tokens are
-accepted while they equal those picks and the first pick that differs (or the one after the whole draft) comes free:
-the output is exactly greedy decoding's, 1 to ``k + 1`` tokens per step. Rows are independent in the kernels (a
-row's result does not depend on the others), so verifying a draft gives the same logits as decoding the tokens one
-by one.
+tokens it has already seen: when its last 3 tokens (4 before a draft of it had a token accepted, and after a wasted
+one) occurred earlier, the tokens that followed the latest such occurrence are proposed as a draft (HF's
+``prompt_lookup_num_tokens``, vLLM's n-gram proposer). The engine feeds the draft as extra rows of the request in
+the same call as every other row; each row's greedy token is what plain decoding would pick after the tokens before
+it, so the drafted tokens are accepted while they equal those picks and the first pick that differs (or the one
+after the whole draft) comes free: the output is exactly greedy decoding's, 1 to ``k + 1`` tokens per step. Rows are
+independent in the kernels (a row's result does not depend on the others), so verifying a draft gives the same
+logits as decoding the tokens one by one.
 
 When it pays: a draft's rows are not free, and 2 or 3 rows cost more than 4 (they run as separate GEMVs), so
 proposals shorter than 3 tokens are dropped. Where the quantized kernels put the rows in SIMD lanes
 (``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass costing about 2.5x a 1-row
-step and 9 to 16 rows one 16-lane pass costing about 1.15-1.35x the 8-lane one (the same instructions, twice as wide;
-more rows of lm_head), so drafts are up to 7 tokens long, 15 after a draft accepted whole. Elsewhere the kernels take
-rows four at a time (on 2 cores 4 rows ~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3 tokens, 7
-after a draft accepted whole. A request that drafts in vain pauses its drafts for 2, 4, ... 32 steps, and only a
-batch of at most ``MAX_DRAFTING`` decoding requests drafts at all — in a bigger batch the kernels are busy with every
-row and an extra row costs about a token's time.
+step and 9 to 16 rows one 16-lane pass costing about 1.3-1.45x the 8-lane one (the same instructions, twice as wide;
+more rows of lm_head), so drafts are up to 7 tokens long, 15 after a draft accepted whole. Elsewhere the kernels
+take rows four at a time (on 2 cores 4 rows ~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3
+tokens, 7 after a draft accepted whole. A request that drafts in vain pauses its drafts for 2, 4, ... 32 steps, and
+only a batch of at most ``MAX_DRAFTING`` decoding requests drafts at all — in a bigger batch the kernels are busy
+with every row and an extra row costs about a token's time.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ LANE_LENGTHS = DraftLengths(7, 15, keep=True)
 
 
 def draft_lengths(quantized: bool = True) -> DraftLengths:
-    """The short and the long draft length for this machine's kernels and a model with ``quantized`` weights (the
-    lanes take quantized products only)."""
+    """The draft lengths (short, long, and whether a draft accepted in part keeps the length) for this machine's
+    kernels and a model with ``quantized`` weights (the lanes take quantized products only)."""
     return LANE_LENGTHS if quantized and 0 < kernels.lane_rows() <= MIN_DRAFT + 1 else LENGTHS
 
 
