@@ -335,10 +335,10 @@ def test_structured_output_through_the_openai_client_validates(client):
     chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, temperature=0,
                                             response_format=fmt, stream=True)  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
-    ask = [{"role": "user", "content": 'What is 2+2? Answer as a JSON object like {"answer": ...}.'}]
+    ask = [{"role": "user", "content": 'What is the capital of France? Answer as a JSON object like {"capital": ...}.'}]
     r = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=64, temperature=0,
                                        response_format={"type": "json_object"})  # fmt: skip
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
     r = client.completions.create(model=MODEL, prompt="My favourite colour is", max_tokens=8, temperature=1.0, seed=4,
                                   extra_body={"structured_outputs": {"choice": ["red", "green"]}})  # fmt: skip
     assert r.choices[0].text in ("red", "green")

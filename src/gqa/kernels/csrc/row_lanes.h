@@ -125,22 +125,28 @@ struct LaneInputs {
 
 // Block b (at blk) of one weight row against lane group x, into chain C = b % 4 of every lane (a constant, so that
 // the chains stay in registers: 1.2x the speed of indexing them by b & 3).
-// Each group of four weights reaches the lanes by one permute from the unpacked block (q8_0 at 8 lanes 1.23x the
-// speed of broadcasting them from a copy on the stack).
+// The products of 32 unsigned weight bytes w with the lanes' inputs at xb, in four independent chains of vpdpbusd (one
+// chain is latency-bound), exact integer sums: p[0] + p[1] the first 16 weights', p[2] + p[3] the last 16's. Each
+// group of four weights reaches the lanes by one permute of w (q8_0 at 8 lanes 1.23x the speed of broadcasting them
+// from a copy on the stack, q4_k 1.11x, q6_k 1.21x; 16 lanes the same).
+template <int L>
+inline void lane_products(__m256i w, const int8_t* xb, typename Lanes<L>::I p[4]) {
+  using S = Lanes<L>;
+  p[0] = S::dot(S::izero(), S::template spread<0>(w), xb);
+  p[1] = S::dot(S::izero(), S::template spread<1>(w), xb + 4 * L);
+  p[2] = S::dot(S::izero(), S::template spread<4>(w), xb + 16 * L);
+  p[3] = S::dot(S::izero(), S::template spread<5>(w), xb + 20 * L);
+  p[0] = S::dot(p[0], S::template spread<2>(w), xb + 8 * L);
+  p[1] = S::dot(p[1], S::template spread<3>(w), xb + 12 * L);
+  p[2] = S::dot(p[2], S::template spread<6>(w), xb + 24 * L);
+  p[3] = S::dot(p[3], S::template spread<7>(w), xb + 28 * L);
+}
+
 template <int F, int L, int C>
 inline void lane_block(const uint8_t* blk, int64_t b, const LaneInputs& x, Chains<Lanes<L>>& c) {
   using S = Lanes<L>;
-  const __m256i w = lane_weights<F>(blk);
-  const int8_t* xb = x.q + b * QK * L;
-  typename S::I p[4];  // four independent chains of vpdpbusd (one chain is latency-bound); the sums are exact
-  p[0] = S::dot(S::izero(), S::template spread<0>(w), xb);
-  p[1] = S::dot(S::izero(), S::template spread<1>(w), xb + 4 * L);
-  p[2] = S::dot(S::izero(), S::template spread<2>(w), xb + 8 * L);
-  p[3] = S::dot(S::izero(), S::template spread<3>(w), xb + 12 * L);
-  p[0] = S::dot(p[0], S::template spread<4>(w), xb + 16 * L);
-  p[1] = S::dot(p[1], S::template spread<5>(w), xb + 20 * L);
-  p[2] = S::dot(p[2], S::template spread<6>(w), xb + 24 * L);
-  p[3] = S::dot(p[3], S::template spread<7>(w), xb + 28 * L);
+  typename S::I p[4];
+  lane_products<L>(lane_weights<F>(blk), x.q + b * QK * L, p);
   typename S::I s = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
   if constexpr (F == Q8_0) s = S::isub(s, S::template shl<7>(S::iload(x.sum + b * L)));
   const float dw = half_at(blk);
@@ -188,20 +194,12 @@ inline void lanes_kdot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& x
     for (int j0 = 0; j0 < 8; j0 += 4) {
       __m256i wq[4], scales[4];
       k_quad<F>(sb, j0, wq, scales);
-      for (int i = 0; i < 4; ++i) {  // permutes, as lane_block (q4_k at 8 lanes 1.11x, q6_k 1.21x; 16 lanes the same)
+      for (int i = 0; i < 4; ++i) {
         const __m256i q = F == Q6_K ? _mm256_add_epi8(wq[i], _mm256_set1_epi8(32)) : wq[i];
         const int j = j0 + i;
         const int64_t b = s * 8 + j;
-        const int8_t* xb = x.q + b * QK * L;
         typename S::I p[4];  // q6_k: p[0], p[1] the first half's chains, p[2], p[3] the second's
-        p[0] = S::dot(S::izero(), S::template spread<0>(q), xb);
-        p[1] = S::dot(S::izero(), S::template spread<1>(q), xb + 4 * L);
-        p[2] = S::dot(S::izero(), S::template spread<4>(q), xb + 16 * L);
-        p[3] = S::dot(S::izero(), S::template spread<5>(q), xb + 20 * L);
-        p[0] = S::dot(p[0], S::template spread<2>(q), xb + 8 * L);
-        p[1] = S::dot(p[1], S::template spread<3>(q), xb + 12 * L);
-        p[2] = S::dot(p[2], S::template spread<6>(q), xb + 24 * L);
-        p[3] = S::dot(p[3], S::template spread<7>(q), xb + 28 * L);
+        lane_products<L>(q, x.q + b * QK * L, p);
         typename S::I sum;
         if constexpr (F == Q6_K) {
           const typename S::I lo_x = S::iload(x.sum_lo + b * L), hi_x = S::isub(S::iload(x.sum + b * L), lo_x);
