@@ -106,7 +106,7 @@ class DraftState:
         if self.pause:
             self.pause -= 1
             return 0
-        return min(self.length or lengths[0], speculate)
+        return min(self.length or lengths.short, speculate)
 
     def verified(self, drafted: int, taken: int, lengths: DraftLengths = LENGTHS) -> None:
         """A draft of ``drafted`` tokens had its first ``taken`` accepted: a whole one lengthens the next, a wasted

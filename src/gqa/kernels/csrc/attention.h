@@ -258,7 +258,7 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
   sc.qf.resize(R * D);
   sc.scores.resize(R * CHUNK);
   sc.alpha.resize(R);
-  sc.ones.assign(R, 1.0f);
+  if (static_cast<int64_t>(sc.ones.size()) < R) sc.ones.assign(R, 1.0f);
   sc.kbuf.resize(std::is_same_v<T, float> ? 0 : CHUNK * D);
   float* qf = sc.qf.data();
   float* alpha = sc.alpha.data();

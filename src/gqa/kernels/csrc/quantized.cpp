@@ -200,8 +200,8 @@ void add_float_blocks(const T* x, const QuantizedRows& xr, int64_t K, const uint
 //   acc_c = fma(float(s_b), d_w,b * d_x,b, acc_c)      min_c = fma(min_w,b, ds_x,b, min_c)
 // and out = ((acc_0 + acc_2) + (acc_1 + acc_3)) + ((min_0 + min_2) + (min_1 + min_3)). dot4 runs four rows of x
 // (a row per lane), dot1 one row (four blocks per step, a block per lane; eight, two per 512-bit product, with
-// AVX-512 VNNI, the same sums); the serving engine's batch invariance
-// rests on both giving the same bits (tested through the op).
+// AVX-512 VNNI, the same sums); the serving engine's batch invariance rests on both giving the same bits (tested
+// through the op).
 #if defined(__AVX2__)
 // The 8 int32 lanes of a weight block's products with 32 int8 inputs (q8_0: |w| as unsigned times sign(w) * x).
 template <int F>

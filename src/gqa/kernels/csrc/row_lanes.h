@@ -123,8 +123,6 @@ struct LaneInputs {
         sum_lo(xr.lsum_lo.data() + g.s_at) {}
 };
 
-// Block b (at blk) of one weight row against lane group x, into chain C = b % 4 of every lane (a constant, so that
-// the chains stay in registers: 1.2x the speed of indexing them by b & 3).
 // The products of 32 unsigned weight bytes w with the lanes' inputs at xb, in four independent chains of vpdpbusd (one
 // chain is latency-bound), exact integer sums: p[0] + p[1] the first 16 weights', p[2] + p[3] the last 16's. Each
 // group of four weights reaches the lanes by one permute of w (q8_0 at 8 lanes 1.23x the speed of broadcasting them
@@ -142,6 +140,8 @@ inline void lane_products(__m256i w, const int8_t* xb, typename Lanes<L>::I p[4]
   p[3] = S::dot(p[3], S::template spread<7>(w), xb + 28 * L);
 }
 
+// Block b (at blk) of one weight row against lane group x, into chain C = b % 4 of every lane (a constant, so that
+// the chains stay in registers: 1.2x the speed of indexing them by b & 3).
 template <int F, int L, int C>
 inline void lane_block(const uint8_t* blk, int64_t b, const LaneInputs& x, Chains<Lanes<L>>& c) {
   using S = Lanes<L>;
