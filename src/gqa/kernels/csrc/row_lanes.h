@@ -83,7 +83,7 @@ struct Lanes<8> {
 
 // A weight block's 32 values as unsigned bytes, in order (q8_0: q + 128).
 template <int F>
-inline __m256i lane_weights(const uint8_t* blk) {
+__attribute__((always_inline)) inline __m256i lane_weights(const uint8_t* blk) {
   if constexpr (F == Q8_0) {
     return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8(-128));
   } else if constexpr (five_bit(F)) {
@@ -127,8 +127,12 @@ struct LaneInputs {
 // chain is latency-bound), exact integer sums: p[0] + p[1] the first 16 weights', p[2] + p[3] the last 16's. Each
 // group of four weights reaches the lanes by one permute of w (q8_0 at 8 lanes 1.23x the speed of broadcasting them
 // from a copy on the stack, q4_k 1.11x, q6_k 1.21x; 16 lanes the same).
+//
+// Always inlined, as lane_block and lane_weights: a call (GCC inlined none of them in every use, and called
+// lane_products through the PLT) clobbers every zmm, so the caller's chains went to the stack around each block
+// (a 16-row verification pass 1.2x slower).
 template <int L>
-inline void lane_products(__m256i w, const int8_t* xb, typename Lanes<L>::I p[4]) {
+__attribute__((always_inline)) inline void lane_products(__m256i w, const int8_t* xb, typename Lanes<L>::I p[4]) {
   using S = Lanes<L>;
   p[0] = S::dot(S::izero(), S::template spread<0>(w), xb);
   p[1] = S::dot(S::izero(), S::template spread<1>(w), xb + 4 * L);
@@ -143,7 +147,8 @@ inline void lane_products(__m256i w, const int8_t* xb, typename Lanes<L>::I p[4]
 // Block b (at blk) of one weight row against lane group x, into chain C = b % 4 of every lane (a constant, so that
 // the chains stay in registers: 1.2x the speed of indexing them by b & 3).
 template <int F, int L, int C>
-inline void lane_block(const uint8_t* blk, int64_t b, const LaneInputs& x, Chains<Lanes<L>>& c) {
+__attribute__((always_inline)) inline void lane_block(const uint8_t* blk, int64_t b, const LaneInputs& x,
+                                                     Chains<Lanes<L>>& c) {
   using S = Lanes<L>;
   typename S::I p[4];
   lane_products<L>(lane_weights<F>(blk), x.q + b * QK * L, p);
