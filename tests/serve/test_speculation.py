@@ -1,6 +1,7 @@
 """Prompt lookup's proposals and verification, against brute force: the draft follows the latest earlier occurrence
-of the last three tokens; verification keeps the leading draft tokens equal to the greedy picks, then one pick; a
-request's drafting pauses after drafts wasted and lengthens after drafts wholly accepted."""
+of the last three tokens, else that of the last two nearest to where the request's copy left off; verification keeps
+the leading draft tokens equal to the greedy picks, then one pick; a request's drafting pauses after drafts wasted and
+lengthens after drafts wholly accepted."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gqa import kernels
-from gqa.serve.speculation import DraftLengths, DraftState, accepted, draft_lengths, propose
+from gqa.serve.speculation import RESYNC, DraftLengths, DraftState, accepted, draft_lengths, nearest_match, propose
 
 
 def brute_propose(tokens: list[int], k: int, n: int = 3) -> list[int]:
@@ -20,6 +21,18 @@ def brute_propose(tokens: list[int], k: int, n: int = 3) -> list[int]:
 @given(st.lists(st.integers(0, 3), max_size=40), st.integers(0, 9))
 def test_propose_is_the_latest_earlier_occurrence(tokens, k):
     assert propose(tokens, k) == brute_propose(tokens, k)
+
+
+def brute_nearest(tokens: list[int], n: int, source: int) -> int | None:
+    before, after = RESYNC
+    starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[len(tokens) - n :]]
+    starts = [i for i in starts if source - before <= i <= source + after]
+    return min(starts, key=lambda i: (abs(i - source), i)) + n if starts else None
+
+
+@given(st.lists(st.integers(0, 2), max_size=60), st.integers(1, 3), st.integers(0, 70))
+def test_nearest_match_is_the_occurrence_nearest_the_source_within_its_span(tokens, n, source):
+    assert nearest_match(tokens, n, source) == brute_nearest(tokens, n, source)
 
 
 def test_propose_examples():
@@ -78,3 +91,18 @@ def test_drafts_need_a_four_token_match_until_one_had_a_token_accepted():
     assert s.ngrams() == (3,) and propose(tokens, 3, s.ngrams()) == [9, 3, 4]
     s.verified(7, 0)
     assert s.ngrams() == (4,)
+
+
+def test_a_copy_interrupted_by_an_edit_resumes_near_where_it_stopped():
+    """A request copying its prompt replaces one token: the 3-token lookup fails for the next 3 tokens, but its last 2
+    tokens occur near the first draft token it did not write, and the draft goes on from there (not from an
+    occurrence of them far away, nor without a verified draft to say where the copy was)."""
+    prompt = [9, 11, 50, 51, 52, 53, 54, 55, 56] + [0] * 40 + [5, 1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 15]
+    s = DraftState()
+    tokens = [*prompt, 1, 2, 3, 4]
+    assert s.propose(tokens, 7) == [6, 7, 8, 9, 11, 12, 13]  # the 4 tokens before occurred: a cold draft
+    s.verified(7, 2)  # 6 and 7 accepted, then 80 instead of 8
+    assert s.source == len(prompt) - 7  # where 8 is
+    tokens += [6, 7, 80, 9, 11]
+    assert propose(tokens, 3, s.ngrams()) == [] and s.propose(tokens, 3) == [12, 13, 14]
+    assert DraftState().propose(tokens, 3) == []  # no copy to resume: no draft

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .blocks import BlockManager, OutOfBlocks
 from .request import EngineError, Request, RequestOutput, RequestState
-from .speculation import LENGTHS, MAX_DRAFTING, MIN_DRAFT, DraftLengths, propose
+from .speculation import LENGTHS, MAX_DRAFTING, MIN_DRAFT, DraftLengths
 
 __all__ = ["ScheduledBatch", "Scheduler"]
 
@@ -109,7 +109,7 @@ class Scheduler:
         if self.window is not None or not p.greedy or p.adjusts_logits or p.logprobs is not None:
             return []
         k = min(r.drafting.wanted(self.speculate, self.draft_lengths), p.max_tokens - len(r.outputs) - 1)
-        draft = propose(r.tokens, k, r.drafting.ngrams()) if k else []
+        draft = r.drafting.propose(r.tokens, k) if k else []
         if len(draft) < min(k, MIN_DRAFT):
             draft = []
         if draft:

@@ -10,10 +10,14 @@ after the whole draft) comes free: the output is exactly greedy decoding's, 1 to
 independent in the kernels (a row's result does not depend on the others), so verifying a draft gives the same
 logits as decoding the tokens one by one.
 
+A copy with edits (a spelling fixed, a name replaced, a sentence skipped) breaks the 3-token match for the next 3
+tokens: until then the request looks up its last 2 tokens near where the copy left off (8 tokens before the first
+draft token it did not write to 32 after), and drafts what follows them there.
+
 When it pays: a draft's rows are not free, and 2 or 3 rows cost more than 4 (they run as separate GEMVs), so
 proposals shorter than 3 tokens are dropped. Where the quantized kernels put the rows in SIMD lanes
-(``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass costing about 2.5x a 1-row
-step and 9 to 16 rows one 16-lane pass costing about 1.3-1.45x the 8-lane one (the same instructions, twice as wide;
+(``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass costing about 2.3x a 1-row
+step and 9 to 16 rows one 16-lane pass costing about 1.3x the 8-lane one (the same instructions, twice as wide;
 more rows of lm_head), so drafts are up to 7 tokens long, 15 after a draft accepted whole. Elsewhere the kernels
 take rows four at a time (on 2 cores 4 rows ~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3
 tokens, 7 after a draft accepted whole. A request that drafts in vain pauses its drafts for 2, 4, ... 32 steps, and
@@ -28,13 +32,29 @@ from typing import NamedTuple
 
 from .. import kernels
 
-__all__ = ["MAX_DRAFTING", "MIN_DRAFT", "DraftLengths", "DraftState", "accepted", "draft_lengths", "propose"]
+__all__ = [
+    "MAX_DRAFTING",
+    "MIN_DRAFT",
+    "DraftLengths",
+    "DraftState",
+    "accepted",
+    "draft_lengths",
+    "latest_match",
+    "nearest_match",
+    "propose",
+]
 
 NGRAMS = (3,)  # the suffix lengths looked up, longest first (shorter ones match too often to pay)
 # ... and before a request's first accepted draft, or after a wasted one: a wasted draft costs 1.2-1.6 steps, so a
 # draft needs a longer match while nothing says the request copies (SmolLM2's free-form answers 1.04x against 0.99x,
 # copying ones 1.90x against 1.94x, in a replay of the benchmark's requests with the passes' measured costs)
 COLD_NGRAMS = (4,)
+# ... and when neither occurred: the last 2 tokens, looked up near the copy's source (the first draft token the
+# request did not write, ``DraftState.source``), from RESYNC[0] tokens before it to RESYNC[1] after; the copy goes
+# on there (SmolLM2 fixing a text's spelling 2.18x against 2.00x, its copy-heavy responses 2.00x against 1.89x, the
+# others 1.48x against 1.46x, in a replay of the benchmark's requests with the passes' measured costs)
+RESYNC_NGRAM = 2
+RESYNC = (8, 32)
 MAX_DRAFTING = 2  # decoding requests at most in a step whose requests draft
 MIN_DRAFT = 3  # shorter proposals are dropped: 2 or 3 rows cost more than 4
 
@@ -64,8 +84,13 @@ def draft_lengths(quantized: bool = True) -> DraftLengths:
 def propose(tokens: list[int], k: int, ngrams: tuple[int, ...] = NGRAMS) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of ``tokens``' last ``n`` tokens (the longest
     ``n`` of ``ngrams`` that occurred); ``[]`` when none did."""
-    if k < 1:
-        return []
+    start = latest_match(tokens, ngrams)
+    return tokens[start : start + k] if start is not None and k > 0 else []
+
+
+def latest_match(tokens: list[int], ngrams: tuple[int, ...] = NGRAMS) -> int | None:
+    """Where the tokens after the latest earlier occurrence of ``tokens``' last ``n`` tokens begin (the longest ``n``
+    of ``ngrams`` that occurred), or None."""
     for n in ngrams:
         if len(tokens) <= n:
             continue
@@ -74,8 +99,22 @@ def propose(tokens: list[int], k: int, ngrams: tuple[int, ...] = NGRAMS) -> list
         # the latest start i < len - n with tokens[i:i + n] == suffix, searched backwards
         for i in range(len(tokens) - n - 1, -1, -1):
             if tokens[i] == first and tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + k]
-    return []
+                return i + n
+    return None
+
+
+def nearest_match(tokens: list[int], n: int, source: int, span: tuple[int, int] = RESYNC) -> int | None:
+    """Where the tokens after the occurrence of ``tokens``' last ``n`` tokens nearest to ``source`` begin, among the
+    earlier occurrences starting ``span[0]`` tokens before ``source`` to ``span[1]`` after it (the nearer of two
+    equally near ones: the earlier); None when there is none."""
+    if len(tokens) <= n:
+        return None
+    suffix = tokens[-n:]
+    best = None
+    for i in range(max(0, source - span[0]), min(len(tokens) - n - 1, source + span[1]) + 1):
+        if tokens[i : i + n] == suffix and (best is None or abs(i - source) < abs(best - source)):
+            best = i
+    return None if best is None else best + n
 
 
 def accepted(draft: list[int], picks: list[int]) -> list[int]:
@@ -90,12 +129,23 @@ def accepted(draft: list[int], picks: list[int]) -> list[int]:
 @dataclass
 class DraftState:
     """One request's drafting: the next draft's length, drafts in a row with nothing accepted, steps left to pause,
-    whether the last draft had a token accepted."""
+    whether the last draft had a token accepted, where the last draft came from and where its copy stopped."""
 
     length: int = 0  # 0: the short one
     misses: int = 0
     pause: int = 0
     hot: bool = False
+    start: int | None = None  # the position in the request's tokens that the draft proposed last began at
+    source: int | None = None  # that of the first draft token the request did not write (its last verified draft)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens to draft after ``tokens`` (``[]``: none): those after the latest earlier occurrence of
+        the last 3 tokens (4 when cold: ``ngrams``), else after the last 2 near the copy's ``source``."""
+        start = latest_match(tokens, self.ngrams())
+        if start is None and self.source is not None:
+            start = nearest_match(tokens, RESYNC_NGRAM, self.source)
+        self.start = start
+        return tokens[start : start + k] if start is not None and k > 0 else []
 
     def ngrams(self) -> tuple[int, ...]:
         """The suffix lengths to look up (``propose``): 3 tokens after an accepted draft, else 4."""
@@ -113,6 +163,8 @@ class DraftState:
         one shortens it and pauses drafting (twice as long as the last pause, up to 32 steps), one accepted in part
         keeps the length or shortens it (``lengths.keep``)."""
         self.hot = taken > 0
+        if self.start is not None:
+            self.source = self.start + taken
         if taken == drafted:
             self.length, self.misses = lengths.long, 0
         elif taken == 0:
