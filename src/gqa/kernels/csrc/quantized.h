@@ -29,8 +29,10 @@ struct QuantizedRows {
   // g.s_at + b * lanes its rows' d (ld), ds (lds) and the integer sums of their q (lsum; lsum_lo: of the first 16).
   struct LaneGroup {
     int64_t n0, rows, lanes, q_at, s_at;
+    int64_t twice = -1;  // an 8-lane group: its rows twice in 16 lanes at twice[this] (lanes r and 8 + r: row r)
   };
   std::vector<LaneGroup> groups;
+  std::vector<LaneGroup> twice;  // for kernels taking two weight rows at once (row_lanes.h's lanes_pair_dot)
   std::vector<int8_t> lq;
   std::vector<float> ld, lds;
   std::vector<int32_t> lsum, lsum_lo;

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "blocks.h"
 #include "k_quants.h"
@@ -41,6 +42,13 @@ struct Lanes<16> {
   template <int J>
   static I spread(__m256i w) {
     return _mm512_permutexvar_epi32(_mm512_set1_epi32(J), _mm512_castsi256_si512(w));
+  }
+  // two weight rows' (w: the first's 32 bytes in the low half, the second's in the high): the J-th four bytes of the
+  // first in lanes 0-7, of the second in lanes 8-15
+  template <int J>
+  static I spread(__m512i w) {
+    return _mm512_permutexvar_epi32(_mm512_setr_epi32(J, J, J, J, J, J, J, J, 8 + J, 8 + J, 8 + J, 8 + J, 8 + J,
+                                                      8 + J, 8 + J, 8 + J), w);
   }
   static I dot(I acc, I w, const int8_t* x) { return _mm512_dpbusd_epi32(acc, w, _mm512_loadu_si512(x)); }
   static V zero() { return _mm512_setzero_ps(); }
@@ -100,12 +108,21 @@ struct Chains {
   typename S::V acc[4] = {S::zero(), S::zero(), S::zero(), S::zero()};
   typename S::V mins[4] = {S::zero(), S::zero(), S::zero(), S::zero()};
 
-  void store(int64_t rows, float* out, int64_t stride) const {
+  typename S::V sum() const {
     const typename S::V a = S::add(S::add(acc[0], acc[2]), S::add(acc[1], acc[3]));
     const typename S::V m = S::add(S::add(mins[0], mins[2]), S::add(mins[1], mins[3]));
+    return S::add(a, m);
+  }
+  void store(int64_t rows, float* out, int64_t stride) const {
     alignas(64) float o[sizeof(typename S::V) / sizeof(float)];
-    S::store(o, S::add(a, m));
+    S::store(o, sum());
     for (int64_t n = 0; n < rows; ++n) out[n * stride] = o[n];
+  }
+  // two weight rows' sums (lanes_pair_dot): lane n to out[n * stride], lane 8 + n to out[n * stride + 1], n < rows
+  void store_pair(int64_t rows, float* out, int64_t stride) const {
+    alignas(64) float o[16];
+    S::store(o, sum());
+    for (int64_t n = 0; n < rows; ++n) out[n * stride] = o[n], out[n * stride + 1] = o[8 + n];
   }
 };
 
@@ -126,13 +143,14 @@ struct LaneInputs {
 // The products of 32 unsigned weight bytes w with the lanes' inputs at xb, in four independent chains of vpdpbusd (one
 // chain is latency-bound), exact integer sums: p[0] + p[1] the first 16 weights', p[2] + p[3] the last 16's. Each
 // group of four weights reaches the lanes by one permute of w (q8_0 at 8 lanes 1.23x the speed of broadcasting them
-// from a copy on the stack, q4_k 1.11x, q6_k 1.21x; 16 lanes the same).
+// from a copy on the stack, q4_k 1.11x, q6_k 1.21x; 16 lanes the same). W: one weight row's 32 bytes (__m256i), or
+// two rows' (__m512i: Lanes<16>'s pair spread).
 //
 // Always inlined, as lane_block and lane_weights: a call (GCC inlined none of them in every use, and called
 // lane_products through the PLT) clobbers every zmm, so the caller's chains went to the stack around each block
 // (a 16-row verification pass 1.2x slower).
-template <int L>
-__attribute__((always_inline)) inline void lane_products(__m256i w, const int8_t* xb, typename Lanes<L>::I p[4]) {
+template <int L, class W>
+__attribute__((always_inline)) inline void lane_products(W w, const int8_t* xb, typename Lanes<L>::I p[4]) {
   using S = Lanes<L>;
   p[0] = S::dot(S::izero(), S::template spread<0>(w), xb);
   p[1] = S::dot(S::izero(), S::template spread<1>(w), xb + 4 * L);
@@ -144,42 +162,106 @@ __attribute__((always_inline)) inline void lane_products(__m256i w, const int8_t
   p[3] = S::dot(p[3], S::template spread<7>(w), xb + 28 * L);
 }
 
-// Block b (at blk) of one weight row against lane group x, into chain C = b % 4 of every lane (a constant, so that
-// the chains stay in registers: 1.2x the speed of indexing them by b & 3).
+// A block's integer sums s (every lane's) into chain C: scaled by dw (the weight block's d per lane) and the rows' d,
+// plus mw (the weight block's min per lane) times the rows' ds (q8_0: s less 128 * the rows' sums of q, no min).
+template <int F, int L, int C>
+__attribute__((always_inline)) inline void add_block(typename Lanes<L>::I s, typename Lanes<L>::V dw,
+                                                    typename Lanes<L>::V mw, int64_t b, const LaneInputs& x,
+                                                    Chains<Lanes<L>>& c) {
+  using S = Lanes<L>;
+  if constexpr (F == Q8_0) s = S::isub(s, S::template shl<7>(S::iload(x.sum + b * L)));
+  c.acc[C] = S::fma(S::cvt(s), S::mul(dw, S::load(x.d + b * L)), c.acc[C]);
+  if constexpr (F != Q8_0) c.mins[C] = S::fma(mw, S::load(x.ds + b * L), c.mins[C]);
+}
+
+// The integer sums of lane_products' four chains.
+template <int L>
+__attribute__((always_inline)) inline typename Lanes<L>::I chain_sum(const typename Lanes<L>::I p[4]) {
+  using S = Lanes<L>;
+  return S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
+}
+
+// Block b (at blk) of one weight row against lane group x, into chain C of every lane.
 template <int F, int L, int C>
 __attribute__((always_inline)) inline void lane_block(const uint8_t* blk, int64_t b, const LaneInputs& x,
                                                      Chains<Lanes<L>>& c) {
   using S = Lanes<L>;
   typename S::I p[4];
   lane_products<L>(lane_weights<F>(blk), x.q + b * QK * L, p);
-  typename S::I s = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
-  if constexpr (F == Q8_0) s = S::isub(s, S::template shl<7>(S::iload(x.sum + b * L)));
   const float dw = half_at(blk);
-  c.acc[C] = S::fma(S::cvt(s), S::mul(S::set1(dw), S::load(x.d + b * L)), c.acc[C]);
-  if constexpr (F != Q8_0) c.mins[C] = S::fma(S::set1(block_min<F>(blk, dw)), S::load(x.ds + b * L), c.mins[C]);
+  add_block<F, L, C>(chain_sum<L>(p), S::set1(dw), F == Q8_0 ? S::zero() : S::set1(block_min<F>(blk, dw)), b, x, c);
+}
+
+// Block b of two weight rows (at blk and blk + next) against the 16 lanes of an 8-lane group's rows twice: the first
+// row's products in lanes 0-7, the second's in 8-15, each lane doing what lane_block<F, 8> does for it.
+template <int F, int C>
+__attribute__((always_inline)) inline void lane_pair_block(const uint8_t* blk, int64_t next, int64_t b,
+                                                          const LaneInputs& x, Chains<Lanes<16>>& c) {
+  using S = Lanes<16>;
+  const uint8_t* blk2 = blk + next;
+  typename S::I p[4];
+  lane_products<16>(_mm512_inserti64x4(_mm512_castsi256_si512(lane_weights<F>(blk)), lane_weights<F>(blk2), 1),
+                    x.q + b * QK * 16, p);
+  const float dw = half_at(blk), dw2 = half_at(blk2);
+  const auto pair = [](float lo, float hi) { return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1); };
+  add_block<F, 16, C>(chain_sum<16>(p), pair(dw, dw2),
+                      F == Q8_0 ? S::zero() : pair(block_min<F>(blk, dw), block_min<F>(blk2, dw2)), b, x, c);
+}
+
+// block(at, b, chain) for the nb blocks of a weight row at w (BYTES each), four at a time, chain = b % 4 a constant
+// (the chains stay in registers: 1.2x the speed of indexing them by b & 3); the four blocks ahead of each at are
+// prefetched from `next` bytes on too when another weight row's blocks are read with these (lanes_pair_dot).
+template <int64_t BYTES, int64_t NEXT, class Block>
+__attribute__((always_inline)) inline void each_block(const uint8_t* w, int64_t nb, int64_t next, Block&& block) {
+  using C0 = std::integral_constant<int, 0>;
+  using C1 = std::integral_constant<int, 1>;
+  using C2 = std::integral_constant<int, 2>;
+  using C3 = std::integral_constant<int, 3>;
+  auto prefetch = [&](const uint8_t* blk) {
+    prefetch_ahead(blk, 4 * BYTES);
+    if constexpr (NEXT != 0) prefetch_ahead(blk + next, 4 * BYTES);
+  };
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    const uint8_t* blk = w + b * BYTES;
+    prefetch(blk);
+    block(blk, b, C0{}), block(blk + BYTES, b + 1, C1{}), block(blk + 2 * BYTES, b + 2, C2{});
+    block(blk + 3 * BYTES, b + 3, C3{});
+  }
+  if (b < nb) prefetch(w + b * BYTES);
+  if (b < nb) block(w + b * BYTES, b, C0{}), ++b;  // the last 1-3 blocks
+  if (b < nb) block(w + b * BYTES, b, C1{}), ++b;
+  if (b < nb) block(w + b * BYTES, b, C2{});
 }
 
 // out[n * stride] for the g.rows rows of lane group g and one weight row w of nb blocks.
 template <int F, int L>
 inline void lanes_dot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr,
                       const gqa::QuantizedRows::LaneGroup& g, float* out, int64_t stride) {
-  constexpr int64_t BYTES = block_bytes_of(F);
   const LaneInputs x(xr, g);
   Chains<Lanes<L>> c;
-  int64_t b = 0;
-  for (; b + 4 <= nb; b += 4) {
-    const uint8_t* blk = w + b * BYTES;
-    prefetch_ahead(blk, 4 * BYTES);
-    lane_block<F, L, 0>(blk, b, x, c);
-    lane_block<F, L, 1>(blk + BYTES, b + 1, x, c);
-    lane_block<F, L, 2>(blk + 2 * BYTES, b + 2, x, c);
-    lane_block<F, L, 3>(blk + 3 * BYTES, b + 3, x, c);
-  }
-  if (b < nb) prefetch_ahead(w + b * BYTES, 4 * BYTES);
-  if (b < nb) lane_block<F, L, 0>(w + b * BYTES, b, x, c), ++b;  // the last 1-3 blocks
-  if (b < nb) lane_block<F, L, 1>(w + b * BYTES, b, x, c), ++b;
-  if (b < nb) lane_block<F, L, 2>(w + b * BYTES, b, x, c);
+  each_block<block_bytes_of(F), 0>(w, nb, 0, [&](const uint8_t* blk, int64_t b, auto chain) {
+    lane_block<F, L, decltype(chain)::value>(blk, b, x, c);
+  });
   c.store(g.rows, out, stride);
+}
+
+// lanes_dot<F, 8> for two weight rows at once, w and w + next, into out[n * stride] and out[n * stride + 1]: g holds
+// an 8-lane group's rows twice in 16 lanes (QuantizedRows::twice). Bit for bit lanes_dot's sums, in half the
+// instructions: 8 rows of Q4_1 1.32-1.39x the speed (one thread, the weights in L2 or streamed from DRAM). Not for
+// q8_0 (pair_lanes): from DRAM its two rows' streams ran at 0.76-0.96x one row's (1.34x in L2).
+template <int F>
+constexpr bool pair_lanes = !k_quant(F) && F != Q8_0;
+
+template <int F>
+inline void lanes_pair_dot(const uint8_t* w, int64_t next, int64_t nb, const gqa::QuantizedRows& xr,
+                           const gqa::QuantizedRows::LaneGroup& g, float* out, int64_t stride) {
+  const LaneInputs x(xr, g);
+  Chains<Lanes<16>> c;
+  each_block<block_bytes_of(F), 1>(w, nb, next, [&](const uint8_t* blk, int64_t b, auto chain) {
+    lane_pair_block<F, decltype(chain)::value>(blk, next, b, x, c);
+  });
+  c.store_pair(g.rows, out, stride);
 }
 
 // The K formats' sub-blocks in lanes (k_quants.h's kdot1 for each row): per super-block its scales once, then each
@@ -224,7 +306,7 @@ inline void lanes_kdot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& x
 }
 
 // Packs rows [0, N) of a quantized input (q (N, K), d, ds, and the integer sums of each block's q, isum (N, K / 32),
-// and of its first 16, isum_lo) into xr's lane groups.
+// and of its first 16, isum_lo) into xr's lane groups, and the last group's rows twice in 16 lanes when it has 8.
 inline void pack_lanes(gqa::QuantizedRows& xr, const int32_t* isum, const int32_t* isum_lo, int64_t N, int64_t K) {
   const int64_t nb = K / QK;
   int64_t q_at = 0, s_at = 0;
@@ -232,6 +314,12 @@ inline void pack_lanes(gqa::QuantizedRows& xr, const int32_t* isum, const int32_
     const int64_t lanes = N - n0 > 8 ? 16 : 8, rows = std::min<int64_t>(lanes, N - n0);
     xr.groups.push_back({n0, rows, lanes, q_at, s_at});
     q_at += lanes * K, s_at += lanes * nb, n0 += rows;
+  }
+  gqa::QuantizedRows::LaneGroup& last = xr.groups.back();
+  if (last.lanes == 8) {
+    last.twice = static_cast<int64_t>(xr.twice.size());
+    xr.twice.push_back({last.n0, last.rows, 16, q_at, s_at});
+    q_at += 16 * K, s_at += 16 * nb;
   }
   xr.lq.assign(q_at, 0);
   xr.ld.assign(s_at, 0.0f), xr.lds.assign(s_at, 0.0f), xr.lsum.assign(s_at, 0), xr.lsum_lo.assign(s_at, 0);
@@ -246,6 +334,18 @@ inline void pack_lanes(gqa::QuantizedRows& xr, const int32_t* isum, const int32_
         const int8_t* src = xr.q.data() + n * K + b * QK;
         for (int j = 0; j < 8; ++j) std::memcpy(dst + j * 4 * g.lanes, src + 4 * j, 4);
       }
+    }
+  if (last.twice < 0) return;
+  const auto& t = xr.twice[last.twice];  // the 8-lane group's lanes copied into t's lanes 0-7 and 8-15
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t from = last.s_at + b * 8, to = t.s_at + b * 16 + 8 * h;
+      std::copy_n(xr.ld.data() + from, 8, xr.ld.data() + to), std::copy_n(xr.lds.data() + from, 8, xr.lds.data() + to);
+      std::copy_n(xr.lsum.data() + from, 8, xr.lsum.data() + to);
+      std::copy_n(xr.lsum_lo.data() + from, 8, xr.lsum_lo.data() + to);
+      const int8_t* src = xr.lq.data() + last.q_at + b * QK * 8;
+      int8_t* dst = xr.lq.data() + t.q_at + b * QK * 16 + 32 * h;
+      for (int j = 0; j < 8; ++j) std::memcpy(dst + j * 64, src + j * 32, 32);
     }
 }
 
