@@ -97,12 +97,14 @@ def test_a_copy_interrupted_by_an_edit_resumes_near_where_it_stopped():
     """A request copying its prompt replaces one token: the 3-token lookup fails for the next 3 tokens, but its last 2
     tokens occur near the first draft token it did not write, and the draft goes on from there (not from an
     occurrence of them far away, nor without a verified draft to say where the copy was)."""
-    prompt = [9, 11, 50, 51, 52, 53, 54, 55, 56] + [0] * 40 + [5, 1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 15]
+    far, near, later = [9, 11, 50, 51, 52], [5, 1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 15], [16, 9, 11, 77]
+    prompt = far + [0] * 40 + near + later  # 9, 11 three times: far before the copy, in it, and after it (the latest)
     s = DraftState()
     tokens = [*prompt, 1, 2, 3, 4]
     assert s.propose(tokens, 7) == [6, 7, 8, 9, 11, 12, 13]  # the 4 tokens before occurred: a cold draft
     s.verified(7, 2)  # 6 and 7 accepted, then 80 instead of 8
-    assert s.source == len(prompt) - 7  # where 8 is
+    assert s.source == prompt.index(8)
     tokens += [6, 7, 80, 9, 11]
-    assert propose(tokens, 3, s.ngrams()) == [] and s.propose(tokens, 3) == [12, 13, 14]
+    assert propose(tokens, 3, s.ngrams()) == [] and propose(tokens, 3, (2,)) == [77, 1, 2]
+    assert s.propose(tokens, 3) == [12, 13, 14]  # the occurrence nearest the copy's source
     assert DraftState().propose(tokens, 3) == []  # no copy to resume: no draft

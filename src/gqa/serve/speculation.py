@@ -11,14 +11,15 @@ independent in the kernels (a row's result does not depend on the others), so ve
 logits as decoding the tokens one by one.
 
 A copy with edits (a spelling fixed, a name replaced, a sentence skipped) breaks the 3-token match for the next 3
-tokens: until then the request looks up its last 2 tokens near where the copy left off (8 tokens before the first
-draft token it did not write to 32 after), and drafts what follows them there.
+tokens. Whenever neither lookup finds anything, a request that has had a draft verified looks up its last 2 tokens
+near where its copy last stopped (8 tokens before the first draft token it did not write to 32 after) and drafts what
+follows them there: the copy resumes after the edit.
 
 When it pays: a draft's rows are not free, and 2 or 3 rows cost more than 4 (they run as separate GEMVs), so
 proposals shorter than 3 tokens are dropped. Where the quantized kernels put the rows in SIMD lanes
-(``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass costing about 2.3x a 1-row
-step and 9 to 16 rows one 16-lane pass costing about 1.3x the 8-lane one (the same instructions, twice as wide;
-more rows of lm_head), so drafts are up to 7 tokens long, 15 after a draft accepted whole. Elsewhere the kernels
+(``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass costing about 2-2.4x a
+1-row step and 9 to 16 rows one 16-lane pass costing about 3-3.6x (SmolLM2, Q4_1, 2 cores), so drafts are up to 7
+tokens long, 15 after a draft accepted whole. Elsewhere the kernels
 take rows four at a time (on 2 cores 4 rows ~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3
 tokens, 7 after a draft accepted whole. A request that drafts in vain pauses its drafts for 2, 4, ... 32 steps, and
 only a batch of at most ``MAX_DRAFTING`` decoding requests drafts at all — in a bigger batch the kernels are busy

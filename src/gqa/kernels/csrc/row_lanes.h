@@ -3,7 +3,8 @@
 // group of four is broadcast against the same four inputs of 8 or 16 rows at once (vpdpbusd), so a block's exact
 // integer dot products with every row of the group come out in lanes, with no horizontal sums; the scales and the
 // four float chains are lane-wise too. Each lane does what quantized.cpp's dot1 does for its row — the same integer
-// sums, the same float operations in the same order — so a row's result does not depend on its batch.
+// sums, the same float operations in the same order — so a row's result does not depend on its batch. A group of <= 8
+// rows of the nibble formats takes two weight rows at a time in the full width (lanes_pair_dot).
 //
 // q8_0's signed weights go in as w + 128 (unsigned): the products then hold 128 * (the sum of the block's q_x) more,
 // taken off exactly with the integer sums quantize_rows keeps; q6_k's q - 32 likewise as q, per 16-value half. The K
@@ -23,7 +24,7 @@
 
 namespace gqa_blocks {
 
-// The lane widths: 16 rows in a zmm, 8 in a ymm (a group of <= 8 rows runs at half the width).
+// The lane widths: 16 rows in a zmm, 8 in a ymm (a group of <= 8 rows runs at half the width, or twice in a zmm).
 template <int L>
 struct Lanes;
 
@@ -120,6 +121,7 @@ struct Chains {
   }
   // two weight rows' sums (lanes_pair_dot): lane n to out[n * stride], lane 8 + n to out[n * stride + 1], n < rows
   void store_pair(int64_t rows, float* out, int64_t stride) const {
+    static_assert(sizeof(typename S::V) == 16 * sizeof(float), "two weight rows take the 16 lanes");
     alignas(64) float o[16];
     S::store(o, sum());
     for (int64_t n = 0; n < rows; ++n) out[n * stride] = o[n], out[n * stride + 1] = o[8 + n];
@@ -148,7 +150,7 @@ struct LaneInputs {
 //
 // Always inlined, as lane_block and lane_weights: a call (GCC inlined none of them in every use, and called
 // lane_products through the PLT) clobbers every zmm, so the caller's chains went to the stack around each block
-// (a 16-row verification pass 1.2x slower).
+// (a 16-row verification pass 1.3x slower).
 template <int L, class W>
 __attribute__((always_inline)) inline void lane_products(W w, const int8_t* xb, typename Lanes<L>::I p[4]) {
   using S = Lanes<L>;
@@ -306,7 +308,8 @@ inline void lanes_kdot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& x
 }
 
 // Packs rows [0, N) of a quantized input (q (N, K), d, ds, and the integer sums of each block's q, isum (N, K / 32),
-// and of its first 16, isum_lo) into xr's lane groups, and the last group's rows twice in 16 lanes when it has 8.
+// and of its first 16, isum_lo) into xr's lane groups, and the last group's rows twice in 16 lanes when it is an
+// 8-lane group (1-8 rows).
 inline void pack_lanes(gqa::QuantizedRows& xr, const int32_t* isum, const int32_t* isum_lo, int64_t N, int64_t K) {
   const int64_t nb = K / QK;
   int64_t q_at = 0, s_at = 0;
