@@ -19,11 +19,11 @@ When it pays: a draft's rows are not free, and 2 or 3 rows cost more than 4 (the
 proposals shorter than 3 tokens are dropped. Where the quantized kernels put the rows in SIMD lanes
 (``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass costing about 2-2.4x a
 1-row step and 9 to 16 rows one 16-lane pass costing about 3-3.6x (SmolLM2, Q4_1, 2 cores), so drafts are up to 7
-tokens long, 15 after a draft accepted whole. Elsewhere the kernels
-take rows four at a time (on 2 cores 4 rows ~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3
-tokens, 7 after a draft accepted whole. A request that drafts in vain pauses its drafts for 2, 4, ... 32 steps, and
-only a batch of at most ``MAX_DRAFTING`` decoding requests drafts at all — in a bigger batch the kernels are busy
-with every row and an extra row costs about a token's time.
+tokens long, 15 after a draft accepted whole. Elsewhere the kernels take rows four at a time (on 2 cores 4 rows ~1.7x
+the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3 tokens, 7 after a draft accepted whole. A request that
+drafts in vain pauses its drafts for 2, 4, ... 32 steps, and only a batch of at most ``MAX_DRAFTING`` decoding
+requests drafts at all — in a bigger batch the kernels are busy with every row and an extra row costs about a
+token's time.
 """
 
 from __future__ import annotations
