@@ -15,13 +15,13 @@ tokens. Whenever neither lookup finds anything, a request that has had a draft v
 near where its copy last stopped (8 tokens before the first draft token it did not write to 32 after) and drafts what
 follows them there: the copy resumes after the edit.
 
-When it pays: a draft's rows are not free, and 2 or 3 rows cost more than 4 (they run as separate GEMVs), so
-proposals shorter than 3 tokens are dropped. Where the quantized kernels put the rows in SIMD lanes
-(``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass costing about 2-2.4x a
-1-row step and 9 to 16 rows one 16-lane pass costing about 3-3.6x (SmolLM2, Q4_1, 2 cores), so drafts are up to 7
-tokens long, 15 after a draft accepted whole. Elsewhere the kernels take rows four at a time (on 2 cores 4 rows ~1.7x
-the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3 tokens, 7 after a draft accepted whole. A request that
-drafts in vain pauses its drafts for 2, 4, ... 32 steps, and only a batch of at most ``MAX_DRAFTING`` decoding
+When it pays: a draft's rows are not free (2 rows cost ~1.3x a 1-row step, 3 rows ~1.7-1.9x: the weights unpacked
+once for them), and proposals shorter than 3 tokens are dropped. Where the quantized kernels put the rows in SIMD
+lanes (``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass costing about 2-2.4x
+a 1-row step and 9 to 16 rows one 16-lane pass costing about 3-3.6x (SmolLM2, Q4_1, 2 cores), so drafts are up to 7
+tokens long, 15 after a draft accepted whole. Elsewhere the kernels take rows four at a time (on 2 cores 4 rows
+~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3 tokens, 7 after a draft accepted whole. A request
+that drafts in vain pauses its drafts for 2, 4, ... 32 steps, and only a batch of at most ``MAX_DRAFTING`` decoding
 requests drafts at all — in a bigger batch the kernels are busy with every row and an extra row costs about a
 token's time.
 """
@@ -57,7 +57,9 @@ COLD_NGRAMS = (4,)
 RESYNC_NGRAM = 2
 RESYNC = (8, 32)
 MAX_DRAFTING = 2  # decoding requests at most in a step whose requests draft
-MIN_DRAFT = 3  # shorter proposals are dropped: 2 or 3 rows cost more than 4
+# shorter proposals are dropped (keeping them, and 1- or 2-token first drafts now that 2 and 3 rows are cheaper, made
+# no difference beyond the noise of the benchmark's 5-round runs)
+MIN_DRAFT = 3
 
 
 class DraftLengths(NamedTuple):
