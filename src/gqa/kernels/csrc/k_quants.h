@@ -260,16 +260,22 @@ inline __m512i k_pair(const uint8_t* sb, int k) {
 }
 
 // 16 int32 lanes, 8 summing to sub-block 2k's integer dot product with the 32 inputs at xq and 8 to sub-block
-// 2k + 1's with the next 32 (q6_k: each 16 values' (q - 32) . x times its scale; sc: the super-block's 16 scales).
+// 2k + 1's with the next 32 (q6_k: each 16 values' (q - 32) . x times its scale; sc: the super-block's 16 scales);
+// q: the pair's weights (k_pair).
 template <int F>
-inline __m512i k_pair_dot(const uint8_t* sb, int k, const int8_t* xq, __m512i sc) {
+inline __m512i k_pair_dot(__m512i q, int k, const int8_t* xq, __m512i sc) {
   const __m512i x = _mm512_loadu_si512(xq), zero = _mm512_setzero_si512();
-  const __m512i dots = _mm512_dpbusd_epi32(zero, k_pair<F>(sb, k), x);
+  const __m512i dots = _mm512_dpbusd_epi32(zero, q, x);
   if constexpr (F != Q6_K) return dots;
   const __m512i offset = _mm512_dpbusd_epi32(zero, _mm512_set1_epi8(32), x);  // 4 lanes per 16 values
   const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // each scale's 4 lanes
   const __m512i scales = _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(4 * k), lanes), sc);
   return _mm512_mullo_epi32(_mm512_sub_epi32(dots, offset), scales);
+}
+
+template <int F>
+inline __m512i k_pair_dot(const uint8_t* sb, int k, const int8_t* xq, __m512i sc) {
+  return k_pair_dot<F>(k_pair<F>(sb, k), k, xq, sc);
 }
 #endif
 
@@ -310,6 +316,54 @@ inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, i
     }
   }
   return sum_chains(acc, mins);
+}
+// Rows n0 .. n0 + R - 1 (R = 2, 3) of x and one weight row w, into out[r * stride]: each row's kdot1, the same
+// operations in the same order, each super-block's scales and q unpacked once for the R rows.
+template <int F, int R>
+inline void kdot_rows(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, int64_t n0, int64_t K, float* out,
+                      int64_t stride) {
+  constexpr int64_t BYTES = block_bytes_of(F);
+  const int8_t* x = xr.q.data() + n0 * K;
+  const float *d = xr.d.data() + n0 * nb, *ds = xr.ds.data() + n0 * nb;
+  __m128 acc[R], mins[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps(), mins[r] = _mm_setzero_ps();
+  for (int64_t s = 0; s < nb / 8; ++s) {
+    const uint8_t* sb = w + s * BYTES;
+    prefetch_ahead(sb, BYTES);
+    const SuperScales sc = super_scales<F>(sb);
+    const int64_t b = s * 8;
+    __m128i sums[R][2];  // per row: sub-blocks 0-3, 4-7
+#if defined(GQA_ZMM_DOTS)
+    const __m512i sc16 = F == Q6_K ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)))
+                                   : _mm512_setzero_si512();
+    const __m512i q[4] = {k_pair<F>(sb, 0), k_pair<F>(sb, 1), k_pair<F>(sb, 2), k_pair<F>(sb, 3)};
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = x + r * K + b * QK;
+      const __m256i all = sum8_pairs(k_pair_dot<F>(q[0], 0, xb, sc16), k_pair_dot<F>(q[1], 1, xb + 2 * QK, sc16),
+                                     k_pair_dot<F>(q[2], 2, xb + 4 * QK, sc16),
+                                     k_pair_dot<F>(q[3], 3, xb + 6 * QK, sc16));
+      sums[r][0] = _mm256_castsi256_si128(all), sums[r][1] = _mm256_extracti128_si256(all, 1);
+    }
+#else
+    for (int j = 0; j < 8; j += 4) {
+      __m256i wq[4], scales[4];
+      k_quad<F>(sb, j, wq, scales);
+      for (int r = 0; r < R; ++r) {
+        __m256i dots[4];
+        for (int i = 0; i < 4; ++i) dots[i] = k_sub_dot<F>(wq[i], scales[i], x + r * K + (b + j + i) * QK);
+        sums[r][j / 4] = sum4(dots[0], dots[1], dots[2], dots[3]);
+      }
+    }
+#endif
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 8; j += 4) {
+        const __m128 scale = _mm_mul_ps(_mm_load_ps(sc.dw + j), _mm_loadu_ps(d + r * nb + b + j));
+        acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums[r][j / 4]), scale, acc[r]);
+        if constexpr (F != Q6_K)
+          mins[r] = _mm_fmadd_ps(_mm_load_ps(sc.mw + j), _mm_loadu_ps(ds + r * nb + b + j), mins[r]);
+      }
+  }
+  for (int r = 0; r < R; ++r) out[r * stride] = sum_chains(acc[r], mins[r]);
 }
 #else
 // The same sums in scalar code.
