@@ -52,6 +52,9 @@ COPYING = {
 }
 COPY_HEAVY = 0.5  # a response is copy-heavy when at least this share of its tokens is copied from its prompt
 FREE = {
+    # about the given text, in the model's own words (SmolLM2's answers open like the text, then part from it)
+    "summary": f"Summarise this text in one sentence:\n\n{TEXT}",
+    "title": f"Suggest a title for this text:\n\n{TEXT}",
     "poem": "Write a short poem about the sea.",
     "explain": "Explain how a bicycle stays upright.",
     "story": "Tell me a story about a dragon who loves books.",
@@ -119,6 +122,7 @@ def main() -> int:
         f"copy-heavy responses (>= {COPY_HEAVY:.0%} copied)": [r for r in rows if r[3] >= COPY_HEAVY],
         "asked to copy": [r for r in rows if r[0] == "copies"],
         "the others": [r for r in rows if r[0] == "free"],
+        "no draft token accepted": [r for r in rows if r[8] == 0],
     }
     for group, members in groups.items():
         if members:

@@ -52,24 +52,30 @@ def test_accepted_is_the_matching_prefix_then_one_pick(draft, data):
 
 @pytest.mark.parametrize(
     ("lane_rows", "quantized", "lengths"),
-    [(0, True, (3, 7, False)), (4, True, (7, 15, True)), (4, False, (3, 7, False))],
+    [(0, True, (3, 7, False, 0)), (4, True, (7, 15, True, 1)), (4, False, (3, 7, False, 0))],
 )
 def test_a_request_pauses_after_wasted_drafts_and_lengthens_after_whole_ones(
     lane_rows, quantized, lengths, monkeypatch
 ):
     """GEMV kernels (or float weights): drafts of 3, 7 after a whole one, 3 again after one accepted in part; lane
-    kernels on quantized weights (4 to 8 rows in one 8-lane pass, 9 to 16 in one 16-lane pass): 7, 15 after a whole
-    one, and still 15 after one accepted in part."""
+    kernels on quantized weights (4 to 8 rows in one 8-lane pass, 9 to 16 in one 16-lane pass): a 1-token probe
+    first, 7 after it, 15 after a whole one of 7, still 15 after one with 2 or more tokens accepted, 7 after one with
+    a single token accepted or none."""
     monkeypatch.setattr(kernels, "lane_rows", lambda: lane_rows)
     lengths = DraftLengths(*lengths)
     assert draft_lengths(quantized) == lengths
-    short, long, keep = lengths
+    short, long, keep, first = lengths
     s = DraftState()
-    assert s.wanted(16, lengths) == short and s.wanted(2, lengths) == 2
-    s.verified(3, 3, lengths)
+    assert s.wanted(16, lengths) == (first or short) and s.wanted(2, lengths) == min(2, first or short)
+    if first:
+        s.verified(first, first, lengths)  # a probe accepted: a short draft next
+        assert s.wanted(16, lengths) == short
+    s.verified(short, short, lengths)
     assert s.wanted(16, lengths) == long and s.wanted(7, lengths) == 7
     s.verified(long, 2, lengths)  # accepted in part
     assert s.wanted(16, lengths) == (long if keep else short)
+    s.verified(long, 1, lengths)  # a single token accepted: the next is short
+    assert s.wanted(16, lengths) == short
     s.verified(7, 0, lengths)  # wasted: pause 2 steps
     assert [s.wanted(16, lengths) for _ in range(3)] == [0, 0, short]
     s.verified(3, 0, lengths)  # wasted again: pause 4
@@ -81,16 +87,18 @@ def test_a_request_pauses_after_wasted_drafts_and_lengthens_after_whole_ones(
     assert s.misses == 10 and s.pause == 32  # the pause stops growing at 32 steps
 
 
-def test_drafts_need_a_four_token_match_until_one_had_a_token_accepted():
-    """A cold request (no draft yet, or the last one wasted) looks up its last 4 tokens; after a draft with a token
-    accepted, its last 3: ``propose`` then finds a continuation that a 4-token lookup does not."""
+def test_drafts_need_a_four_token_match_until_one_had_a_token_accepted_unless_they_are_probes():
+    """A cold request (no draft yet, or the last one wasted) looks up its last 4 tokens for a draft of 2 or more
+    tokens, its last 3 for a 1-token probe; after a draft with a token accepted, its last 3: ``propose`` then finds a
+    continuation that a 4-token lookup does not."""
     tokens = [1, 2, 3, 4, 5, 9, 3, 4, 5]  # the last 3 tokens occurred before, the last 4 did not
     s = DraftState()
-    assert s.ngrams() == (4,) and propose(tokens, 3, s.ngrams()) == []
+    assert s.ngrams() == s.ngrams(2) == (4,) and propose(tokens, 3, s.ngrams()) == []
+    assert s.propose(tokens, 2) == [] and s.ngrams(1) == (3,) and s.propose(tokens, 1) == [9]
     s.verified(7, 2)
-    assert s.ngrams() == (3,) and propose(tokens, 3, s.ngrams()) == [9, 3, 4]
+    assert s.ngrams() == (3,) and propose(tokens, 3, s.ngrams()) == [9, 3, 4] and s.propose(tokens, 3) == [9, 3, 4]
     s.verified(7, 0)
-    assert s.ngrams() == (4,)
+    assert s.ngrams() == s.ngrams(7) == (4,) and s.ngrams(1) == (3,)
 
 
 def test_a_copy_interrupted_by_an_edit_resumes_near_where_it_stopped():
