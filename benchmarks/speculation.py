@@ -122,7 +122,7 @@ def main() -> int:
         f"copy-heavy responses (>= {COPY_HEAVY:.0%} copied)": [r for r in rows if r[3] >= COPY_HEAVY],
         "asked to copy": [r for r in rows if r[0] == "copies"],
         "the others": [r for r in rows if r[0] == "free"],
-        "no draft token accepted": [r for r in rows if r[8] == 0],
+        "drafts, none accepted": [r for r in rows if r[7] > 0 and r[8] == 0],
     }
     for group, members in groups.items():
         if members:

@@ -10,8 +10,10 @@ import torch
 
 import gqa
 from gqa import kernels
+from gqa.serve import engine as engine_module
 from gqa.serve.engine import Engine, EngineError
 from gqa.serve.sampling import SamplingParams
+from gqa.serve.speculation import LANE_LENGTHS
 from tests.helpers.serving import hf_greedy, serve_all, tiny_qwen2
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -530,12 +532,16 @@ def test_min_tokens_and_stop_token_ids_against_hf_logits(tiny):
         engine().add(prompt, SamplingParams(stop_token_ids=(10**6,)))
 
 
-def test_speculation_gives_hf_greedy_tokens_with_drafts_accepted_and_rejected(tiny):
+@pytest.mark.parametrize("lengths", ["gemv", "lanes"])
+def test_speculation_gives_hf_greedy_tokens_with_drafts_accepted_and_rejected(tiny, lengths, monkeypatch):
     """``speculate=7``: prompt-lookup drafts verified as extra rows give exactly HF's greedy tokens — for two requests
     decoding together beside a prompt being read in chunks, for a request whose end-of-sequence token comes inside an
     accepted draft, and for one cut by ``max_tokens`` mid-draft; drafts were both accepted and rejected (the test
     exercises both), every block comes back, and a later request that shares the prompt and output from the prefix
-    cache (blocks written while drafting) still gets HF's tokens."""
+    cache (blocks written while drafting) still gets HF's tokens. ``lanes``: the lane kernels' lengths (a 1-token
+    probe first: 2-row verifications) on this float model."""
+    if lengths == "lanes":
+        monkeypatch.setattr(engine_module, "draft_lengths", lambda quantized=True: LANE_LENGTHS)
     path, ref = tiny
     model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
     prompts = [[5, 6, 7, 8, 9] * 6 + [5, 6], [3, 1, 4, 1, 5, 9, 2, 6] * 3, list(range(20, 90))]

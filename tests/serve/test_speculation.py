@@ -70,6 +70,8 @@ def test_a_request_pauses_after_wasted_drafts_and_lengthens_after_whole_ones(
     if first:
         s.verified(first, first, lengths)  # a probe accepted: a short draft next
         assert s.wanted(16, lengths) == short
+        s.verified(2, 2, lengths)  # so does any draft shorter than short, accepted whole
+        assert s.wanted(16, lengths) == short
     s.verified(short, short, lengths)
     assert s.wanted(16, lengths) == long and s.wanted(7, lengths) == 7
     s.verified(long, 2, lengths)  # accepted in part

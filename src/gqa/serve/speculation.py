@@ -16,15 +16,14 @@ near where its copy last stopped (8 tokens before the first draft token it did n
 follows them there: the copy resumes after the edit.
 
 When it pays: a draft's rows are not free (2 rows cost ~1.3x a 1-row step, 3 rows ~1.7-1.9x: the weights unpacked
-once for them), and proposals shorter than 3 tokens are dropped. Where the quantized kernels put the rows in SIMD
-lanes (``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass costing about 2-2.4x
-a 1-row step and 9 to 16 rows one 16-lane pass costing about 3-3.6x (SmolLM2, Q4_1, 2 cores), so a request's first
-draft is a 1-token probe (a miss wastes ~0.3 of a step), then drafts are up to 7 tokens long, 15 after a draft
-accepted whole. Elsewhere the kernels take rows four at a time (on 2 cores 4 rows
-~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3 tokens, 7 after a draft accepted whole. A request
-that drafts in vain pauses its drafts for 2, 4, ... 32 steps, and only a batch of at most ``MAX_DRAFTING`` decoding
-requests drafts at all — in a bigger batch the kernels are busy with every row and an extra row costs about a
-token's time.
+once for them), and proposals shorter than 3 tokens are dropped (a probe's excepted). Where the quantized kernels
+put the rows in SIMD lanes (``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass
+costing about 2-2.4x a 1-row step and 9 to 16 rows one 16-lane pass costing about 3-3.6x (SmolLM2, Q4_1, 2 cores),
+so a request's first draft is a 1-token probe (a miss wastes ~0.3 of a step), then drafts are up to 7 tokens long,
+15 after one of 7 accepted whole. Elsewhere the kernels take rows four at a time (on 2 cores 4 rows ~1.7x the 1-row
+step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3 tokens, 7 after a draft accepted whole. A request that drafts in
+vain pauses its drafts for 2, 4, ... 32 steps, and only a batch of at most ``MAX_DRAFTING`` decoding requests drafts
+at all — in a bigger batch the kernels are busy with every row and an extra row costs about a token's time.
 """
 
 from __future__ import annotations
@@ -90,7 +89,7 @@ PROBE = 1  # a draft this short is cheap enough to need only the 3-token match, 
 
 
 def draft_lengths(quantized: bool = True) -> DraftLengths:
-    """The draft lengths (short, long, and whether a draft accepted in part keeps the length) for this machine's
+    """The draft lengths (first, short, long, and whether a draft accepted in part keeps the length) for this machine's
     kernels and a model with ``quantized`` weights (the lanes take quantized products only)."""
     return LANE_LENGTHS if quantized and 0 < kernels.lane_rows() <= MIN_DRAFT + 1 else LENGTHS
 
@@ -145,7 +144,7 @@ class DraftState:
     """One request's drafting: the next draft's length, drafts in a row with nothing accepted, steps left to pause,
     whether the last draft had a token accepted, where the last draft came from and where its copy stopped."""
 
-    length: int = 0  # 0: the short one
+    length: int = 0  # 0: the first one (``DraftLengths.first``, else short)
     misses: int = 0
     pause: int = 0
     hot: bool = False
@@ -154,7 +153,8 @@ class DraftState:
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens to draft after ``tokens`` (``[]``: none): those after the latest earlier occurrence of
-        the last 3 tokens (4 when cold: ``ngrams``), else after the last 2 near the copy's ``source``."""
+        the last 3 tokens (4 when cold and ``k`` is more than a probe: ``ngrams``), else after the last 2 near the
+        copy's ``source``."""
         start = latest_match(tokens, self.ngrams(k))
         if start is None and self.source is not None:
             start = nearest_match(tokens, RESYNC_NGRAM, self.source)
@@ -187,4 +187,5 @@ class DraftState:
             self.length, self.misses = lengths.short, self.misses + 1
             self.pause = 2 ** min(self.misses, 5)
         else:
-            self.length, self.misses = (self.length if lengths.keep and taken >= KEEP_TAKEN else lengths.short), 0
+            kept = self.length or lengths.first or lengths.short
+            self.length, self.misses = (kept if lengths.keep and taken >= KEEP_TAKEN else lengths.short), 0

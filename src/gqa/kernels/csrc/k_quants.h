@@ -317,6 +317,7 @@ inline float kdot1(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, i
   }
   return sum_chains(acc, mins);
 }
+
 // Rows n0 .. n0 + R - 1 (R = 2, 3) of x and one weight row w, into out[r * stride]: each row's kdot1, the same
 // operations in the same order, each super-block's scales and q unpacked once for the R rows.
 template <int F, int R>

@@ -200,8 +200,8 @@ void add_float_blocks(const T* x, const QuantizedRows& xr, int64_t K, const uint
 //   acc_c = fma(float(s_b), d_w,b * d_x,b, acc_c)      min_c = fma(min_w,b, ds_x,b, min_c)
 // and out = ((acc_0 + acc_2) + (acc_1 + acc_3)) + ((min_0 + min_2) + (min_1 + min_3)). dot4 runs four rows of x
 // (a row per lane), dot1 one row (four blocks per step, a block per lane; eight, two per 512-bit product, with
-// AVX-512 VNNI, the same sums); the serving engine's batch invariance rests on both giving the same bits (tested
-// through the op).
+// AVX-512 VNNI, the same sums), dot_rows 2 or 3 rows as dot1 does each; the serving engine's batch invariance rests on
+// all of them giving the same bits (tested through the op).
 #if defined(__AVX2__)
 // The 8 int32 lanes of a weight block's products with 32 int8 inputs (q8_0: |w| as unsigned times sign(w) * x).
 template <int F>
@@ -435,7 +435,7 @@ inline float dot1(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t
 }
 #endif
 
-// Rows n0 .. n0 + count - 1 (count <= 3) of x and one weight row w, into out[r * stride]: dot1 (kdot1) for each, the
+// Rows n0 .. n0 + count - 1 of x and one weight row w, into out[r * stride]: dot1 (kdot1) for each, the
 // weights unpacked once for them with AVX2 (SmolLM2 Q4_1, 2 threads: a 2-row pass of the whole model 1.2-1.3x the
 // speed of a dot1 call per row, 3 rows 1.2-1.5x).
 template <int F>
@@ -507,7 +507,7 @@ void qdot_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const Quantize
         }
       }
 #endif
-    for (int64_t i = i0; i < i1 && n0 < N; ++i)  // the last 1-3 rows
+    for (int64_t i = i0; i < i1 && n0 < N; ++i)  // the rows left (1-3 with AVX2)
       last_rows<F>(w + i * row_bytes, nb, xr, n0, N - n0, K, buf + n0 * rows + i, rows);
   }
 }
