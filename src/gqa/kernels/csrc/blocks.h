@@ -118,6 +118,22 @@ inline void store_chains4(const __m128* acc, const __m128* mins, float* out, int
   _mm_storeu_ps(o, _mm_add_ps(a, m));
   for (int n = 0; n < 4; ++n) out[n * stride] = o[n];
 }
+
+// R consecutive rows of a quantized input (int8 q, per-block d and ds; K values and nb blocks a row) from row n0 on,
+// and each row's four float chains (acc[r], mins[r]: a chain per lane), summed by sum_chains into out[r * stride].
+template <int R>
+struct RowChains {
+  const int8_t* x;
+  const float *d, *ds;
+  __m128 acc[R], mins[R];
+  RowChains(const int8_t* q, const float* d_all, const float* ds_all, int64_t n0, int64_t K, int64_t nb)
+      : x(q + n0 * K), d(d_all + n0 * nb), ds(ds_all + n0 * nb) {
+    for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps(), mins[r] = _mm_setzero_ps();
+  }
+  void store(float* out, int64_t stride) const {
+    for (int r = 0; r < R; ++r) out[r * stride] = sum_chains(acc[r], mins[r]);
+  }
+};
 #endif
 
 #if defined(__AVX2__)

@@ -324,10 +324,8 @@ template <int F, int R>
 inline void kdot_rows(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr, int64_t n0, int64_t K, float* out,
                       int64_t stride) {
   constexpr int64_t BYTES = block_bytes_of(F);
-  const int8_t* x = xr.q.data() + n0 * K;
-  const float *d = xr.d.data() + n0 * nb, *ds = xr.ds.data() + n0 * nb;
-  __m128 acc[R], mins[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps(), mins[r] = _mm_setzero_ps();
+  RowChains<R> c(xr.q.data(), xr.d.data(), xr.ds.data(), n0, K, nb);
+  const int8_t* x = c.x;
   for (int64_t s = 0; s < nb / 8; ++s) {
     const uint8_t* sb = w + s * BYTES;
     prefetch_ahead(sb, BYTES);
@@ -358,13 +356,13 @@ inline void kdot_rows(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr
 #endif
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 8; j += 4) {
-        const __m128 scale = _mm_mul_ps(_mm_load_ps(sc.dw + j), _mm_loadu_ps(d + r * nb + b + j));
-        acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums[r][j / 4]), scale, acc[r]);
+        const __m128 scale = _mm_mul_ps(_mm_load_ps(sc.dw + j), _mm_loadu_ps(c.d + r * nb + b + j));
+        c.acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(sums[r][j / 4]), scale, c.acc[r]);
         if constexpr (F != Q6_K)
-          mins[r] = _mm_fmadd_ps(_mm_load_ps(sc.mw + j), _mm_loadu_ps(ds + r * nb + b + j), mins[r]);
+          c.mins[r] = _mm_fmadd_ps(_mm_load_ps(sc.mw + j), _mm_loadu_ps(c.ds + r * nb + b + j), c.mins[r]);
       }
   }
-  for (int r = 0; r < R; ++r) out[r * stride] = sum_chains(acc[r], mins[r]);
+  c.store(out, stride);
 }
 #else
 // The same sums in scalar code.

@@ -307,10 +307,9 @@ template <int F, int R>
 inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t n0, int64_t K, float* out,
                      int64_t stride) {
   constexpr int64_t BYTES = block_bytes_of(F);
-  const int8_t* x = xr.q.data() + n0 * K;
-  const float *d = xr.d.data() + n0 * nb, *ds = xr.ds.data() + n0 * nb;
-  __m128 acc[R], mins[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps(), mins[r] = _mm_setzero_ps();
+  RowChains<R> c(xr.q.data(), xr.d.data(), xr.ds.data(), n0, K, nb);
+  const int8_t* x = c.x;
+  const float *d = c.d, *ds = c.ds;
   int64_t b = 0;
 #if defined(GQA_ZMM_DOTS)
   for (; b + 8 <= nb; b += 8) {  // eight blocks from four 512-bit products: the same sums, ~1.4x the speed
@@ -323,8 +322,8 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int6
       const __m256i s = sum8_pairs(pair_dot<F>(q[0], xb), pair_dot<F>(q[1], xb + 2 * QK),
                                    pair_dot<F>(q[2], xb + 4 * QK), pair_dot<F>(q[3], xb + 6 * QK));
       const int64_t at = r * nb + b;
-      blocks_step<F>(_mm256_castsi256_si128(s), blk, d + at, ds + at, acc[r], mins[r]);
-      blocks_step<F>(_mm256_extracti128_si256(s, 1), blk + 4 * BYTES, d + at + 4, ds + at + 4, acc[r], mins[r]);
+      blocks_step<F>(_mm256_castsi256_si128(s), blk, d + at, ds + at, c.acc[r], c.mins[r]);
+      blocks_step<F>(_mm256_extracti128_si256(s, 1), blk + 4 * BYTES, d + at + 4, ds + at + 4, c.acc[r], c.mins[r]);
     }
   }
 #endif
@@ -335,7 +334,7 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int6
       const int8_t* xb = x + r * K + b * QK;
       const __m128i s = sum4(block_dot<F>(blk, xb), block_dot<F>(blk + BYTES, xb + QK),
                              block_dot<F>(blk + 2 * BYTES, xb + 2 * QK), block_dot<F>(blk + 3 * BYTES, xb + 3 * QK));
-      blocks_step<F>(s, blk, d + r * nb + b, ds + r * nb + b, acc[r], mins[r]);
+      blocks_step<F>(s, blk, d + r * nb + b, ds + r * nb + b, c.acc[r], c.mins[r]);
     }
   }
   if (b < nb) {  // the last 1-3 blocks; the other lanes add 0 * 0
@@ -354,11 +353,11 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int6
         dots[j] = block_dot<F>(w + (b + j) * BYTES, x + r * K + (b + j) * QK);
       }
       const __m128i s = sum4(dots[0], dots[1], dots[2], dots[3]);
-      acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(_mm_load_ps(dw), _mm_load_ps(xd)), acc[r]);
-      if constexpr (F != Q8_0) mins[r] = _mm_fmadd_ps(_mm_load_ps(mw), _mm_load_ps(xs), mins[r]);
+      c.acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(_mm_load_ps(dw), _mm_load_ps(xd)), c.acc[r]);
+      if constexpr (F != Q8_0) c.mins[r] = _mm_fmadd_ps(_mm_load_ps(mw), _mm_load_ps(xs), c.mins[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r * stride] = sum_chains(acc[r], mins[r]);
+  for (int r = 0; r < R; ++r) out[r * stride] = sum_chains(c.acc[r], c.mins[r]);
 }
 
 // Row n of x and one weight row w, eight blocks per step (AVX-512 VNNI), then four, then the last 1-3. Its own loop,
