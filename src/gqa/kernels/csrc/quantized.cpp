@@ -434,24 +434,23 @@ inline float dot1(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t
 }
 #endif
 
-// Rows n0 .. n0 + count - 1 of x and one weight row w, into out[r * stride]: dot1 (kdot1) for each, the
-// weights unpacked once for them with AVX2 (SmolLM2 Q4_1, 2 threads: a 2-row pass of the whole model 1.2-1.3x the
-// speed of a dot1 call per row, 3 rows 1.2-1.5x).
-template <int F>
-inline void last_rows(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t n0, int64_t count, int64_t K,
-                      float* out, int64_t stride) {
 #if defined(__AVX2__)
+// Rows n0 .. n0 + count - 1 (count = 2, 3) of x and one weight row w, into out[r * stride]: dot1 (kdot1) for each,
+// the weights unpacked once for them (SmolLM2 Q4_1, 2 threads: a 2-row pass of the whole model 1.2-1.3x the speed of a
+// dot1 call per row, 3 rows 1.2-1.5x). Not inlined: qdot_rows' one-row loop then compiles as it did without it
+// (inlined, one-thread 1-row products of K = 576 in L2 ran 3-6% slower).
+template <int F>
+__attribute__((noinline)) void few_rows(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int64_t n0,
+                                        int64_t count, int64_t K, float* out, int64_t stride) {
   if constexpr (k_quant(F)) {
     if (count == 3) return kdot_rows<F, 3>(w, nb, xr, n0, K, out, stride);
-    if (count == 2) return kdot_rows<F, 2>(w, nb, xr, n0, K, out, stride);
+    return kdot_rows<F, 2>(w, nb, xr, n0, K, out, stride);
   } else {
     if (count == 3) return dot_rows<F, 3>(w, nb, xr, n0, K, out, stride);
-    if (count == 2) return dot_rows<F, 2>(w, nb, xr, n0, K, out, stride);
+    return dot_rows<F, 2>(w, nb, xr, n0, K, out, stride);
   }
-#endif
-  for (int64_t r = 0; r < count; ++r)
-    out[r * stride] = k_quant(F) ? kdot1<F>(w, nb, xr, n0 + r, K) : dot1<F>(w, nb, xr, n0 + r, K);
 }
+#endif
 
 constexpr int64_t ROW_BLOCK = 16;  // weight rows run against every group of x rows while they are in L1
 
@@ -506,8 +505,17 @@ void qdot_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const Quantize
         }
       }
 #endif
-    for (int64_t i = i0; i < i1 && n0 < N; ++i)  // the rows left (1-3 with AVX2)
-      last_rows<F>(w + i * row_bytes, nb, xr, n0, N - n0, K, buf + n0 * rows + i, rows);
+#if defined(__AVX2__)
+    if (N - n0 >= 2) {  // the last 2-3 rows
+      for (int64_t i = i0; i < i1; ++i)
+        few_rows<F>(w + i * row_bytes, nb, xr, n0, N - n0, K, buf + n0 * rows + i, rows);
+      continue;
+    }
+#endif
+    for (; n0 < N; ++n0)
+      for (int64_t i = i0; i < i1; ++i)
+        buf[n0 * rows + i] = k_quant(F) ? kdot1<F>(w + i * row_bytes, nb, xr, n0, K)
+                                        : dot1<F>(w + i * row_bytes, nb, xr, n0, K);
   }
 }
 
