@@ -171,13 +171,17 @@ class DraftState:
         if self.pause:
             self.pause -= 1
             return 0
-        return min(self.length or lengths.first or lengths.short, speculate)
+        return min(self.current(lengths), speculate)
+
+    def current(self, lengths: DraftLengths) -> int:
+        """The length the next draft takes: the one set by the last verified draft, or ``lengths``' first."""
+        return self.length or lengths.first or lengths.short
 
     def verified(self, drafted: int, taken: int, lengths: DraftLengths = LENGTHS) -> None:
         """A draft of ``drafted`` tokens had its first ``taken`` accepted: a whole one lengthens the next (to short
-        after a draft shorter than that, else long), a wasted
-        one shortens it and pauses drafting (twice as long as the last pause, up to 32 steps), one accepted in part
-        keeps the length or shortens it (``lengths.keep``: kept when ``KEEP_TAKEN`` or more were accepted)."""
+        after a draft shorter than that, else long), a wasted one shortens it and pauses drafting (twice as long as
+        the last pause, up to 32 steps), one accepted in part keeps the length or shortens it (``lengths.keep``: kept
+        when ``KEEP_TAKEN`` or more were accepted)."""
         self.hot = taken > 0
         if self.start is not None:
             self.source = self.start + taken
@@ -187,5 +191,5 @@ class DraftState:
             self.length, self.misses = lengths.short, self.misses + 1
             self.pause = 2 ** min(self.misses, 5)
         else:
-            kept = self.length or lengths.first or lengths.short
-            self.length, self.misses = (kept if lengths.keep and taken >= KEEP_TAKEN else lengths.short), 0
+            kept = lengths.keep and taken >= KEEP_TAKEN
+            self.length, self.misses = (self.current(lengths) if kept else lengths.short), 0
