@@ -183,6 +183,17 @@ def test_fused_long_context_is_split_and_recombined(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H_q,L", [(5, 1), (6, 1), (7, 1), (3, 3), (2, 5)])
+def test_fused_row_tiles_rescale_every_row(dtype, H_q, L):
+    # A KV head's R = G * L query rows share each value row in tiles of 4, then one tile of the last 1-3 rows; over
+    # 200 keys (4 chunks) every tile's rows must be rescaled by their own running maxima.
+    q, k, v = make((2,), H_q, 1, L, 200, 64, dtype, seed=H_q * 10 + L)
+    q = q * 3  # sharper softmaxes: the running maxima move from chunk to chunk
+    ref, _ = attention64(q, k, v, None, L > 1)
+    _close(fused(q, k, v, is_causal=L > 1), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_reads_strided_cache_views(dtype):
     # A static cache hands out K/V as slices of (B, H_kv, S_max, D) buffers: strided, never copied.
     q, k_buf, v_buf = make((2,), 6, 2, 1, 50, 16, dtype, D_v=24)

@@ -275,8 +275,9 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
   auto key_row = [&](int64_t j) { return row_of(k, ks, j); };
   auto value_row = [&](int64_t j) { return row_of(v, vs, j); };
   const int64_t sk = ks[2], sv = vs[2];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(qh[r * qs[2] + d]) * scale;
+  if (!use_dpbf16)  // vdpbf16ps reads the bf16 queries in place
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(qh[r * qs[2] + d]) * scale;
   float* m = part_m + task * R;
   float* l = part_l + task * R;
   float* acc = part_acc + task * R * Dv;
@@ -293,11 +294,17 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
     n = std::min(CHUNK, j_end - c0);
 #if GQA_SIMD > 1
     // Prefetch the K/V rows PREFETCH_CHUNKS chunks ahead: the hardware prefetcher alone leaves bandwidth unused.
-    for (int64_t c = c0 + PREFETCH_CHUNKS * CHUNK; c < std::min(j_end, c0 + (PREFETCH_CHUNKS + 1) * CHUNK); ++c) {
-      for (int64_t d = 0; d < D; d += 64 / int64_t(sizeof(T)))
-        _mm_prefetch(reinterpret_cast<const char*>(key_row(c) + d), _MM_HINT_T0);
-      for (int64_t d = 0; d < Dv; d += 64 / int64_t(sizeof(T)))
-        _mm_prefetch(reinterpret_cast<const char*>(value_row(c) + d), _MM_HINT_T0);
+    // Segment by segment (a block's rows are evenly strided): no division per key.
+    const int64_t p_end = std::min(j_end, c0 + (PREFETCH_CHUNKS + 1) * CHUNK);
+    for (int64_t a = c0 + PREFETCH_CHUNKS * CHUNK, len; a < p_end; a += len) {
+      len = seg_len(a, p_end);
+      const T *kr = key_row(a), *vr = value_row(a);
+      for (int64_t c = 0; c < len; ++c) {
+        for (int64_t d = 0; d < D; d += 64 / int64_t(sizeof(T)))
+          _mm_prefetch(reinterpret_cast<const char*>(kr + c * sk + d), _MM_HINT_T0);
+        for (int64_t d = 0; d < Dv; d += 64 / int64_t(sizeof(T)))
+          _mm_prefetch(reinterpret_cast<const char*>(vr + c * sv + d), _MM_HINT_T0);
+      }
     }
 #endif
     // bf16 and fp16 keys as float32 rows in kbuf (float32 keys are read in place, bf16 ones with vdpbf16ps)
@@ -358,8 +365,10 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
       int64_t r = 0;
       for (; r + ROW_TILE <= R; r += ROW_TILE)
         accumulate_values<T, ROW_TILE>(acc + r * Dv, Dv, scaled + r, p + r * CHUNK, CHUNK, vc, sv, len, Dv);
-      for (; r < R; ++r)
-        accumulate_values<T, 1>(acc + r * Dv, Dv, scaled + r, p + r * CHUNK, CHUNK, vc, sv, len, Dv);
+      // the last 1-3 rows together too (a KV head of 3 query heads, SmolLM2's, has only these)
+      if (R - r == 3) accumulate_values<T, 3>(acc + r * Dv, Dv, scaled + r, p + r * CHUNK, CHUNK, vc, sv, len, Dv);
+      if (R - r == 2) accumulate_values<T, 2>(acc + r * Dv, Dv, scaled + r, p + r * CHUNK, CHUNK, vc, sv, len, Dv);
+      if (R - r == 1) accumulate_values<T, 1>(acc + r * Dv, Dv, scaled + r, p + r * CHUNK, CHUNK, vc, sv, len, Dv);
     }
   }
 }
