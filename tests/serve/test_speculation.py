@@ -52,19 +52,19 @@ def test_accepted_is_the_matching_prefix_then_one_pick(draft, data):
 
 @pytest.mark.parametrize(
     ("lane_rows", "quantized", "lengths"),
-    [(0, True, (3, 7, False, 0)), (4, True, (7, 15, True, 1)), (4, False, (3, 7, False, 0))],
+    [(0, True, (3, 7, False, 0, 0)), (4, True, (7, 15, True, 1, 2)), (4, False, (3, 7, False, 0, 0))],
 )
 def test_a_request_pauses_after_wasted_drafts_and_lengthens_after_whole_ones(
     lane_rows, quantized, lengths, monkeypatch
 ):
     """GEMV kernels (or float weights): drafts of 3, 7 after a whole one, 3 again after one accepted in part; lane
     kernels on quantized weights (4 to 8 rows in one 8-lane pass, 9 to 16 in one 16-lane pass): a 1-token probe
-    first, 7 after it, 15 after a whole one of 7, still 15 after one with 2 or more tokens accepted, 7 after one with
-    a single token accepted or none."""
+    first, 7 after it, 15 after a whole one of 7, still 15 after one with 2 or more tokens accepted, 2 after one with
+    a single token accepted (then 7 after those 2 accepted), 7 after a wasted one."""
     monkeypatch.setattr(kernels, "lane_rows", lambda: lane_rows)
     lengths = DraftLengths(*lengths)
     assert draft_lengths(quantized) == lengths
-    short, long, keep, first = lengths
+    short, long, keep, first, single = lengths
     s = DraftState()
     assert s.wanted(16, lengths) == (first or short) and s.wanted(2, lengths) == min(2, first or short)
     if first:
@@ -76,14 +76,19 @@ def test_a_request_pauses_after_wasted_drafts_and_lengthens_after_whole_ones(
     assert s.wanted(16, lengths) == long and s.wanted(7, lengths) == 7
     s.verified(long, 2, lengths)  # accepted in part
     assert s.wanted(16, lengths) == (long if keep else short)
-    s.verified(long, 1, lengths)  # a single token accepted: the next is short
-    assert s.wanted(16, lengths) == short
+    s.verified(long, 1, lengths)  # a single token accepted: the next is single (or short)
+    assert s.wanted(16, lengths) == (single or short)
+    if single:
+        s.verified(single, 1, lengths)  # and again
+        assert s.wanted(16, lengths) == single
+        s.verified(single, single, lengths)  # accepted whole: shorter than short, so short next
+        assert s.wanted(16, lengths) == short
     s.verified(7, 0, lengths)  # wasted: pause 2 steps
     assert [s.wanted(16, lengths) for _ in range(3)] == [0, 0, short]
     s.verified(3, 0, lengths)  # wasted again: pause 4
     assert [s.wanted(16, lengths) for _ in range(5)] == [0, 0, 0, 0, short]
     s.verified(3, 1, lengths)  # a partly accepted draft ends the streak
-    assert s.misses == 0 and s.wanted(16, lengths) == short
+    assert s.misses == 0 and s.wanted(16, lengths) == (single or short)
     for _ in range(10):
         s.verified(3, 0)
     assert s.misses == 10 and s.pause == 32  # the pause stops growing at 32 steps

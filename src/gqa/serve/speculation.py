@@ -16,14 +16,15 @@ near where its copy last stopped (8 tokens before the first draft token it did n
 follows them there: the copy resumes after the edit.
 
 When it pays: a draft's rows are not free (2 rows cost ~1.3x a 1-row step, 3 rows ~1.7-1.9x: the weights unpacked
-once for them), and proposals shorter than 3 tokens are dropped (a probe's excepted). Where the quantized kernels
-put the rows in SIMD lanes (``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to 8 rows are one 8-lane pass
-costing about 2-2.4x a 1-row step and 9 to 16 rows one 16-lane pass costing about 3-3.6x (SmolLM2, Q4_1, 2 cores),
-so a request's first draft is a 1-token probe (a miss wastes ~0.3 of a step), then drafts are up to 7 tokens long,
-15 after one of 7 accepted whole. Elsewhere the kernels take rows four at a time (on 2 cores 4 rows ~1.7x the 1-row
-step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3 tokens, 7 after a draft accepted whole. A request that drafts in
-vain pauses its drafts for 2, 4, ... 32 steps, and only a batch of at most ``MAX_DRAFTING`` decoding requests drafts
-at all — in a bigger batch the kernels are busy with every row and an extra row costs about a token's time.
+once for them), and proposals shorter than 3 tokens are dropped (or than the draft asked for, when that is shorter).
+Where the quantized kernels put the rows in SIMD lanes (``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to
+8 rows are one 8-lane pass costing about 2-2.4x a 1-row step and 9 to 16 rows one 16-lane pass costing about 3-3.6x
+(SmolLM2, Q4_1, 2 cores), so a request's first draft is a 1-token probe (a miss wastes ~0.3 of a step), then drafts
+are up to 7 tokens long, 15 after one of 7 accepted whole, 2 after one with a single token accepted. Elsewhere the
+kernels take rows four at a time (on 2 cores 4 rows ~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3
+tokens, 7 after a draft accepted whole. A request that drafts in vain pauses its drafts for 2, 4, ... 32 steps, and
+only a batch of at most ``MAX_DRAFTING`` decoding requests drafts at all — in a bigger batch the kernels are busy with
+every row and an extra row costs about a token's time.
 """
 
 from __future__ import annotations
@@ -66,12 +67,13 @@ MIN_DRAFT = 3
 class DraftLengths(NamedTuple):
     """A request's draft lengths: ``first`` for its first draft (0: ``short``), ``short`` after a wasted draft,
     ``long`` after one accepted whole; ``keep``: a draft with ``KEEP_TAKEN`` or more of its tokens accepted, not
-    all, keeps the length (else the next is short)."""
+    all, keeps the length (else the next is short, or ``single`` after one with a single token accepted)."""
 
     short: int
     long: int
     keep: bool = False
     first: int = 0
+    single: int = 0
 
 
 LENGTHS = DraftLengths(3, 7)  # 4 and 8 rows with the newest token; 8 rows cost ~3x one on these kernels
@@ -83,7 +85,10 @@ LENGTHS = DraftLengths(3, 7)  # 4 and 8 rows with the newest token; 8 rows cost 
 # accepted makes the next one short (an answer that copies little, SmolLM2 fixing an email's grammar: 1.01x against
 # 0.98x). In a replay of the benchmark's requests with the passes' measured costs: copy-heavy responses 1.89x against
 # 1.90x, the 21-token answers that part from their text after a few words 1.03x against 0.95x.
-LANE_LENGTHS = DraftLengths(7, 15, keep=True, first=1)
+# After a draft with a single token accepted the next has 2 tokens (3 rows: ~1.7 steps where 8 cost 2.3-2.6): the
+# email fix 1.05x against 1.01x, copy-heavy responses 1.86x against 1.84x, the free-form ones unchanged (replay, with
+# the costs measured on 2026-12-02: 1.34, 1.67, 2.05, 2.35, 3.45 steps for 2, 3, 4, 8, 16 rows).
+LANE_LENGTHS = DraftLengths(7, 15, keep=True, first=1, single=2)
 KEEP_TAKEN = 2
 PROBE = 1  # a draft this short is cheap enough to need only the 3-token match, even cold
 
@@ -181,7 +186,7 @@ class DraftState:
         """A draft of ``drafted`` tokens had its first ``taken`` accepted: a whole one lengthens the next (to short
         after a draft shorter than that, else long), a wasted one shortens it and pauses drafting (twice as long as
         the last pause, up to 32 steps), one accepted in part keeps the length or shortens it (``lengths.keep``: kept
-        when ``KEEP_TAKEN`` or more were accepted)."""
+        when ``KEEP_TAKEN`` or more were accepted; ``lengths.single`` after a single one)."""
         self.hot = taken > 0
         if self.start is not None:
             self.source = self.start + taken
@@ -192,4 +197,5 @@ class DraftState:
             self.pause = 2 ** min(self.misses, 5)
         else:
             kept = lengths.keep and taken >= KEEP_TAKEN
-            self.length, self.misses = (self.current(lengths) if kept else lengths.short), 0
+            after = lengths.single if taken == 1 and lengths.single else lengths.short
+            self.length, self.misses = (self.current(lengths) if kept else after), 0
