@@ -59,8 +59,8 @@ COLD_NGRAMS = (4,)
 RESYNC_NGRAM = 2
 RESYNC = (8, 32)
 MAX_DRAFTING = 2  # decoding requests at most in a step whose requests draft
-# shorter proposals are dropped (a probe, k = 1, excepted: min(k, MIN_DRAFT)); keeping them made no difference in
-# the benchmark
+# shorter proposals are dropped (or than a draft asked for with fewer tokens, a probe's 1 or a ``single`` draft's 2:
+# min(k, MIN_DRAFT)); keeping them made no difference in the benchmark
 MIN_DRAFT = 3
 
 
