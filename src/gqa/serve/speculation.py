@@ -18,7 +18,7 @@ follows them there: the copy resumes after the edit.
 When it pays: a draft's rows are not free (2 rows cost ~1.3x a 1-row step, 3 rows ~1.7-1.9x: the weights unpacked
 once for them), and proposals shorter than 3 tokens are dropped (or than the draft asked for, when that is shorter).
 Where the quantized kernels put the rows in SIMD lanes (``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to
-8 rows are one 8-lane pass costing about 2-2.4x a 1-row step and 9 to 16 rows one 16-lane pass costing about 3-3.6x
+8 rows are one 8-lane pass costing about 2-2.6x a 1-row step and 9 to 16 rows one 16-lane pass costing about 3-3.6x
 (SmolLM2, Q4_1, 2 cores), so a request's first draft is a 1-token probe (a miss wastes ~0.3 of a step), then drafts
 are up to 7 tokens long, 15 after one of 7 accepted whole, 2 after one with a single token accepted. Elsewhere the
 kernels take rows four at a time (on 2 cores 4 rows ~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3
@@ -66,8 +66,8 @@ MIN_DRAFT = 3
 
 class DraftLengths(NamedTuple):
     """A request's draft lengths: ``first`` for its first draft (0: ``short``), ``short`` after a wasted draft,
-    ``long`` after one accepted whole; ``keep``: a draft with ``KEEP_TAKEN`` or more of its tokens accepted, not
-    all, keeps the length (else the next is short, or ``single`` after one with a single token accepted)."""
+    ``long`` after one accepted whole, ``single`` after one with a single token accepted (0: ``short``); ``keep``: a
+    draft with ``KEEP_TAKEN`` or more of its tokens accepted, not all, keeps the length (else the next is short)."""
 
     short: int
     long: int
@@ -82,9 +82,10 @@ LENGTHS = DraftLengths(3, 7)  # 4 and 8 rows with the newest token; 8 rows cost 
 # next, in a replay of the benchmark's requests with the passes' measured costs).
 # A request's first draft is a 1-token probe: 2 rows cost ~1.3 steps, so a probe that misses wastes ~0.3 of a step
 # where a 7-token cold draft wasted 1.3; one accepted is followed by 7 tokens, then 15; a draft with a single token
-# accepted makes the next one short (an answer that copies little, SmolLM2 fixing an email's grammar: 1.01x against
-# 0.98x). In a replay of the benchmark's requests with the passes' measured costs: copy-heavy responses 1.89x against
-# 1.90x, the 21-token answers that part from their text after a few words 1.03x against 0.95x.
+# accepted made the next one short instead of keeping 15 (an answer that copies little, SmolLM2 fixing an email's
+# grammar: 1.01x against 0.98x; since then 2 tokens, below). In a replay of the benchmark's requests with the
+# passes' measured costs: copy-heavy responses 1.89x against 1.90x, the 21-token answers that part from their text
+# after a few words 1.03x against 0.95x.
 # After a draft with a single token accepted the next has 2 tokens (3 rows: ~1.7 steps where 8 cost 2.3-2.6): the
 # email fix 1.05x against 1.01x, copy-heavy responses 1.86x against 1.84x, the free-form ones unchanged (replay, with
 # the costs measured on 2026-12-02: 1.34, 1.67, 2.05, 2.35, 3.45 steps for 2, 3, 4, 8, 16 rows).
@@ -94,8 +95,9 @@ PROBE = 1  # a draft this short is cheap enough to need only the 3-token match, 
 
 
 def draft_lengths(quantized: bool = True) -> DraftLengths:
-    """The draft lengths (first, short, long, and whether a draft accepted in part keeps the length) for this machine's
-    kernels and a model with ``quantized`` weights (the lanes take quantized products only)."""
+    """The draft lengths (``DraftLengths``: first, short, long, whether a draft accepted in part keeps the length, and
+    the length after a single accepted token) for this machine's kernels and a model with ``quantized`` weights (the
+    lanes take quantized products only)."""
     return LANE_LENGTHS if quantized and 0 < kernels.lane_rows() <= MIN_DRAFT + 1 else LENGTHS
 
 
