@@ -357,7 +357,7 @@ inline void dot_rows(const uint8_t* w, int64_t nb, const QuantizedRows& xr, int6
       if constexpr (F != Q8_0) c.mins[r] = _mm_fmadd_ps(_mm_load_ps(mw), _mm_load_ps(xs), c.mins[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r * stride] = sum_chains(c.acc[r], c.mins[r]);
+  c.store(out, stride);
 }
 
 // Row n of x and one weight row w, eight blocks per step (AVX-512 VNNI), then four, then the last 1-3. Its own loop,
