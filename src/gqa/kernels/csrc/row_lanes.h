@@ -24,6 +24,12 @@
 
 namespace gqa_blocks {
 
+inline int32_t four_bytes(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 // The lane widths: 16 rows in a zmm, 8 in a ymm (a group of <= 8 rows runs at half the width, or twice in a zmm).
 template <int L>
 struct Lanes;
@@ -51,7 +57,33 @@ struct Lanes<16> {
     return _mm512_permutexvar_epi32(_mm512_setr_epi32(J, J, J, J, J, J, J, J, 8 + J, 8 + J, 8 + J, 8 + J, 8 + J,
                                                       8 + J, 8 + J, 8 + J), w);
   }
+  // the J-th four bytes of every 128-bit lane of v (Quads)
+  template <int J>
+  static I spread_in(I v) {
+    return _mm512_shuffle_epi32(v, static_cast<_MM_PERM_ENUM>(J * 0x55));
+  }
+  // the 16 bytes at p in every 128-bit lane
+  static I lanes_of(const uint8_t* p) {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  // those at p in lanes 0-1 and those at q in lanes 2-3 (two weight rows' blocks, lanes_pair_dot)
+  static I lanes_of(const uint8_t* p, const uint8_t* q) {
+    return _mm512_mask_broadcast_i32x4(lanes_of(p), 0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  }
+  static I and8(I a, int8_t m) { return _mm512_and_si512(a, _mm512_set1_epi8(m)); }
+  static I xor8(I a, int8_t m) { return _mm512_xor_si512(a, _mm512_set1_epi8(m)); }
+  static I shr4(I a) { return _mm512_srli_epi16(a, 4); }
   static I dot(I acc, I w, const int8_t* x) { return _mm512_dpbusd_epi32(acc, w, _mm512_loadu_si512(x)); }
+  // two weight rows' blocks' first two halves (d and m) as floats: those at p in lanes 0-7, those at q in 8-15, d in
+  // the even lanes and m in the odd; pick<0> takes d to every lane of its half, pick<1> m
+  static V halves(const uint8_t* p, const uint8_t* q) {
+    const __m256i both = _mm256_blend_epi32(_mm256_set1_epi32(four_bytes(p)), _mm256_set1_epi32(four_bytes(q)), 0xF0);
+    return _mm512_cvtph_ps(both);
+  }
+  template <int J>
+  static V pick(V h) {
+    return _mm512_shuffle_ps(h, h, J * 0x55);
+  }
   static V zero() { return _mm512_setzero_ps(); }
   static V cvt(I s) { return _mm512_cvtepi32_ps(s); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -77,6 +109,16 @@ struct Lanes<8> {
   static I spread(__m256i w) {
     return _mm256_permutevar8x32_epi32(w, _mm256_set1_epi32(J));
   }
+  template <int J>
+  static I spread_in(I v) {
+    return _mm256_shuffle_epi32(v, J * 0x55);
+  }
+  static I lanes_of(const uint8_t* p) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static I and8(I a, int8_t m) { return _mm256_and_si256(a, _mm256_set1_epi8(m)); }
+  static I xor8(I a, int8_t m) { return _mm256_xor_si256(a, _mm256_set1_epi8(m)); }
+  static I shr4(I a) { return _mm256_srli_epi16(a, 4); }
   static I dot(I acc, I w, const int8_t* x) {
     return _mm256_dpbusd_epi32(acc, w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   }
@@ -99,6 +141,40 @@ __attribute__((always_inline)) inline __m256i lane_weights(const uint8_t* blk) {
     return _mm256_or_si256(nibbles(blk + nibbles_at(F)), fifth_bits(blk + high_bits_at(F)));
   } else {
     return nibbles(blk + nibbles_at(F));
+  }
+}
+
+// A weight block's 32 unsigned values as lane_weights has them, laid out for in-lane shuffles: values 0-15 in every
+// 128-bit lane of lo, 16-31 in every one of hi (two weight rows' blocks: the first's in lanes 0-1, the second's in
+// 2-3), read by broadcasting loads, so that each group of four reaches every lane by a shuffle within 128-bit lanes
+// (vpshufd) rather than a permute across them (vpermd): 16 rows of a 1536 x 576 Q4_1 matrix 1.1x the speed in a
+// one-thread loop (in L2), 1.14x with two integer chains instead of four. For the formats whose values are their
+// bytes, or their nibbles, in order.
+template <int F>
+constexpr bool quad_lanes = F == Q8_0 || F == Q4_0 || F == Q4_1;
+
+template <class S>
+struct Quads {
+  typename S::I lo, hi;
+};
+
+template <int F, class S, class... B>
+__attribute__((always_inline)) inline Quads<S> lane_quads(B... blk) {
+  if constexpr (F == Q8_0) {
+    return {S::xor8(S::lanes_of((blk + 2)...), -128), S::xor8(S::lanes_of((blk + 2 + QK / 2)...), -128)};
+  } else {
+    const typename S::I v = S::lanes_of((blk + nibbles_at(F))...);
+    return {S::and8(v, 0x0F), S::and8(S::shr4(v), 0x0F)};
+  }
+}
+
+// The J-th four weights (J < 8) of w (lane_weights' vector, a pair's, or Quads) in every lane.
+template <int L, int J, class W>
+__attribute__((always_inline)) inline typename Lanes<L>::I spread(const W& w) {
+  if constexpr (std::is_same_v<W, Quads<Lanes<L>>>) {
+    return Lanes<L>::template spread_in<J % 4>(J < 4 ? w.lo : w.hi);
+  } else {
+    return Lanes<L>::template spread<J>(w);
   }
 }
 
@@ -142,26 +218,25 @@ struct LaneInputs {
         sum_lo(xr.lsum_lo.data() + g.s_at) {}
 };
 
-// The products of 32 unsigned weight bytes w with the lanes' inputs at xb, in four independent chains of vpdpbusd (one
-// chain is latency-bound), exact integer sums: p[0] + p[1] the first 16 weights', p[2] + p[3] the last 16's. Each
-// group of four weights reaches the lanes by one permute of w (q8_0 at 8 lanes 1.23x the speed of broadcasting them
-// from a copy on the stack, q4_k 1.11x, q6_k 1.21x; 16 lanes the same). W: one weight row's 32 bytes (__m256i), or
-// two rows' (__m512i: Lanes<16>'s pair spread).
+// The products of a block's 32 unsigned weights w with the lanes' inputs at xb, in two independent chains of vpdpbusd,
+// exact integer sums: p[0] the first 16 weights', p[1] the last 16's. W: Quads, or one weight row's 32 bytes (__m256i)
+// or two rows' (__m512i: Lanes<16>'s pair spread), each group of four reaching the lanes by one permute (q8_0 at 8
+// lanes 1.23x the speed of broadcasting them from a copy on the stack, q4_k 1.11x, q6_k 1.21x; 16 lanes the same).
 //
 // Always inlined, as lane_block and lane_weights: a call (GCC inlined none of them in every use, and called
 // lane_products through the PLT) clobbers every zmm, so the caller's chains went to the stack around each block
 // (a 16-row verification pass 1.3x slower).
 template <int L, class W>
-__attribute__((always_inline)) inline void lane_products(W w, const int8_t* xb, typename Lanes<L>::I p[4]) {
+__attribute__((always_inline)) inline void lane_products(const W& w, const int8_t* xb, typename Lanes<L>::I p[2]) {
   using S = Lanes<L>;
-  p[0] = S::dot(S::izero(), S::template spread<0>(w), xb);
-  p[1] = S::dot(S::izero(), S::template spread<1>(w), xb + 4 * L);
-  p[2] = S::dot(S::izero(), S::template spread<4>(w), xb + 16 * L);
-  p[3] = S::dot(S::izero(), S::template spread<5>(w), xb + 20 * L);
-  p[0] = S::dot(p[0], S::template spread<2>(w), xb + 8 * L);
-  p[1] = S::dot(p[1], S::template spread<3>(w), xb + 12 * L);
-  p[2] = S::dot(p[2], S::template spread<6>(w), xb + 24 * L);
-  p[3] = S::dot(p[3], S::template spread<7>(w), xb + 28 * L);
+  p[0] = S::dot(S::izero(), spread<L, 0>(w), xb);
+  p[1] = S::dot(S::izero(), spread<L, 4>(w), xb + 16 * L);
+  p[0] = S::dot(p[0], spread<L, 1>(w), xb + 4 * L);
+  p[1] = S::dot(p[1], spread<L, 5>(w), xb + 20 * L);
+  p[0] = S::dot(p[0], spread<L, 2>(w), xb + 8 * L);
+  p[1] = S::dot(p[1], spread<L, 6>(w), xb + 24 * L);
+  p[0] = S::dot(p[0], spread<L, 3>(w), xb + 12 * L);
+  p[1] = S::dot(p[1], spread<L, 7>(w), xb + 28 * L);
 }
 
 // A block's integer sums s (every lane's) into chain C: scaled by dw (the weight block's d per lane) and the rows' d,
@@ -176,11 +251,22 @@ __attribute__((always_inline)) inline void add_block(typename Lanes<L>::I s, typ
   if constexpr (F != Q8_0) c.mins[C] = S::fma(mw, S::load(x.ds + b * L), c.mins[C]);
 }
 
-// The integer sums of lane_products' four chains.
+// The integer sums of lane_products' two chains.
 template <int L>
-__attribute__((always_inline)) inline typename Lanes<L>::I chain_sum(const typename Lanes<L>::I p[4]) {
-  using S = Lanes<L>;
-  return S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
+__attribute__((always_inline)) inline typename Lanes<L>::I chain_sum(const typename Lanes<L>::I p[2]) {
+  return Lanes<L>::iadd(p[0], p[1]);
+}
+
+// block_min in every lane from a block's halves (Lanes::halves: d, then m where the format has one).
+template <int F, class S>
+__attribute__((always_inline)) inline typename S::V lane_min(typename S::V h) {
+  if constexpr (F == Q8_0) {
+    return S::zero();
+  } else if constexpr (has_min(F)) {
+    return S::template pick<1>(h);
+  } else {
+    return S::mul(S::set1(-q_offset(F)), S::template pick<0>(h));
+  }
 }
 
 // Block b (at blk) of one weight row against lane group x, into chain C of every lane.
@@ -188,8 +274,12 @@ template <int F, int L, int C>
 __attribute__((always_inline)) inline void lane_block(const uint8_t* blk, int64_t b, const LaneInputs& x,
                                                      Chains<Lanes<L>>& c) {
   using S = Lanes<L>;
-  typename S::I p[4];
-  lane_products<L>(lane_weights<F>(blk), x.q + b * QK * L, p);
+  typename S::I p[2];
+  if constexpr (quad_lanes<F>) {
+    lane_products<L>(lane_quads<F, S>(blk), x.q + b * QK * L, p);
+  } else {
+    lane_products<L>(lane_weights<F>(blk), x.q + b * QK * L, p);
+  }
   const float dw = half_at(blk);
   add_block<F, L, C>(chain_sum<L>(p), S::set1(dw), F == Q8_0 ? S::zero() : S::set1(block_min<F>(blk, dw)), b, x, c);
 }
@@ -201,13 +291,15 @@ __attribute__((always_inline)) inline void lane_pair_block(const uint8_t* blk, i
                                                           const LaneInputs& x, Chains<Lanes<16>>& c) {
   using S = Lanes<16>;
   const uint8_t* blk2 = blk + next;
-  typename S::I p[4];
-  lane_products<16>(_mm512_inserti64x4(_mm512_castsi256_si512(lane_weights<F>(blk)), lane_weights<F>(blk2), 1),
-                    x.q + b * QK * 16, p);
-  const float dw = half_at(blk), dw2 = half_at(blk2);
-  const auto pair = [](float lo, float hi) { return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1); };
-  add_block<F, 16, C>(chain_sum<16>(p), pair(dw, dw2),
-                      F == Q8_0 ? S::zero() : pair(block_min<F>(blk, dw), block_min<F>(blk2, dw2)), b, x, c);
+  typename S::I p[2];
+  if constexpr (quad_lanes<F>) {
+    lane_products<16>(lane_quads<F, S>(blk, blk2), x.q + b * QK * 16, p);
+  } else {
+    lane_products<16>(_mm512_inserti64x4(_mm512_castsi256_si512(lane_weights<F>(blk)), lane_weights<F>(blk2), 1),
+                      x.q + b * QK * 16, p);
+  }
+  const S::V h = S::halves(blk, blk2);
+  add_block<F, 16, C>(chain_sum<16>(p), S::pick<0>(h), lane_min<F, S>(h), b, x, c);
 }
 
 // block(at, b, chain) for the nb blocks of a weight row at w (BYTES each), four at a time, chain = b % 4 a constant
@@ -287,17 +379,17 @@ inline void lanes_kdot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& x
         const __m256i q = F == Q6_K ? _mm256_add_epi8(wq[i], _mm256_set1_epi8(32)) : wq[i];
         const int j = j0 + i;
         const int64_t b = s * 8 + j;
-        typename S::I p[4];  // q6_k: p[0], p[1] the first half's chains, p[2], p[3] the second's
+        typename S::I p[2];  // the first half's sums, the second's
         lane_products<L>(q, x.q + b * QK * L, p);
         typename S::I sum;
         if constexpr (F == Q6_K) {
           const typename S::I lo_x = S::iload(x.sum_lo + b * L), hi_x = S::isub(S::iload(x.sum + b * L), lo_x);
-          const typename S::I lo = S::isub(S::iadd(p[0], p[1]), S::template shl<5>(lo_x));
-          const typename S::I hi = S::isub(S::iadd(p[2], p[3]), S::template shl<5>(hi_x));
+          const typename S::I lo = S::isub(p[0], S::template shl<5>(lo_x));
+          const typename S::I hi = S::isub(p[1], S::template shl<5>(hi_x));
           sum = S::iadd(S::imul(lo, static_cast<int8_t>(sb[192 + 2 * j])),
                         S::imul(hi, static_cast<int8_t>(sb[193 + 2 * j])));
         } else {
-          sum = S::iadd(S::iadd(p[0], p[1]), S::iadd(p[2], p[3]));
+          sum = S::iadd(p[0], p[1]);
         }
         c.acc[i] = S::fma(S::cvt(sum), S::mul(S::set1(sc.dw[j]), S::load(x.d + b * L)), c.acc[i]);
         if constexpr (F != Q6_K) c.mins[i] = S::fma(S::set1(sc.mw[j]), S::load(x.ds + b * L), c.mins[i]);
