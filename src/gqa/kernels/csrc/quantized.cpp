@@ -474,10 +474,14 @@ void lanes_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const Quantiz
             }
           } else if (g.lanes == 16) {
             lanes_dot<F, 16>(w + i * row_bytes, nb, xr, g, o, rows);
-          } else if (pair_lanes<F> && g.twice >= 0 && i + 1 < std::min(rows, i0 + ROW_BLOCK)) {
-            // two weight rows at once (the last of an odd count alone, below)
-            lanes_pair_dot<F>(w + i * row_bytes, row_bytes, nb, xr, xr.twice[g.twice], o, rows), ++i;
           } else {
+            if constexpr (pair_lanes<F>) {
+              if (g.twice >= 0 && i + 1 < std::min(rows, i0 + ROW_BLOCK)) {
+                // two weight rows at once (the last of an odd count alone, below)
+                lanes_pair_dot<F>(w + i * row_bytes, row_bytes, nb, xr, xr.twice[g.twice], o, rows), ++i;
+                continue;
+              }
+            }
             lanes_dot<F, 8>(w + i * row_bytes, nb, xr, g, o, rows);
           }
         }

@@ -66,7 +66,7 @@ struct Lanes<16> {
   static I lanes_of(const uint8_t* p) {
     return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  // those at p in lanes 0-1 and those at q in lanes 2-3 (two weight rows' blocks, lanes_pair_dot)
+  // those at p in 128-bit lanes 0-1 and those at q in 128-bit lanes 2-3 (two weight rows' blocks, lanes_pair_dot)
   static I lanes_of(const uint8_t* p, const uint8_t* q) {
     return _mm512_mask_broadcast_i32x4(lanes_of(p), 0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   }
@@ -74,8 +74,9 @@ struct Lanes<16> {
   static I xor8(I a, int8_t m) { return _mm512_xor_si512(a, _mm512_set1_epi8(m)); }
   static I shr4(I a) { return _mm512_srli_epi16(a, 4); }
   static I dot(I acc, I w, const int8_t* x) { return _mm512_dpbusd_epi32(acc, w, _mm512_loadu_si512(x)); }
-  // two weight rows' blocks' first two halves (d and m) as floats: those at p in lanes 0-7, those at q in 8-15, d in
-  // the even lanes and m in the odd; pick<0> takes d to every lane of its half, pick<1> m
+  // two weight rows' blocks' first four bytes as two halves each (d, then m or two bytes the format does not use) in
+  // floats: those at p in float lanes 0-7, those at q in 8-15, d in the even lanes, the next half in the odd;
+  // pick<0> takes d to every lane of its half, pick<1> the next half (m)
   static V halves(const uint8_t* p, const uint8_t* q) {
     const __m256i both = _mm256_blend_epi32(_mm256_set1_epi32(four_bytes(p)), _mm256_set1_epi32(four_bytes(q)), 0xF0);
     return _mm512_cvtph_ps(both);
@@ -219,9 +220,10 @@ struct LaneInputs {
 };
 
 // The products of a block's 32 unsigned weights w with the lanes' inputs at xb, in two independent chains of vpdpbusd,
-// exact integer sums: p[0] the first 16 weights', p[1] the last 16's. W: Quads, or one weight row's 32 bytes (__m256i)
-// or two rows' (__m512i: Lanes<16>'s pair spread), each group of four reaching the lanes by one permute (q8_0 at 8
-// lanes 1.23x the speed of broadcasting them from a copy on the stack, q4_k 1.11x, q6_k 1.21x; 16 lanes the same).
+// exact integer sums: p[0] the first 16 weights', p[1] the last 16's. W: Quads, each group of four reaching the lanes
+// by an in-lane shuffle (spread_in), or one weight row's 32 bytes (__m256i) or two rows' (__m512i: Lanes<16>'s pair
+// spread), each group by one permute (measured when every format took it: q8_0 at 8 lanes 1.23x the speed of
+// broadcasting them from a copy on the stack, q4_k 1.11x, q6_k 1.21x; 16 lanes the same).
 //
 // Always inlined, as lane_block and lane_weights: a call (GCC inlined none of them in every use, and called
 // lane_products through the PLT) clobbers every zmm, so the caller's chains went to the stack around each block
@@ -342,7 +344,8 @@ inline void lanes_dot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr
 
 // lanes_dot<F, 8> for two weight rows at once, w and w + next, into out[n * stride] and out[n * stride + 1]: g holds
 // an 8-lane group's rows twice in 16 lanes (QuantizedRows::twice). Bit for bit lanes_dot's sums, in half the
-// instructions: 8 rows of Q4_1 1.32-1.39x the speed (one thread, the weights in L2 or streamed from DRAM). Not for
+// instructions: 8 rows of Q4_1 1.32-1.39x the speed when both spread by permutes (one thread, the weights in L2 or
+// streamed from DRAM). Not for
 // q8_0 (pair_lanes): from DRAM its two rows' streams ran at 0.76-0.96x one row's (1.34x in L2).
 template <int F>
 constexpr bool pair_lanes = !k_quant(F) && F != Q8_0;
@@ -412,6 +415,7 @@ inline void pack_lanes(gqa::QuantizedRows& xr, const int32_t* isum, const int32_
   }
   gqa::QuantizedRows::LaneGroup& last = xr.groups.back();
   if (last.lanes == 8) {
+    s_at = (s_at + 15) / 16 * 16;  // its scales start a cache line (an odd nb leaves 8 floats over)
     last.twice = static_cast<int64_t>(xr.twice.size());
     xr.twice.push_back({last.n0, last.rows, 16, q_at, s_at});
     q_at += 16 * K, s_at += 16 * nb;
