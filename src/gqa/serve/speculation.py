@@ -18,7 +18,7 @@ follows them there: the copy resumes after the edit.
 When it pays: a draft's rows are not free (2 rows cost ~1.3x a 1-row step, 3 rows ~1.7-1.9x: the weights unpacked
 once for them), and proposals shorter than 3 tokens are dropped (or than the draft asked for, when that is shorter).
 Where the quantized kernels put the rows in SIMD lanes (``kernels.lane_rows``, AVX-512 VNNI; quantized weights) 4 to
-8 rows are one 8-lane pass costing about 2-2.6x a 1-row step and 9 to 16 rows one 16-lane pass costing about 3-3.6x
+8 rows are one 8-lane pass costing about 1.8-2.1x a 1-row step and 9 to 16 rows one 16-lane pass costing about 3.4x
 (SmolLM2, Q4_1, 2 cores), so a request's first draft is a 1-token probe (a miss wastes ~0.3 of a step), then drafts
 are up to 7 tokens long, 15 after one of 7 accepted whole, 2 after one with a single token accepted. Elsewhere the
 kernels take rows four at a time (on 2 cores 4 rows ~1.7x the 1-row step, 8 rows ~3x: SmolLM2, Q4_1) and drafts are 3
