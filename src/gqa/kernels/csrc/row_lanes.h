@@ -345,8 +345,8 @@ inline void lanes_dot(const uint8_t* w, int64_t nb, const gqa::QuantizedRows& xr
 // lanes_dot<F, 8> for two weight rows at once, w and w + next, into out[n * stride] and out[n * stride + 1]: g holds
 // an 8-lane group's rows twice in 16 lanes (QuantizedRows::twice). Bit for bit lanes_dot's sums, in half the
 // instructions: 8 rows of Q4_1 1.32-1.39x the speed when both spread by permutes (one thread, the weights in L2 or
-// streamed from DRAM). Not for
-// q8_0 (pair_lanes): from DRAM its two rows' streams ran at 0.76-0.96x one row's (1.34x in L2).
+// streamed from DRAM). Not for q8_0 (pair_lanes): from DRAM its two rows' streams ran at 0.76-0.96x one row's (1.34x
+// in L2).
 template <int F>
 constexpr bool pair_lanes = !k_quant(F) && F != Q8_0;
 
