@@ -110,54 +110,125 @@ def test_calls_are_read_back_from_answers():
     assert m["content"] == "" and m["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
 
 
-def test_tool_calls_through_gqa_serve_and_the_openai_client(tmp_path):
-    """``--chat-template`` with tools: a required call and a named call validate against their parameters (streamed
-    the same), the conversation goes on with the tool's result, and the embedded template's server refuses tools."""
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    """The openai client of a ``gqa serve --chat-template`` with the Hermes template (one server for the module)."""
     pytest.importorskip("xgrammar")
     openai = pytest.importorskip("openai")
-    from tests.helpers.server_process import MODEL, Server
+    from tests.helpers.server_process import Server
 
-    template = tmp_path / "hermes.jinja"
+    template = tmp_path_factory.mktemp("tools") / "hermes.jinja"
     template.write_text(TEMPLATE)
     s = Server("--chat-template", str(template))
     try:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
-        messages = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
-        r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
-                                           max_tokens=64, temperature=0)  # fmt: skip
-        choice = r.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
-        for call in choice.message.tool_calls:
-            f = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
-            jsonschema.validate(json.loads(call.function.arguments), f["parameters"])
-        named = {"type": "function", "function": {"name": "get_weather"}}
-        r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named,
-                                           max_tokens=64, temperature=0)  # fmt: skip
-        (call,) = r.choices[0].message.tool_calls
-        assert call.function.name == "get_weather"
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER["parameters"])
-        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named,
-                                                     max_tokens=64, temperature=0, stream=True))  # fmt: skip
-        streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
-        assert streamed[0].function.name == "get_weather" and streamed[0].id.startswith("call_")
-        assert len(streamed) > 2 and all(t.index == 0 and t.function.name is None for t in streamed[1:])  # pieces
-        assert "".join(t.function.arguments for t in streamed) == call.function.arguments
-        assert chunks[-1].choices[0].finish_reason == "tool_calls"
-        required = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
-                                                  max_tokens=64, temperature=0)  # fmt: skip
-        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                                     tool_choice="required", max_tokens=64, temperature=0,
-                                                     stream=True))  # fmt: skip
-        merged: dict[int, list] = {}
-        for t in (t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()):
-            merged.setdefault(t.index, [t.function.name, ""])[1] += t.function.arguments
-        want = [(c.function.name, json.loads(c.function.arguments)) for c in required.choices[0].message.tool_calls]
-        assert [(name, json.loads(args)) for name, args in merged.values()] == want
-        assert chunks[-1].choices[0].finish_reason == "tool_calls"
-        follow = [*messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                  {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]  # fmt: skip
-        r = client.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, tool_choice="none",
-                                           max_tokens=16, temperature=0)  # fmt: skip
-        assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
     finally:
         assert s.stop() == 0
+
+
+def test_tool_calls_through_gqa_serve_and_the_openai_client(client):
+    """``--chat-template`` with tools: a required call and a named call validate against their parameters (streamed
+    the same), the conversation goes on with the tool's result."""
+    from tests.helpers.server_process import MODEL
+
+    messages = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                       max_tokens=64, temperature=0)  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    for call in choice.message.tool_calls:
+        f = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), f["parameters"])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named,
+                                       max_tokens=64, temperature=0)  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["parameters"])
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named,
+                                                 max_tokens=64, temperature=0, stream=True))  # fmt: skip
+    streamed = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+    assert streamed[0].function.name == "get_weather" and streamed[0].id.startswith("call_")
+    assert len(streamed) > 2 and all(t.index == 0 and t.function.name is None for t in streamed[1:])  # pieces
+    assert "".join(t.function.arguments for t in streamed) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    required = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                              max_tokens=64, temperature=0)  # fmt: skip
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                                 tool_choice="required", max_tokens=64, temperature=0,
+                                                 stream=True))  # fmt: skip
+    merged: dict[int, list] = {}
+    for t in (t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()):
+        merged.setdefault(t.index, [t.function.name, ""])[1] += t.function.arguments
+    want = [(c.function.name, json.loads(c.function.arguments)) for c in required.choices[0].message.tool_calls]
+    assert [(name, json.loads(args)) for name, args in merged.values()] == want
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    follow = [*messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+              {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]  # fmt: skip
+    r = client.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, tool_choice="none",
+                                       max_tokens=16, temperature=0)  # fmt: skip
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.content
+
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def answer(client, stream: bool, **request) -> tuple[str, list[tuple[str, str]], str]:
+    """A chat answer through the openai client, whole or streamed (its deltas merged): the content ("" for none),
+    ``(name, arguments)`` per call, the finish_reason."""
+    from tests.helpers.server_process import MODEL
+
+    request = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "temperature": 0} | request
+    if not stream:
+        choice = client.chat.completions.create(**request).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+        return choice.message.content or "", calls, choice.finish_reason
+    content, calls, reason = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **request):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for t in choice.delta.tool_calls or ():
+                calls.setdefault(t.index, [t.function.name, ""])[1] += t.function.arguments
+            reason = choice.finish_reason or reason
+    return content, [tuple(calls[i]) for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize(("choice", "cuts"), [("required", (3, 26)), (NAMED, (3, 14))], ids=["required", "named"])
+def test_forced_calls_are_json_whatever_the_stop_strings_and_say_length_when_cut(client, choice, cuts):
+    """Issue 69: stop strings that a forced call's JSON holds cut it — "required" answered 500 plain text, a named
+    function 200 ``"tool_calls"`` with arguments that are not JSON, streamed ``"stop"``. Stop strings do not apply to
+    a forced call; ``max_tokens`` cuts it into its text so far with ``"length"`` (``cuts``: before a call has begun
+    or within it, then inside its arguments); streamed and whole are the same."""
+    full = answer(client, False, tool_choice=choice, stop=['"', ","], max_tokens=64)
+    assert answer(client, True, tool_choice=choice, stop=['"', ","], max_tokens=64) == full
+    content, calls, reason = full
+    assert reason == "tool_calls" and content == "" and calls
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), {"get_weather": WEATHER, "get_time": TIME}[name]["parameters"])
+    for max_tokens in cuts:
+        cut = answer(client, False, tool_choice=choice, max_tokens=max_tokens)
+        assert answer(client, True, tool_choice=choice, max_tokens=max_tokens) == cut
+        assert cut[0] == "" and cut[2] == "length"
+        for (name, arguments), (full_name, full_arguments) in zip(cut[1], calls, strict=False):
+            assert name == full_name and full_arguments.startswith(arguments)
+    assert cut[1] and cut[1][-1][1] != calls[len(cut[1]) - 1][1]  # the last cut is inside a call's arguments
+
+
+def test_auto_answers_read_the_same_streamed_and_whole(client):
+    """Issue 69: a call followed by text cut by ``max_tokens`` said ``"tool_calls"`` whole and ``"length"`` streamed;
+    a block with text before its JSON was content whole and a call streamed. The model held by a regex to such
+    answers: a call and text (``"tool_calls"``), the same cut (``"length"``, the call kept), text before the JSON."""
+    call = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call>'
+    text = " I will tell you the time in UTC as soon as the tool answers, which should not take long at all."
+    held = {"extra_body": {"structured_outputs": {"regex": call + text.replace(".", r"\.")}}}
+    full = answer(client, False, max_tokens=100, **held)
+    assert full == (text.strip(), [("get_time", '{"zone": "UTC"}')], "tool_calls")
+    assert answer(client, True, max_tokens=100, **held) == full
+    cut = answer(client, False, max_tokens=30, **held)
+    assert cut[1:] == (full[1], "length") and text.strip().startswith(cut[0]) and cut[0] != text.strip()
+    assert answer(client, True, max_tokens=30, **held) == cut
+    before = {"extra_body": {"structured_outputs": {"regex": r'<tool_call>Sure: \{"name": "get_time"\}</tool_call>'}}}
+    whole = answer(client, False, max_tokens=40, **before)
+    assert whole == ('<tool_call>Sure: {"name": "get_time"}</tool_call>', [], "stop")
+    assert answer(client, True, max_tokens=40, **before) == whole

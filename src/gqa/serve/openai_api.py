@@ -403,6 +403,8 @@ def parse_chat(body: object, tokenizer, models: list[str], context: int, pool: i
             raise ApiError(f"the chat template refused the messages: {e}", param="messages") from e
     forced = None if tools is None else tools.structured()
     fields = _common(body, models, Room(context, pool, len(ids), "messages"), None, forced)
+    if forced is not None:  # a forced call is the grammar's JSON to its end: a stop string could only cut it (tools)
+        fields["params"] = dataclasses.replace(fields["params"], stop=())
     return ParsedRequest(ids, **fields, tools=tools)
 
 

@@ -41,7 +41,7 @@ from .openai_api import (
 from .prompt_logprobs import prompt_logprobs
 from .request import EngineError, RequestOutput
 from .tool_stream import ToolCallStream
-from .tools import tool_calls_in
+from .tools import finish_reason, tool_calls_in
 
 __all__ = ["build_app"]
 
@@ -202,11 +202,11 @@ def build_app(
                 logprobs = logprobs_body(entries, tokenizer, chat)
             text = parsed.echo + "".join(out.text for out in got)
             choices.append(completion_body(rid, parsed.model, text, last.finish_reason, {}, chat, created, logprobs))
-            calls = tool_calls(parsed, text, last.finish_reason)
-            if calls is not None:
+            if parsed.tools is not None and parsed.tools.choice != "none":  # what the stream sends (tool_stream)
+                content, calls = tool_calls_in(text, parsed.tools)
                 choice = choices[-1]["choices"][0]
-                choice["message"] = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
-                choice["finish_reason"] = "tool_calls"
+                choice["message"] = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+                choice["finish_reason"] = finish_reason([c["function"]["arguments"] for c in calls], last.finish_reason)
         body = choices[0]
         body["choices"] = [c["choices"][0] | {"index": i} for i, c in enumerate(choices)]
         body["usage"] = usage(firsts[0].prompt_tokens, sum(got[-1].completion_tokens for got in ends))
@@ -244,15 +244,6 @@ def build_app(
             events.append(f"data: {json.dumps(tail, ensure_ascii=False)}\n\n")
         events.append("data: [DONE]\n\n")
         return StreamingResponse(iter(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    def tool_calls(parsed: ParsedRequest, text: str, reason: str | None) -> tuple[str | None, list] | None:
-        """``(content, tool_calls)`` of an answer that calls tools (``tools.tool_calls_in``); ``None`` for one that
-        calls none, or whose forced call was cut by ``max_tokens`` (its text is the answer then)."""
-        t = parsed.tools
-        if t is None or t.choice == "none" or (reason == "length" and t.choice != "auto"):
-            return None
-        content, calls = tool_calls_in(text, t)
-        return (content, calls) if calls else None
 
     async def start(parsed: ParsedRequest, outputs: list) -> list[RequestOutput]:
         """Submit the request's ``n`` answers (into ``outputs``) and wait for their first outputs. The first answer

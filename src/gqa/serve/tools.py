@@ -10,6 +10,25 @@ from the answer into ``tool_calls``.
   and many fine-tunes use — ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` — are taken out of the text;
 - ``"none"``: the tools are rendered, the answer is text.
 A chat template that does not render tools cannot be given any (the model would never see them): 400.
+
+``stop`` strings do not apply to a forced choice (required or named): its answer is the grammar's JSON from the first
+token to the last, and a stop string could only cut it into arguments that are not JSON (OpenAI's ``stop`` ends
+content, which a forced call has none of). They apply to an "auto" answer's whole text: a block they cut is no call.
+
+What an answer comes back as, whole (``tool_calls_in``, ``finish_reason``) and streamed alike (``tool_stream`` sends
+exactly this in pieces, whatever the pieces):
+- calls: a named function's one call, its ``arguments`` the answer's text; "required": each array element whose name
+  is read and whose ``parameters`` have begun, its ``arguments`` their text as written. "auto": each ``<tool_call>``
+  block whose text is one JSON object ``{"name": one of the tools, "arguments": an object (or none)}`` (JSON's
+  whitespace around it, nothing else; the arguments re-serialised); any other block — text before or after the JSON,
+  invalid JSON (``NaN`` included), an unknown name, a block cut before its ``</tool_call>`` — is content, as written;
+- content: ``None`` for a forced choice. "auto": the text outside the calls, as written where there are none; where
+  there are, without the whitespace at its end, nor at its start when a call comes before any text (``None`` if
+  nothing is left);
+- ``finish_reason``: ``"tool_calls"`` when calls were made, the answer ended by itself (the engine's ``"stop"``) and
+  every call's arguments are JSON; otherwise the engine's. So ``"length"`` when ``max_tokens`` cut the answer, calls
+  or not: a forced call cut inside its JSON is still reported (its ``arguments`` the text written so far, as OpenAI
+  returns a call cut by ``max_tokens``), and that ``"length"`` says they are cut.
 """
 
 from __future__ import annotations
@@ -21,12 +40,22 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from .json_scan import JsonObjectScanner
 from .structured import StructuredOutput
 
-__all__ = ["ToolRequest", "assistant_message", "parse_tools", "tool_calls_in"]
+__all__ = [
+    "ToolRequest",
+    "assistant_message",
+    "finish_reason",
+    "hermes_call",
+    "parse_tools",
+    "tool_call",
+    "tool_calls_in",
+]
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+HERMES_BLOCK = re.compile(f"{OPEN}(.*?){CLOSE}", re.DOTALL)
 
 
 class ToolError(ValueError):
@@ -109,35 +138,87 @@ def parse_tools(body: dict[str, Any], chat_template: str | None) -> ToolRequest 
     return ToolRequest(tuple(functions), choice)
 
 
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
+def tool_call(name: str, arguments: str) -> dict[str, Any]:
+    """A call as ``tool_calls`` holds it: a new id, the function's name and its arguments' text."""
+    function = {"name": name, "arguments": arguments}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+
+
+def _json(text: str) -> Any:
+    """``text`` as strict JSON (``NaN`` and ``Infinity`` are not JSON: a client's parser may refuse them); ValueError
+    if it is not."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    try:
+        return json.loads(text, parse_constant=refuse)
+    except RecursionError as e:  # nested deeper than the parser goes: not a call anyone can read
+        raise ValueError("nested too deep") from e
+
+
+def hermes_call(inner: str, names: set[str]) -> tuple[str, str] | None:
+    """A Hermes block's text between ``<tool_call>`` and ``</tool_call>`` as ``(name, arguments)`` if it is a call of
+    one of ``names`` (a JSON object with that ``"name"`` and an object or no ``"arguments"``), else ``None``."""
+    try:
+        call = _json(inner)
+    except ValueError:
+        return None
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str) and call["name"] in names):
+        return None
+    arguments = call.get("arguments", {})
+    return (call["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
+
+
+def started(scanner: JsonObjectScanner, names: set[str]) -> bool:
+    """Whether a "required" element read so far is a call: its name is one of ``names`` and its arguments have begun."""
+    return scanner.name in names and scanner.args_start is not None
 
 
 def tool_calls_in(text: str, request: ToolRequest) -> tuple[str | None, list[dict[str, Any]]]:
-    """The answer ``text`` as ``(content, tool_calls)``: a forced choice's JSON as calls (no content), or the Hermes
-    calls of an "auto" answer taken out of its text (what is left, stripped, is the content; a block that is not a
-    call of a known function stays in the text)."""
+    """The answer ``text`` as ``(content, tool_calls)`` (the module docstring's rules); never raises."""
+    names = {f["name"] for f in request.functions}
     if request.choice == "none":
         return text, []
+    if request.choice not in ("auto", "required"):  # a named function: the answer is its arguments
+        return None, [tool_call(request.choice, text)]
     if request.choice == "required":
-        return None, [_call(c["name"], c["parameters"]) for c in json.loads(text)]
-    if request.choice != "auto":
-        return None, [_call(request.choice, text)]
-    calls, names = [], {f["name"] for f in request.functions}
+        calls, at = [], text.find("{")
+        while at >= 0:
+            element = JsonObjectScanner("parameters")
+            element.feed(text[at:])
+            if started(element, names):
+                calls.append(tool_call(element.name, element.args))
+            if not element.done:
+                break
+            at = text.find("{", at + element.end)
+        return None, calls
+    content, calls, pos, call_first = "", [], 0, False
+    for block in HERMES_BLOCK.finditer(text):
+        call = hermes_call(block.group(1), names)
+        if call is None:  # not a call: the block stays in the content
+            continue
+        content += text[pos : block.start()]
+        call_first = call_first or not (calls or content.strip())
+        calls.append(tool_call(*call))
+        pos = block.end()
+    if not calls:
+        return text, []
+    content += text[pos:]
+    return (content.strip() if call_first else content.rstrip()) or None, calls
 
-    def take(match: re.Match) -> str:
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
-            return match.group(0)
-        if not (isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments", {}), dict)):
-            return match.group(0)
-        calls.append(_call(call["name"], call.get("arguments", {})))
-        return ""
 
-    content = HERMES_CALL.sub(take, text).strip()
-    return (content or None) if calls else text, calls
+def finish_reason(arguments: list[str], reason: str | None) -> str | None:
+    """An answer's ``finish_reason`` given the engine's ``reason`` and its calls' ``arguments``: ``"tool_calls"`` when
+    it made calls, ended by itself and every call's arguments are JSON, else ``reason``."""
+    if not arguments or reason != "stop":
+        return reason
+    try:
+        for a in arguments:
+            _json(a)
+    except ValueError:
+        return reason
+    return "tool_calls"
 
 
 def assistant_message(m: dict[str, Any]) -> dict[str, Any]:
