@@ -23,13 +23,15 @@ def free_port() -> int:
 
 
 class Server:
-    """``gqa serve`` in a child process on a free port; ready once ``/health`` answers."""
+    """``gqa serve`` in a child process on a free port; ready once ``/health`` answers. ``kv_cache_mib``: the pool
+    (``None``: the server's default)."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, kv_cache_mib: str | None = "64") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        pool = [] if kv_cache_mib is None else ["--kv-cache-mib", kv_cache_mib]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gqa", "serve", "--port", str(self.port), "--kv-cache-mib", "64", *flags],
+            [sys.executable, "-m", "gqa", "serve", "--port", str(self.port), *pool, *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"},
         )  # fmt: skip
         deadline = time.monotonic() + 120

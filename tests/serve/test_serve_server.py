@@ -4,6 +4,7 @@ official ``openai`` client and with raw HTTP for what a client library would not
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import socket
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(not kernels.vectorized(), reason="native SIMD ke
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server("--max-running", "8")
+    s = Server("--max-running", "8", kv_cache_mib=None)  # the default pool
     yield s
     assert s.stop() == 0
 
@@ -127,7 +128,6 @@ def test_models_health_and_metrics(server, client):
         ("completions", {"model": MODEL, "prompt": "hi", "temperature": 7}, 400, "temperature", r"in [0, 2]"),
         ("completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n", "in [1, 16]"),
         ("completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n", "in [1, 16]"),
-        ("completions", {"prompt": "hi"}, 400, "model", "'model' is required"),
         ("completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model", "does not exist"),
         ("completions", {"model": MODEL, "prompt": [1, "a"]}, 400, "prompt", "token ids"),
         ("completions", {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt", "token ids must be in"),
@@ -184,6 +184,21 @@ def test_models_health_and_metrics(server, client):
         ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
          "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400, "tools",
          "does not render tools"),
+        # once 500s: a key that passes str.isdigit but not int, one int() refuses for its length, a body nested past
+        # the decoder's recursion, an integer literal past int()'s digits, Python's non-JSON NaN, a tool call that is
+        # no object, token ids too large to decode, a name with a lone surrogate (its error could not be encoded)
+        ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"²": 1}}, 400, "logit_bias", "token ids"),
+        ("completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias",
+         "token ids"),
+        ("completions", b'{"model": "x", "prompt": "hi", "n": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None,
+         "nested too deeply"),
+        ("completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400, None, "not valid JSON"),
+        ("completions", b'{"prompt": "hi", "temperature": NaN}', 400, None, "NaN is not a JSON value"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [{"function": "f"}]},
+         {"role": "user", "content": "hi"}]}, 400, "messages", "tool_calls must be an array of objects"),
+        ("completions", {"model": MODEL, "prompt": [1, 10**30], "echo": True, "logprobs": 1, "max_tokens": 0}, 400,
+         "prompt", "token ids"),
+        ("completions", {"model": "a\ud800", "prompt": "hi"}, 404, "model", "does not exist"),
     ],
 )  # fmt: skip
 def test_bad_requests_get_openai_errors_before_any_work(server, path, body, status, param, message):
@@ -262,6 +277,115 @@ def test_logprobs_through_the_openai_client_are_the_models_log_softmax(client):
                                         seed=3, logprobs=0)  # fmt: skip
     assert all(p <= 0 for p in sampled.choices[0].logprobs.token_logprobs)
     assert sampled.choices[0].logprobs.top_logprobs == [{}] * 4
+
+
+def exchange(server: Server, path: str, body: dict) -> tuple[int, bytes]:
+    """POST ``body`` to ``/v1/<path>``: the status and the raw body (parsed by the test, strictly)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    try:
+        conn.request("POST", f"/v1/{path}", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def strict_json(raw: bytes) -> object:
+    """JSON as RFC 8259 has it: Python's decoder would take ``NaN`` and ``-Infinity``, clients' parsers do not."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(raw, parse_constant=refuse)
+
+
+def test_logprobs_under_a_grammar_list_only_what_it_allows_in_strict_json(server):
+    """Structured output with 20 alternatives asked where the grammar allows fewer (once: -inf for the masked ones, a
+    plain-text 500 whole and ``-Infinity`` streamed): every response and chunk is strict JSON, every logprob finite,
+    the chosen token's logprob is its own entry among the alternatives (the distribution it was sampled from), and
+    the alternatives listed — all the grammar allows — sum to probability 1."""
+    pytest.importorskip("xgrammar")
+    grammar = {"structured_outputs": {"choice": ["red", "green"]}, "temperature": 1.0, "seed": 7}
+    asks = {"chat/completions": {"messages": [{"role": "user", "content": "Pick a colour."}], "logprobs": True,
+                                 "top_logprobs": 20},
+            "completions": {"prompt": "My favourite colour is", "logprobs": 20}}  # fmt: skip
+    for path, ask in asks.items():
+        for stream in (False, True):
+            status, raw = exchange(server, path, {"model": MODEL, "stream": stream, **ask, **grammar})
+            assert status == 200, raw[:300]
+            events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: {")] if stream else [raw]
+            steps, text = [], ""
+            for body in map(strict_json, events):
+                choice = body["choices"][0] if body["choices"] else {}
+                said = choice.get("message") or choice.get("delta") or choice
+                text += said.get("content") or said.get("text") or ""
+                lp = choice.get("logprobs")
+                if lp is not None and path == "chat/completions":
+                    steps += [(bytes(t["bytes"]), t["logprob"], {bytes(a["bytes"]): a["logprob"] for a in
+                                                                t["top_logprobs"]}) for t in lp["content"]]  # fmt: skip
+                elif lp is not None:
+                    steps += list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True))
+            assert text in ("red", "green") and steps, (path, stream, text)
+            for token, logprob, alternatives in steps:
+                assert math.isfinite(logprob) and all(math.isfinite(v) for v in alternatives.values())
+                assert alternatives[token] == logprob and len(alternatives) < 20
+                assert abs(sum(math.exp(v) for v in alternatives.values()) - 1) < 1e-3, alternatives
+
+
+def test_logprob_bytes_join_to_the_content_where_tokens_split_characters(client, server):
+    """Chat ``bytes`` (once U+FFFD's for each piece of a multi-byte character): joined over the answer's tokens they
+    are its UTF-8, whole and streamed, on text whose emoji and kanji the tokens split; such a piece's ``token`` is
+    OpenAI's ``bytes:\\xNN`` spelling of them."""
+    pytest.importorskip("xgrammar")
+    text = "日本語 😀🎉"
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": f"Say {text}"}], max_tokens=24, temperature=0,
+              logprobs=True, top_logprobs=2, extra_body={"structured_outputs": {"choice": [text]}})  # fmt: skip
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == text
+    assert b"".join(bytes(t.bytes) for t in content) == text.encode("utf-8")
+    split = [t for t in content if "\ufffd" in bytes(t.bytes).decode("utf-8", errors="replace")]
+    assert split and all(t.token == spelled(t.bytes) for t in content for t in [t, *t.top_logprobs])
+    chunks = client.chat.completions.create(**kw, stream=True)
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.bytes, t.logprob) for t in streamed] == [(t.token, t.bytes, t.logprob) for t in content]
+
+
+def spelled(raw: list[int]) -> str:
+    """A token's text as OpenAI writes it from its bytes: the text, or ``bytes:\\xe6\\x97`` for a piece of a
+    character."""
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def test_a_request_without_model_is_served_by_the_only_model(server):
+    """As llama-server and ollama take it; a name that is not the served model stays a 404."""
+    code, answer, _ = post(f"{server.url}/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+    assert code == 200 and answer["model"] == MODEL and answer["usage"]["completion_tokens"] >= 1
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    code, answer, _ = post(f"{server.url}/v1/chat/completions", body)
+    assert code == 200 and answer["model"] == MODEL
+    code, answer, _ = post(f"{server.url}/v1/chat/completions", body | {"model": "gpt-4"})
+    assert code == 404 and answer["error"]["code"] == "model_not_found"
+
+
+def test_the_default_kv_pool_is_sized_from_the_model_and_said_at_start(server):
+    """Without ``--kv-cache-mib`` the embedded model's pool is one full context (its K/V outweigh its quantized
+    weights), no longer a quarter of the free memory (3.2 GiB once: seconds to zero at start, resident after): the
+    start line says its tokens, GiB and why, and the server stays well under 1 GiB resident."""
+    lines: list[str] = []
+    while len(lines) < 4 and not any("KV cache" in line for line in lines):  # the banner comes before uvicorn's lines
+        lines.append(server.proc.stdout.readline())
+    found = re.search(r"KV cache (\d+) tokens = ([\d.]+) GiB \((\d+) blocks of 16, 1\.0 8192-token contexts; "
+                      r"default: one full context, which outweighs the weights\)", lines[-1])  # fmt: skip
+    assert found, lines
+    assert int(found[1]) == 8192 == 16 * int(found[3])
+    assert found[2] in ("0.18", "0.35")  # 30 layers x 3 KV heads x 64 x 2 (K, V) x 8192 tokens in bf16 or fp32
+    assert _rss_mib(server.proc.pid) < 1024
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, hf_smollm2):

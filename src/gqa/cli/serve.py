@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one, printed at start)")
     parser.add_argument(
         "--kv-cache-mib", type=float, default=None, metavar="N",
-        help="KV cache pool size in MiB (default: a quarter of the available memory, on CUDA half the free device "
-        "memory, at most what --max-running full contexts need); fewer KV heads fit more sequences in it",
+        help="KV cache pool size in MiB (default: --max-running full contexts, but on CPU at most the weights' size "
+        "or one full context if that is more, and at most a quarter of the available memory, on CUDA half the free "
+        "device memory; printed at start); fewer KV heads fit more sequences in it",
     )  # fmt: skip
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="token slots per KV cache block")
     parser.add_argument("--max-running", type=int, default=64, metavar="N", help="requests decoded together at most")
@@ -147,14 +148,14 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         raise ValueError(f"this model cannot be served: {e}") from e
     name = ns.served_model_name or (EMBEDDED_NAME if ns.model is None else Path(ns.model).name)
     cfg, blocks = model.config, engine.blocks
+    slots = blocks.num_blocks * blocks.block_size
     print(
         f"gqa serve: {name} ({model_label(ns.model) if ns.model else EMBEDDED_MODEL}), {cfg.num_heads} query / "
-        f"{cfg.num_kv_heads} KV heads; KV cache {engine.cache.nbytes / 2**20:.0f} MiB = {blocks.num_blocks} blocks "
-        f"of {blocks.block_size} tokens, {blocks.num_blocks * blocks.block_size // cfg.max_position_embeddings} full "
-        f"{cfg.max_position_embeddings}-token contexts",
+        f"{cfg.num_kv_heads} KV heads; KV cache {slots} tokens = {engine.cache.nbytes / 2**30:.2f} GiB "
+        f"({blocks.num_blocks} blocks of {blocks.block_size}, {slots / cfg.max_position_embeddings:.1f} "
+        f"{cfg.max_position_embeddings}-token contexts; {engine.runner.pool_size.reason})",
         file=sys.stderr,
     )
-    slots = blocks.num_blocks * blocks.block_size
     if slots < cfg.max_position_embeddings:  # say it once, at start, not as a refusal per request
         full = full_context_bytes(model) / 2**20
         print(f"gqa serve: note: the KV cache holds {slots} tokens, fewer than the model's context of "

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from .gguf_reader import GGUFFile
+    from .token_bytes import TokenBytes
 
 
 class Tokenizer:
@@ -44,6 +45,7 @@ class Tokenizer:
         self.chat_template = chat_template or None
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._hf: PreTrainedTokenizerBase | None = None
+        self._token_bytes: TokenBytes | None = None
 
     @classmethod
     def from_hf(cls, hf: PreTrainedTokenizerBase) -> Tokenizer:
@@ -92,6 +94,15 @@ class Tokenizer:
         if self._hf is not None:
             return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes ``token`` stands for, read from the vocabulary (``token_bytes.TokenBytes``): a piece of a
+        multi-byte character is its bytes, not U+FFFD; joined in order, tokens' bytes are their text's UTF-8."""
+        if self._token_bytes is None:
+            from .token_bytes import TokenBytes
+
+            self._token_bytes = TokenBytes(self.backend, self.decode)
+        return self._token_bytes(token)
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None

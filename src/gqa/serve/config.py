@@ -12,11 +12,12 @@ MAX_DRAFT = 16  # the most draft tokens a request verifies in one step
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """``kv_cache_mib``: the KV pool's size (``None``: a quarter of the available memory, at most what
-    ``max_running`` full contexts need); ``block_size``: token slots per block; ``max_running``: requests decoded
-    together at most; ``prefill_chunk``: prompt tokens per step while others decode (four times as many while none
-    does); ``speculate``: draft tokens per step at most for greedy requests, looked up in their own tokens
-    (speculation.py; 0: off)."""
+    """``kv_cache_mib``: the KV pool's size (``None``: from the model, ``pool_size.default_pool_size``: what
+    ``max_running`` full contexts need, on CPU at most the weights' size or one full context if that is more, at most
+    a quarter of the available memory, half the free device memory on CUDA); ``block_size``: token slots per block;
+    ``max_running``: requests decoded together at most; ``prefill_chunk``: prompt tokens per step while others decode
+    (four times as many while none does); ``speculate``: draft tokens per step at most for greedy requests, looked up
+    in their own tokens (speculation.py; 0: off)."""
 
     kv_cache_mib: float | None = None
     block_size: int = 16

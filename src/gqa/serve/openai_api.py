@@ -4,6 +4,7 @@ built. No HTTP here (``server`` does that)."""
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import math
@@ -16,7 +17,7 @@ from .sampling import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from .structured import StructuredOutput
 from .tools import ToolError, ToolRequest, assistant_message, parse_tools
 
-__all__ = ["ApiError", "ParsedRequest", "error_body", "parse_chat", "parse_completion"]
+__all__ = ["ApiError", "ParsedRequest", "error_body", "logprobs_body", "parse_chat", "parse_completion", "to_json"]
 
 
 class ApiError(Exception):
@@ -41,8 +42,21 @@ def error_body(e: ApiError) -> dict[str, Any]:
     return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
 
 
+def to_json(body: object) -> str:
+    """``body`` as JSON text, what every response and stream event is sent as: ``ValueError`` for a NaN or an
+    infinity (JSON has none: Python would write ``NaN``/``-Infinity``, which clients' parsers refuse); a lone
+    surrogate (a client's text echoed in an error, which UTF-8 cannot carry) is escaped."""
+    text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(body, allow_nan=False, separators=(",", ":"))
+    return text
+
+
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy decoding (as vLLM)
 MAX_CHOICES = 16  # the most answers (``n``) one request asks for
+MAX_ID_DIGITS = 18  # a token id written out (``logit_bias``' keys): any larger is no vocabulary's
 # OpenAI / vLLM request fields gqa does not implement yet, with the values that mean "off": a request that sets one to
 # anything else is refused with a 400 naming it, never served as if it had not asked
 NOT_IMPLEMENTED: dict[str, tuple] = {
@@ -130,7 +144,8 @@ def _logit_bias(bias: dict) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``logit_bias`` (token id as a string -> a number in [-100, 100]) as ``(id, bias)`` pairs."""
     pairs = []
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit()) or not JSON_TYPES["a number"](value) or abs(value) > 100:
+        id_ = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= MAX_ID_DIGITS  # not "²"
+        if not id_ or not JSON_TYPES["a number"](value) or abs(value) > 100:
             raise ApiError(f"'logit_bias' must map token ids to numbers in [-100, 100], got {key!r}: {value!r}",
                            param="logit_bias")  # fmt: skip
         pairs.append((int(key), float(value)))
@@ -156,30 +171,53 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 def logprobs_body(entries: list, tokenizer, chat: bool, offset: int = 0) -> dict:
     """A choice's (or a stream chunk's) ``logprobs`` for ``entries`` (``TokenLogprob``: id, logprob, alternatives):
-    chat's ``content`` list, or the completions' arrays, ``text_offset`` counting from ``offset`` (an echoed prompt's
-    first token has no logprob and no alternatives: ``null`` in both, as OpenAI sends it). A token's text is what it
-    decodes to alone (a piece of a multi-byte character decodes to U+FFFD)."""
-
-    def text(token: int) -> str:
-        return tokenizer.decode([token])
-
+    chat's ``content`` list, or the completions' arrays, ``text_offset`` counting characters from ``offset`` (an
+    echoed prompt's first token has no logprob and no alternatives: ``null`` in both, as OpenAI sends it). A token's
+    ``bytes`` are its own (``Tokenizer.token_bytes``): joined, they are the text's UTF-8; its text is those bytes, or
+    for a piece of a multi-byte character OpenAI's ``bytes:\\xNN`` naming them (``token_text``), and its offset is
+    where the character it belongs to starts."""
+    raw = tokenizer.token_bytes
     if chat:
 
         def item(token: int, logprob: float) -> dict:
-            s = text(token)
-            return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+            b = raw(token)
+            return {"token": token_text(b), "logprob": logprob, "bytes": list(b)}
 
         content = [item(t, lp) | {"top_logprobs": [item(a, alp) for a, alp in top]} for t, lp, top in entries]
         return {"content": content, "refusal": None}
-    tokens = [text(t) for t, _, _ in entries]
-    offsets = [offset + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
-    top = [None if alts is None else {text(a): alp for a, alp in alts} for _, _, alts in entries]
+    pieces = [raw(t) for t, _, _ in entries]
+    top = [None if alts is None else {token_text(raw(a)): alp for a, alp in alts} for _, _, alts in entries]
     return {
-        "tokens": tokens,
+        "tokens": [token_text(b) for b in pieces],
         "token_logprobs": [lp for _, lp, _ in entries],
         "top_logprobs": top,
-        "text_offset": offsets,
+        "text_offset": char_offsets(pieces, offset),
     }
+
+
+def token_text(raw: bytes) -> str:
+    """A token's text in the logprobs: its bytes as UTF-8, or where they are not whole characters, OpenAI's
+    ``bytes:\\xe2\\x80`` (the bytes written out; U+FFFD would hide which they are)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def spelled_length(entries: list, tokenizer) -> int:
+    """The characters ``entries``' tokens spell: where a stream's next ``text_offset`` goes on from."""
+    return len(b"".join(tokenizer.token_bytes(t) for t, _, _ in entries).decode("utf-8", errors="replace"))
+
+
+def char_offsets(pieces: list[bytes], start: int = 0) -> list[int]:
+    """Where each of the byte strings ``pieces`` starts in the text they spell together, in characters from
+    ``start``: a piece that continues a character starts where that character does."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, at = [], start
+    for piece in pieces:
+        offsets.append(at)
+        at += len(decoder.decode(piece))
+    return offsets
 
 
 def _structured(body: dict) -> tuple[StructuredOutput | None, str | None]:
@@ -235,7 +273,11 @@ def _common(
     ``served``: fields of ``NOT_IMPLEMENTED`` the endpoint serves itself."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
-    model = _get(body, "model", "a string", required=True)
+    model = _get(body, "model", "a string", None)
+    if model is None:  # the served model, when there is only one (as llama-server and ollama take it)
+        if len(models) != 1:
+            raise ApiError(f"'model' is required: this server has {models}", param="model")
+        model = models[0]
     if model not in models:
         raise ApiError(f"the model '{model}' does not exist; this server has {models}", 404, "model",
                        code="model_not_found")  # fmt: skip
@@ -342,7 +384,10 @@ def parse_completion(
     ranking = _best_of(body, fields)
     if not echo:
         return ParsedRequest(ids, **fields, **ranking)
-    text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+    try:
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+    except (OverflowError, ValueError, TypeError) as e:  # an id no tokenizer has (the engine's check comes later)
+        raise ApiError(f"'prompt' has token ids the tokenizer cannot decode: {e}", param="prompt") from e
     asked = None if ranking.get("hide_logprobs") else fields["params"].logprobs
     return ParsedRequest(ids, **fields, echo=text, prompt_logprobs=asked, score_only=score_only, **ranking)
 
@@ -379,8 +424,11 @@ def parse_chat(body: object, tokenizer, models: list[str], context: int, pool: i
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ApiError(f"messages[{i}] must be an object with a 'role'", param="messages")
             if m["role"] == "assistant" and m.get("tool_calls"):
-                if not isinstance(m["tool_calls"], list):
-                    raise ApiError(f"messages[{i}].tool_calls must be an array", param="messages")
+                calls = m["tool_calls"]
+                objects = isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+                if not (objects and all(isinstance(c.get("function") or {}, dict) for c in calls)):
+                    raise ApiError(f"messages[{i}].tool_calls must be an array of objects with a 'function' object",
+                                   param="messages")  # fmt: skip
                 plain.append(assistant_message(m))
                 continue
             content = m.get("content")

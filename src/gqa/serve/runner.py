@@ -10,6 +10,7 @@ came from the prefix cache.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -20,9 +21,10 @@ from ..decoding import native_step
 from ..kernels import ops
 from .config import EngineConfig
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
+from .pool_size import CPU_MEMORY_SHARE, PoolSize, default_pool_size
 from .request import EngineError, Request
 
-__all__ = ["ModelRunner", "batch_rows", "default_kv_cache_mib", "full_context_bytes"]
+__all__ = ["ModelRunner", "available_memory", "batch_rows", "default_kv_cache_mib", "full_context_bytes", "pool_size"]
 
 
 class ModelRunner:
@@ -32,9 +34,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         self.check_model(model)
         self.model, cfg = model, model.config
-        mib = (
-            config.kv_cache_mib if config.kv_cache_mib is not None else default_kv_cache_mib(model, config.max_running)
-        )
+        self.pool_size = pool_size(model, config, available_memory(), CPU_MEMORY_SHARE)
+        mib = self.pool_size.nbytes / 2**20
         num_blocks = blocks_in_budget(mib, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
                                       model.dtype)  # fmt: skip
         if num_blocks < 1:
@@ -101,14 +102,30 @@ def full_context_bytes(model: torch.nn.Module) -> int:
     return elements * model.dtype.itemsize
 
 
-def default_kv_cache_mib(model: torch.nn.Module, max_running: int) -> float:
-    """A quarter of the memory available now, at most what ``max_running`` full contexts need."""
-    full = full_context_bytes(model)
+def pool_size(
+    model: torch.nn.Module, config: EngineConfig, memory: int, share: float, by_weights: bool = True
+) -> PoolSize:
+    """The KV pool ``config`` asks for (``kv_cache_mib``), or the default for ``model`` (``default_pool_size``:
+    ``config.max_running`` full contexts, at most the weights' bytes or one full context where ``by_weights``, at
+    most ``share`` of ``memory``)."""
+    if config.kv_cache_mib is not None:
+        return PoolSize(int(config.kv_cache_mib * 2**20), f"--kv-cache-mib {config.kv_cache_mib:g}")
+    context = model.config.max_position_embeddings
+    weights = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers())) if by_weights else None
+    return default_pool_size(full_context_bytes(model) // context, context, config.max_running, weights, memory, share)
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (4 GiB where the system does not say)."""
     try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        available = 4 * 2**30
-    return max(1.0, min(available / 4, full * max_running) / 2**20)
+        return 4 * 2**30
+
+
+def default_kv_cache_mib(model: torch.nn.Module, max_running: int) -> float:
+    """The default KV pool's size in MiB for ``model`` on CPU (``pool_size``)."""
+    return pool_size(model, EngineConfig(max_running=max_running), available_memory(), CPU_MEMORY_SHARE).nbytes / 2**20
 
 
 def serving_window(model: torch.nn.Module) -> int | None:

@@ -3,6 +3,7 @@ request's next uniform number, so a row gets the token it would get alone."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 
 import torch
@@ -10,7 +11,9 @@ import torch
 from ..decoding.sampling import sample_next
 from .request import Request, TokenLogprob
 
-__all__ = ["adjusted", "sample_rows", "token_logprob"]
+__all__ = ["LOGPROB_FLOOR", "adjusted", "sample_rows", "token_logprob"]
+
+LOGPROB_FLOOR = -9999.0  # OpenAI's logprob for "very unlikely": JSON has no -inf (vLLM clamps to it too)
 
 
 def adjusted(r: Request, logits: torch.Tensor, eos: Collection[int] = ()) -> torch.Tensor:
@@ -44,14 +47,18 @@ def adjusted(r: Request, logits: torch.Tensor, eos: Collection[int] = ()) -> tor
 def token_logprob(r: Request, logits: torch.Tensor, token: int) -> TokenLogprob:
     """``token``'s log-probability under the distribution ``r`` chose it from (``SamplingParams.logprobs``) and the
     ``r.params.logprobs`` most likely tokens', from its ``logits (vocab,)`` row (``adjusted`` where the request
-    adjusts them) alone: batch-invariant."""
+    adjusts them) alone: batch-invariant. Tokens the distribution excludes (a grammar's mask: -inf) are not
+    alternatives, so fewer may be listed; a logprob is never below ``LOGPROB_FLOOR``."""
     p, x = r.params, logits.float()
     if not p.greedy:
         x = x / p.temperature
     lp = torch.log_softmax(x, dim=-1)
-    top = lp.topk(p.logprobs) if p.logprobs else None
-    alternatives = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-    return token, float(lp[token]), alternatives
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if p.logprobs:
+        top = lp.topk(p.logprobs)
+        pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        alternatives = tuple((t, v) for t, v in pairs if v != -math.inf)
+    return token, max(float(lp[token]), LOGPROB_FLOOR), alternatives
 
 
 def sample_rows(rows: list[tuple[Request, torch.Tensor]]) -> list[int | Exception]:

@@ -30,7 +30,7 @@ class SamplingParams:
 
     ``logprobs``: report each new token's log-probability and the ``logprobs`` most likely tokens' (0-20; ``None``:
     none) — the log-softmax of the logits the token was chosen from: after the penalties and bias, divided by the
-    temperature when sampling (before top-k/top-p cut the distribution).
+    temperature when sampling (before top-k/top-p cut the distribution); tokens a grammar excludes are not listed.
 
     ``min_tokens``: the end-of-sequence and ``stop_token_ids`` tokens are not chosen before this many new tokens
     (vLLM's); ``stop_token_ids``: more tokens that end the output (kept in the token ids, not in the text; also with

@@ -23,7 +23,8 @@ from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse as StarletteJSONResponse
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .async_engine import AsyncEngine, EngineStopped, QueueFull
@@ -36,6 +37,8 @@ from .openai_api import (
     new_id,
     parse_chat,
     parse_completion,
+    spelled_length,
+    to_json,
     usage,
 )
 from .prompt_logprobs import prompt_logprobs
@@ -47,6 +50,35 @@ __all__ = ["build_app"]
 
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this gets 413 (--max-body-mib)
+
+
+class JSONResponse(StarletteJSONResponse):
+    """A JSON response written by ``to_json``: ``ValueError`` (when made) for a body holding NaN or an infinity."""
+
+    def render(self, content: object) -> bytes:
+        return to_json(content).encode("utf-8")
+
+
+def whole(body: dict) -> JSONResponse:
+    """A whole answer's response; one holding a number JSON cannot carry is a 500 in OpenAI's shape (never invalid
+    JSON, never a plain-text 500)."""
+    try:
+        return JSONResponse(body)
+    except ValueError as e:
+        return JSONResponse(error_body(ApiError(f"the response cannot be written as JSON: {e}", 500)), 500)
+
+
+def not_json(constant: str) -> float:
+    """Python's JSON decoder reads ``NaN``, ``Infinity`` and ``-Infinity``; JSON has no such values."""
+    raise ValueError(f"{constant} is not a JSON value")
+
+
+def event(body: dict) -> str:
+    """``body`` as a server-sent event; one holding a number JSON cannot carry is an error event instead."""
+    try:
+        return f"data: {to_json(body)}\n\n"
+    except ValueError as e:
+        return f"data: {to_json(error_body(ApiError(f'the response cannot be written as JSON: {e}', 500)))}\n\n"
 
 
 def build_app(
@@ -84,8 +116,10 @@ def build_app(
                 raise ApiError(f"the request body exceeds the limit of {max_body_bytes} bytes", 413)
             chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return json.loads(b"".join(chunks), parse_constant=not_json)
+        except RecursionError:
+            raise ApiError("the request body is nested too deeply") from None
+        except ValueError as e:  # the decoder's errors, bad UTF-8, an integer of over 4,300 digits, NaN
             raise ApiError(f"the request body is not valid JSON: {e}") from e
 
     async def health(request: Request) -> Response:
@@ -210,7 +244,7 @@ def build_app(
         body = choices[0]
         body["choices"] = [c["choices"][0] | {"index": i} for i, c in enumerate(choices)]
         body["usage"] = usage(firsts[0].prompt_tokens, sum(got[-1].completion_tokens for got in ends))
-        return JSONResponse(body)
+        return whole(body)
 
     def best(ends: list[list[RequestOutput]], n: int) -> list[list[RequestOutput]]:
         """The ``n`` answers with the highest mean logprob of their tokens (``best_of``), best first; ties by order."""
@@ -237,11 +271,11 @@ def build_app(
         body["choices"] = [body["choices"][0] | {"index": i} for i in range(parsed.best_of or parsed.n)]
         if not parsed.stream:
             body["usage"] = usage(len(parsed.prompt_ids), 0)
-            return JSONResponse(body)
-        events = [f"data: {json.dumps(body, ensure_ascii=False)}\n\n"]
+            return whole(body)
+        events = [event(body)]
         if parsed.include_usage:
             tail = body | {"choices": [], "usage": usage(len(parsed.prompt_ids), 0)}
-            events.append(f"data: {json.dumps(tail, ensure_ascii=False)}\n\n")
+            events.append(event(tail))
         events.append("data: [DONE]\n\n")
         return StreamingResponse(iter(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -302,9 +336,6 @@ def build_app(
         rid: str, parsed: ParsedRequest, firsts: list[RequestOutput], outputs: list, chat: bool, created: int,
         prompt_entries: list | None = None,
     ) -> AsyncIterator[str]:  # fmt: skip
-        def event(body: dict) -> str:
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
         def chunk(i: int, text: str, reason: str | None, logprobs: dict | None = None) -> dict:
             body = completion_body(rid, parsed.model, text, reason, None, chat, created, logprobs)
             body["choices"][0]["index"] = i
@@ -328,7 +359,7 @@ def build_app(
                     logprobs = None
                     if prompt_entries is not None:  # the prompt's own logprobs go with its text
                         logprobs = logprobs_body(prompt_entries, tokenizer, False)
-                        offset[i] = sum(len(t) for t in logprobs["tokens"])
+                        offset[i] = spelled_length(prompt_entries, tokenizer)
                     yield event(chunk(i, parsed.echo, None, logprobs))
             async for i, out in answers:
                 if isinstance(out, Exception):  # the engine stopped mid-stream: an error event, then the stream's end
@@ -355,7 +386,7 @@ def build_app(
                     logprobs = None
                     if parsed.params.logprobs is not None:
                         logprobs = logprobs_body(pending[i], tokenizer, chat, offset[i])
-                        offset[i] += sum(len(s) for s in logprobs["tokens"]) if not chat else 0
+                        offset[i] += spelled_length(pending[i], tokenizer) if not chat else 0
                     pending[i] = []
                     yield event(chunk(i, out.text, out.finish_reason, logprobs))
                 if out.finished:

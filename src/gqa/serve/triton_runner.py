@@ -12,6 +12,8 @@ on a GPU is measured (``benchmarks/gpu_check.py``), not assumed. Runs on CPU ten
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..attention.rope import RoPE
@@ -20,8 +22,9 @@ from ..kernels.triton.paged import paged_attention
 from ..kernels.triton.split_kv import DTYPES, interpreted, triton_available
 from .config import EngineConfig
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
+from .pool_size import DEVICE_MEMORY_SHARE, PoolSize
 from .request import EngineError, Request
-from .runner import batch_rows, full_context_bytes, serving_window
+from .runner import batch_rows, pool_size, serving_window
 
 __all__ = ["TritonModelRunner", "default_device_kv_cache_mib"]
 
@@ -34,7 +37,8 @@ class TritonModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         self.check_model(model)
         self.model, cfg = model, model.config
-        mib = config.kv_cache_mib if config.kv_cache_mib is not None else default_device_kv_cache_mib(model, config)
+        self.pool_size = device_pool_size(model, config)
+        mib = self.pool_size.nbytes / 2**20
         num_blocks = blocks_in_budget(mib, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
                                       model.dtype)  # fmt: skip
         if num_blocks < 1:
@@ -93,7 +97,13 @@ class TritonModelRunner:
 
 
 def default_device_kv_cache_mib(model: torch.nn.Module, config: EngineConfig) -> float:
-    """Half the device memory free now, at most what ``max_running`` full contexts need."""
-    full = full_context_bytes(model)
+    """The default KV pool's size in MiB for ``model`` on its device (``runner.pool_size``: at most half the device
+    memory free now)."""
+    return device_pool_size(model, replace(config, kv_cache_mib=None)).nbytes / 2**20
+
+
+def device_pool_size(model: torch.nn.Module, config: EngineConfig) -> PoolSize:
+    """``runner.pool_size`` with the device memory free now (2 GiB under Triton's CPU interpreter), not bounded by
+    the weights: the device's memory serves nothing else."""
     free = torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else 2 * 2**30
-    return max(1.0, min(free / 2, full * config.max_running) / 2**20)
+    return pool_size(model, config, free, DEVICE_MEMORY_SHARE, by_weights=False)
