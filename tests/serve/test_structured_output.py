@@ -4,6 +4,7 @@ once unless the mask holds it), in a batch and alone."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 
@@ -135,3 +136,73 @@ def test_the_kernels_greedy_token_when_allowed_is_the_masked_argmax(llm, monkeyp
     assert 0 < sum(kept) < len(kept), (sum(kept), len(kept))  # both paths were taken
     monkeypatch.setattr(Engine, "_grammar_keeps_greedy", staticmethod(lambda r, token: False))
     assert [c.token_ids for c in llm.generate(prompts, params, chat=True)] == fast
+
+
+def test_the_grammar_cache_is_bounded_and_a_grammar_it_dropped_compiles_again(llm):
+    """400 distinct small schemas once grew the server by 94 MiB, never given back (xgrammar's own cache has no
+    bound): 100 more schemas past the cache's bounds now leave resident memory level. A grammar the cache dropped is
+    found while a request holds it, and compiled again (holding answers as before) once none does."""
+    from pathlib import Path
+
+    from gqa.serve.structured import Grammars
+
+    statm = Path("/proc/self/statm")
+    if not statm.exists():
+        pytest.skip("reads resident memory from /proc")
+
+    def resident() -> int:
+        gc.collect()
+        return int(statm.read_text().split()[1]) * 4096
+
+    def schema(i: int) -> StructuredOutput:
+        return StructuredOutput("json_schema", {"type": "object", "properties": {f"k{i}": {"type": "integer"},
+                                "name": {"type": "string", "maxLength": 10}}, "required": [f"k{i}"]})  # fmt: skip
+
+    V, stops = llm.engine.config.vocab_size, llm.engine.grammars.stop_token_ids
+    grammars = Grammars(llm.tokenizer, V, stops)  # the engine's bounds
+    for i in range(100):  # past the bounds: the cache is full
+        grammars.compile(schema(i))
+    before = resident()
+    for i in range(100, 200):
+        grammars.compile(schema(i))
+    grown = resident() - before
+    assert grown < 8 * 2**20, f"{grown / 2**20:.1f} MiB"  # 21 MiB per 100 schemas without a bound, 1 MiB here
+    count, size = grammars.cached
+    assert count <= grammars.cache_grammars and 0 < size <= grammars.cache_bytes
+
+    small = Grammars(llm.tokenizer, V, stops, cache_grammars=2)
+    colours, eos = StructuredOutput("choice", ["red", "green"]), stops[0]
+    others = [StructuredOutput("choice", [f"{i}a", f"{i}b"]) for i in range(4)]
+    held = small.compile(colours)
+    small.compile(others[0])
+    small.compile(others[1])
+    assert small.cached[0] == 2 and small.find(colours) is held  # dropped from the cache, found held here
+    small.compile(others[2])
+    small.compile(others[3])
+    del held
+    gc.collect()
+    assert small.find(colours) is None  # nothing holds it: it is gone
+    for answer, ok in (("green", True), ("blue", False)):
+        state = small.state(colours)  # compiled again
+        assert state.matcher.accept_string(answer) is ok
+        assert not ok or (state.accept(eos) and state.complete)
+    assert small.cached[0] == 2 and small.find(colours) is not None
+
+
+def test_a_forced_tool_calls_parameters_are_held_to_the_same_check(llm):
+    """``tool_choice`` "required" or a named function holds the answer to the tools' parameters: a schema with what
+    xgrammar would not enforce is refused as a ``response_format`` one is, and the error names ``tools``."""
+    from gqa.loaders import load_tokenizer
+    from gqa.serve.openai_api import parse_chat
+
+    tokenizer = load_tokenizer(None)
+    tokenizer.use_chat_template("{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}"
+                                "{% endfor %}")  # fmt: skip
+    parameters = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 3}}}, "required": ["n"]}
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": parameters}}]
+    for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": choice}
+        parsed = parse_chat(body, tokenizer, ["m"], 8192)
+        assert parsed.structured_field == "tools"
+        with pytest.raises(EngineError, match="'not' is not supported"):
+            llm.engine.compile(parsed.params)

@@ -449,7 +449,10 @@ def parse_chat(body: object, tokenizer, models: list[str], context: int, pool: i
             ids = tokenizer.apply_chat(plain, tools=None if tools is None else tools.tools)
         except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
             raise ApiError(f"the chat template refused the messages: {e}", param="messages") from e
-    forced = None if tools is None else tools.structured()
+    try:
+        forced = None if tools is None else tools.structured()
+    except ValueError as e:  # parameters too deep to hold as JSON text
+        raise ApiError(str(e), param="tools") from e
     fields = _common(body, models, Room(context, pool, len(ids), "messages"), None, forced)
     if forced is not None:  # a forced call is the grammar's JSON to its end: a stop string could only cut it (tools)
         fields["params"] = dataclasses.replace(fields["params"], stop=())
