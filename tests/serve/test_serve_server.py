@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
 import socket
@@ -177,6 +178,29 @@ def test_models_health_and_metrics(server, client):
          "response_format", "the json_schema does not compile"),
         ("completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "(a"}}, 400,
          "structured_outputs", "the regex does not compile"),
+        # schemas whose grammar xgrammar would not hold the answer to (tests/serve/test_schema_check.py has more)
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"allOf": [
+             {"type": "integer"}, {"minimum": 5}]}}}}, 400, "response_format", "'allOf' of 2 schemas"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer",
+         "not": {"const": 3}}}}}, 400, "response_format", "'not' is not supported"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+             "$ref": "https://example.com/s.json"}}}}, 400, "response_format", "points outside the schema"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8, "structured_outputs": {"json": {
+         "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "dependentRequired": {
+             "a": ["b"]}}}}, 400, "structured_outputs", "'dependentRequired' is not supported"),
+        # over the bounds of size: refused before compiling (a 70-deep one compiled and was served)
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(
+             '{"type": "array", "items": ' * 70 + "{}" + "}" * 70)}}}, 400, "response_format",
+         "nests deeper than 64 levels"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8, "response_format": {"type": "json_schema",
+         "json_schema": {"name": "x", "schema": {"enum": list(range(12_000))}}}}, 400,
+         "response_format", "more than 10000 JSON values"),
+        ("completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8, "guided_regex": "a" * 200_000}, 400,
+         "guided_regex", "more than the 131072 allowed"),
         ("completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
          "structured_outputs", "exactly one of"),
         ("completions", {"model": MODEL, "prompt": "hi", "guided_choice": [], "response_format": {"type":
@@ -582,6 +606,31 @@ def test_a_non_streaming_client_that_leaves_has_its_request_aborted(server):
             time.sleep(0.05)
     m = wait_idle(server)  # aborted long before its 1,000 tokens
     assert m["gqa_kv_blocks_free"] == free and m["gqa_generation_tokens_total"] - made < 800
+
+
+def test_grammar_compiles_left_by_their_clients_hold_up_no_plain_request(server, client):
+    """Once, six slow schemas whose clients gave up made a plain request wait 56 s: their compiles ran in the thread
+    pool that parses every request, and went on after the clients left. They run on threads of their own now (two at
+    once), and one whose client leaves before it starts never starts: as many slow compiles as that pool has threads,
+    each left by its client, hold up a plain request no more than two compiles' use of the CPU does."""
+    pytest.importorskip("xgrammar")
+    slow = "([a-z]{1,10}){1,10}"  # ~3 s to compile on one core: xgrammar unrolls the nested repetitions
+    left = []
+    for i in range(min(32, (os.cpu_count() or 1) + 4)):  # asyncio.to_thread's pool: os.cpu_count() + 4 threads
+        schema = {"type": "string", "pattern": f"{slow}x{i}"}
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "slow", "schema": schema}}}).encode()  # fmt: skip
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        left.append(s)
+    time.sleep(0.5)  # parsed: two compiling, the others waiting for a thread
+    for s in left:
+        s.close()
+    start = time.monotonic()
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                  timeout=30)  # fmt: skip
+    assert r.choices[0].text and time.monotonic() - start < 3  # 0.6 s here (0.05 s alone); 12 s before
 
 
 def test_a_pool_smaller_than_the_context_is_said_at_start_and_chat_defaults_fit_it():

@@ -7,7 +7,8 @@
 * ``scheduler`` — who runs in a step: admission, prompt chunks, finishing, preemption (no tensors);
 * ``runner`` — the KV pool and one native paged decode call per step;
 * ``sampler``, ``sampling``, ``detokenizer`` — tokens for the sampled rows, per-request settings, incremental text;
-* ``structured`` — structured output: grammars (xgrammar) that mask a row's logits;
+* ``structured`` — structured output: grammars (xgrammar) that mask a row's logits; ``schema_check``, the JSON
+  schemas it takes; ``grammar_compiles``, the server's compiles on threads of their own, bounded in time;
 * ``speculation`` — prompt-lookup drafts, verified as extra rows of the same call;
 * ``engine`` — ``step = schedule -> run -> sample -> update``;
 * ``offline`` — ``LLM(...).generate(prompts)``, the engine without a server;

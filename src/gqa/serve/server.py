@@ -28,6 +28,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .async_engine import AsyncEngine, EngineStopped, QueueFull
+from .grammar_compiles import CompileBusy, GrammarCompiles
 from .openai_api import (
     ApiError,
     ParsedRequest,
@@ -81,6 +82,10 @@ def event(body: dict) -> str:
         return f"data: {to_json(error_body(ApiError(f'the response cannot be written as JSON: {e}', 500)))}\n\n"
 
 
+class ClientLeft(Exception):
+    """The client disconnected before its response began."""
+
+
 def build_app(
     engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
 ) -> Starlette:
@@ -89,6 +94,8 @@ def build_app(
     blocks = engine.engine.blocks
     pool = blocks.num_blocks * blocks.block_size  # token slots of the KV cache: what one request can fill at most
     started = int(time.time())
+    grammars = engine.engine.grammars
+    compiles = None if grammars is None else GrammarCompiles(grammars)  # structured output's, off the parsing threads
 
     def fail(e: ApiError) -> JSONResponse:
         headers = {"Retry-After": "1"} if e.status in (429, 503) else None
@@ -159,16 +166,44 @@ def build_app(
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     def prepare(body: object, chat: bool) -> ParsedRequest:
-        """The request parsed and checked, its grammar (if any) compiled."""
+        """The request parsed and checked, its grammar's spec (if any) too: what is refused before compiling."""
         parsed = (parse_chat if chat else parse_completion)(body, tokenizer, [model_name], context, pool)
-        if parsed.prompt_logprobs is not None or parsed.score_only:  # the model reads the prompt before start(): check
-            engine.engine.check(parsed.prompt_ids, parsed.params)  # it now (vocabulary, context), as start() would
-        if parsed.params.structured is not None:
+        structured = parsed.params.structured
+        if structured is not None:
+            if grammars is None:
+                raise ApiError("structured output needs the engine's tokenizer", param=parsed.structured_field)
             try:
-                engine.engine.compile(parsed.params)
-            except EngineError as e:
+                grammars.check(structured)
+            except ValueError as e:
                 raise ApiError(str(e), param=parsed.structured_field) from e
         return parsed
+
+    async def compiled(parsed: ParsedRequest, request: Request) -> object | None:
+        """The request's grammar compiled (``GrammarCompiles``: bounded in time, never on the parsing threads), or
+        ``None`` without one; ``ClientLeft`` when the client disconnects first (the compile is left behind)."""
+        if parsed.params.structured is None:
+            return None
+        job = asyncio.ensure_future(compiles.compile(parsed.params.structured))
+        left = asyncio.ensure_future(client_left(request))
+        try:
+            await asyncio.wait({job, left}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            if not job.done():
+                job.cancel()
+        if job.cancelled():
+            raise ClientLeft
+        try:
+            return job.result()
+        except ValueError as e:
+            raise ApiError(str(e), param=parsed.structured_field) from e
+        except CompileBusy as e:
+            raise ApiError(f"the server is busy compiling grammars ({e})", 429) from e
+
+    async def client_left(request: Request) -> None:
+        """Returns when the client disconnects (to be awaited once the body is read: the next message)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     async def completions(request: Request, chat: bool) -> Response:
         if not authorized(request):
@@ -177,13 +212,18 @@ def build_app(
         outputs: list[AsyncIterator[RequestOutput]] = []  # one per answer (``n``)
         try:
             body = await read_json(request)
-            # tokenizing, the chat template and a grammar's compilation off the event loop: a huge prompt or schema
-            # must not stall /health
+            # tokenizing and the chat template off the event loop: a huge prompt must not stall /health
             parsed = await asyncio.to_thread(prepare, body, chat)
+            grammar = await compiled(parsed, request)  # held until the answers hold it: the engine finds it
+            if parsed.prompt_logprobs is not None or parsed.score_only:  # the model reads the prompt before start():
+                engine.engine.check(parsed.prompt_ids, parsed.params)  # check it now (vocabulary, context)
             prompt_entries = await scored(parsed)
             if parsed.score_only:
                 return score_response(new_id("cmpl"), parsed, prompt_entries, created)
             firsts = await start(parsed, outputs)  # raises here, before any response, for a request the engine refuses
+            del grammar  # each answer's grammar state holds it now
+        except ClientLeft:
+            return Response(status_code=499)
         except ApiError as e:
             return fail(e)
         except EngineError as e:
@@ -204,12 +244,8 @@ def build_app(
             async for out in outputs[i]:
                 ends[i].append(out)
 
-        async def client_left() -> None:  # the body is read: the next message is the disconnect
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
         tasks = [asyncio.ensure_future(collect(i)) for i in range(parsed.n)]
-        task, left = asyncio.gather(*tasks), asyncio.ensure_future(client_left())
+        task, left = asyncio.gather(*tasks), asyncio.ensure_future(client_left(request))
         try:
             await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():  # a client that leaves before its whole response: the request is aborted
