@@ -402,44 +402,83 @@ def test_requests_get_engine_stopped_at_once_when_the_thread_is_gone(async_engin
     assert isinstance(later, EngineStopped) and async_engine.in_flight == 0
 
 
-def test_the_http_app_answers_503_while_the_engine_is_not_running(tiny):
-    """The app's engine thread not running (here: never started): 503 in OpenAI's error shape with Retry-After, and
-    /health says so."""
+async def asgi_call(app, method: str, route: str, body: dict | None = None) -> tuple[int, dict, dict]:
+    """One request through the ASGI ``app`` in this process: status, JSON body, headers. An exception the app
+    re-raises after answering (starlette's last handler does, for the server's log) is swallowed: the answer counts."""
     import asyncio
     import json
 
+    scope = {"type": "http", "method": method, "path": route, "raw_path": route.encode(), "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "root_path": ""}  # fmt: skip
+    incoming = [{"type": "http.request", "body": json.dumps(body).encode() if body else b"", "more_body": False}]
+    sent, answered = [], asyncio.Event()
+
+    async def receive():  # the body, then the client stays until its answer has come (then leaves)
+        if incoming:
+            return incoming.pop(0)
+        await answered.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            answered.set()
+
+    try:
+        await app(scope, receive, send)
+    except Exception:
+        if not sent:
+            raise
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(text), {k.decode(): v.decode() for k, v in start["headers"]}
+
+
+def bounded(coroutine):
+    """``coroutine``'s result within 30 s, or the test fails (a request must never wait on no thread)."""
+    import asyncio
+
+    return asyncio.run(asyncio.wait_for(coroutine, 30))
+
+
+def test_the_http_app_answers_503_while_the_engine_is_not_running(tiny):
+    """The app's engine thread not running (here: never started): 503 in OpenAI's error shape with Retry-After, and
+    /health says so."""
     from gqa.serve.async_engine import AsyncEngine
     from gqa.serve.server import build_app
 
     path, _ = tiny
     model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
     app = build_app(AsyncEngine(Engine(model, kv_cache_mib=1)), None, "tiny")
-
-    async def call(method: str, route: str, body: dict | None = None) -> tuple[int, dict, dict]:
-        scope = {"type": "http", "method": method, "path": route, "raw_path": route.encode(), "query_string": b"",
-                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
-                 "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "root_path": ""}  # fmt: skip
-        incoming = [{"type": "http.request", "body": json.dumps(body).encode() if body else b"", "more_body": False}]
-        sent = []
-
-        async def receive():
-            return incoming.pop(0) if incoming else {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-
-        await app(scope, receive, send)
-        start = next(m for m in sent if m["type"] == "http.response.start")
-        text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-        return start["status"], json.loads(text), {k.decode(): v.decode() for k, v in start["headers"]}
-
-    def bounded(coroutine):  # an answer within 30 s, or the test fails (a request must never wait on no thread)
-        return asyncio.run(asyncio.wait_for(coroutine, 30))
-
-    status, body, headers = bounded(call("POST", "/v1/completions", {"model": "tiny", "prompt": [5, 6]}))
+    status, body, headers = bounded(asgi_call(app, "POST", "/v1/completions", {"model": "tiny", "prompt": [5, 6]}))
     assert status == 503 and body["error"]["type"] == "server_error" and "not running" in body["error"]["message"]
     assert headers["retry-after"] == "1"
-    assert bounded(call("GET", "/health"))[0] == 503
+    assert bounded(asgi_call(app, "GET", "/health"))[0] == 503
+
+
+def test_a_bug_in_a_route_is_answered_in_openais_error_shape(tiny, monkeypatch):
+    """An exception no handler expected (here: building the whole answer's body, after generation) is a 500 with
+    OpenAI's JSON error body naming it — what the openai client reads — not starlette's plain-text 500."""
+    import gqa.serve.server as server
+    from gqa.serve.async_engine import AsyncEngine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the answer's body")
+
+    monkeypatch.setattr(server, "completion_body", broken)
+    path, _ = tiny
+    model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
+    engine = AsyncEngine(Engine(model, kv_cache_mib=1))
+    app = server.build_app(engine, None, "tiny")
+    engine.start()
+    try:
+        request = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2}
+        status, body, _ = bounded(asgi_call(app, "POST", "/v1/completions", request))
+    finally:
+        engine.stop()
+    assert status == 500 and body["error"]["type"] == "server_error"
+    assert "RuntimeError: a bug in the answer's body" in body["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -468,4 +468,10 @@ def build_app(
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return fail(ApiError(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code))
 
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # the last net under every route: a bug still answers in OpenAI's error shape (the client's library reads it),
+        # never starlette's plain-text 500; starlette re-raises it afterwards, so the server's log keeps the traceback
+        return fail(ApiError(f"{request.method} {request.url.path} failed: {type(exc).__name__}: {exc}", 500))
+
+    handlers = {HTTPException: http_error, Exception: unexpected}
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
