@@ -1,4 +1,4 @@
-"""Conversion results for docs/conversion.md: SmolLM2-135M-Instruct with 9, 3 and 1 KV heads, every method.
+"""Conversion results (docs/bench/conversion-history.md): SmolLM2-135M-Instruct with 9, 3 and 1 KV heads, every method.
 
 For each variant: perplexity on the default evaluation text (``gqa.evaluation.perplexity.default_eval_text``: CPython's
 LICENSE.txt, first ``--tokens`` tokens, window 512, stride 256), mean KL(original || variant) on the same windows,

@@ -2,8 +2,8 @@
 
 Runs the CLI as a user would, one variant after another (nothing else should run on the machine meanwhile), and
 writes ``OUT/<variant>/`` (the converted model), ``OUT/<variant>.json`` (the suite's results, conversion time added)
-and ``OUT/table.md`` (the table of docs/conversion.md). A variant whose JSON exists is not run again (``--redo``
-runs it anyway), so an interrupted run resumes.
+and ``OUT/table.md`` (the table of docs/bench/conversion-history.md). A variant whose JSON exists is not run again
+(``--redo`` runs it anyway), so an interrupted run resumes.
 
     .venv/bin/python benchmarks/conversion_answers.py --out results/answers
     .venv/bin/python benchmarks/conversion_answers.py --out results/answers --variants default healed-30

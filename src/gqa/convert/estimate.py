@@ -28,7 +28,7 @@ from .value_refit import _CG_STEPS, VALUE_STEPS
 __all__ = ["EFFICIENCY", "Estimate", "estimate", "machine_gflops"]
 
 # the share of the measured matrix-product rate conversions reach: 0.6B MHA -> 2 KV heads on a 2-core CPU, pca took
-# 2.5x and pca + refit 2.4x the time these operation counts take at the full rate (docs/conversion.md, Large models)
+# 2.5x and pca + refit 2.4x the time these operation counts take at the full rate (measured when EFFICIENCY was set)
 EFFICIENCY = 0.4
 
 

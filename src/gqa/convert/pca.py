@@ -44,9 +44,9 @@ from ..attention.rope import RoPE
 from ..models.config import ModelConfig
 from .methods import AttentionWeights, register_method, with_bias_column, with_ones_column
 
-# radians. SmolLM2 3 -> 1 (docs/conversion.md), LICENSE ppl with the o_proj refit: 48.0 with no plane pooled, 31.6
-# with 8, 26.7 with 12 (0.5 rad), 27.9 with 16; with the v_proj/o_proj refit: 20.39 with 12, 19.84 with 14 (this
-# angle, 1.0 rad), 20.13 with 15 (1.5 rad, more calibration text), 21.13 with 16 (2.0 rad)
+# radians. SmolLM2 3 -> 1 (docs/bench/conversion-history.md), LICENSE ppl with the o_proj refit: 48.0 with no plane
+# pooled, 31.6 with 8, 26.7 with 12 (0.5 rad), 27.9 with 16; with the v_proj/o_proj refit: 20.39 with 12, 19.84 with
+# 14 (this angle, 1.0 rad), 20.13 with 15 (1.5 rad, more calibration text), 21.13 with 16 (2.0 rad)
 SLOW_PLANE_ANGLE = 1.0
 SLOW_PLANE_SPAN = 512  # positions: the calibration and evaluation window
 

@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 # lam / mean(diag(O^T O)). SmolLM2 3 -> 1, o_proj refit, 25k calibration tokens: LICENSE ppl 45.9 at 1e-2, 52.9 at
-# 1e-1; v_proj/o_proj refit: 20.39 at 1e-2, 20.32 at 3e-3 (docs/conversion.md)
+# 1e-1; v_proj/o_proj refit: 20.39 at 1e-2, 20.32 at 3e-3 (docs/bench/conversion-history.md)
 RIDGE = 3e-3
 CALIBRATION_WINDOW = 512  # tokens per long calibration window (positions 0..511, as the evaluation windows)
 # Every other block of CALIBRATION_WINDOW tokens is cut into windows this short: the first positions of a prompt,

@@ -42,7 +42,7 @@ MIN_CHUNK = 512  # keys per split at least: below this the merge costs more than
 # (BLOCK_N keys per step, warps, pipeline stages) of the attend kernel; CONFIGS are what benchmarks/gpu_check.py
 # sweeps (graph-replayed, so launch overhead is out of the numbers) to choose the default.
 CONFIGS = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3), (64, 8, 4), (32, 4, 4))
-DEFAULT_CONFIG = (128, 4, 3)  # within 0-9% of SDPA flash on every shape swept on an H200 (docs/performance.md)
+DEFAULT_CONFIG = (128, 4, 3)  # within 0-8% of SDPA's rate on every shape swept on an H200 (docs/performance.md)
 WIDE_CONFIG = (32, 8, 2)  # head dims over 128
 PROGRAMS_PER_SM = 4  # splits are added until the grid has this many programs per multiprocessor
 SHARED_MEMORY_HEADROOM = 32 * 1024  # shared memory besides the K/V pipeline (q tile, layout conversions)
