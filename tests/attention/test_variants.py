@@ -158,6 +158,28 @@ def test_a_windowed_call_hands_its_backend_only_the_keys_a_window_reaches(monkey
         assert seen[-1] == (4096, 4096) and weights.shape[-1] == 4096
 
 
+SOFTCAPS = [1e-300, 1e-30, 1e-2, 1.0, 30.0, 50.0, 1e4, 1e7, 1e20, 3e38, 1e39, 1e300]
+
+
+@pytest.mark.parametrize("backend", ["fused", "grouped", "reference", "flex"])
+def test_softcap_keeps_float32_accuracy_for_every_cap(backend):
+    """``cap * tanh(s / cap)`` to float32's rounding whatever the finite cap. The native kernel's vectorised tanh,
+    ``(e^2u - 1) / (e^2u + 1)``, lost the scores' digits to cancellation near ``u = s / cap = 0`` (1.7e-4 off at a cap
+    of 1e4, 8e-2 at 1e7); a cap beyond float32's range gave NaN everywhere (``s / inf * inf``) and one below its
+    smallest turned the capping off. 100 keys: six vectors of 16 scores and a partial one."""
+    from gqa import kernels
+
+    if backend == "fused" and not kernels.available():
+        pytest.skip("native kernels not built")
+    q, k, v = qkv((2,), H_q=18, H_kv=6, L=3, S=100, D=5)
+    q = q * 3  # scores large enough for the small caps to bend them
+    for cap in SOFTCAPS:
+        out = gqa.grouped_attention(q, k, v, softcap=cap, backend=backend)
+        ref = oracle(q, k, v, softcap=cap)
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2e-6, (cap, err)
+
+
 def test_weights_with_sinks_sum_to_less_than_one_and_empty_rows_are_zero():
     q, k, v = qkv((1,), L=4, S=4)
     sinks = torch.full((18,), 3.0)

@@ -35,8 +35,12 @@ def window_mask(L: int, S: int, left: int | None, right: int | None, device: tor
 
 
 def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """``softcap * tanh(scores / softcap)`` (Gemma 2's logit soft-capping), or the scores as they are."""
-    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's logit soft-capping), or the scores as they are. A cap beyond the
+    scores' dtype's range leaves them as they are too (``scores / softcap`` would divide by inf, then ``0 * inf`` give
+    NaN): that is the capped value to the dtype's rounding for every score below ``softcap / 4096``."""
+    if softcap is None or softcap > torch.finfo(scores.dtype).max:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,10 @@ def _lse_request() -> dict:
 
 
 def _score_mod(softcap: float | None, mask: torch.Tensor | None):
-    """Soft-capping, then the user's mask (additive, or bool: -inf where False), on each scaled score."""
+    """Soft-capping, then the user's mask (additive, or bool: -inf where False), on each scaled score (float32: a cap
+    beyond its range is none, as ``masks.soft_cap`` has it)."""
+    if softcap is not None and softcap > torch.finfo(torch.float32).max:
+        softcap = None
     if softcap is None and mask is None:
         return None
     additive = mask is not None and mask.dtype != torch.bool
