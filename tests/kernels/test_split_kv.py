@@ -382,6 +382,9 @@ def test_sinks_take_weight_from_rows_that_see_nothing_and_from_the_rest():
     q, k, v = qkv((1,), 4, 2, 2, 60, 16, seed=14)
     out = split_kv_attention(q, k, v, end=torch.tensor(0), sinks=torch.zeros(4))
     assert (out == 0).all()
+    sinks = torch.tensor([float("-inf"), 0.5, float("-inf"), -1.0])  # a sink of -inf is no sink
+    assert (split_kv_attention(q, k, v, end=torch.tensor(0), sinks=sinks) == 0).all()
+    check(split_kv_attention(q, k, v, sinks=sinks, num_splits=2), reference(q, k, v, sinks=sinks), torch.float32)
     out = split_kv_attention(q, k, v, sinks=torch.full((4,), 80.0), num_splits=2)
     assert out.abs().max() < 1e-20
 
