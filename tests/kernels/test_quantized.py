@@ -21,6 +21,7 @@ from gqa.models.quantized import (
     quantize,
     quantize_model,
 )
+from tests.helpers.int8_inputs import expected_input_products
 
 gguf = pytest.importorskip("gguf")
 from tests.helpers.k_quants import quantize as quantize_blocks  # noqa: E402 (needs gguf)
@@ -127,19 +128,6 @@ def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(fmt,
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-
-
-def expected_input_products(x: np.ndarray) -> np.ndarray:
-    """x's values as the int8 path sees them, from numpy in float32: per block of 32, d = amax / 127, q = x * (1 / d)
-    rounded half to even, the value q * d; a block too small to scale is 0, one beyond 2^64 stays as it is (float)."""
-    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
-    amax = np.abs(blocks).max(axis=2, keepdims=True)
-    d = amax / np.float32(127)
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-        q = np.rint(blocks * inv)
-        scaled = np.where(np.isfinite(inv), q * d, np.float32(0)).astype(np.float32)
-    return np.where(amax > np.float32(2.0**64), blocks, scaled).reshape(x.shape)
 
 
 @native
