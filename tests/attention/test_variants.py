@@ -158,6 +158,72 @@ def test_a_windowed_call_hands_its_backend_only_the_keys_a_window_reaches(monkey
         assert seen[-1] == (4096, 4096) and weights.shape[-1] == 4096
 
 
+SOFTCAPS = [1e-300, 1e-30, 1e-2, 1.0, 30.0, 50.0, 1e4, 1e7, 1e20, 3e38, 1e39, 1e300]
+
+
+@pytest.mark.parametrize("backend", ["fused", "grouped", "reference", "flex"])
+def test_softcap_keeps_float32_accuracy_for_every_cap(backend):
+    """``cap * tanh(s / cap)`` to float32's rounding whatever the finite cap. The native kernel's vectorised tanh,
+    ``(e^2u - 1) / (e^2u + 1)``, lost the scores' digits to cancellation near ``u = s / cap = 0`` (1.7e-4 off at a cap
+    of 1e4, 8e-2 at 1e7); a cap beyond float32's range gave NaN everywhere (``s / inf * inf``) and one below its
+    smallest turned the capping off. 100 keys: six vectors of 16 scores and a partial one."""
+    from gqa import kernels
+
+    if backend == "fused" and not kernels.available():
+        pytest.skip("native kernels not built")
+    q, k, v = qkv((2,), H_q=18, H_kv=6, L=3, S=100, D=5)
+    q = q * 3  # scores large enough for the small caps to bend them
+    for cap in SOFTCAPS:
+        out = gqa.grouped_attention(q, k, v, softcap=cap, backend=backend)
+        ref = oracle(q, k, v, softcap=cap)
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2e-6, (cap, err)
+
+
+def sink_kinds() -> dict[str, torch.Tensor | None]:
+    mixed = torch.randn(18, generator=torch.Generator().manual_seed(8))
+    mixed[::2] = float("-inf")
+    return {"none": None, "-inf": torch.full((18,), float("-inf")), "finite": mixed.nan_to_num(neginf=-1.0),
+            "mixed": mixed}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "backend, sinks",
+    [(b, s) for b in ("auto", "reference", "grouped", "fused", "flex") for s in sink_kinds()] + [("sdpa", "none")],
+)
+def test_a_row_that_sees_no_key_is_zeros_on_every_backend(backend, sinks):
+    """A query row with no visible key returns zeros, with zero gradients (``grouped_attention``'s docstring), with
+    sinks and without, on every backend, so the answer does not depend on which one ``auto`` picks for the shape: a
+    sink of ``-inf`` is no sink (``grouped`` and ``reference`` returned NaN there, ``flex`` too, ``fused`` zeros).
+    Bool and float masks; gradients where the backend has a backward."""
+    from gqa import kernels
+
+    if backend == "fused" and not kernels.available():
+        pytest.skip("native kernels not built")
+    q, k, v = qkv((2,), H_q=18, H_kv=6, L=3, S=7, D=5)
+    sink = sink_kinds()[sinks]
+    allowed = torch.rand(2, 1, 3, 7, generator=torch.Generator().manual_seed(9)) > 0.3
+    allowed[..., 0] = True
+    allowed[0, :, 1] = False  # batch 0, query 1 sees no key
+    float_mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    for mask in (allowed, float_mask):
+        out = gqa.grouped_attention(q, k, v, mask, sinks=sink, backend=backend)
+        assert not out.isnan().any()
+        assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1]))
+        torch.testing.assert_close(out.double(), oracle(q, k, v, mask=allowed, sinks=sink), **TOL[torch.float32])
+        if sinks == "-inf":
+            torch.testing.assert_close(out, gqa.grouped_attention(q, k, v, mask, backend=backend), atol=1e-7, rtol=0)
+    if backend not in ("auto", "reference", "grouped", "sdpa"):
+        return  # no backward (CPU FlexAttention, the native kernel)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    sg = None if sink is None else sink.clone().requires_grad_()
+    out = gqa.grouped_attention(qg, kg, vg, allowed, sinks=sg, backend=backend)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(10)))
+    for grad in (qg.grad, kg.grad, vg.grad, None if sg is None else sg.grad):
+        assert grad is None or torch.isfinite(grad).all()
+    assert torch.equal(qg.grad[0, :, 1], torch.zeros_like(qg.grad[0, :, 1]))
+
+
 def test_weights_with_sinks_sum_to_less_than_one_and_empty_rows_are_zero():
     q, k, v = qkv((1,), L=4, S=4)
     sinks = torch.full((18,), 3.0)

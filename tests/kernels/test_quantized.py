@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gqa
 from gqa import kernels
@@ -21,6 +22,7 @@ from gqa.models.quantized import (
     quantize,
     quantize_model,
 )
+from tests.helpers.int8_inputs import expected_input_products
 
 gguf = pytest.importorskip("gguf")
 from tests.helpers.k_quants import quantize as quantize_blocks  # noqa: E402 (needs gguf)
@@ -129,19 +131,6 @@ def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(fmt,
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-def expected_input_products(x: np.ndarray) -> np.ndarray:
-    """x's values as the int8 path sees them, from numpy in float32: per block of 32, d = amax / 127, q = x * (1 / d)
-    rounded half to even, the value q * d; a block too small to scale is 0, one beyond 2^64 stays as it is (float)."""
-    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
-    amax = np.abs(blocks).max(axis=2, keepdims=True)
-    d = amax / np.float32(127)
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-        q = np.rint(blocks * inv)
-        scaled = np.where(np.isfinite(inv), q * d, np.float32(0)).astype(np.float32)
-    return np.where(amax > np.float32(2.0**64), blocks, scaled).reshape(x.shape)
-
-
 @native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 21])
@@ -223,28 +212,50 @@ def smol_auto():
     return gqa.load_model(dtype="auto")
 
 
+def int8_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` as the quantized kernel defines it, by torch's matmul in float32: the inputs quantized
+    per 32-value block (``quantized_inputs``), rounded to ``x``'s dtype."""
+    return F.linear(quantized_inputs(x.float()).float(), weight, None if bias is None else bias.float()).to(x.dtype)
+
+
 @native
-def test_smollm2_q4_1_stays_quantized_and_answers(smol_auto):
+def test_smollm2_q4_1_stays_quantized_and_answers(smol_auto, monkeypatch):
+    """The file's Q4_1 / Q8_0 blocks are kept as they are (the file's bytes, no copy, no dequantized weight) and the
+    model answers through them what an int8 reference answers: each greedy token of four questions is, given the
+    tokens before it, the argmax of the same model with every quantized product taken by ``int8_reference`` on the
+    weights gguf dequantizes, except where that reference is at a near-tie. Not whether a 4-bit 135M model answers
+    right: that rests on rounding (on an AVX-512 VNNI + BF16 machine, bf16 activations, 2 of the 4 came out right, the
+    kernels matching an exact int8 simulation there), which the next test allows for."""
+    from gqa.models import quantized
+
     model = smol_auto
     reader = gguf.GGUFReader(gqa.loaders.default_model_path())
-    file_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    file_blocks = {t.name: np.asarray(t.data).view(np.uint8).reshape(-1) for t in reader.tensors}
     layer = model.model.layers[0]
     assert layer.mlp.gate_proj.format.name == "q4_1" and model.lm_head.format.name == "q8_0"
-    assert layer.mlp.gate_proj.blocks.nbytes == file_bytes["blk.0.ffn_gate.weight"]  # the file's bytes, no more
+    assert np.array_equal(layer.mlp.gate_proj.blocks.numpy().reshape(-1), file_blocks["blk.0.ffn_gate.weight"])
     assert model.lm_head.blocks is model.model.embed_tokens.blocks  # tied: one copy
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) == 7 * len(model.model.layers) + 1
+    assert all(getattr(m, "_dequantized", None) is None for m in linears)  # no float copy kept
     tok = model.tokenizer
-    # Judged by its answers to a few questions, not one: int8 activations make near-ties break differently per SIMD
-    # path (on a 2-core AVX2 EPYC "What is the capital of France?" alone drifted to "L'Étoile, la Marseillaise", while
-    # the other phrasings below answered; the dequantized float32 model answers all four).
-    questions = {
-        "What is the capital of France?": "Paris",
-        "Which city is the capital of France?": "Paris",
-        "What is the capital of France? Answer in one word.": "Paris",
-        "Name the capital city of Italy.": "Rome",
-    }
-    answers = {q: tok.decode(model.generate(tok.apply_chat(q), max_new_tokens=14)) for q in questions}
-    right = [q for q, expected in questions.items() if expected in answers[q]]
-    assert len(right) >= 3, answers
+    questions = ("What is the capital of France?", "Which city is the capital of France?",
+                 "What is the capital of France? Answer in one word.", "Name the capital city of Italy.")  # fmt: skip
+    prompts = [tok.apply_chat(q) for q in questions]
+    answers = [model.generate(p, max_new_tokens=14) for p in prompts]
+    weights = {m: dequantize(m.blocks, m.format, m.in_features) for m in linears}  # gguf's values (float32)
+    monkeypatch.setattr(QuantizedLinear, "forward", lambda m, x: int8_reference(x, weights[m], m.bias))
+    monkeypatch.setattr(quantized, "uses_kernel", lambda x: False)  # quantized_linears: a forward per layer
+    monkeypatch.setattr(quantized.ops, "qlinear_rows_n", None)  # and no kernel product left
+    gaps = []
+    with torch.inference_mode():
+        for prompt, answer in zip(prompts, answers, strict=True):
+            logits = model(torch.tensor([prompt + answer[:-1]]))[0, len(prompt) - 1 :].float()  # (len(answer), V)
+            chosen = logits.gather(1, torch.tensor(answer)[:, None])[:, 0]
+            gaps.append(logits.max(1).values - chosen)  # 0 where the reference picks the token too
+    gaps = torch.cat(gaps)
+    # a near-tie: within a few float32 roundings, or 4 units in the last place of bfloat16 logits of 16-32
+    assert (gaps < 0.5).all() and (gaps == 0).float().mean() >= 0.75, (gaps, [tok.decode(a) for a in answers])
 
 
 @native

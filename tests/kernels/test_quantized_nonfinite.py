@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from gqa.models.quantized import (
     quantized_linears,
     uses_kernel,
 )
+from tests.helpers.int8_inputs import expected_input_products
 
 gguf = pytest.importorskip("gguf")
 from tests.helpers.k_quants import quantize as quantize_blocks  # noqa: E402 (needs gguf)
@@ -136,6 +138,100 @@ def test_tiny_blocks_quantize_to_zero_not_garbage():
         expected = reference(layer, x)
     assert torch.isfinite(y).all()
     assert (y - expected).abs().max() < 0.02 * expected.abs().max()
+
+
+# Where each format's fp16 scales sit in a block: d, then m (q4_1, q5_1) or dmin (q4_k, q5_k); q6_k's d at its end.
+SCALES_AT = {"q8_0": (0,), "q4_0": (0,), "q5_0": (0,), "q4_1": (0, 2), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2),
+             "q6_k": (208,)}  # fmt: skip
+
+
+def with_scales(blocks: np.ndarray, fmt: str, edits: list[tuple[int, int, int, float]]) -> np.ndarray:
+    """``blocks (M, row bytes)`` with ``(row, block, scale field, value)`` written as fp16."""
+    out = blocks.copy()
+    size = FORMATS[fmt].block_bytes
+    for row, block, field, value in edits:
+        at = block * size + SCALES_AT[fmt][field]
+        out[row, at : at + 2] = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
+    return out
+
+
+def scale_sweep(fmt: str) -> tuple[np.ndarray, list[int]]:
+    """Weight blocks ``(M, K)`` of ``fmt`` whose rows put inf, -inf, NaN and finite extremes (65504, a subnormal, 0)
+    in each scale field of a first, middle and last block, alone and together (two blocks of opposite infinities; d
+    and m both infinite), the first row left as it is; and each row's first edited block (0 for the first row)."""
+    last = K // FORMATS[fmt].block_values - 1
+    edits = [[]]
+    for field in range(len(SCALES_AT[fmt])):
+        for value in (math.inf, -math.inf, math.nan, 65504.0, 2.0**-24, 0.0):
+            edits += [[(block, field, value)] for block in (0, last // 2, last)]
+        edits.append([(0, field, math.inf), (last, field, -math.inf)])
+    if len(SCALES_AT[fmt]) == 2:
+        edits += [[(1, 0, math.inf), (1, 1, -math.inf)], [(1, 0, -math.inf), (1, 1, -math.inf)]]
+    w = np.random.default_rng(11).standard_normal((1, K)).astype(np.float32)
+    w = np.repeat(np.where(np.abs(w) < 0.3, np.where(w < 0, -0.3, 0.3), w), len(edits), axis=0)  # none near 0
+    w[2::4, [3, K - 29]] = 0.0  # but in every fourth row: q - offset = 0 (inf * 0) in the first and the last block
+    blocks = quantize_blocks(w, gguf.GGMLQuantizationType[fmt.upper()])
+    rows = [(r, b, f, v) for r, e in enumerate(edits) for b, f, v in e]
+    return with_scales(blocks.reshape(len(edits), -1), fmt, rows), [e[0][0] if e else 0 for e in edits]
+
+
+def gguf_weights(blocks: np.ndarray, fmt: str) -> np.ndarray:
+    """``(M, K)`` float32: gguf's dequantization of ``blocks`` (inf * 0 is NaN there: numpy's warning silenced)."""
+    with np.errstate(invalid="ignore"):
+        return gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[fmt.upper()]).reshape(blocks.shape[0], K)
+
+
+def float_math(x: np.ndarray, blocks: np.ndarray, fmt: str) -> np.ndarray:
+    """``(N, M)``: float32 math on what the quantized path multiplies: x as its int8 path quantizes it (numpy) times
+    gguf's dequantized weights, summed. inf * 0 is NaN, +inf meets -inf in NaN."""
+    weights = gguf_weights(blocks, fmt)
+    with np.errstate(invalid="ignore"):
+        return (expected_input_products(x)[:, None, :] * weights[None]).sum(-1, dtype=np.float32)
+
+
+def aligned_inputs(blocks: np.ndarray, fmt: str, first: list[int], seed: int) -> np.ndarray:
+    """``(M, K)`` float32 inputs, row r random but for the block of row r's first edit, where each input has the
+    sign of row r's weight there (r even) or the opposite sign (r odd): every product of that block has one sign, so an
+    infinite weight there gives +-inf in float math unless one is NaN."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((blocks.shape[0], K)).astype(np.float32)
+    signs = np.sign(gguf_weights(blocks, fmt))
+    size = FORMATS[fmt].block_values  # the K formats' scales are a super-block's
+    for r, b in enumerate(first):
+        cols = slice(b * size, (b + 1) * size)
+        sign = np.where(np.isnan(signs[r, cols]) | (signs[r, cols] == 0), 1, signs[r, cols])
+        x[r, cols] = (1 - 2 * (r % 2)) * sign * rng.uniform(0.5, 1.5, size)
+    return x
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_nonfinite_weight_scales_give_what_ggufs_weights_give_in_float(fmt, dtype):
+    """An fp16 scale (d, m, dmin) of inf, -inf or NaN: the product gives what gguf's dequantized weights give in
+    float32 math with the inputs as quantized (``float_math``) — NaN where an infinite weight meets a zero or +inf
+    meets -inf, else the infinity — where the integer path's d_w * d_x * (q . q_x) gave +-inf for NaN and the reverse.
+    Inputs whose block agrees in sign with the edited one's weights (so float math has infinities), random ones, an
+    all-zero block, a non-finite input; one row alone, 3 rows, 21 (the lanes); finite extremes stay finite and close;
+    and ``dequantize`` is gguf's, NaN for NaN."""
+    blocks, first = scale_sweep(fmt)
+    layer = QuantizedLinear(QuantizedTensor(torch.from_numpy(blocks), FORMATS[fmt], (blocks.shape[0], K)))
+    out = dequantize(layer.blocks, layer.format, K, torch.float32)
+    torch.testing.assert_close(out, torch.from_numpy(gguf_weights(blocks, fmt)), equal_nan=True, rtol=0, atol=0)
+    x = np.concatenate([aligned_inputs(blocks, fmt, first, seed=12), np.random.default_rng(13).standard_normal(
+        (8, K)).astype(np.float32)])  # fmt: skip
+    x[-1, 64:96] = 0.0
+    x[-2, 70] = np.inf
+    x = torch.from_numpy(x).to(dtype)
+    expected = torch.from_numpy(float_math(x.float().numpy(), blocks, fmt))
+    assert expected.isnan().any() and expected.isposinf().any() and expected.isneginf().any()
+    finite = torch.isfinite(expected)
+    rtol = 1e-5 if dtype == torch.float32 else 8e-3  # bfloat16 outputs
+    with torch.inference_mode():
+        for n in (1, 3, 21):
+            y = torch.cat([layer(x[r : r + n]) for r in range(0, x.shape[0], n)]).float()
+            assert_nonfinite_like(y, expected)
+            torch.testing.assert_close(y[finite], expected[finite], rtol=rtol, atol=rtol * expected[finite].abs().max())
 
 
 def tiny_model(fmt: str = "q4_0"):

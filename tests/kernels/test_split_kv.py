@@ -53,6 +53,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),  # numpy in the interpreter:
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),  # -inf - -inf, log(0) of
     pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),  # rows that see nothing, NaN rows
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),  # scores over a tiny soft-cap: +-inf
 ]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -381,8 +382,25 @@ def test_sinks_take_weight_from_rows_that_see_nothing_and_from_the_rest():
     q, k, v = qkv((1,), 4, 2, 2, 60, 16, seed=14)
     out = split_kv_attention(q, k, v, end=torch.tensor(0), sinks=torch.zeros(4))
     assert (out == 0).all()
+    sinks = torch.tensor([float("-inf"), 0.5, float("-inf"), -1.0])  # a sink of -inf is no sink
+    assert (split_kv_attention(q, k, v, end=torch.tensor(0), sinks=sinks) == 0).all()
+    check(split_kv_attention(q, k, v, sinks=sinks, num_splits=2), reference(q, k, v, sinks=sinks), torch.float32)
     out = split_kv_attention(q, k, v, sinks=torch.full((4,), 80.0), num_splits=2)
     assert out.abs().max() < 1e-20
+
+
+@kernel
+def test_softcap_keeps_float32_accuracy_for_every_cap():
+    """``cap * tanh(s / cap)`` to float32's rounding whatever the finite cap: ``(1 - e) / (1 + e)`` alone lost the
+    scores' digits to cancellation near ``s / cap = 0`` (large caps); a cap beyond float32's range (inf in the
+    kernel) leaves the scores as they are."""
+    q, k, v = qkv((1,), 6, 2, 2, 100, 16, seed=16)
+    q = q * 3
+    for cap in (1e-300, 1e-2, 30.0, 1e4, 1e7, 1e39):
+        out = split_kv_attention(q, k, v, softcap=cap, num_splits=2)
+        ref = reference(q, k, v, softcap=cap)
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2e-6, (cap, err)
 
 
 @kernel

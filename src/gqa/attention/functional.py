@@ -90,10 +90,11 @@ def grouped_attention(
 
     Notes
     -----
-    A query row with no visible key returns zeros (not NaN), with zero gradients. For float16/bfloat16 inputs the
-    scores and softmax are computed in float32 and the output is cast back. The checks and the choice of backend
-    are made once per call signature (shapes, strides, dtypes, devices, the scalars) and remembered
-    (``gqa.attention.routes``): a repeated call costs about what the backend's own call costs.
+    A query row with no visible key returns zeros (not NaN), with zero gradients, with sinks too (a sink of ``-inf``
+    is no sink). For float16/bfloat16 inputs the scores and softmax are computed in float32 and the output is cast
+    back. The checks and the choice of backend are made once per call signature (shapes, strides, dtypes, devices,
+    the scalars) and remembered (``gqa.attention.routes``): a repeated call costs about what the backend's own call
+    costs.
     """
     compiling = torch.compiler.is_compiling()
     if window is not None or softcap is not None or sinks is not None:

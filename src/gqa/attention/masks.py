@@ -35,16 +35,21 @@ def window_mask(L: int, S: int, left: int | None, right: int | None, device: tor
 
 
 def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """``softcap * tanh(scores / softcap)`` (Gemma 2's logit soft-capping), or the scores as they are."""
-    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+    """``softcap * tanh(scores / softcap)`` (Gemma 2's logit soft-capping), or the scores as they are. A cap beyond the
+    scores' dtype's range leaves them as they are too (``scores / softcap`` would divide by inf, then ``0 * inf`` give
+    NaN): that is the capped value to the dtype's rounding for every score below ``softcap / 4096``."""
+    if softcap is None or softcap > torch.finfo(scores.dtype).max:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
 
 
-def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor, may_have_empty_rows: bool) -> torch.Tensor:
     """Softmax over the last dim with one more logit per row, the head's sink (a key whose value is zero): the weights
-    of the real keys, which then sum to less than 1 (a row that sees no key gets zeros). ``sinks`` broadcasts to
-    ``scores.shape[:-1] + (1,)``."""
+    of the real keys, which then sum to less than 1. A row that sees no key gets zeros, with a sink of ``-inf`` too
+    (which is no sink: ``softmax_rows`` over the row and its sink). ``sinks`` broadcasts to
+    ``scores.shape[:-1] + (1,)``; ``may_have_empty_rows`` as ``softmax_rows`` takes it."""
     sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
-    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)
+    weights = softmax_rows(torch.cat([scores, sink], dim=-1), may_have_empty_rows)
     return weights[..., :-1]
 
 

@@ -112,6 +112,7 @@ def flex_attention_rows(
         out, aux = result
         lse = aux if isinstance(aux, torch.Tensor) else aux.lse  # (N, H_q, L) float32, natural log
         kept = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, H_q, 1))  # the real keys' share of the softmax
+        kept = kept.masked_fill(lse == float("-inf"), 0.0)  # a row that sees no key: zeros (with a sink of -inf too)
         out = (out.to(kept.dtype) * kept[..., None]).to(query.dtype)
     return out.reshape(*shape.batch, H_q, L, shape.D_v), None
 
@@ -123,7 +124,10 @@ def _lse_request() -> dict:
 
 
 def _score_mod(softcap: float | None, mask: torch.Tensor | None):
-    """Soft-capping, then the user's mask (additive, or bool: -inf where False), on each scaled score."""
+    """Soft-capping, then the user's mask (additive, or bool: -inf where False), on each scaled score (float32: a cap
+    beyond its range is none, as ``masks.soft_cap`` has it)."""
+    if softcap is not None and softcap > torch.finfo(torch.float32).max:
+        softcap = None
     if softcap is None and mask is None:
         return None
     additive = mask is not None and mask.dtype != torch.bool

@@ -81,11 +81,12 @@ def grouped_attention_rows(
         if is_causal:
             grouped = apply_mask_(grouped, causal_mask(L, S, query.device))
         scores = grouped.view(*B_kept, H_kv, R, S)
+    empty_rows = attn_mask is not None or (is_causal and L > S)  # rows that may see no key
     if sinks is not None:  # each row's head's sink: rows are (*B_folded, G, L) per KV head
         sink_rows = sinks.view(H_kv, *[1] * len(B_folded), G, 1).expand(H_kv, *B_folded, G, L).reshape(H_kv, R, 1)
-        weights = softmax_with_sinks(scores, sink_rows.to(scores.dtype))
+        weights = softmax_with_sinks(scores, sink_rows.to(scores.dtype), empty_rows)
     else:
-        weights = softmax_rows(scores, attn_mask is not None or (is_causal and L > S))
+        weights = softmax_rows(scores, empty_rows)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
 

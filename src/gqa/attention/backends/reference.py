@@ -40,10 +40,11 @@ def reference_attention(
         scores = apply_mask_(scores, group_mask(attn_mask, ndim, shape.H_kv, shape.G))
     if is_causal:
         scores = apply_mask_(scores, causal_mask(shape.L, shape.S, query.device))
+    empty_rows = attn_mask is not None or (is_causal and shape.L > shape.S)  # rows that may see no key
     if sinks is not None:
-        weights = softmax_with_sinks(scores, sinks.to(compute).view(shape.H_kv, shape.G, 1, 1))
+        weights = softmax_with_sinks(scores, sinks.to(compute).view(shape.H_kv, shape.G, 1, 1), empty_rows)
     else:
-        weights = softmax_rows(scores, attn_mask is not None or (is_causal and shape.L > shape.S))
+        weights = softmax_rows(scores, empty_rows)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
 

@@ -146,19 +146,66 @@ inline float max_of(const float* s, int64_t n) {
   return mx;
 }
 
-// s[0:n] = cap * tanh(s[0:n] / cap) (logit soft-capping), a NaN kept. tanh(u) = (e^2u - 1) / (e^2u + 1), u clamped
-// to [-9, 9], beyond which tanh is +-1 in float32.
+// Logit soft-capping, s = cap * tanh(s / cap), in float32 to its own rounding for every cap. With u = s / cap:
+//   |u| < 0.625: s + s * z P(z), z = u^2, P fitted to (tanh(u) / u - 1) / z (0.8 ulp), so that a large cap (u near 0)
+//                keeps s's digits, where (e^2u - 1) / (e^2u + 1) lost them to cancellation (6e-2 off at a cap of 1e7);
+//   beyond:      cap * sign(u) * (1 - e) / (1 + e), e = exp(-2|u|) <= 0.29 (no cancellation), +-cap once e is tiny.
+// A NaN stays NaN; a cap beyond float32's range (inf here) leaves the scores as they are, which is cap * tanh(s / cap)
+// to float32's rounding for every score below cap / 4096.
+constexpr float TANH_POLY_BELOW = 0.625f;
+constexpr float TANH_POLY[] = {-3.33332807e-1f, 1.33314475e-1f, -5.37401401e-2f, 2.06404906e-2f, -5.70657523e-3f};
+
+// A soft-cap given as a double, in float32: a positive one stays positive (below float32's smallest: that smallest,
+// which caps every score as the cap itself would), one beyond float32's range becomes inf. 0: none.
+inline float softcap_float(double cap) {
+  using limits = std::numeric_limits<float>;
+  if (!(cap > 0.0)) return 0.0f;
+  if (cap > limits::max()) return limits::infinity();  // (a cast from beyond the range would be undefined)
+  return std::max(static_cast<float>(cap), limits::denorm_min());
+}
+
+// 1 / cap, at most float32's largest (a cap below ~3e-39: s * inf would make a score of 0 NaN).
+inline float softcap_inverse(float cap) { return std::min(1.0f / cap, std::numeric_limits<float>::max()); }
+
+inline float soft_cap_one(float s, float cap, float inv) {
+  const float u = s * inv, z = u * u;
+  if (!(std::fabs(u) < TANH_POLY_BELOW)) return cap * std::tanh(u);
+  float p = TANH_POLY[4];
+  for (int i = 3; i >= 0; --i) p = std::fma(p, z, TANH_POLY[i]);
+  return std::fma(s, z * p, s);
+}
+
+#if GQA_SIMD > 1
+inline vec soft_cap_lanes(vec s, vec cap, vec inv) {
+  const vec u = vmul(s, inv), z = vmul(u, u), zero = vzero(), one = vset(1.0f);
+  vec p = vset(TANH_POLY[4]);
+  for (int i = 3; i >= 0; --i) p = vfma(p, z, vset(TANH_POLY[i]));
+  const vec near_zero = vfma(s, vmul(z, p), s);
+  const vec a = vmax(u, vsub(zero, u));  // |u| (NaN stays: the operand order)
+  const vec e = vexp(vmul(vset(-2.0f), a));
+  const vec t = vmul(cap, vdiv(vsub(one, e), vadd(one, e)));
+  const vec beyond = vblend_negative(u, t, vsub(zero, t));
+  return vblend_negative(vsub(a, vset(TANH_POLY_BELOW)), beyond, near_zero);  // |u| < 0.625: near_zero; NaN: beyond
+}
+#endif
+
+// s[0:n] soft-capped (above). With SIMD every score takes the vector formula, the last partial vector padded, so a
+// score's value does not depend on where in the chunk it sits.
 inline void soft_cap(float* s, int64_t n, float cap) {
-  const float inv = 1.0f / cap;
+  const float inv = softcap_inverse(cap);
   int64_t c = 0;
 #if GQA_SIMD > 1
-  const vec two_inv = vset(2.0f * inv), vcap = vset(cap), lo = vset(-18.0f), hi = vset(18.0f), one = vset(1.0f);
-  for (; c + LANES <= n; c += LANES) {
-    const vec e = vexp(vmin(hi, vmax(lo, vmul(vload(s + c), two_inv))));  // the operand order lets a NaN through
-    vstore(s + c, vmul(vcap, vdiv(vsub(e, one), vadd(e, one))));
+  const vec vcap = vset(cap), vinv = vset(inv);
+  for (; c + LANES <= n; c += LANES) vstore(s + c, soft_cap_lanes(vload(s + c), vcap, vinv));
+  if (c < n) {
+    float tail[LANES] = {};
+    std::copy(s + c, s + n, tail);
+    vstore(tail, soft_cap_lanes(vload(tail), vcap, vinv));
+    std::copy(tail, tail + (n - c), s + c);
   }
+#else
+  for (; c < n; ++c) s[c] = soft_cap_one(s[c], cap, inv);
 #endif
-  for (; c < n; ++c) s[c] = cap * std::tanh(s[c] * inv);
 }
 
 // p[0:n] = exp(s[0:n] - m), returns their sum.

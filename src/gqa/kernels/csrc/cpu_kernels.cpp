@@ -200,7 +200,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   at::Tensor out = at::empty({B, H, R, v.size(3)}, q.options());
   if (S == 0 || B * H * R == 0) return out.zero_();  // no key: zeros, with sinks too (their values are zero)
-  const float cap = static_cast<float>(softcap);
+  const float cap = softcap_float(softcap);
   if (q.scalar_type() == at::kFloat) {
     decode_attention_impl<float>(q, k, v, mv, static_cast<float>(scale), query_len, causal, out, nullptr, cap,
                                  sink_logits);

@@ -574,7 +574,7 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
     if (!options.softcaps.empty()) {
       TORCH_CHECK(options.softcaps[i] >= 0.0, "gqa::decode_model: layer ", li, "'s softcap must be >= 0, got ",
                   options.softcaps[i]);
-      a.softcap = static_cast<float>(options.softcaps[i]);
+      a.softcap = softcap_float(options.softcaps[i]);
     }
     if (paged) {
       a.table = l.table, a.table_stride = l.table_stride, a.block = l.block;

@@ -19,12 +19,14 @@
 //       could overflow float32 and add +inf to -inf) is left out of the integer products (q = 0, d = 0) and its dot
 //       products with the weight blocks are taken in float, d * q (+ m) times x, and added to the row's sum, so such
 //       inputs give what x @ dequant(W)^T gives in float (NaN, +-inf, or a huge finite sum) — the rows without one
-//       take the integer path alone, unchanged.
+//       take the integer path alone, unchanged. A weight block whose fp16 scale is inf or NaN (a damaged file) makes
+//       its outputs non-finite on the integer path; those are taken again in float, as gguf's dequantized weights give
+//       them in float math (redo_nonfinite_scales).
 //       With AVX-512 VNNI and 4 or more rows, the rows go through row_lanes.h (rows in SIMD lanes: 2-4x the
 //       products per second at 8-64 rows), with the same sums.
 //   gqa::lane_rows() -> int: the fewest rows that take row_lanes.h's kernels; 0 where the build has none.
 //   gqa::dequantize_rows(blocks (M, K / 32 * bytes), format, K, dtype) -> (M, K) of dtype
-//       the float weights (prefill, embedding rows), exactly d * q (+ m) rounded to dtype.
+//       the float weights (prefill, embedding rows), exactly gguf's (d * (q - offset), d * q + m, ...) rounded to dtype.
 //
 // x and y are float32 or bfloat16; formats: 0 = q8_0, 1 = q4_0, 2 = q4_1, 3 = q5_0, 4 = q5_1, 5 = q4_k, 6 = q5_k,
 // 7 = q6_k.
@@ -171,8 +173,14 @@ inline void block_weights(const uint8_t* row, int64_t format, int64_t b, float* 
     for (int64_t i = 0; i < QK; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(blk[2 + i]));
     return;
   }
-  const float m = has_min(format) ? half_at(blk + 2) : -q_offset(format) * d;
-  for (int64_t i = 0; i < QK; ++i) out[i] = d * static_cast<float>(small_q(blk, format, i)) + m;
+  if (has_min(format)) {
+    const float m = half_at(blk + 2);
+    for (int64_t i = 0; i < QK; ++i) out[i] = d * static_cast<float>(small_q(blk, format, i)) + m;
+    return;
+  }
+  // d * (q - offset), as gguf has it: with an infinite d, d * q - offset * d would be inf - inf (NaN) for every q
+  // (finite d: the same bits, both exact)
+  for (int64_t i = 0; i < QK; ++i) out[i] = d * (static_cast<float>(small_q(blk, format, i)) - q_offset(format));
 }
 
 // buf (N, rows) += the float dot products of the input blocks the integer path leaves out (xr.nonfinite) with
@@ -191,6 +199,69 @@ void add_float_blocks(const T* x, const QuantizedRows& xr, int64_t K, const uint
       float s = 0.0f;
       for (int64_t j = 0; j < QK; ++j) s += to_float(xb[j]) * wb[j];
       buf[n * rows + i] += s;
+    }
+  }
+}
+
+// Whether a weight row of K values holds a block whose fp16 scale (d; m of q4_1 and q5_1; dmin of q4_k and q5_k) is
+// an infinity or a NaN.
+inline bool nonfinite_scales(const uint8_t* row, int64_t format, int64_t K) {
+  const int64_t blocks = K / block_values(format), bytes = block_bytes_of(format);
+  const int64_t d_at = format == Q6_K ? 208 : 0;
+  const bool second = has_min(format) || format == Q4_K || format == Q5_K;
+  const auto nonfinite = [](const uint8_t* p) {
+    uint16_t bits;
+    std::memcpy(&bits, p, 2);
+    return (bits & 0x7C00) == 0x7C00;  // the exponent all ones
+  };
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    if (nonfinite(blk + d_at) || (second && nonfinite(blk + 2))) return true;
+  }
+  return false;
+}
+
+// Weight blocks with an infinite or NaN scale. The integer path takes a block's product as d_w * d_x * s_b plus the
+// minimum's term, where float math has the sum of 32 products d_w * (q_j - offset) * x_j: with d_w = inf those differ
+// (inf * 0 is NaN for a zero q_j - offset or x_j, signs that mix give NaN where s_b has one sign, and d * q - 8d is
+// inf - inf). What such a product must be ("matching gguf"): float32 math on the numbers the integer path multiplies,
+// each weight as gguf.quants.dequantize has it (d * (q - offset), d * q + m, d * sc * q - dmin * m, d * sc * (q - 32))
+// times each input as quantized (q_x * d_x; an input block taken in float, add_float_blocks': its own value), summed:
+// NaN where any product is NaN or +inf meets -inf, else +-inf. Such a block always makes the integer path's sum
+// non-finite (inf or NaN times anything stays so) and finite ones never do (INTEGER_PATH_MAX), so the non-finite
+// results of the weight rows that hold one are taken again, in float; every other output stays as it is (a non-finite
+// one of a finite row: add_float_blocks' inputs), and the hot loops are unchanged: one pass over the results (1-16 rows
+// of SmolLM2's and a 1B model's matrices, one thread: 0.95-1.04x the time without it, noise either way).
+template <typename T>
+void redo_nonfinite_scales(const T* x, const QuantizedRows& xr, int64_t K, const uint8_t* w, int64_t format,
+                           int64_t rows, int64_t row_bytes, int64_t N, float* buf) {
+  uint32_t top = 0;  // any exponent all ones (inf, NaN): integer operations the compiler vectorizes
+  for (int64_t k = 0; k < N * rows; ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, buf + k, 4);
+    top |= ((bits & 0x7F800000u) == 0x7F800000u);
+  }
+  if (!top) return;
+  const int64_t nb = K / QK;
+  float wb[QK];
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint8_t* row = w + i * row_bytes;
+    bool checked = false, redo = false;
+    for (int64_t n = 0; n < N; ++n) {
+      float& y = buf[n * rows + i];
+      if (std::isfinite(y)) continue;
+      if (!checked) redo = nonfinite_scales(row, format, K), checked = true;
+      if (!redo) break;
+      float sum = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        block_weights(row, format, b, wb);
+        const T* xb = x + n * K + b * QK;
+        const int8_t* qb = xr.q.data() + n * K + b * QK;
+        const float d = xr.d[n * nb + b];
+        const bool in_float = std::binary_search(xr.nonfinite.begin(), xr.nonfinite.end(), n * nb + b);
+        for (int64_t j = 0; j < QK; ++j) sum += (in_float ? to_float(xb[j]) : static_cast<float>(qb[j]) * d) * wb[j];
+      }
+      y = sum;
     }
   }
 }
@@ -539,6 +610,7 @@ void rows_dot(const uint8_t* w, int64_t format, int64_t rows, int64_t K, const Q
     default: qdot_rows<Q6_K>(w, rows, row_bytes, xr, N, K, buf); break;
   }
   if (!xr.nonfinite.empty()) add_float_blocks(x, xr, K, w, format, rows, row_bytes, buf);
+  redo_nonfinite_scales(x, xr, K, w, format, rows, row_bytes, N, buf);
 }
 
 struct QPart {

@@ -13,7 +13,15 @@ from __future__ import annotations
 import torch
 
 from ...attention.checks import check_softcap, shape_str
-from .split_kv import DTYPES, MAX_HEAD_DIM, _precision, interpreted, triton_available, triton_next_pow2
+from .split_kv import (
+    DTYPES,
+    MAX_HEAD_DIM,
+    _precision,
+    interpreted,
+    softcap_arg,
+    triton_available,
+    triton_next_pow2,
+)
 
 CHUNK = 512  # keys per split: fixed, so that a row's splits do not depend on the batch
 BLOCK_N = 32  # keys per tile (each gathered through the table)
@@ -115,7 +123,8 @@ def paged_attention(
         return out
     paged_kernels.paged_attend[(N * H_kv, splits)](
         query, key_pool, value_pool, tables, lengths, part_out, part_lse,
-        float(D**-0.5 if scale is None else scale), G, D, DV, block_size, H_kv, splits, window or 0, softcap or 1.0,
+        float(D**-0.5 if scale is None else scale), G, D, DV, block_size, H_kv, splits, window or 0,
+        softcap_arg(softcap),
         query.stride(0), query.stride(1),
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         value_pool.stride(0), value_pool.stride(1), value_pool.stride(2),

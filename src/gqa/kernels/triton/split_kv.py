@@ -142,6 +142,14 @@ def _precision(q: torch.Tensor) -> str:
     return "tf32x3" if q.dtype == torch.float32 else "tf32"
 
 
+def softcap_arg(softcap: float | None) -> float:
+    """The kernels' float32 ``softcap`` argument (1.0 when unused): a cap beyond float32's range as inf (the scores
+    stay as they are), one below its smallest normal as that (every score capped as the cap itself would)."""
+    if softcap is None:
+        return 1.0
+    return math.inf if softcap > torch.finfo(torch.float32).max else max(softcap, torch.finfo(torch.float32).tiny)
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -259,7 +267,7 @@ def launch(
         q, k, v, mask, q if start_n is None else start_n, q if end_n is None else end_n,
         q if sink_logits is None else sink_logits, o, part_out, part_lse,
         scale, S, L, D, D_v, rows, chunk, H_kv, splits,
-        shape.G, left or 0, right or 0, softcap or 1.0,
+        shape.G, left or 0, right or 0, softcap_arg(softcap),
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),

@@ -46,12 +46,18 @@ def finish(m_i, l_i, acc):
 
 @triton.jit
 def soft_cap(s, softcap):
-    """``softcap * tanh(s / softcap)`` in float32, as ``tanh(|x|) = (1 - e) / (1 + e)``, ``e = exp(-2|x|)`` (no
-    overflow for large scores; ``-inf`` stays ``-inf``)."""
+    """``softcap * tanh(s / softcap)`` in float32 to its rounding for every cap, as the native kernel computes it
+    (``gqa/kernels/csrc/attention.h``): with ``x = s / softcap``, near zero (``|x| < 0.625``) ``s + s * z * P(z)``,
+    ``z = x^2`` (a large cap keeps ``s``'s digits, which ``(1 - e) / (1 + e)`` loses to cancellation there), beyond it
+    ``tanh(|x|) = (1 - e) / (1 + e)``, ``e = exp(-2|x|)`` (no overflow for large scores). A cap of inf (beyond float32)
+    leaves the scores as they are."""
     x = s / softcap
+    z = x * x
+    p = ((((-5.70657523e-3 * z + 2.06404906e-2) * z - 5.37401401e-2) * z + 1.33314475e-1) * z) - 3.33332807e-1
+    near_zero = s + s * (z * p)
     e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return softcap * tl.where(x < 0, -t, t)
+    t = softcap * ((1.0 - e) / (1.0 + e))
+    return tl.where(tl.abs(x) < 0.625, near_zero, tl.where(x < 0, -t, t))
 
 
 @triton.jit
