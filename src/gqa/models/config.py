@@ -17,6 +17,7 @@ from .hf_config import (
     check_supported,
     family_fields,
     int_if_whole,
+    rope_fields,
 )
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "smollm3")
@@ -106,7 +107,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """From the dict of an HF ``config.json`` (``model_type`` llama, qwen2, qwen3, mistral, gemma2 or gemma3_text).
+        """From the dict of an HF ``config.json`` (``model_type`` llama, qwen2, qwen3, mistral, gemma2, gemma3_text or
+        smollm3) as transformers 5 or 4 writes it (the RoPE's keys differ: ``rope_fields``).
 
         A key that is absent takes transformers' default for that architecture (``HF_DEFAULTS``; e.g.
         ``tie_word_embeddings`` False, ``max_position_embeddings`` 2048 for Llama and 32768 for Qwen2); the sizes
@@ -122,8 +124,6 @@ class ModelConfig:
         check_supported(cfg)
         try:
             hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            rope = cfg.get("rope_parameters") or {}
-            scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
             fields = dict(
                 arch=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -134,8 +134,6 @@ class ModelConfig:
                 num_kv_heads=int(cfg["num_key_value_heads"] or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg["rms_norm_eps"]),
-                rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-                rope_scaling=dict(scaling) if scaling else None,
                 max_position_embeddings=int(cfg["max_position_embeddings"]),
                 tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
                 # Qwen2's q/k/v projections always have biases (its attention has no such option)
@@ -148,7 +146,7 @@ class ModelConfig:
                 eos_token_id=cfg["eos_token_id"] if cfg["eos_token_id"] is not None else [],
                 pad_token_id=cfg["pad_token_id"],
             )
-            return cls(**fields | family_fields(arch, cfg, fields["num_layers"]))
+            return cls(**fields | rope_fields(arch, cfg) | family_fields(arch, cfg, fields["num_layers"]))
         except KeyError as e:
             raise ValueError(f"config.json lacks the required key {e.args[0]!r}") from None
 
