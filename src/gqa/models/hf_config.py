@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .checked import or_none, positive_float, positive_int
+
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM",
@@ -121,6 +123,12 @@ GEMMA3_LOCAL_THETA = 10000.0
 LONG_CONTEXT_ROPE = ("llama3", "yarn", "longrope")
 
 
+def hf_size(cfg: dict[str, Any], key: str, nullable: bool = False) -> Any:
+    """``cfg[key]``, a count or a size, as an int >= 1: a zero, negative or fractional one is a ``ValueError`` naming
+    ``key`` (never a division by zero later); ``nullable``: None where the key is absent or null."""
+    return None if nullable and cfg.get(key) is None else positive_int(cfg[key], key)
+
+
 def check_supported(cfg: dict[str, Any]) -> None:
     """Raise ``ValueError`` for config options that would make the HF model a different network than this one."""
     if cfg["model_type"] in GEMMA_ARCHITECTURES:
@@ -139,20 +147,17 @@ def check_supported(cfg: dict[str, Any]) -> None:
 
 def _gemma_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """``ModelConfig`` fields of a Gemma 2 / Gemma 3 text ``config.json`` (``cfg`` with the defaults filled in)."""
-    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or GEMMA_PATTERN[arch])
+    key = next((k for k in ("sliding_window_pattern", "_sliding_window_pattern") if cfg.get(k) is not None), None)
+    pattern = positive_int(cfg[key], key) if key else GEMMA_PATTERN[arch]
     layer_types = cfg.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
     return {
         "hidden_act": GEMMA_ACT,
         "layer_types": list(layer_types),
-        "sliding_window": int(cfg["sliding_window"]) if cfg["sliding_window"] else None,
-        "query_pre_attn_scalar": float(cfg["query_pre_attn_scalar"]),
-        "attn_softcap": _optional_float(cfg["attn_logit_softcapping"]),
-        "final_softcap": _optional_float(cfg["final_logit_softcapping"]),
+        "sliding_window": or_none(positive_int, cfg["sliding_window"], "sliding_window"),
+        "query_pre_attn_scalar": positive_float(cfg["query_pre_attn_scalar"], "query_pre_attn_scalar"),
+        "attn_softcap": or_none(positive_float, cfg["attn_logit_softcapping"], "attn_logit_softcapping"),
+        "final_softcap": or_none(positive_float, cfg["final_logit_softcapping"], "final_logit_softcapping"),
     }
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
 
 
 def int_if_whole(value: float | None) -> float | int | None:
@@ -205,7 +210,7 @@ def family_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, 
     if arch in GEMMA_ARCHITECTURES:
         return _gemma_fields(arch, cfg, num_layers)
     if arch == "smollm3":  # HF's no_rope_layers: 1 where the layer *uses* RoPE
-        every = int(cfg["no_rope_layer_interval"])
+        every = positive_int(cfg["no_rope_layer_interval"], "no_rope_layer_interval")
         uses = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(num_layers)]
         return {"rope_layers": None if all(uses) else [bool(u) for u in uses]}
     return {}
