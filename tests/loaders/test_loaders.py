@@ -496,6 +496,28 @@ def hf_dir(tmp_path) -> Path:
     return tmp_path / "m"
 
 
+@pytest.mark.parametrize(
+    ("dtype", "want"),
+    [("fp32", torch.float32), ("bf16", torch.bfloat16), ("FP16", torch.float16), ("bfloat16", torch.bfloat16),
+     (" Float16 ", torch.float16), (torch.bfloat16, torch.bfloat16)],
+)  # fmt: skip
+def test_load_model_takes_the_clis_dtype_names(hf_dir, dtype, want):
+    import gqa
+
+    model = gqa.load_model(hf_dir, tokenizer=False, dtype=dtype)
+    assert {p.dtype for p in model.parameters()} == {want}
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8", "float", ""])
+def test_load_model_refuses_other_dtype_names_naming_dtype(hf_dir, dtype):
+    import gqa
+
+    with pytest.raises(
+        ValueError, match=rf"dtype {re.escape(repr(dtype))} is not a dtype's name; choose from auto, fp32"
+    ):
+        gqa.load_model(hf_dir, tokenizer=False, dtype=dtype)
+
+
 def test_hf_folder_bad_config(hf_dir):
     (hf_dir / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config\.json: not a readable JSON file"):
