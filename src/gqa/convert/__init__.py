@@ -527,7 +527,7 @@ def _heal_folder(
 def _write_extras(folder: Path, plan: ConversionPlan, data: _Converted, result: HealResult | None) -> None:
     """Rank 0: the tokenizer, and healing's loss curve and log."""
     if plan.tok is not None:
-        plan.tok.hf.save_pretrained(folder)
+        plan.tok.save(folder)  # in the form transformers 4 and llama.cpp's converter read too
     if result is None:
         return
     cfg, chats, h = plan.source.config, data.chats, plan.heal
