@@ -229,9 +229,10 @@ def test_held_out_conversations_never_reach_calibration_or_healing(chat_model, t
     chats = generated(chat_model)
     assert chats.held_out and chats.train  # else this test could not fail
     import gqa.convert as convert_module
+    from gqa.convert import run, shared_healing
 
     seen: dict[str, list[int]] = {}
-    real_refit, real_heal = convert_module.refit_convert_state, convert_module.heal
+    real_refit, real_heal = convert_module.refit_convert_state, shared_healing.heal
 
     def refit(cfg, state, kv_heads, method, ids, **kw):
         seen["calibration"] = list(ids)
@@ -242,8 +243,8 @@ def test_held_out_conversations_never_reach_calibration_or_healing(chat_model, t
         return real_heal(student, teacher, ids, **kw)
 
     monkeypatch.setattr(convert_module, "refit_convert_state", refit)
-    monkeypatch.setattr(convert_module, "heal", heal)
-    monkeypatch.setattr(convert_module, "_source_conversations", lambda *a: chats)  # the set made above
+    monkeypatch.setattr(shared_healing, "heal", heal)
+    monkeypatch.setattr(run, "_source_conversations", lambda *a: chats)  # the set made above
     config = HealConfig(steps=2, seq_len=32, precision="fp32")
     convert(chat_model, tmp_path / "out", kv_heads=1, heal=config, progress=False)
     as_text = {k: " ".join(map(str, v)) for k, v in seen.items()}
@@ -256,10 +257,10 @@ def test_held_out_conversations_never_reach_calibration_or_healing(chat_model, t
 
 
 def test_without_a_chat_template_or_with_conversations_off_calibration_reads_prose(tmp_path, monkeypatch):
-    import gqa.convert as convert_module
+    from gqa.convert import run
 
     called = []
-    monkeypatch.setattr(convert_module, "_source_conversations", lambda *a: called.append(a))
+    monkeypatch.setattr(run, "_source_conversations", lambda *a: called.append(a))
     convert(tiny_dir(tmp_path / "plain"), tmp_path / "a", kv_heads=1, progress=False)
     convert(chat_dir(tmp_path / "chat"), tmp_path / "b", kv_heads=1, conversations=False, progress=False)
     convert(tmp_path / "chat", tmp_path / "c", kv_heads=1, calibration_text="the cat sat " * 40, progress=False)
@@ -351,15 +352,15 @@ def test_the_plan_says_what_generating_costs_before_paying_it(chat_model, cache_
 def test_calibration_reads_its_first_rows_and_healing_the_larger_set(chat_model, tmp_path, monkeypatch):
     """With healing on conversations the set is ``HEALING_CONVERSATIONS`` user turns; the calibration still reads
     the training conversations of its own first ``calibration_conversations`` rows, healing all of them."""
-    import gqa.convert as convert_module
+    from gqa.convert import plan, run, shared_healing
 
-    monkeypatch.setattr(convert_module, "HEALING_CONVERSATIONS", 48)
-    monkeypatch.setattr(convert_module, "GenerationSettings", functools.partial(GenerationSettings, batch_size=16))
+    monkeypatch.setattr(plan, "HEALING_CONVERSATIONS", 48)
+    monkeypatch.setattr(plan, "GenerationSettings", functools.partial(GenerationSettings, batch_size=16))
     big = generated(chat_model, GenerationSettings(count=48, batch_size=16))
     small = big.first(20)
     assert 0 < len(small.train) < len(big.train)
     seen: dict[str, str] = {}
-    real_refit, real_heal = convert_module.stream_convert, convert_module.heal
+    real_refit, real_heal = run.stream_convert, shared_healing.heal
 
     def stream(*a, calibration_ids=None, **kw):
         seen["calibration"] = " ".join(map(str, calibration_ids))
@@ -369,8 +370,8 @@ def test_calibration_reads_its_first_rows_and_healing_the_larger_set(chat_model,
         seen["healing"] = " ".join(map(str, ids))
         return real_heal(student, teacher, ids, **kw)
 
-    monkeypatch.setattr(convert_module, "stream_convert", stream)
-    monkeypatch.setattr(convert_module, "heal", heal)
+    monkeypatch.setattr(run, "stream_convert", stream)
+    monkeypatch.setattr(shared_healing, "heal", heal)
     config = HealConfig(steps=1, seq_len=32, precision="fp32")
     convert(chat_model, tmp_path / "out", kv_heads=1, heal=config, calibration_conversations=20, progress=False)
     for c in big.train:

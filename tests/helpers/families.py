@@ -15,12 +15,17 @@ GEMMA = dict(head_dim=16, sliding_window=5, query_pre_attn_scalar=12)  # a scale
 
 
 def family_model(arch: str, path, context: int = 128, **extra):
-    """A random transformers model of ``arch`` saved in ``path``; ``extra`` overrides its config's keys."""
+    """A random transformers model of ``arch`` (``FAMILIES``, or plain ``llama`` / ``qwen2``) saved in ``path``;
+    ``extra`` overrides its config's keys."""
     torch.manual_seed(0)
     kw = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, max_position_embeddings=context, rms_norm_eps=1e-6, bos_token_id=1,
               eos_token_id=2, tie_word_embeddings=False, attn_implementation="eager")  # fmt: skip
-    if arch == "qwen3":
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw | extra))
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw | extra))
+    elif arch == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw | dict(head_dim=16) | extra))
     elif arch == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**kw | dict(sliding_window=5) | extra))

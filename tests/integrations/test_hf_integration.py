@@ -15,6 +15,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded; set before transfor
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import copy
+import importlib
 import importlib.util
 import pathlib
 import subprocess
@@ -84,6 +85,26 @@ def test_import_has_no_side_effects():
     )
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_the_old_name_gqa_hf_still_imports_the_same_objects_with_a_deprecation_warning(monkeypatch):
+    """``gqa.hf`` (the module's name before ``gqa.integrations.hf``): ``import gqa.hf``, ``from gqa.hf import ...``
+    and the attribute ``gqa.hf`` warn and give the new module's objects."""
+    monkeypatch.delitem(sys.modules, "gqa.hf", raising=False)  # a fresh import, whatever ran before
+    monkeypatch.delitem(vars(gqa), "hf", raising=False)  # not delattr: its hasattr would import gqa.hf
+    moved = r"gqa\.hf moved to gqa\.integrations\.hf"
+    with pytest.warns(DeprecationWarning, match=moved):
+        old = importlib.import_module("gqa.hf")  # import gqa.hf
+    assert gqa.hf is old
+    with pytest.warns(DeprecationWarning, match=moved):
+        from gqa.hf import gqa_attention_forward, register
+    assert register is gqa.integrations.hf.register
+    assert gqa_attention_forward is gqa.integrations.hf.gqa_attention_forward
+    with pytest.warns(DeprecationWarning, match=moved):
+        assert gqa.hf.register is gqa.integrations.hf.register
+    assert gqa.hf.__all__ == gqa.integrations.hf.__all__
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        gqa.hf.nothing  # noqa: B018
 
 
 # ======================================================================== the function vs transformers' sdpa function

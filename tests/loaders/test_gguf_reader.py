@@ -4,6 +4,7 @@ naming the problem, quickly, without other exceptions and without allocations th
 
 from __future__ import annotations
 
+import re
 import time
 import tracemalloc
 from pathlib import Path
@@ -264,6 +265,57 @@ def test_lying_sizes_are_refused_before_reading(tmp_path, offset_of, value, mess
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < (4 << 20)
+
+
+def set_tensor_type(data: bytearray, name: str, qtype: Q) -> None:
+    """Rewrite the ggml type of tensor ``name`` in the index of the GGUF bytes ``data`` (its offset left as it was)."""
+    at = data.index(name.encode()) + len(name)  # after the name: n_dims (u32), the dims (u64 each), the type (u32)
+    n_dims = int.from_bytes(data[at : at + 4], "little")
+    at += 4 + 8 * n_dims
+    data[at : at + 4] = int(qtype).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize(
+    ("name", "qtype", "message"),
+    [  # the q8 file: an F16 embedding, then F32 norms and Q8_0 matrices
+        ("token_embd.weight", Q.F32, r"tensor 'output_norm\.weight' starts at data offset \d+, expected \d+, right "
+         r"after tensor 'token_embd\.weight' \(F32, 12800 bytes and its padding\): they overlap"),
+        ("blk.0.attn_q.weight", Q.Q4_0, r"tensor 'blk\.0\.attn_k\.weight' .* right after tensor "
+         r"'blk\.0\.attn_q\.weight' \(Q4_0, 576 bytes and its padding\): a gap between them"),
+        ("blk.1.ffn_down.weight", Q.F32, r"tensor 'blk\.1\.ffn_down\.weight' \(8192 bytes at data offset \d+\) runs "
+         r"past the end of the file"),
+    ],
+)  # fmt: skip
+def test_a_type_that_does_not_fit_the_offsets_names_the_tensor(tmp_path, name, qtype, message):
+    """A tensor whose type was changed runs into the next one, leaves a gap before it, or runs past the end of the
+    file: its size no longer matches the offsets (llama.cpp refuses such files too)."""
+    data = bytearray(write_small(tmp_path / "m.gguf", "q8").read_bytes())
+    set_tensor_type(data, name, qtype)
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": truncated or malformed GGUF file: " + message):
+        GGUFFile(path)
+
+
+@pytest.mark.parametrize("fewer", [1, 2])
+def test_a_tensor_count_short_of_the_index_is_refused(tmp_path, fewer):
+    """A header counting fewer tensors than the file holds would read its data from the wrong start (the index
+    shorter, so the data section begins earlier); the bytes left after the counted tensors show it."""
+    data = bytearray(write_small(tmp_path / "m.gguf", "f32").read_bytes())
+    count = int.from_bytes(data[8:16], "little")
+    data[8:16] = (count - fewer).to_bytes(8, "little")
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"bytes follow the last tensor \('.+'\) of the {count - fewer} the header"):
+        GGUFFile(path)
+
+
+def test_files_the_gguf_package_writes_place_their_tensors_as_read(tmp_path):
+    """The ``gguf`` package's offsets, every type in the small files: each tensor right after the one before."""
+    for kind in ("f32", "q8", "q4"):
+        path = write_small(tmp_path / f"{kind}.gguf", kind)
+        ours, theirs = GGUFFile(path).tensors, gguf.GGUFReader(path).tensors
+        assert [(t.name, t.offset, t.nbytes) for t in ours] == [(t.name, t.data_offset, t.n_bytes) for t in theirs]
 
 
 @pytest.mark.parametrize(

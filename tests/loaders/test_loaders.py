@@ -496,6 +496,28 @@ def hf_dir(tmp_path) -> Path:
     return tmp_path / "m"
 
 
+@pytest.mark.parametrize(
+    ("dtype", "want"),
+    [("fp32", torch.float32), ("bf16", torch.bfloat16), ("FP16", torch.float16), ("bfloat16", torch.bfloat16),
+     (" Float16 ", torch.float16), (torch.bfloat16, torch.bfloat16)],
+)  # fmt: skip
+def test_load_model_takes_the_clis_dtype_names(hf_dir, dtype, want):
+    import gqa
+
+    model = gqa.load_model(hf_dir, tokenizer=False, dtype=dtype)
+    assert {p.dtype for p in model.parameters()} == {want}
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int8", "float", ""])
+def test_load_model_refuses_other_dtype_names_naming_dtype(hf_dir, dtype):
+    import gqa
+
+    with pytest.raises(
+        ValueError, match=rf"dtype {re.escape(repr(dtype))} is not a dtype's name; choose from auto, fp32"
+    ):
+        gqa.load_model(hf_dir, tokenizer=False, dtype=dtype)
+
+
 def test_hf_folder_bad_config(hf_dir):
     (hf_dir / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config\.json: not a readable JSON file"):
@@ -532,6 +554,66 @@ def test_hf_folder_missing_and_misshapen_tensor(hf_dir):
     save_file(sd, file)
     with pytest.raises(ValueError, match=r"k_proj\.weight has shape \(16, 16\), expected \(8, 16\) from the config"):
         read_model(hf_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sizes nothing may divide by: zero, negative or fractional counts are a ValueError naming the file and the key
+
+POSITIVE = "must be a positive integer, got"
+DIVISIBLE = r"\((\d+)\) must be divisible by "
+
+
+@pytest.mark.parametrize(
+    ("arch", "change", "match"),
+    [
+        ("llama", {"num_attention_heads": 0}, f"num_attention_heads {POSITIVE} 0"),
+        ("llama", {"num_key_value_heads": 0}, f"num_key_value_heads {POSITIVE} 0"),
+        ("llama", {"head_dim": 0}, f"head_dim {POSITIVE} 0"),
+        ("llama", {"hidden_size": 0}, f"hidden_size {POSITIVE} 0"),
+        ("llama", {"num_hidden_layers": -2}, f"num_hidden_layers {POSITIVE} -2"),
+        ("llama", {"num_attention_heads": 4.5}, rf"num_attention_heads {POSITIVE} 4\.5"),
+        ("llama", {"num_key_value_heads": "2"}, f"num_key_value_heads {POSITIVE} '2'"),
+        ("llama", {"num_key_value_heads": 3}, rf"num_attention_heads {DIVISIBLE}num_key_value_heads \(3\)"),
+        ("llama", {"hidden_size": 18, "head_dim": None}, rf"hidden_size {DIVISIBLE}num_attention_heads \(4\)"),
+        ("mistral", {"sliding_window": 0}, f"sliding_window {POSITIVE} 0"),
+        ("gemma2", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a finite number > 0, got 0"),
+        ("gemma3_text", {"sliding_window_pattern": 0}, f"sliding_window_pattern {POSITIVE} 0"),
+        ("smollm3", {"no_rope_layer_interval": 0}, f"no_rope_layer_interval {POSITIVE} 0"),
+    ],
+)
+def test_bad_sizes_in_config_json_name_the_file_and_key(tmp_path, arch, change, match):
+    raw = {"model_type": arch, "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw | change))
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "config.json")) + ": " + match):
+        read_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("attention.head_count", 0, f"attention.head_count {POSITIVE} 0"),
+        ("attention.head_count_kv", 0, f"attention.head_count_kv {POSITIVE} 0"),
+        ("attention.head_count_kv", 3, rf"attention.head_count {DIVISIBLE}llama\.attention\.head_count_kv \(3\)"),
+        ("rope.dimension_count", 0, f"rope.dimension_count {POSITIVE} 0"),
+        ("embedding_length", 0, f"embedding_length {POSITIVE} 0"),
+        ("block_count", 0, f"block_count {POSITIVE} 0"),
+        ("context_length", 0, f"context_length {POSITIVE} 0"),
+        ("attention.head_count", 2.5, rf"attention.head_count {POSITIVE} 2\.5"),
+    ],
+)
+def test_bad_sizes_in_gguf_metadata_name_the_file_and_key(tmp_path, key, value, match):
+    path = write_model_gguf(tmp_path / "m.gguf", tiny_hf("llama"), **{f"llama.{key}": value})
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": bad GGUF metadata: llama\." + match):
+        read_model(path)
+
+
+@pytest.mark.parametrize("field", ["num_heads", "num_kv_heads", "head_dim", "num_layers", "hidden_size"])
+def test_model_config_refuses_zero_sizes(field):
+    from gqa.models.config import ModelConfig
+
+    with pytest.raises(ValueError, match=f"{field} {POSITIVE} 0"):
+        ModelConfig(**{field: 0})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -601,7 +683,9 @@ def test_config_defaults_are_transformers_defaults(arch, extra):
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
     hf = cls(**{k: v for k, v in raw.items() if k != "model_type"})
     if hf.num_attention_heads % hf.num_key_value_heads:  # Qwen2's default of 32 KV heads does not fit 4 heads
-        with pytest.raises(ValueError, match=r"num_heads \(4\) must be divisible by num_kv_heads \(32\)"):
+        with pytest.raises(
+            ValueError, match=r"num_attention_heads \(4\) must be divisible by num_key_value_heads \(32\)"
+        ):
             ModelConfig.from_hf(raw)
         return
     ours = ModelConfig.from_hf(raw)

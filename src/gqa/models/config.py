@@ -4,8 +4,10 @@ from an HF ``config.json`` or from GGUF metadata, and written back as an HF ``co
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
+from .checked import derived_head_dim, or_none, positive_float, positive_int
 from .hf_config import (
     FULL,
     GEMMA_ACT,
@@ -16,10 +18,14 @@ from .hf_config import (
     SLIDING,
     check_supported,
     family_fields,
+    hf_size,
     int_if_whole,
+    rope_fields,
 )
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "smollm3")
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+         "max_position_embeddings")  # fmt: skip
 
 
 @dataclass
@@ -60,6 +66,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in SIZES:
+            setattr(self, name, positive_int(getattr(self, name), name))
+        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):  # divisors when given
+            setattr(self, name, or_none(positive_float, getattr(self, name), name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         if isinstance(self.eos_token_id, int):
@@ -106,7 +116,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """From the dict of an HF ``config.json`` (``model_type`` llama, qwen2, qwen3, mistral, gemma2 or gemma3_text).
+        """From the dict of an HF ``config.json`` (``model_type`` llama, qwen2, qwen3, mistral, gemma2, gemma3_text or
+        smollm3) as transformers 5 or 4 writes it (the RoPE's keys differ: ``rope_fields``).
 
         A key that is absent takes transformers' default for that architecture (``HF_DEFAULTS``; e.g.
         ``tie_word_embeddings`` False, ``max_position_embeddings`` 2048 for Llama and 32768 for Qwen2); the sizes
@@ -121,34 +132,35 @@ class ModelConfig:
         cfg = HF_DEFAULTS[arch] | cfg
         check_supported(cfg)
         try:
-            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            rope = cfg.get("rope_parameters") or {}
-            scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            size = partial(hf_size, cfg)
+            hidden, heads = size("hidden_size"), size("num_attention_heads")
+            kv_heads = size("num_key_value_heads", nullable=True) or heads
+            if heads % kv_heads:
+                raise ValueError(f"num_attention_heads ({heads}) must be divisible by num_key_value_heads ({kv_heads})")
             fields = dict(
                 arch=arch,
-                vocab_size=int(cfg["vocab_size"]),
+                vocab_size=size("vocab_size"),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                intermediate_size=size("intermediate_size"),
+                num_layers=size("num_hidden_layers"),
                 num_heads=heads,
-                num_kv_heads=int(cfg["num_key_value_heads"] or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                num_kv_heads=kv_heads,
+                head_dim=size("head_dim", nullable=True)
+                or derived_head_dim(hidden, heads, "hidden_size", "num_attention_heads"),
                 rms_norm_eps=float(cfg["rms_norm_eps"]),
-                rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-                rope_scaling=dict(scaling) if scaling else None,
-                max_position_embeddings=int(cfg["max_position_embeddings"]),
+                max_position_embeddings=size("max_position_embeddings"),
                 tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
                 # Qwen2's q/k/v projections always have biases (its attention has no such option)
                 attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
                 # transformers' Llama, Qwen3 and Gemma attention: one attention_bias for q/k/v and o_proj
                 output_bias=arch in ONE_ATTENTION_BIAS and bool(cfg.get("attention_bias", False)),
                 qk_norm=arch in ("qwen3", "gemma3_text"),
-                sliding_window=int(cfg["sliding_window"]) if arch == "mistral" and cfg["sliding_window"] else None,
+                sliding_window=size("sliding_window", nullable=True) if arch == "mistral" else None,
                 bos_token_id=cfg["bos_token_id"],
                 eos_token_id=cfg["eos_token_id"] if cfg["eos_token_id"] is not None else [],
                 pad_token_id=cfg["pad_token_id"],
             )
-            return cls(**fields | family_fields(arch, cfg, fields["num_layers"]))
+            return cls(**fields | rope_fields(arch, cfg) | family_fields(arch, cfg, fields["num_layers"]))
         except KeyError as e:
             raise ValueError(f"config.json lacks the required key {e.args[0]!r}") from None
 

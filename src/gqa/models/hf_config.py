@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .checked import or_none, positive_float, positive_int
+
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3_text")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM",
@@ -73,7 +75,6 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "attention_bias": False,
         "mlp_bias": False,
         "hidden_act": "silu",
-        "rope_theta": 2000000.0,
         "use_sliding_window": False,
         "no_rope_layer_interval": 4,
         "bos_token_id": 128000,
@@ -114,6 +115,18 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 GEMMA_PATTERN = {"gemma2": 2, "gemma3_text": 6}  # every n-th layer global, the rest sliding (no layer_types given)
+# transformers' RoPE bases when a config.json names none (each config class's ``default_theta``); Gemma 3's sliding
+# layers have their own
+DEFAULT_ROPE_THETA = {"smollm3": 2000000.0, "gemma3_text": 1000000.0}
+GEMMA3_LOCAL_THETA = 10000.0
+# the scalings whose pre-training context transformers takes from max_position_embeddings when the config has none
+LONG_CONTEXT_ROPE = ("llama3", "yarn", "longrope")
+
+
+def hf_size(cfg: dict[str, Any], key: str, nullable: bool = False) -> Any:
+    """``cfg[key]``, a count or a size, as an int >= 1: a zero, negative or fractional one is a ``ValueError`` naming
+    ``key`` (never a division by zero later); ``nullable``: None where the key is absent or null."""
+    return None if nullable and cfg.get(key) is None else positive_int(cfg[key], key)
 
 
 def check_supported(cfg: dict[str, Any]) -> None:
@@ -134,40 +147,62 @@ def check_supported(cfg: dict[str, Any]) -> None:
 
 def _gemma_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """``ModelConfig`` fields of a Gemma 2 / Gemma 3 text ``config.json`` (``cfg`` with the defaults filled in)."""
-    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or GEMMA_PATTERN[arch])
+    key = next((k for k in ("sliding_window_pattern", "_sliding_window_pattern") if cfg.get(k) is not None), None)
+    pattern = positive_int(cfg[key], key) if key else GEMMA_PATTERN[arch]
     layer_types = cfg.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
-    fields: dict[str, Any] = {
+    return {
         "hidden_act": GEMMA_ACT,
         "layer_types": list(layer_types),
-        "sliding_window": int(cfg["sliding_window"]) if cfg["sliding_window"] else None,
-        "query_pre_attn_scalar": float(cfg["query_pre_attn_scalar"]),
-        "attn_softcap": _optional_float(cfg["attn_logit_softcapping"]),
-        "final_softcap": _optional_float(cfg["final_logit_softcapping"]),
+        "sliding_window": or_none(positive_int, cfg["sliding_window"], "sliding_window"),
+        "query_pre_attn_scalar": positive_float(cfg["query_pre_attn_scalar"], "query_pre_attn_scalar"),
+        "attn_softcap": or_none(positive_float, cfg["attn_logit_softcapping"], "attn_logit_softcapping"),
+        "final_softcap": or_none(positive_float, cfg["final_logit_softcapping"], "final_logit_softcapping"),
     }
-    if arch == "gemma3_text":  # RoPE per layer type: scaled global base, unscaled local one
-        rope = cfg.get("rope_parameters") or {}
-        if FULL in rope or SLIDING in rope:  # transformers >= 5 writes them per layer type
-            full, local = dict(rope.get(FULL) or {}), dict(rope.get(SLIDING) or {})
-        else:
-            full = {"rope_theta": cfg.get("rope_theta", 1e6), **(cfg.get("rope_scaling") or {})}
-            local = {"rope_theta": cfg.get("rope_local_base_freq", 1e4)}
-        if local.get("rope_type", "default") != "default":
-            raise ValueError(f"unsupported RoPE scaling {local!r} of the sliding layers in config.json")
-        full_type = full.get("rope_type", full.get("type", "default"))
-        fields |= {
-            "rope_theta": float(full.get("rope_theta", 1e6)),
-            "rope_scaling": None if full_type == "default" else full,
-            "rope_local_theta": float(local.get("rope_theta", 1e4)),
-        }
-    return fields
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
 
 
 def int_if_whole(value: float | None) -> float | int | None:
     return int(value) if value is not None and float(value).is_integer() else value
+
+
+def rope_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``rope_theta``, ``rope_scaling`` (transformers 4's form: ``rope_type`` and its parameters, no base; None when
+    unscaled) and, for Gemma 3, ``rope_local_theta`` of an HF ``config.json`` as either transformers writes it.
+
+    transformers 5 writes ``rope_parameters``: one dict (``rope_theta``, ``rope_type``, the scaling's parameters), or
+    for Gemma 3 one per layer type (``full_attention``, ``sliding_attention``). transformers 4 wrote ``rope_theta``,
+    ``rope_scaling`` (``rope_type`` or the older ``type``) and Gemma 3's ``rope_local_base_freq``. Where both are
+    given, transformers 5's precedence holds: ``rope_scaling`` over ``rope_parameters``' type, ``rope_parameters``'
+    base over ``rope_theta``.
+    """
+    params = cfg.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters must be a JSON object, got {params!r}")
+    nested = FULL in params or SLIDING in params
+    full = dict((params.get(FULL) if nested else params) or {}) | dict(cfg.get("rope_scaling") or {})
+    full.setdefault("rope_theta", cfg.get("rope_theta") or DEFAULT_ROPE_THETA.get(arch, 10000.0))
+    fields = {"rope_theta": float(full["rope_theta"]), "rope_scaling": _rope_scaling(full, cfg)}
+    if arch == "gemma3_text":  # the sliding layers: their own base, never scaled
+        local = dict(params.get(SLIDING) or {}) if nested else {}
+        local.setdefault("rope_theta", cfg.get("rope_local_base_freq") or GEMMA3_LOCAL_THETA)
+        if _rope_scaling(local, cfg) is not None:
+            raise ValueError(f"unsupported RoPE scaling {local!r} of the sliding layers in config.json")
+        fields["rope_local_theta"] = float(local["rope_theta"])
+    elif nested:
+        raise ValueError(f"unsupported rope_parameters per layer type ({', '.join(params)}) in a {arch} config.json")
+    return fields
+
+
+def _rope_scaling(params: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers 4's ``rope_scaling`` of one RoPE's parameters (base included), or None for an unscaled RoPE."""
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
+    scaling["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:  # none of these families rotates part of a head
+        raise ValueError(f"unsupported partial_rotary_factor {params['partial_rotary_factor']!r} in config.json")
+    if scaling["rope_type"] == "default":
+        return None
+    if scaling["rope_type"] in LONG_CONTEXT_ROPE:
+        scaling.setdefault("original_max_position_embeddings", cfg["max_position_embeddings"])
+    return scaling
 
 
 def family_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -175,7 +210,7 @@ def family_fields(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, 
     if arch in GEMMA_ARCHITECTURES:
         return _gemma_fields(arch, cfg, num_layers)
     if arch == "smollm3":  # HF's no_rope_layers: 1 where the layer *uses* RoPE
-        every = int(cfg["no_rope_layer_interval"])
+        every = positive_int(cfg["no_rope_layer_interval"], "no_rope_layer_interval")
         uses = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(num_layers)]
         return {"rope_layers": None if all(uses) else [bool(u) for u in uses]}
     return {}
