@@ -141,6 +141,22 @@ KEYWORDS = ["type", "enum", "const", "$ref", "allOf", "anyOf", "oneOf", "propert
             "multipleOf", "pattern", "format", "maxLength", "propertyNames", "$defs", "not", "a"]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"oneOf": [{"type": "object", "required": [[1]]}]},
+        {"oneOf": [{"const": 1, "enum": 5}]},
+        {"oneOf": [{"type": "object", "required": 5}, {"type": "object"}]},
+        {"oneOf": [{"type": "object", "properties": {"a": {"enum": 5}}, "required": ["a"]}, {"type": "string"}]},
+    ],
+)
+def test_malformed_keywords_inside_one_of_are_refused_with_a_value_error(schema):
+    """A ``oneOf`` branch's keywords are read to tell branches apart before the branch's own check: a malformed one
+    (``required`` not a list of names, ``enum`` not a list) must end in a ``ValueError`` (a 400), not a TypeError."""
+    with contextlib.suppress(ValueError):
+        check_schema(schema)
+
+
 def test_any_json_is_taken_or_refused_with_a_value_error():
     """Whatever JSON a client sends as a schema (wrong types under every keyword, refs that loop), the check ends
     with a ``ValueError`` or nothing: never another exception (a 500)."""

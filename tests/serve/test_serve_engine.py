@@ -4,6 +4,7 @@ request served alone, and the block pool's free count after every kind of ending
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -402,9 +403,13 @@ def test_requests_get_engine_stopped_at_once_when_the_thread_is_gone(async_engin
     assert isinstance(later, EngineStopped) and async_engine.in_flight == 0
 
 
-async def asgi_call(app, method: str, route: str, body: dict | None = None) -> tuple[int, dict, dict]:
-    """One request through the ASGI ``app`` in this process: status, JSON body, headers. An exception the app
-    re-raises after answering (starlette's last handler does, for the server's log) is swallowed: the answer counts."""
+async def asgi_call(
+    app, method: str, route: str, body: dict | None = None, leave: bool = False
+) -> tuple[int, dict | None, dict]:
+    """One request through the ASGI ``app`` in this process: status, JSON body (``None`` when empty), headers. The
+    client stays until its answer has come, or with ``leave`` disconnects right after sending its body. An exception
+    the app re-raises after answering (starlette's last handler does, for the server's log) is swallowed: the answer
+    counts."""
     import asyncio
     import json
 
@@ -417,7 +422,8 @@ async def asgi_call(app, method: str, route: str, body: dict | None = None) -> t
     async def receive():  # the body, then the client stays until its answer has come (then leaves)
         if incoming:
             return incoming.pop(0)
-        await answered.wait()
+        if not leave:
+            await answered.wait()
         return {"type": "http.disconnect"}
 
     async def send(message):
@@ -432,7 +438,7 @@ async def asgi_call(app, method: str, route: str, body: dict | None = None) -> t
             raise
     start = next(m for m in sent if m["type"] == "http.response.start")
     text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return start["status"], json.loads(text), {k.decode(): v.decode() for k, v in start["headers"]}
+    return start["status"], json.loads(text) if text else None, {k.decode(): v.decode() for k, v in start["headers"]}
 
 
 def bounded(coroutine):
@@ -479,6 +485,40 @@ def test_a_bug_in_a_route_is_answered_in_openais_error_shape(tiny, monkeypatch):
         engine.stop()
     assert status == 500 and body["error"]["type"] == "server_error"
     assert "RuntimeError: a bug in the answer's body" in body["error"]["message"]
+
+
+def test_a_client_that_leaves_during_its_grammars_compile_is_a_499_and_the_compile_is_left_behind(tiny):
+    """A request whose client disconnects while its grammar compiles ends as 499 (client closed request), not as an
+    error of the server; the compile goes on to its end on its own thread."""
+    import threading
+
+    from gqa.serve.async_engine import AsyncEngine
+    from gqa.serve.server import build_app
+
+    class SlowGrammars:  # stands in for ``Grammars``: every spec is taken, and a compile takes 1 s
+        def __init__(self) -> None:
+            self.compiled = threading.Event()
+
+        def check(self, s) -> None:
+            pass
+
+        def find(self, s) -> None:
+            return None
+
+        def compile(self, s) -> str:
+            time.sleep(1)
+            self.compiled.set()
+            return "grammar"
+
+    path, _ = tiny
+    model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
+    engine = Engine(model, kv_cache_mib=1)
+    engine.grammars = SlowGrammars()
+    app = build_app(AsyncEngine(engine), None, "tiny")
+    request = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "structured_outputs": {"regex": "a+"}}
+    status, body, _ = bounded(asgi_call(app, "POST", "/v1/completions", request, leave=True))
+    assert status == 499 and body is None
+    assert engine.grammars.compiled.wait(10)
 
 
 @pytest.mark.parametrize(

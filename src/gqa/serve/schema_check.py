@@ -199,7 +199,7 @@ def _values(node: Any) -> set | None:
     1.0, not true); ``None`` otherwise."""
     if not isinstance(node, dict) or not ("const" in node or isinstance(node.get("enum"), list)):
         return None
-    values = node["enum"] if "enum" in node else [node["const"]]
+    values = node["enum"] if isinstance(node.get("enum"), list) else [node["const"]]
     if any(isinstance(v, (dict, list)) or (isinstance(v, float) and not math.isfinite(v)) for v in values):
         return None
     return {(_kind(v), v) for v in values}  # (as Python compares numbers: 1 == 1.0)
@@ -224,8 +224,9 @@ def _facts(node: Any, root: Any, depth: int = 0) -> tuple[set[str] | None, set |
         kinds = {IMPLIED[k] for k in IMPLIED if k in node} or None
     keys = {}
     properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-    for name in node.get("required") or () if kinds == {"object"} else ():
-        if name in properties:
+    required = node.get("required") if kinds == {"object"} and isinstance(node.get("required"), list) else ()
+    for name in required:
+        if isinstance(name, str) and name in properties:
             listed = _values(_resolved(root, properties[name]))
             if listed is not None:
                 keys[name] = listed

@@ -189,9 +189,9 @@ def build_app(
             await asyncio.wait({job, left}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             left.cancel()
-            if not job.done():
+            if not job.done():  # the client left first (or this request was cancelled): the compile is left behind
                 job.cancel()
-        if job.cancelled():
+        if not job.done() or job.cancelled():  # cancel() only asks: the job is done on a later turn of the loop
             raise ClientLeft
         try:
             return job.result()
