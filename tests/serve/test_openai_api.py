@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gqa.loaders import load_tokenizer
-from gqa.serve.openai_api import ApiError, logprobs_body, parse_completion, to_json
+from gqa.serve.openai_api import ApiError, TextOffsets, logprobs_body, parse_completion, to_json
 from gqa.serve.sampler import token_logprob
 from gqa.serve.sampling import SamplingParams
 
@@ -55,7 +55,7 @@ def test_completions_logprobs_of_split_characters_spell_the_text_at_the_tokenize
     text = "Japanese: 日本語 😀🎉 means"
     encoded = tok.backend.encode(text, add_special_tokens=False)
     entries = [(t, -1.0, ((t, -1.0),)) for t in encoded.ids]
-    body = logprobs_body(entries, tok, chat=False, offset=3)
+    body = logprobs_body(entries, tok, chat=False, offsets=TextOffsets(3))
     assert body["text_offset"] == [3 + start for start, _ in encoded.offsets]
     spelled = b"".join(_token_bytes(t) for t in body["tokens"])
     assert spelled == text.encode("utf-8") and any(t.startswith("bytes:") for t in body["tokens"])

@@ -831,3 +831,22 @@ def test_a_soak_of_64_clients_with_aborts_returns_every_block_and_levels_off():
         assert m["gqa_kv_blocks_used"] == 0 and m["gqa_requests_waiting"] == 0
     finally:
         assert s.stop() == 0
+
+
+def test_streamed_text_offsets_are_the_whole_answers_where_tokens_split_characters(client):
+    """A token that ends inside a character (SmolLM2's ``b' \\xe6'`` of " 日") counted as one more character in a
+    stream, whose chunks were measured one by one: every later ``text_offset`` was off. One count over the answer."""
+    text = "x 日本語 😀🎉 means"  # held to this text; the bias makes b' \xe6' (17097) the token that starts " 日"
+    request = {"model": MODEL, "prompt": "Say it:", "max_tokens": 40, "temperature": 0, "logprobs": 1,
+               "logit_bias": {"17097": 100}, "extra_body": {"structured_outputs": {"choice": [text]}}}  # fmt: skip
+    whole = client.completions.create(**request).choices[0]
+    assert whole.text == text and "bytes:\\x20\\xe6" in whole.logprobs.tokens
+    offsets, tokens = [], []
+    for c in client.completions.create(stream=True, **request):
+        for ch in c.choices:
+            if ch.logprobs:
+                offsets += ch.logprobs.text_offset
+                tokens += ch.logprobs.tokens
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    ends = [*whole.logprobs.text_offset[1:], len(text)]
+    assert all(a <= b for a, b in zip(whole.logprobs.text_offset, ends, strict=True)) and ends[-1] == len(text)

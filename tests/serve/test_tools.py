@@ -232,3 +232,25 @@ def test_auto_answers_read_the_same_streamed_and_whole(client):
     whole = answer(client, False, max_tokens=40, **before)
     assert whole == ('<tool_call>Sure: {"name": "get_time"}</tool_call>', [], "stop")
     assert answer(client, True, max_tokens=40, **before) == whole
+
+
+def logprob_tokens(client, stream: bool, **request) -> list[tuple[str, list[int]]]:
+    """A chat answer's logprobs, whole or streamed (the chunks' lists joined): ``(token, bytes)`` per token."""
+    from tests.helpers.server_process import MODEL
+
+    request = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "temperature": 0, "logprobs": True} | request
+    if not stream:
+        return [(t.token, t.bytes) for t in client.chat.completions.create(**request).choices[0].logprobs.content]
+    chunks = client.chat.completions.create(stream=True, **request)
+    return [(t.token, t.bytes) for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.content or ()]
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", NAMED], ids=["auto", "required", "named"])
+def test_streamed_tool_answers_carry_the_logprobs_the_whole_ones_do(client, choice):
+    """A streamed answer that may call tools sent no logprobs at all while the whole one listed every token's: the
+    tokens a chunk's text or calls came from go with it (those held back until a block closes, with the chunk after)."""
+    call = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call> Done\.'
+    held = {"extra_body": {"structured_outputs": {"regex": call}}} if choice == "auto" else {}
+    whole = logprob_tokens(client, False, tool_choice=choice, max_tokens=48, **held)
+    assert len(whole) > 5 and b"".join(bytes(b) for _, b in whole)
+    assert logprob_tokens(client, True, tool_choice=choice, max_tokens=48, **held) == whole

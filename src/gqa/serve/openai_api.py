@@ -169,9 +169,10 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def logprobs_body(entries: list, tokenizer, chat: bool, offset: int = 0) -> dict:
+def logprobs_body(entries: list, tokenizer, chat: bool, offsets: TextOffsets | None = None) -> dict:
     """A choice's (or a stream chunk's) ``logprobs`` for ``entries`` (``TokenLogprob``: id, logprob, alternatives):
-    chat's ``content`` list, or the completions' arrays, ``text_offset`` counting characters from ``offset`` (an
+    chat's ``content`` list, or the completions' arrays, ``text_offset`` counted by ``offsets`` (a stream's chunks
+    share one, so they go on where the chunk before ended; ``None``: from 0) (an
     echoed prompt's first token has no logprob and no alternatives: ``null`` in both, as OpenAI sends it). A token's
     ``bytes`` are its own (``Tokenizer.token_bytes``): joined, they are the text's UTF-8; its text is those bytes, or
     for a piece of a multi-byte character OpenAI's ``bytes:\\xNN`` naming them (``token_text``), and its offset is
@@ -191,7 +192,7 @@ def logprobs_body(entries: list, tokenizer, chat: bool, offset: int = 0) -> dict
         "tokens": [token_text(b) for b in pieces],
         "token_logprobs": [lp for _, lp, _ in entries],
         "top_logprobs": top,
-        "text_offset": char_offsets(pieces, offset),
+        "text_offset": (offsets or TextOffsets()).of(pieces),
     }
 
 
@@ -204,20 +205,22 @@ def token_text(raw: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def spelled_length(entries: list, tokenizer) -> int:
-    """The characters ``entries``' tokens spell: where a stream's next ``text_offset`` goes on from."""
-    return len(b"".join(tokenizer.token_bytes(t) for t, _, _ in entries).decode("utf-8", errors="replace"))
+class TextOffsets:
+    """Completions' ``text_offset``: where each token starts in the text, in characters from ``start``, counted by one
+    UTF-8 decoder over all of an answer's tokens — a token that continues a character starts where that character
+    does, also when the character's pieces come in different chunks of a stream."""
 
+    def __init__(self, start: int = 0) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.at = start
 
-def char_offsets(pieces: list[bytes], start: int = 0) -> list[int]:
-    """Where each of the byte strings ``pieces`` starts in the text they spell together, in characters from
-    ``start``: a piece that continues a character starts where that character does."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offsets, at = [], start
-    for piece in pieces:
-        offsets.append(at)
-        at += len(decoder.decode(piece))
-    return offsets
+    def of(self, pieces: list[bytes]) -> list[int]:
+        """The offsets of the next tokens, ``pieces`` (their bytes), in order."""
+        offsets = []
+        for piece in pieces:
+            offsets.append(self.at)
+            self.at += len(self._decoder.decode(piece))
+        return offsets
 
 
 def _structured(body: dict) -> tuple[StructuredOutput | None, str | None]:

@@ -32,13 +32,13 @@ from .grammar_compiles import CompileBusy, GrammarCompiles
 from .openai_api import (
     ApiError,
     ParsedRequest,
+    TextOffsets,
     completion_body,
     error_body,
     logprobs_body,
     new_id,
     parse_chat,
     parse_completion,
-    spelled_length,
     to_json,
     usage,
 )
@@ -378,9 +378,9 @@ def build_app(
             return body
 
         n = parsed.n
-        # per answer: the logprobs of tokens whose text is still held back, the text offset where they start, and
-        # the tokens it generated once it finished
-        pending, offset, tokens = [[] for _ in range(n)], [0] * n, [None] * n
+        # per answer: the logprobs of tokens whose text is still held back, the text offsets counted so far (the
+        # echoed prompt's, then its own: across chunks), and the tokens it generated once it finished
+        pending, offsets, tokens = [[] for _ in range(n)], [TextOffsets() for _ in range(n)], [None] * n
         calling = None  # per answer, its tool calls read as they stream
         if parsed.tools is not None and parsed.tools.choice != "none":
             calling = [ToolCallStream(parsed.tools) for _ in range(n)]
@@ -394,8 +394,7 @@ def build_app(
                 elif parsed.echo:
                     logprobs = None
                     if prompt_entries is not None:  # the prompt's own logprobs go with its text
-                        logprobs = logprobs_body(prompt_entries, tokenizer, False)
-                        offset[i] = spelled_length(prompt_entries, tokenizer)
+                        logprobs = logprobs_body(prompt_entries, tokenizer, False, offsets[i])
                     yield event(chunk(i, parsed.echo, None, logprobs))
             async for i, out in answers:
                 if isinstance(out, Exception):  # the engine stopped mid-stream: an error event, then the stream's end
@@ -410,19 +409,21 @@ def build_app(
                     if out.finished:
                         more, last = calling[i].finish()
                         content, calls = content + more, calls + last
-                    if content:
-                        yield event(chunk(i, content, None))
+                    sends = [chunk(i, content, None)] if content else []
                     if calls:
-                        body = chunk(i, "", None)
-                        body["choices"][0]["delta"] = {"tool_calls": calls}
-                        yield event(body)
+                        sends.append(chunk(i, "", None))
+                        sends[-1]["choices"][0]["delta"] = {"tool_calls": calls}
                     if out.finished:
-                        yield event(chunk(i, "", calling[i].finish_reason(out.finish_reason)))
+                        sends.append(chunk(i, "", calling[i].finish_reason(out.finish_reason)))
+                    if sends and pending[i] and parsed.params.logprobs is not None:  # the tokens held back so far go
+                        logprobs = logprobs_body(pending[i], tokenizer, chat, offsets[i])  # with the next chunk sent
+                        sends[0]["choices"][0]["logprobs"], pending[i] = logprobs, []
+                    for body in sends:
+                        yield event(body)
                 elif out.text or out.finished:
                     logprobs = None
                     if parsed.params.logprobs is not None:
-                        logprobs = logprobs_body(pending[i], tokenizer, chat, offset[i])
-                        offset[i] += spelled_length(pending[i], tokenizer) if not chat else 0
+                        logprobs = logprobs_body(pending[i], tokenizer, chat, offsets[i])
                     pending[i] = []
                     yield event(chunk(i, out.text, out.finish_reason, logprobs))
                 if out.finished:
