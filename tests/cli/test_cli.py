@@ -69,6 +69,8 @@ def test_info_compares_kv_cache_with_mha_and_mqa():
     assert "| this model (GQA, 3 KV heads) | 3 | 45.0 KiB | 180.0 MiB |" in out
     assert "| MHA | 9 | 135.0 KiB | 540.0 MiB |" in out
     assert "| MQA | 1 | 15.0 KiB | 60.0 MiB |" in out
+    # q8_0: 30 x 3 x (64 / 32 blocks x 34 bytes) x 2 = 12,240 bytes a token, 2**30 // 12,240 = 87,724 tokens in a GiB
+    assert "| q8_0 | 8.5 | 35.86 KiB | 29,241 | 11.95 KiB | 87,724 | 3.98 KiB | 263,172 |" in out
     from gqa import kernels  # the same process state as the subprocess: this venv, this CPU
 
     scalar = "(no AVX2/AVX-512 here: scalar, so used for bf16 decode attention only)"
@@ -81,6 +83,7 @@ def test_info_compares_kv_cache_with_mha_and_mqa():
     "args,message",
     [
         (("info", "--model", "/nonexistent/model.gguf"), "no such file or folder"),
+        (("info", "--kv-budget-gib", "0"), "--kv-budget-gib: must be a positive number of GiB"),
         (("generate", "hi", "--top-p", "2"), "top_p must be in"),
         (("generate", "hi", "--max-new-tokens", "9000"), "exceeds the model's context"),
         (("serve", "--device", "tpu"), "--device must be cpu, cuda or cuda:N"),

@@ -1,6 +1,7 @@
 """KV caches: ``kv`` — the static (preallocated, per-row cursor and left padding) and dynamic caches of decoding;
 ``window`` — the ring of a sliding-window layer, holding the window rather than the context;
-``sizes`` — the KV cache's size in elements, the one formula (without torch: ``gqa info`` uses it). The paged pool of
+``sizes`` — the KV cache's size in elements, the one formula (without torch: ``gqa info`` uses it); ``kv_dtypes`` — the
+cache's storage types by llama.cpp's names (float, ``q8_0``/``q4_0`` blocks) and their bytes. The paged pool of
 serving is ``gqa.serve.paged_cache``. The torch classes are imported on first use."""
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import argparse
 import math
 from typing import TYPE_CHECKING
 
+from ..cache.kv_dtypes import KV_DTYPES, kv_bytes_per_token
 from ..cache.sizes import ITEMSIZE, WINDOW_SPARE, kv_cache_elements, layer_cache_tokens
 from ..options.common import add_model_arguments, loading, model_label
 from ..options.dtypes import NAMES
@@ -38,6 +39,29 @@ def kv_cache_table(num_layers: int, num_heads: int, num_kv_heads: int, head_dim:
     return "\n".join(lines)
 
 
+def kv_dtype_table(num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int, budget_gib: float = 1.0) -> str:
+    """Markdown table: for every KV-cache storage type (``cache.kv_dtypes``), the bytes a token adds and the tokens
+    ``budget_gib`` GiB hold, as MHA, this model's GQA and MQA: the two savings, fewer heads and fewer bits, side by
+    side. A block type whose blocks do not tile ``head_dim`` says so instead."""
+    variants = [("MHA", num_heads), ("GQA", num_kv_heads), ("MQA", 1)]
+    variants = [
+        (label, heads) for i, (label, heads) in enumerate(variants) if heads not in [h for _, h in variants[:i]]
+    ]
+    header = " | ".join(f"{label} ({heads} KV) per token | tokens in {budget_gib:g} GiB" for label, heads in variants)
+    lines = [f"| KV dtype | bits | {header} |", "|---|---:|" + "---:|---:|" * len(variants)]
+    for kv in KV_DTYPES.values():
+        if head_dim % kv.block:
+            lines.append(f"| {kv.name} | {kv.bits_per_value:g} | needs a head dim that is a multiple of {kv.block} |")
+            continue
+        cells = []
+        for _, heads in variants:
+            per_token = kv_bytes_per_token(num_layers, heads, head_dim, kv)
+            tokens = int(budget_gib * 2**30 // per_token) if per_token else 0
+            cells.append(f"{per_token / 1024:.2f} KiB | {tokens:,}")
+        lines.append(f"| {kv.name} | {kv.bits_per_value:g} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 HELP = "a model's architecture and KV-cache size vs MHA and MQA"
 DESCRIPTION = HELP
 
@@ -47,6 +71,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, dtype_help="dtype of the KV cache (and weights, with --tp) in the tables")
     parser.add_argument("--tp", type=int, default=None, metavar="N", help="also show each of N tensor-parallel ranks' "
                         "heads, weight bytes and KV-cache bytes per token (default: off)")  # fmt: skip
+    parser.add_argument("--kv-budget-gib", type=_positive_gib, default=1.0, metavar="GIB", help="the KV-cache "
+                        "budget the storage-type table counts tokens in (default: 1)")  # fmt: skip
+
+
+def _positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text!r}")
+    return value
 
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
@@ -78,6 +114,10 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         print(line)
     print()
     print(kv_cache_table(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, NAMES[ns.dtype]))
+    print()
+    print("KV cache by storage type (q8_0/q4_0: llama.cpp's blocks of 32 values with an fp16 scale; gqa's caches store")
+    print("the float types for now):")
+    print(kv_dtype_table(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, ns.kv_budget_gib))
     if ns.tp is not None:
         import torch
 
