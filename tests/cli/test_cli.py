@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gqa import __version__, convert
+from gqa import __version__, convert, kernels
 from gqa.bench.model import benchmark as bench_model
 from gqa.cli import build_parser
 from gqa.cli import main as cli
@@ -260,7 +260,7 @@ class FakeTokenizer:
 def test_generate_says_what_it_loads_on_stderr_and_keeps_stdout_for_the_text(capsys, monkeypatch):
     loaded = []
 
-    def load_model(path, dtype, tensor_parallel=False, quantize=None):
+    def load_model(path, dtype, tensor_parallel=False, quantize=None, kv_dtype="auto"):
         loaded.append((path, dtype))
         return SimpleNamespace(tokenizer=FakeTokenizer())
 
@@ -319,3 +319,20 @@ def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
     monkeypatch.setenv("GQA_API_KEY", " ")
     with pytest.raises(ValueError, match="must not be empty"):
         api_key_of(argparse.Namespace(api_key=None))
+
+
+@pytest.mark.parametrize("command", [("generate", "hi"), ("serve",)])
+def test_kv_cache_dtype_flags_name_themselves_in_errors(capsys, command):
+    code, _, err = run_cli(capsys, *command, "--kv-cache-dtype", "q5_1")
+    assert code == 2 and "argument --kv-cache-dtype: invalid choice: 'q5_1'" in err
+    code, _, err = run_cli(capsys, *command, "--kv-cache-dtype-v", "int8")
+    assert code == 2 and "argument --kv-cache-dtype-v: invalid choice: 'int8'" in err
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels not built on this machine")
+def test_generate_with_a_quantized_kv_cache_and_a_float_one_of_another_dtype(capsys):
+    code, out, _ = run_cli(capsys, "generate", "Hi", "--kv-cache-dtype-k", "q8_0", "--kv-cache-dtype-v", "q4_0",
+                           "--max-new-tokens", "4")  # fmt: skip
+    assert code == 0 and out.strip()
+    code, _, err = run_cli(capsys, "generate", "Hi", "--dtype", "fp32", "--kv-cache-dtype", "bf16")
+    assert code == 2 and "--kv-cache-dtype bf16 differs from the model's dtype fp32" in err

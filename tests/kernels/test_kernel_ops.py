@@ -94,6 +94,11 @@ def cases() -> dict[str, tuple]:
         "decode_model": (ops.decode_model, (*model, *dense(2), *head, torch.empty(B, dtype=torch.long))),
         "decode_paged": (ops.decode_paged, (*model, [pool.clone(), pool.clone()], [pool.clone(), pool.clone()],
                                             table, torch.tensor([4, 0, 9]), *head, None, torch.tensor([2, 0]))),
+        "quantize_kv": (ops.quantize_kv, (torch.randn(5, 3, K, generator=g), 1)),
+        # a q8_0 K cache and a q4_0 V cache of 64-value heads
+        "decode_attention blocks": (ops.decode_attention, (torch.randn(B, Hkv, 3, K), ops.quantize_kv(
+            torch.randn(B, Hkv, C, K), 0), ops.quantize_kv(torch.randn(B, Hkv, C, K), 1), None, 0.3, 1, True, 0.0,
+            None, 0, 1)),
     }  # fmt: skip
 
 
@@ -110,6 +115,7 @@ OPS = [
     "decode_layer",
     "decode_model",
     "decode_paged",
+    "quantize_kv",
 ]
 
 
@@ -120,7 +126,7 @@ def test_every_op_with_tensors_has_a_case_here():
 
 
 @native
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("name", [*OPS, "decode_attention blocks"])
 def test_the_fake_kernel_agrees_with_the_op(name):
     op, args = cases()[name]
     torch.library.opcheck(op.default, args)

@@ -13,6 +13,7 @@ from ..models.linear import Linear, linears
 from .checks import check_dropout, check_heads, check_scale, check_softcap, check_window, shape_str
 from .functional import grouped_attention
 from .masks import merge_masks
+from .quantized_cache import quantized_cache_attention
 from .rope import RoPE
 
 
@@ -217,6 +218,12 @@ class GroupedQueryAttention(nn.Module):
             k, v = cache.update(k, v)  # (B, H_kv, S, D) with S = everything cached
             cache_mask, is_causal = cache.visibility(L, k.shape[-2], is_causal)
             attn_mask = merge_masks(attn_mask, cache_mask)
+            if cache.quantized:  # the blocks, read where they lie
+                if need_weights or (self.training and self.dropout > 0):
+                    raise ValueError("a quantized KV cache is for inference: no need_weights, no dropout")
+                out = quantized_cache_attention(q, k, v, cache.kinds, attn_mask, is_causal, self.scale,
+                                                window=self.window, softcap=self.softcap, sinks=self.sinks)  # fmt: skip
+                return self.o_proj(out.transpose(-2, -3).flatten(-2))
 
         dropout_p = self.dropout if self.training else 0.0
         result = grouped_attention(

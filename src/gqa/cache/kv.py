@@ -19,7 +19,11 @@ from torch import nn
 
 from .._compiler import disable
 from ..attention.checks import shape_str
+from .kv_dtypes import KVDtype
+from .quantize import DTYPE_NAMES, quantize, resolve_kv_dtype, row_size, storage_dtype
 from .sizes import kv_cache_elements
+
+KVDtypeChoice = str | KVDtype | tuple[str | KVDtype, str | KVDtype] | None
 
 
 def kv_cache_bytes(
@@ -46,9 +50,31 @@ def check_positive(**counts: object) -> None:
             raise ValueError(f"{name} must be a positive int, got {n!r}")
 
 
+def kv_kinds(kv_dtype: KVDtypeChoice, dtype: torch.dtype, flag: str = "kv_dtype") -> tuple[KVDtype, KVDtype]:
+    """The K and V storage types of a cache of ``dtype`` activations: ``kv_dtype`` one name for both (``"auto"`` /
+    ``None``: ``dtype`` itself), or a ``(K, V)`` pair, as llama.cpp's ``-ctk`` / ``-ctv``. A float type must be
+    ``dtype`` (the caches store what the model computes; quantized ones are the way to fewer bytes): ``ValueError``
+    naming ``flag`` otherwise."""
+    pair = kv_dtype if isinstance(kv_dtype, tuple) else (kv_dtype, kv_dtype)
+    if len(pair) != 2:
+        raise ValueError(f"{flag} must be a name or a (K, V) pair of names, got {kv_dtype!r}")
+    kinds = tuple(resolve_kv_dtype(k, dtype, flag) for k in pair)
+    for kind in kinds:
+        if not kind.quantized and storage_dtype(kind) != dtype:
+            raise ValueError(
+                f"{flag} {kind.name} differs from the model's dtype {DTYPE_NAMES.get(dtype, dtype)}: a float KV cache "
+                f"stores the model's dtype (load the model in {kind.name}), or pick q8_0 / q4_0"
+            )
+    return kinds  # type: ignore[return-value]
+
+
 class _KVCache(nn.Module):
     """Shared machinery: buffers ``key (B, H_kv, capacity, D)``, ``value (B, H_kv, capacity, D_v)``, ``start (B,)``
-    (left padding per row) and ``cursor`` (slots written, a 0-dim tensor so compiled code never guards on it)."""
+    (left padding per row) and ``cursor`` (slots written, a 0-dim tensor so compiled code never guards on it).
+
+    ``kv_dtype`` ``"q8_0"`` / ``"q4_0"`` (or a ``(K, V)`` pair, see ``kv_kinds``) stores K and/or V as uint8 rows of
+    32-value blocks, ``(B, H_kv, capacity, D / 32 * block_bytes)``: each new token is quantized once, as it is
+    written, and attention reads the blocks (``attention.quantized_cache``). ``dtype`` is then the activations'."""
 
     def __init__(
         self,
@@ -60,13 +86,19 @@ class _KVCache(nn.Module):
         value_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        kv_dtype: KVDtypeChoice = None,
     ) -> None:
         super().__init__()
         check_positive(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
         value_dim = head_dim if value_dim is None else value_dim
+        self.kinds = kv_kinds(kv_dtype, dtype)
+        self.dtype, self.head_dim, self.value_dim = dtype, head_dim, value_dim
         B, H = batch_size, num_kv_heads
-        self.register_buffer("key", torch.zeros(B, H, capacity, head_dim, dtype=dtype, device=device))
-        self.register_buffer("value", torch.zeros(B, H, capacity, value_dim, dtype=dtype, device=device))
+        k_kind, v_kind = self.kinds
+        self.register_buffer("key", torch.zeros(B, H, capacity, row_size(k_kind, head_dim),
+                                                dtype=storage_dtype(k_kind), device=device))  # fmt: skip
+        self.register_buffer("value", torch.zeros(B, H, capacity, row_size(v_kind, value_dim),
+                                                  dtype=storage_dtype(v_kind), device=device))  # fmt: skip
         self.register_buffer("start", torch.zeros(B, dtype=torch.long, device=device))
         self.register_buffer("cursor", torch.zeros((), dtype=torch.long, device=device))
         self.padded = False
@@ -74,6 +106,24 @@ class _KVCache(nn.Module):
     @property
     def capacity(self) -> int:
         return self.key.shape[2]
+
+    @property
+    def quantized(self) -> bool:
+        """Whether K or V is stored as blocks."""
+        return self.kinds[0].quantized or self.kinds[1].quantized
+
+    @property
+    def kv_formats(self) -> tuple[int, int]:
+        """The native kernels' codes of K's and V's storage (``KVDtype.code``; ``()`` where both are float)."""
+        return (self.kinds[0].code, self.kinds[1].code) if self.quantized else ()
+
+    def _stored(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``key`` and ``value`` as the buffers hold them: quantized where the cache's kinds say so."""
+        k_kind, v_kind = self.kinds
+        return (
+            quantize(key, k_kind) if k_kind.quantized else key,
+            quantize(value, v_kind) if v_kind.quantized else value,
+        )
 
     @property
     def seq_len(self) -> int:
@@ -150,6 +200,7 @@ class _KVCache(nn.Module):
         else:
             self._reserve(self.seq_len + L)  # raises before anything is written when a static cache is full
         slots = self.cursor + torch.arange(L, device=self.cursor.device)  # (L,)
+        key, value = self._stored(key, value)
         self.key.index_copy_(2, slots, key)
         self.value.index_copy_(2, slots, value)
         self.cursor.add_(L)
@@ -161,14 +212,15 @@ class _KVCache(nn.Module):
     def _new_tokens(self, key: torch.Tensor, value: torch.Tensor) -> int:
         """``L``, the tokens ``update`` was given, after checking ``key (B, H_kv, L, D)`` and ``value (B, H_kv, L,
         D_v)`` against the cache (``TypeError`` / ``ValueError`` naming the argument)."""
-        B, H, _, D = self.key.shape
-        for name, t, feat in (("key", key, D), ("value", value, self.value.shape[-1])):
+        B, H = self.key.shape[:2]
+        for name, t, feat in (("key", key, self.head_dim), ("value", value, self.value_dim)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.dim() != 4 or t.shape[0] != B or t.shape[1] != H or t.shape[3] != feat:
                 raise ValueError(f"{name} must have shape ({B}, {H}, L, {feat}) for this cache, got {shape_str(t)}")
-            if t.dtype != self.key.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype} but the cache stores {self.key.dtype}")
+            if t.dtype != self.dtype:
+                verb = "takes" if self.quantized else "stores"  # a quantized cache takes activations, stores blocks
+                raise TypeError(f"{name} has dtype {t.dtype} but the cache {verb} {self.dtype}")
         if value.shape[2] != key.shape[2]:
             raise ValueError(f"key {shape_str(key)} and value {shape_str(value)} must have the same length")
         return key.shape[2]
@@ -209,9 +261,11 @@ class StaticKVCache(_KVCache):
         value_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        kv_dtype: KVDtypeChoice = None,
     ) -> None:
         check_positive(max_len=max_len)
-        super().__init__(batch_size, num_kv_heads, head_dim, max_len, value_dim=value_dim, dtype=dtype, device=device)
+        super().__init__(batch_size, num_kv_heads, head_dim, max_len, value_dim=value_dim, dtype=dtype, device=device,
+                         kv_dtype=kv_dtype)  # fmt: skip
 
     def _reserve(self, needed: int) -> None:
         if needed > self.capacity:
@@ -238,11 +292,19 @@ class DynamicKVCache(_KVCache):
         initial_len: int = 256,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        kv_dtype: KVDtypeChoice = None,
     ) -> None:
         if isinstance(initial_len, bool) or not isinstance(initial_len, int) or initial_len < 1:
             raise ValueError(f"initial_len must be a positive int, got {initial_len!r}")
         super().__init__(
-            batch_size, num_kv_heads, head_dim, initial_len, value_dim=value_dim, dtype=dtype, device=device
+            batch_size,
+            num_kv_heads,
+            head_dim,
+            initial_len,
+            value_dim=value_dim,
+            dtype=dtype,
+            device=device,
+            kv_dtype=kv_dtype,
         )
 
     @disable  # grows outside the graph

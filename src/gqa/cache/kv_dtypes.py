@@ -22,6 +22,7 @@ class KVDtype:
     name: str
     block: int
     block_bytes: int
+    code: int = -1  # a block type's format code in the native kernels (the quantized weights' numbering), -1: float
 
     @property
     def quantized(self) -> bool:
@@ -42,8 +43,8 @@ KV_DTYPES: dict[str, KVDtype] = {
     "fp32": KVDtype("fp32", 1, 4),
     "bf16": KVDtype("bf16", 1, 2),
     "fp16": KVDtype("fp16", 1, 2),
-    "q8_0": KVDtype("q8_0", 32, 34),  # 32 int8 values + an fp16 scale
-    "q4_0": KVDtype("q4_0", 32, 18),  # 32 4-bit values (offset 8) + an fp16 scale
+    "q8_0": KVDtype("q8_0", 32, 34, 0),  # 32 int8 values + an fp16 scale
+    "q4_0": KVDtype("q4_0", 32, 18, 1),  # 32 4-bit values (offset 8) + an fp16 scale
 }
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv import _KVCache, check_positive
+from .kv import KVDtypeChoice, _KVCache, check_positive
 from .sizes import WINDOW_SPARE as DEFAULT_SPARE  # slots beyond the window: decoded tokens between two moves
 
 
@@ -57,12 +57,14 @@ class WindowKVCache(_KVCache):
         value_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        kv_dtype: KVDtypeChoice = None,
     ) -> None:
         check_positive(max_len=max_len, window=window)
         if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
             raise ValueError(f"spare must be an int >= 0, got {spare!r}")
         slots = min(max_len, window + spare)
-        super().__init__(batch_size, num_kv_heads, head_dim, slots, value_dim=value_dim, dtype=dtype, device=device)
+        super().__init__(batch_size, num_kv_heads, head_dim, slots, value_dim=value_dim, dtype=dtype, device=device,
+                         kv_dtype=kv_dtype)  # fmt: skip
         self.max_len, self.window = max_len, window
         self.offset = 0  # the position slot 0 holds
         self._returned_offset = 0  # the position of the first key the last update returned
@@ -93,6 +95,7 @@ class WindowKVCache(_KVCache):
         if torch.compiler.is_compiling():
             raise NotImplementedError("WindowKVCache is eager only; compiled decoding takes a StaticKVCache")
         L, n = self._new_tokens(key, value), self.slots
+        key, value = self._stored(key, value)
         cursor = self.seq_len
         self._reserve(cursor + L)
         used = self._make_room(L)

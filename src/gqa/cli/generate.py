@@ -7,7 +7,15 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from ..options.common import add_model_arguments, add_tp_argument, loading, model_label
+from ..options.common import (
+    add_kv_dtype_arguments,
+    add_model_arguments,
+    add_tp_argument,
+    kv_dtype_choice,
+    kv_flag_errors,
+    loading,
+    model_label,
+)
 from ..options.defaults import QUANT_FORMATS
 
 if TYPE_CHECKING:
@@ -26,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "quantized weights (q4_k/q5_k/q6_k, q8_0, q4_0/q4_1, q5_0/q5_1) stay quantized; a float dtype dequantizes them",
         auto=True,
     )
+    add_kv_dtype_arguments(parser)
     parser.add_argument(
         "--quantize", choices=sorted(QUANT_FORMATS), default=None,
         help="quantize the layers' weights to this block format after loading (embeddings and output: q8_0)",
@@ -96,8 +105,9 @@ def generate_text(ns: argparse.Namespace) -> int:
     if ns.dtype == "auto":  # say what auto means here; quantized GGUF blocks show in --stats
         shown = {v: k for k, v in DTYPES.items()}[auto_dtype()] + " (auto)"
     what = f"{model_label(ns.model)} as {shown}" + (f", quantized to {quantize}" if quantize else "")
-    with loading(what, quiet=not lead):
-        model = load_model(ns.model, dtype=dtype, tensor_parallel=getattr(ns, "sharded", False), quantize=quantize)
+    with kv_flag_errors(), loading(what, quiet=not lead):
+        model = load_model(ns.model, dtype=dtype, tensor_parallel=getattr(ns, "sharded", False), quantize=quantize,
+                           kv_dtype=kv_dtype_choice(ns))  # fmt: skip
     chosen: list = []  # the decode step select_step picked (--stats)
     tok = model.tokenizer
     if ns.raw:

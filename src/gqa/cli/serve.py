@@ -9,7 +9,15 @@ import signal
 import sys
 from pathlib import Path
 
-from ..options.common import EMBEDDED_MODEL, add_model_arguments, loading, model_label
+from ..options.common import (
+    EMBEDDED_MODEL,
+    add_kv_dtype_arguments,
+    add_model_arguments,
+    kv_dtype_choice,
+    kv_flag_errors,
+    loading,
+    model_label,
+)
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache)"
 DESCRIPTION = HELP
@@ -22,9 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(
         parser,
         "weight dtype; auto: bf16 where the CPU multiplies bf16 natively, else fp32, and a GGUF's q8_0/q4_*/q5_* "
-        "weights stay quantized; the KV cache is in the activations' dtype",
+        "weights stay quantized",
         auto=True,
     )
+    add_kv_dtype_arguments(parser)
     parser.add_argument(
         "--device", default="cpu", metavar="DEV",
         help="cpu (the native kernels) or cuda / cuda:N (the paged Triton kernel, KV pool in device memory; auto "
@@ -130,9 +139,9 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         dtype = DTYPES["bf16"] if ns.dtype == "auto" else DTYPES[ns.dtype]
     else:
         dtype = auto_dtype() if ns.dtype == "auto" else DTYPES[ns.dtype]
-    with loading(f"{model_label(ns.model)} as {ns.dtype} on {device}"):
+    with kv_flag_errors(), loading(f"{model_label(ns.model)} as {ns.dtype} on {device}"):
         model = load_model(ns.model, dtype="auto" if ns.dtype == "auto" and device.type == "cpu" else dtype,
-                           device=device)  # fmt: skip
+                           device=device, kv_dtype=kv_dtype_choice(ns))  # fmt: skip
     if template is not None:
         if model.tokenizer is None:
             raise ValueError("--chat-template: this model has no tokenizer")
@@ -151,13 +160,14 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     slots = blocks.num_blocks * blocks.block_size
     print(
         f"gqa serve: {name} ({model_label(ns.model) if ns.model else EMBEDDED_MODEL}), {cfg.num_heads} query / "
-        f"{cfg.num_kv_heads} KV heads; KV cache {slots} tokens = {engine.cache.nbytes / 2**30:.2f} GiB "
+        f"{cfg.num_kv_heads} KV heads stored as {'/'.join(dict.fromkeys(k.name for k in engine.cache.kinds))}; "
+        f"KV cache {slots} tokens = {engine.cache.nbytes / 2**30:.2f} GiB "
         f"({blocks.num_blocks} blocks of {blocks.block_size}, {slots / cfg.max_position_embeddings:.1f} "
         f"{cfg.max_position_embeddings}-token contexts; {engine.runner.pool_size.reason})",
         file=sys.stderr,
     )
     if slots < cfg.max_position_embeddings:  # say it once, at start, not as a refusal per request
-        full = full_context_bytes(model) / 2**20
+        full = full_context_bytes(model, config) / 2**20
         print(f"gqa serve: note: the KV cache holds {slots} tokens, fewer than the model's context of "
               f"{cfg.max_position_embeddings}: a request's prompt and max_tokens together can use at most {slots} "
               f"(--kv-cache-mib {math.ceil(full)} holds a full context)", file=sys.stderr)  # fmt: skip

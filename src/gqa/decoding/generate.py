@@ -75,6 +75,7 @@ def generate_stream(
     step_fn: Callable[[torch.Tensor, list], torch.Tensor] | None = None,
     compile: bool = False,
     on_step: Callable[[DecodeStep], None] | None = None,
+    kv_dtype: object = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row ``(B,)`` per step; a row that has finished yields ``pad_token_id``.
 
@@ -86,6 +87,8 @@ def generate_stream(
     (``gqa.decoding.cuda_graphs``). Without it, decoding on CPU runs the native step (``decoding.native_step``),
     and on CUDA a captured CUDA graph of the step (``gqa.decoding.cuda_graphs``) where triton is installed: which one
     ``decoding.steps.select_step`` decides, after the prompt, and ``on_step`` is told (``gqa generate --stats``).
+    ``kv_dtype``: what the caches store (``CausalLM.new_caches``; ``None``: ``model.kv_dtype``); a quantized cache
+    decodes natively or eagerly, not compiled nor in a CUDA graph.
     """
     cfg = model.config
     check_sampling(temperature, top_k, top_p)  # before the prompt is run, not at the first sampled token
@@ -115,7 +118,9 @@ def generate_stream(
         from .compiled import cache_bucket
 
         capacity = cache_bucket(capacity, cfg.max_position_embeddings)  # a few cache sizes: a few compilations
-    caches = model.new_caches(B, capacity, window_caches=not (compile or _graphed(model, step_fn)))
+    caches = model.new_caches(B, capacity, window_caches=not (compile or _graphed(model, step_fn)), kv_dtype=kv_dtype)
+    if compile and caches[0].quantized:
+        raise ValueError("compile=True takes a float KV cache; a quantized one (kv_dtype) decodes natively or eagerly")
     for cache in caches:
         cache.set_left_padding(pads)
     logits = model(ids, caches=caches, last_only=True)[:, -1]  # (B, vocab)
@@ -168,12 +173,13 @@ def generate(
     step_fn: Callable[[torch.Tensor, list], torch.Tensor] | None = None,
     compile: bool = False,
     on_step: Callable[[DecodeStep], None] | None = None,
+    kv_dtype: object = None,
 ) -> list[list[int]] | list[int]:
     """Generate continuations of token-id prompts; returns the new tokens of each row, EOS included, padding not.
 
     A single prompt (a list of ints or a 1-D integer tensor) gives a single list back; a batch (a list of those, or
     a ``(B, L)`` tensor) gives a list per row. ``on_token(tokens (B,))`` is called at every step; ``compile`` and
-    ``on_step`` as in ``generate_stream``.
+    ``on_step`` and ``kv_dtype`` as in ``generate_stream``.
     """
     batch, single = _prompt_batch(prompts)
     eos = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
@@ -191,6 +197,7 @@ def generate(
         step_fn=step_fn,
         compile=compile,
         on_step=on_step,
+        kv_dtype=kv_dtype,
     ):
         if on_token is not None:
             on_token(token)

@@ -51,9 +51,9 @@ def applies(model: torch.nn.Module, input_ids: torch.Tensor, caches: list | None
     static = all(isinstance(c, StaticKVCache) for c in caches)  # window caches: only the one call reads them
     if not static and not (all(isinstance(c, (StaticKVCache, WindowKVCache)) for c in caches) and whole_model(model)):
         return False
-    return (
-        first.key.dtype == model.dtype and first.key.shape[0] == input_ids.shape[0] and first.seq_len < first.capacity
-    )
+    if first.quantized and not whole_model(model):  # the call per layer (decode_attend) reads float caches only
+        return False
+    return first.dtype == model.dtype and first.key.shape[0] == input_ids.shape[0] and first.seq_len < first.capacity
 
 
 def decode_step(
@@ -74,7 +74,8 @@ def decode_step(
     whole = weights if weights is not None else decode_weights(model, x.dtype)
     if whole is not None:  # every layer, the final norm and lm_head in one native call
         rows = [c.native_rows() if isinstance(c, WindowKVCache) else c for c in caches]  # window caches: their slots
-        logits = ops.decode_model(x, whole, cos, sin, rows, greedy, local_rope=local_rope)
+        logits = ops.decode_model(x, whole, cos, sin, rows, greedy, local_rope=local_rope,
+                                  kv_formats=caches[0].kv_formats)  # fmt: skip
         for r in rows:
             if isinstance(r, SlotRows):
                 r.advance()

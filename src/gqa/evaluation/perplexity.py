@@ -114,10 +114,13 @@ def _next_token_log_probs(
     model: nn.Module, ids: torch.Tensor, spans: list[tuple[int, int, int]]
 ) -> Iterator[torch.Tensor]:
     """Per window, float64 log-probabilities ``(T, vocab)`` of the next token at the positions predicting
-    ``ids[first:end]``."""
+    ``ids[first:end]``; a model loaded with a ``kv_dtype`` runs each window through such a cache (its K/V stored,
+    then attended to, as llama.cpp's perplexity does with ``-ctk`` / ``-ctv``)."""
     device = next(model.parameters()).device
+    cached = getattr(model, "kv_dtype", "auto") not in ("auto", None)  # a chosen KV cache type: run through it
     for begin, first, end in spans:
-        logits = model(ids[None, begin:end].to(device))[0]  # (L, vocab), L = end - begin
+        caches = model.new_caches(1, end - begin) if cached else None
+        logits = model(ids[None, begin:end].to(device), caches=caches)[0]  # (L, vocab), L = end - begin
         yield logits[first - 1 - begin : end - 1 - begin].double().log_softmax(-1).cpu()  # (T, vocab)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 NAME = "gqa_cpu_kernels"
 CSRC = Path(__file__).parent / "csrc"
 # attention, float GEMV, decode ops; quantized GEMV; the whole decode step in one call
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "quantized.cpp", CSRC / "decode_step.cpp")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "quantized.cpp", CSRC / "decode_step.cpp", CSRC / "kv_cache.cpp")
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
 # -ffp-contract=off: no multiply-add fused behind our back, so that a loop gives the same bits whichever batch width
 # (template instance) runs it — a row's result does not depend on its batch (tested)

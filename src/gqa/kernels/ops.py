@@ -31,6 +31,7 @@ __all__ = [
     "linear_rows_n",
     "paged_attention",
     "qlinear_rows_n",
+    "quantize_kv",
     "register_fakes",
     "rms_norm",
     "silu_mul",
@@ -138,12 +139,21 @@ def decode_attention(
     causal: bool,
     softcap: float = 0.0,
     sinks: Tensor | None = None,
+    k_format: int = -1,
+    v_format: int = -1,
 ) -> Tensor:
     """Grouped attention: ``q (B, H_kv, G * L, D)`` against ``k (B, H_kv, S, D)``, ``v (B, H_kv, S, D_v)`` (strided
     views allowed), ``mask (B, H_kv, G, L, S)`` bool or float (any strides) -> ``(B, H_kv, G * L, D_v)``. ``softcap``
     > 0 soft-caps the scaled scores before the mask; ``sinks`` (float32 ``(H_kv * G,)``, one per query head) join
-    every row's softmax denominator."""
-    return torch.ops.gqa.decode_attention(q, k, v, mask, scale, query_len, causal, softcap, sinks)
+    every row's softmax denominator. ``k_format`` / ``v_format`` >= 0: that one is a quantized cache's uint8 rows of
+    blocks ``(B, H_kv, S, row_bytes)`` (``KVDtype.code``), read where it lies."""
+    return torch.ops.gqa.decode_attention(q, k, v, mask, scale, query_len, causal, softcap, sinks, k_format, v_format)
+
+
+def quantize_kv(x: Tensor, format: int) -> Tensor:
+    """``x (..., D)`` float32 / bfloat16 / float16 -> the uint8 blocks ``(..., D / 32 * block_bytes)`` a quantized
+    cache stores (``format`` 0: q8_0, 1: q4_0), llama.cpp's reference rounding, row by row."""
+    return torch.ops.gqa.quantize_kv(x, format)
 
 
 def paged_attention(
@@ -198,15 +208,17 @@ def decode_model(
     caches: Sequence[RowCache],
     greedy: Tensor | None = None,
     local_rope: tuple[Tensor, Tensor] | None = None,
+    kv_formats: Sequence[int] = (),
 ) -> Tensor:
     """The whole decode step in one call: ``x (B, E)`` (the new tokens' embeddings) through every layer, the final
     norm and lm_head -> logits ``(B, V)``, a cache per layer as in ``decode_attend``; ``greedy (B,)`` int64, when
     given, gets each row's argmax; ``local_rope``: ``(cos, sin)`` like ``cos``, ``sin`` for the layers whose
-    ``w.rotates`` is 2."""
+    ``w.rotates`` is 2; ``kv_formats``: ``(K's, V's)`` block format codes of quantized caches (uint8 rows of blocks),
+    ``()`` for float ones."""
     return torch.ops.gqa.decode_model(
         x, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin, [c.key for c in caches],
         [c.value for c in caches], [c.start for c in caches], [c.cursor for c in caches], w.scale, w.final_norm,
-        w.final_eps, w.head, w.head_format, greedy, *w.options(local_rope),
+        w.final_eps, w.head, w.head_format, greedy, *w.options(local_rope), list(kv_formats),
     )  # fmt: skip
 
 
@@ -222,15 +234,17 @@ def decode_paged(
     greedy: Tensor | None = None,
     logit_rows: Tensor | None = None,
     local_rope: tuple[Tensor, Tensor] | None = None,
+    kv_formats: Sequence[int] = (),
 ) -> Tensor:
     """``decode_model`` over paged caches: per layer pools ``(blocks, H_kv, block_size, D | D_v)``, ``block_table
     (B, M)`` shared by the layers, ``positions (B,)``: row b's new K/V go to its slot ``positions[b]`` and it attends
     to slots ``[0, positions[b]]`` (rows of one sequence at consecutive positions see each other: a prompt chunk).
-    ``logit_rows (N,)``: only those rows get logits -> ``(N, V)`` (else ``(B, V)``)."""
+    ``logit_rows (N,)``: only those rows get logits -> ``(N, V)`` (else ``(B, V)``); ``kv_formats`` as in
+    ``decode_model``."""
     return torch.ops.gqa.decode_paged(
         x, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin, list(key_pools),
         list(value_pools), block_table, positions, w.scale, w.final_norm, w.final_eps, w.head, w.head_format, greedy,
-        logit_rows, *w.options(local_rope),
+        logit_rows, *w.options(local_rope), list(kv_formats),
     )  # fmt: skip
 
 
@@ -259,8 +273,14 @@ def register_fakes() -> None:
 
     @register("gqa::decode_attention")
     def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, query_len: int, causal: bool,
-          softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:  # fmt: skip
-        return q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+          softcap: float = 0.0, sinks: Tensor | None = None, k_format: int = -1,
+          v_format: int = -1) -> Tensor:  # fmt: skip
+        dv = v.shape[3] if v_format < 0 else v.shape[3] // (34 if v_format == 0 else 18) * 32
+        return q.new_empty(q.shape[0], q.shape[1], q.shape[2], dv)
+
+    @register("gqa::quantize_kv")
+    def _(x: Tensor, format: int) -> Tensor:
+        return x.new_empty(*x.shape[:-1], x.shape[-1] // 32 * (34 if format == 0 else 18), dtype=torch.uint8)
 
     @register("gqa::paged_attention")
     def _(q: Tensor, key_pool: Tensor, value_pool: Tensor, block_table: Tensor, lengths: Tensor, scale: float):
@@ -287,13 +307,13 @@ def register_fakes() -> None:
     def _(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_caches, value_caches, starts, cursors,
           scale, final_norm, final_eps, head, head_format, greedy=None, qk_norms=None, qk_eps=1e-6, windows=(),
           rotates=(), post_norms=None, offset_norms=False, gelu=False, softcaps=(), cos_local=None,
-          sin_local=None) -> Tensor:  # fmt: skip
+          sin_local=None, kv_formats=()) -> Tensor:  # fmt: skip
         return x.new_empty(x.shape[0], head.shape[0])
 
     @register("gqa::decode_paged")
     def _(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_pools, value_pools, block_table,
           positions, scale, final_norm, final_eps, head, head_format, greedy=None, logit_rows=None, qk_norms=None,
           qk_eps=1e-6, windows=(), rotates=(), post_norms=None, offset_norms=False, gelu=False, softcaps=(),
-          cos_local=None, sin_local=None):  # fmt: skip
+          cos_local=None, sin_local=None, kv_formats=()):  # fmt: skip
         rows = x.shape[0] if logit_rows is None else logit_rows.shape[0]
         return x.new_empty(rows, head.shape[0])

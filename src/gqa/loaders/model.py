@@ -20,6 +20,7 @@ def load_model(
     tokenizer: bool = True,
     tensor_parallel: bool = False,
     quantize: str | None = None,
+    kv_dtype: object = "auto",
 ) -> CausalLM:
     """Load a Llama-family model (Llama, SmolLM, Qwen2) in eval mode.
 
@@ -41,6 +42,9 @@ def load_model(
         rank must call ``load_model`` with the same arguments, then run the model in step with the others.
     quantize : ``"q8_0"``, ``"q4_0"`` or ``"q4_1"``: quantize the decoder's linear weights to that block format (the
         embeddings and ``lm_head`` to q8_0) after loading, e.g. for an HF folder or a float GGUF.
+    kv_dtype : what the model's KV caches store (``model.kv_dtype``, the default of ``new_caches``, ``generate``,
+        serving): ``"auto"`` (the model's dtype), ``"q8_0"`` or ``"q4_0"`` (llama.cpp's blocks of 32 values with an
+        fp16 scale: 8.5 and 4.5 bits a value), or a ``(K, V)`` pair of those (``-ctk`` / ``-ctv``).
 
     Returns
     -------
@@ -63,6 +67,9 @@ def load_model(
         get_format(quantize)  # a bad name fails before anything is read
         if tensor_parallel or torch.device(device).type != "cpu":
             raise ValueError(f"quantize={quantize!r} runs on CPU without tensor parallelism only")
+    from ..cache.kv import kv_kinds
+
+    kv_kinds(kv_dtype, dtype, "kv_dtype")  # a bad choice fails before anything is read, too
     keep = auto and quantize is None and not tensor_parallel and torch.device(device).type == "cpu"
     source = open_model(path)  # a GGUF file's header is read once, for the weights and the tokenizer
     cfg, state = read_model(source, keep_quantized=keep and kernels.vectorized())
@@ -86,4 +93,5 @@ def load_model(
         use_input_major_weights(model)  # without the native GEMV: MKL's is faster on this layout; same values
     if tokenizer:
         model.tokenizer = load_tokenizer(source)
+    model.kv_dtype = kv_dtype
     return model

@@ -107,6 +107,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.tokenizer = None
+        self.kv_dtype: object = "auto"  # what new_caches stores K/V as by default (load_model(kv_dtype=...))
         self.register_state_dict_post_hook(_savable_state)
         self.register_load_state_dict_pre_hook(_tied_head_from_embeddings)
 
@@ -157,11 +158,13 @@ class CausalLM(nn.Module):
 
         return generate(self, prompts, **kwargs)
 
-    def new_caches(self, batch_size: int, max_len: int, *, window_caches: bool = True) -> list:
+    def new_caches(self, batch_size: int, max_len: int, *, window_caches: bool = True, kv_dtype: object = None) -> list:
         """One cache per layer, ``H_kv`` heads each, in the model's dtype and device: a preallocated
         ``StaticKVCache`` of ``max_len`` tokens, or for a sliding-window layer (with ``window_caches``, when
         ``max_len`` exceeds its window and ``spare``) a ``WindowKVCache`` that holds the window only. Compiled and
-        graphed decoding take static caches (``window_caches=False``)."""
+        graphed decoding take static caches (``window_caches=False``). ``kv_dtype``: what they store K/V as
+        (``"auto"``: the model's dtype; ``"q8_0"``, ``"q4_0"``; a ``(K, V)`` pair; ``None``: ``self.kv_dtype``)."""
+        kv_dtype = self.kv_dtype if kv_dtype is None else kv_dtype
         if max_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"max_len ({max_len}) exceeds the model's context of {self.config.max_position_embeddings} tokens"
@@ -170,7 +173,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             window = layer.self_attn.window
             keys = None if window is None or window[1] is not None else window[0] + 1  # keys a query sees
-            kw = dict(dtype=self.dtype, device=self.device)
+            kw = dict(dtype=self.dtype, device=self.device, kv_dtype=kv_dtype)
             if window_caches and layer_cache_tokens(keys, max_len) < max_len:
                 caches.append(WindowKVCache(batch_size, cfg.num_kv_heads, cfg.head_dim, max_len, keys, **kw))
             else:

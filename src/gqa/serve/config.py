@@ -17,9 +17,11 @@ class EngineConfig:
     a quarter of the available memory, half the free device memory on CUDA); ``block_size``: token slots per block;
     ``max_running``: requests decoded together at most; ``prefill_chunk``: prompt tokens per step while others decode
     (four times as many while none does); ``speculate``: draft tokens per step at most for greedy requests, looked up
-    in their own tokens (speculation.py; 0: off)."""
+    in their own tokens (speculation.py; 0: off); ``kv_cache_dtype``: what the pool stores K/V as
+    (``cache.kv.kv_kinds``: ``"q8_0"``, ``"q4_0"``, a ``(K, V)`` pair; ``None``: the model's ``kv_dtype``)."""
 
     kv_cache_mib: float | None = None
+    kv_cache_dtype: object = None
     block_size: int = 16
     max_running: int = 64
     prefill_chunk: int = 64

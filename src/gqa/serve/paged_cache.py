@@ -1,9 +1,11 @@
 """The paged KV cache's memory: per layer one preallocated pool of blocks for K and one for V, holding the model's
 ``H_kv`` heads only, so a model with fewer KV heads fits more tokens — and more sequences — in the same bytes.
 
-A block is ``block_size`` token slots: ``key[layer] (num_blocks, H_kv, block_size, D)``. Which blocks a sequence's
-tokens live in is its block table (``blocks.BlockTable``); the native decode step reads K/V through the tables
-(``gqa::decode_paged``), and prefill writes and reads them here.
+A block is ``block_size`` token slots: ``key[layer] (num_blocks, H_kv, block_size, D)``, or with a quantized
+``kv_dtype`` (``q8_0`` / ``q4_0``) uint8 rows of 32-value blocks ``(num_blocks, H_kv, block_size, D / 32 *
+block_bytes)``, written once as each token's K/V are computed and read where they lie. Which blocks a sequence's
+tokens live in is its block table (``blocks.BlockTable``); the native decode step writes and reads K/V through the
+tables (``gqa::decode_paged``).
 """
 
 from __future__ import annotations
@@ -12,19 +14,28 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["PagedKVCache", "blocks_in_budget"]
+from ..cache.kv import KVDtypeChoice, kv_kinds
+from ..cache.kv_dtypes import KVDtype
+from ..cache.quantize import dequantize, quantize, row_size, storage_dtype
+
+__all__ = ["PagedKVCache", "blocks_in_budget", "token_bytes"]
+
+
+def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, kinds: tuple[KVDtype, KVDtype]) -> int:
+    """Bytes one token takes in the pool: every layer's K and V rows of ``H_kv`` heads, in ``kinds`` (K's, V's)."""
+    return num_layers * num_kv_heads * sum(kind.row_bytes(head_dim) for kind in kinds)
 
 
 def blocks_in_budget(
-    mib: float, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    mib: float, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, kinds: tuple[KVDtype, KVDtype]
 ) -> int:
-    """How many blocks ``mib`` MiB hold: each is ``2 (K, V) * layers * H_kv * block_size * D * itemsize`` bytes."""
-    per_block = 2 * num_layers * num_kv_heads * block_size * head_dim * dtype.itemsize
-    return int(mib * 2**20 // per_block)
+    """How many blocks ``mib`` MiB hold: each is ``block_size`` tokens of ``token_bytes``."""
+    return int(mib * 2**20 // (block_size * token_bytes(num_layers, num_kv_heads, head_dim, kinds)))
 
 
 class PagedKVCache:
-    """``num_blocks`` blocks of ``block_size`` slots per layer, K and V, in ``dtype`` on ``device``."""
+    """``num_blocks`` blocks of ``block_size`` slots per layer, K and V, for ``dtype`` activations on ``device``,
+    stored as ``kv_dtype`` says (``cache.kv.kv_kinds``: ``None`` / ``"auto"`` is ``dtype`` itself)."""
 
     def __init__(
         self,
@@ -35,13 +46,22 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv_dtype: KVDtypeChoice = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        self.key = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kinds = kv_kinds(kv_dtype, dtype, "kv_cache_dtype")
+        self.key, self.value = [], []
+        for pools, kind in ((self.key, self.kinds[0]), (self.value, self.kinds[1])):
+            shape = (num_blocks, num_kv_heads, block_size, row_size(kind, head_dim))
+            pools += [torch.zeros(shape, dtype=storage_dtype(kind), device=device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
+
+    @property
+    def kv_formats(self) -> tuple[int, ...]:
+        """The native kernels' codes of K's and V's storage, ``()`` where both are float."""
+        quantized = any(kind.quantized for kind in self.kinds)
+        return tuple(kind.code for kind in self.kinds) if quantized else ()
 
     @property
     def nbytes(self) -> int:
@@ -58,13 +78,18 @@ class PagedKVCache:
         """Store ``key (H_kv, n, D)`` and ``value`` as positions ``[start, start + n)`` of the sequence with table
         ``blocks``."""
         ids, offsets = self._slots(blocks, start, start + key.shape[1])
-        self.key[layer][ids, :, offsets] = key.transpose(0, 1)  # (n, H_kv, D)
-        self.value[layer][ids, :, offsets] = value.transpose(0, 1)
+        for pool, kind, t in ((self.key, self.kinds[0], key), (self.value, self.kinds[1], value)):
+            pool[layer][ids, :, offsets] = (quantize(t, kind) if kind.quantized else t).transpose(0, 1)  # (n, H_kv, _)
 
     def read(self, layer: int, blocks: Sequence[int], stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions ``[0, stop)`` of the sequence with table ``blocks``: ``(H_kv, stop, D)`` K and V (copies)."""
+        """Positions ``[0, stop)`` of the sequence with table ``blocks``: ``(H_kv, stop, D)`` K and V (copies; the
+        values a quantized pool holds, in float32)."""
         ids, offsets = self._slots(blocks, 0, stop)
-        return self.key[layer][ids, :, offsets].transpose(0, 1), self.value[layer][ids, :, offsets].transpose(0, 1)
+        out = []
+        for pool, kind in ((self.key, self.kinds[0]), (self.value, self.kinds[1])):
+            t = pool[layer][ids, :, offsets].transpose(0, 1)
+            out.append(dequantize(t, kind) if kind.quantized else t)
+        return out[0], out[1]
 
 
 def table_tensor(tables: Sequence[Sequence[int]]) -> torch.Tensor:

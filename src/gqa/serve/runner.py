@@ -16,15 +16,24 @@ import os
 import torch
 
 from .. import kernels
-from ..cache.sizes import kv_cache_elements
+from ..cache.kv import kv_kinds
+from ..cache.kv_dtypes import KVDtype
 from ..decoding import native_step
 from ..kernels import ops
 from .config import EngineConfig
-from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
+from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor, token_bytes
 from .pool_size import CPU_MEMORY_SHARE, PoolSize, default_pool_size
 from .request import EngineError, Request
 
-__all__ = ["ModelRunner", "available_memory", "batch_rows", "default_kv_cache_mib", "full_context_bytes", "pool_size"]
+__all__ = [
+    "ModelRunner",
+    "available_memory",
+    "batch_rows",
+    "default_kv_cache_mib",
+    "full_context_bytes",
+    "pool_kinds",
+    "pool_size",
+]
 
 
 class ModelRunner:
@@ -34,14 +43,14 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         self.check_model(model)
         self.model, cfg = model, model.config
+        kinds = pool_kinds(model, config)
         self.pool_size = pool_size(model, config, available_memory(), CPU_MEMORY_SHARE)
         mib = self.pool_size.nbytes / 2**20
-        num_blocks = blocks_in_budget(mib, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
-                                      model.dtype)  # fmt: skip
+        num_blocks = blocks_in_budget(mib, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, kinds)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_mib={mib} holds no block of {config.block_size} tokens")
         self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, config.block_size,
-                                  model.dtype)  # fmt: skip
+                                  model.dtype, kv_dtype=kinds)  # fmt: skip
         self.window = serving_window(model)
         # what the native call reads of the model, gathered once: the engine owns the model while it serves (a tensor
         # changed in place is seen; checking every module for a replacement cost ~0.45 ms a step, 5% of a one-stream
@@ -77,7 +86,7 @@ class ModelRunner:
         greedy = torch.empty(len(wanted), dtype=torch.long)
         logits = ops.decode_paged(x, self.weights, cos, sin, self.cache.key, self.cache.value, table_tensor(tables),
                                   positions, greedy, torch.tensor(wanted, dtype=torch.long),
-                                  local_rope=local_rope)  # fmt: skip
+                                  local_rope=local_rope, kv_formats=self.cache.kv_formats)  # fmt: skip
         return native_step.final_softcap(model, logits, greedy), greedy
 
 
@@ -95,11 +104,23 @@ def batch_rows(work: list[tuple[Request, int, int]]) -> tuple[list[int], list[in
     return ids, positions, tables, wanted
 
 
-def full_context_bytes(model: torch.nn.Module) -> int:
-    """K and V of one sequence as long as the model's context, in its dtype: what a pool must hold for any request."""
+def pool_kinds(model: torch.nn.Module, config: EngineConfig) -> tuple[KVDtype, KVDtype]:
+    """What the pool stores K and V as: ``config.kv_cache_dtype``, else the model's ``kv_dtype`` (``ValueError``
+    naming ``kv_cache_dtype`` for a choice the model cannot take)."""
+    choice = config.kv_cache_dtype if config.kv_cache_dtype is not None else getattr(model, "kv_dtype", None)
+    kinds = kv_kinds(choice, model.dtype, "kv_cache_dtype")
+    for kind in kinds:
+        if kind.quantized:
+            kind.row_bytes(model.config.head_dim)  # ValueError: a head size the blocks do not tile
+    return kinds
+
+
+def full_context_bytes(model: torch.nn.Module, config: EngineConfig | None = None) -> int:
+    """K and V of one sequence as long as the model's context, as the pool stores them: what a pool must hold for
+    any request."""
     cfg = model.config
-    elements = kv_cache_elements(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings)
-    return elements * model.dtype.itemsize
+    kinds = pool_kinds(model, config or EngineConfig())
+    return token_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kinds) * cfg.max_position_embeddings
 
 
 def pool_size(
@@ -112,7 +133,8 @@ def pool_size(
         return PoolSize(int(config.kv_cache_mib * 2**20), f"--kv-cache-mib {config.kv_cache_mib:g}")
     context = model.config.max_position_embeddings
     weights = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers())) if by_weights else None
-    return default_pool_size(full_context_bytes(model) // context, context, config.max_running, weights, memory, share)
+    per_token = full_context_bytes(model, config) // context
+    return default_pool_size(per_token, context, config.max_running, weights, memory, share)
 
 
 def available_memory() -> int:

@@ -24,7 +24,7 @@ from .config import EngineConfig
 from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
 from .pool_size import DEVICE_MEMORY_SHARE, PoolSize
 from .request import EngineError, Request
-from .runner import batch_rows, pool_size, serving_window
+from .runner import batch_rows, pool_kinds, pool_size, serving_window
 
 __all__ = ["TritonModelRunner", "default_device_kv_cache_mib"]
 
@@ -37,10 +37,12 @@ class TritonModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         self.check_model(model)
         self.model, cfg = model, model.config
+        kinds = pool_kinds(model, config)
+        if any(kind.quantized for kind in kinds):
+            raise EngineError("the GPU engine's pool stores the model's dtype; a q8_0 / q4_0 KV cache is served on CPU")
         self.pool_size = device_pool_size(model, config)
         mib = self.pool_size.nbytes / 2**20
-        num_blocks = blocks_in_budget(mib, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
-                                      model.dtype)  # fmt: skip
+        num_blocks = blocks_in_budget(mib, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, kinds)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_mib={mib} holds no block of {config.block_size} tokens")
         self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, config.block_size,

@@ -3,6 +3,7 @@
 // into splits so that several threads stream even one head; a split's partial result (running max, sum, accumulator
 // per row) is combined per row afterwards.
 #pragma once
+#include "kv_blocks.h"
 #include "simd.h"
 
 namespace gqa_cpu {
@@ -256,6 +257,10 @@ struct GroupedAttention {
   const int64_t* table = nullptr;
   int64_t table_stride = 0, block = 0;
   const int64_t* lengths = nullptr;
+  // A quantized cache (kv_blocks.h): k_blocks / v_blocks hold the rows of blocks (k and v unused), strides ks / vs in
+  // bytes; format -1: that one is float, at k / v.
+  const uint8_t *k_blocks = nullptr, *v_blocks = nullptr;
+  int64_t k_format = -1, v_format = -1;
   int64_t splits, span;
   float *part_m, *part_l, *part_acc;  // (B * H_kv * splits, R), the same, (B * H_kv * splits, R, Dv)
 
@@ -283,11 +288,23 @@ struct GroupedAttention {
 
   // Per-thread buffers of `task`.
   struct Scratch {
-    std::vector<float> qf, scores, alpha, ones, kbuf;
+    std::vector<float> qf, scores, alpha, ones, kbuf, vbuf;
   };
 
   // Task `task` = (head, split): the partial result of head `task / splits` over its split of the keys.
   void task(int64_t task, Scratch& sc) const;
+
+  // acc (R, Dv) = acc * alpha + p (R, CHUNK) [:, :n] @ v (n rows of Dv values, `sv` apart), ROW_TILE rows at a time.
+  template <typename V>
+  void accumulate_rows(float* acc, const float* alpha, const float* p, const V* v, int64_t sv, int64_t n) const {
+    int64_t r = 0;
+    for (; r + ROW_TILE <= R; r += ROW_TILE)
+      accumulate_values<V, ROW_TILE>(acc + r * Dv, Dv, alpha + r, p + r * CHUNK, CHUNK, v, sv, n, Dv);
+    // the last 1-3 rows together too (a KV head of 3 query heads, SmolLM2's, has only these)
+    if (R - r == 3) accumulate_values<V, 3>(acc + r * Dv, Dv, alpha + r, p + r * CHUNK, CHUNK, v, sv, n, Dv);
+    if (R - r == 2) accumulate_values<V, 2>(acc + r * Dv, Dv, alpha + r, p + r * CHUNK, CHUNK, v, sv, n, Dv);
+    if (R - r == 1) accumulate_values<V, 1>(acc + r * Dv, Dv, alpha + r, p + r * CHUNK, CHUNK, v, sv, n, Dv);
+  }
 
   // Row i of the (B * H_kv * R) output rows: the splits combined, out[0:Dv] = sum_s e^(m_s - M) acc_s / sum_s
   // e^(m_s - M) l_s (zeros for a row that sees no key). `row` is Dv floats of scratch.
@@ -298,7 +315,7 @@ template <typename T>
 void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
   const float NEG_INF = -std::numeric_limits<float>::infinity();
 #if defined(__AVX512BF16__)
-  const bool use_dpbf16 = std::is_same_v<T, BFloat16> && D % 32 == 0;
+  const bool use_dpbf16 = std::is_same_v<T, BFloat16> && D % 32 == 0 && k_format < 0;
 #else
   const bool use_dpbf16 = false;
 #endif
@@ -306,7 +323,9 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
   sc.scores.resize(R * CHUNK);
   sc.alpha.resize(R);
   if (static_cast<int64_t>(sc.ones.size()) < R) sc.ones.assign(R, 1.0f);
-  sc.kbuf.resize(std::is_same_v<T, float> ? 0 : CHUNK * D);
+  const bool k_quantized = k_format >= 0, v_quantized = v_format >= 0;
+  sc.kbuf.resize(std::is_same_v<T, float> && !k_quantized ? 0 : CHUNK * D);
+  sc.vbuf.resize(v_quantized ? CHUNK * Dv : 0);
   float* qf = sc.qf.data();
   float* alpha = sc.alpha.data();
   const int64_t head = task / splits, split = task % splits, b = head / H, h = head % H;
@@ -321,6 +340,13 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
   };
   auto key_row = [&](int64_t j) { return row_of(k, ks, j); };
   auto value_row = [&](int64_t j) { return row_of(v, vs, j); };
+  // A quantized cache's rows of blocks, its strides in bytes.
+  auto block_row = [&](const uint8_t* base, const int64_t* st, int64_t j) -> const uint8_t* {
+    if (blocks) return base + blocks[j / block] * st[0] + h * st[1] + (j % block) * st[2];
+    return base + b * st[0] + h * st[1] + j * st[2];
+  };
+  const int64_t k_bytes = k_quantized ? kv_row_bytes(k_format, D) : D * int64_t(sizeof(T));
+  const int64_t v_bytes = v_quantized ? kv_row_bytes(v_format, Dv) : Dv * int64_t(sizeof(T));
   const int64_t sk = ks[2], sv = vs[2];
   if (!use_dpbf16)  // vdpbf16ps reads the bf16 queries in place
     for (int64_t r = 0; r < R; ++r)
@@ -345,25 +371,33 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
     const int64_t p_end = std::min(j_end, c0 + (PREFETCH_CHUNKS + 1) * CHUNK);
     for (int64_t a = c0 + PREFETCH_CHUNKS * CHUNK, len; a < p_end; a += len) {
       len = seg_len(a, p_end);
-      const T *kr = key_row(a), *vr = value_row(a);
+      const char* kr = k_quantized ? reinterpret_cast<const char*>(block_row(k_blocks, ks, a))
+                                   : reinterpret_cast<const char*>(key_row(a));
+      const char* vr = v_quantized ? reinterpret_cast<const char*>(block_row(v_blocks, vs, a))
+                                   : reinterpret_cast<const char*>(value_row(a));
+      const int64_t k_step = k_quantized ? sk : sk * int64_t(sizeof(T)), v_step = v_quantized ? sv : sv * int64_t(sizeof(T));
       for (int64_t c = 0; c < len; ++c) {
-        for (int64_t d = 0; d < D; d += 64 / int64_t(sizeof(T)))
-          _mm_prefetch(reinterpret_cast<const char*>(kr + c * sk + d), _MM_HINT_T0);
-        for (int64_t d = 0; d < Dv; d += 64 / int64_t(sizeof(T)))
-          _mm_prefetch(reinterpret_cast<const char*>(vr + c * sv + d), _MM_HINT_T0);
+        for (int64_t d = 0; d < k_bytes; d += 64) _mm_prefetch(kr + c * k_step + d, _MM_HINT_T0);
+        for (int64_t d = 0; d < v_bytes; d += 64) _mm_prefetch(vr + c * v_step + d, _MM_HINT_T0);
       }
     }
 #endif
-    // bf16 and fp16 keys as float32 rows in kbuf (float32 keys are read in place, bf16 ones with vdpbf16ps)
-    if (!use_dpbf16 && !std::is_same_v<T, float>)
+    // bf16 and fp16 keys as float32 rows in kbuf (float32 keys are read in place, bf16 ones with vdpbf16ps), and
+    // quantized ones dequantized there
+    if (k_quantized) {
+      for (int64_t c = 0; c < n; ++c) dequantize_kv_row(block_row(k_blocks, ks, c0 + c), D, k_format, sc.kbuf.data() + c * D);
+    } else if (!use_dpbf16 && !std::is_same_v<T, float>) {
       for (int64_t c = 0; c < n; ++c) to_float_row(key_row(c0 + c), sc.kbuf.data() + c * D, D);
+    }
     for (int64_t r = 0; r < R; ++r) {
       const int64_t g = r / L, lr = r % L;
       // Keys this row may see in the chunk: [c0, c0 + visible).
       int64_t visible = n;
       if (causal) visible = std::max<int64_t>(0, std::min(n, S - L + lr + 1 - c0));
       float* s = sc.scores.data() + r * CHUNK;
-      if constexpr (std::is_same_v<T, float>) {
+      if (k_quantized) {
+        chunk_scores(qf + r * D, sc.kbuf.data(), D, visible, D, s);
+      } else if constexpr (std::is_same_v<T, float>) {
         for (int64_t a = c0, len; a < c0 + visible; a += len)
           len = seg_len(a, c0 + visible), chunk_scores(qf + r * D, key_row(a), sk, len, D, s + (a - c0));
       } else if (!use_dpbf16) {
@@ -404,18 +438,16 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
       m[r] = m_new;
     }
     // the accumulators rescaled by alpha with the first segment's values (then by 1: exact)
+    if (v_quantized) {  // the chunk's values dequantized into vbuf, then as float32 values
+      for (int64_t c = 0; c < n; ++c) dequantize_kv_row(block_row(v_blocks, vs, c0 + c), Dv, v_format, sc.vbuf.data() + c * Dv);
+      accumulate_rows(acc, alpha, sc.scores.data(), sc.vbuf.data(), Dv, n);
+      continue;
+    }
     for (int64_t a = c0, len; a < c0 + n; a += len) {
       len = seg_len(a, c0 + n);
       const T* vc = value_row(a);
       const float* scaled = a == c0 ? alpha : sc.ones.data();
-      const float* p = sc.scores.data() + (a - c0);
-      int64_t r = 0;
-      for (; r + ROW_TILE <= R; r += ROW_TILE)
-        accumulate_values<T, ROW_TILE>(acc + r * Dv, Dv, scaled + r, p + r * CHUNK, CHUNK, vc, sv, len, Dv);
-      // the last 1-3 rows together too (a KV head of 3 query heads, SmolLM2's, has only these)
-      if (R - r == 3) accumulate_values<T, 3>(acc + r * Dv, Dv, scaled + r, p + r * CHUNK, CHUNK, vc, sv, len, Dv);
-      if (R - r == 2) accumulate_values<T, 2>(acc + r * Dv, Dv, scaled + r, p + r * CHUNK, CHUNK, vc, sv, len, Dv);
-      if (R - r == 1) accumulate_values<T, 1>(acc + r * Dv, Dv, scaled + r, p + r * CHUNK, CHUNK, vc, sv, len, Dv);
+      accumulate_rows(acc, scaled, sc.scores.data() + (a - c0), vc, sv, len);
     }
   }
 }

@@ -162,18 +162,50 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   run_attention(a, out.mutable_data_ptr<T>());
 }
 
+// decode_attention over a quantized cache: k and/or v uint8 rows of blocks (kv_blocks.h), format >= 0.
+template <typename T>
+void quantized_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t k_format,
+                              int64_t v_format, int64_t Dv, const MaskView& mask, float scale, int64_t L, bool causal,
+                              at::Tensor& out, float softcap, const float* sinks) {
+  GroupedAttention<T> a;
+  a.q = q.const_data_ptr<T>();
+  if (k_format >= 0) a.k_blocks = k.const_data_ptr<uint8_t>(), a.k_format = k_format;
+  else a.k = k.const_data_ptr<T>();
+  if (v_format >= 0) a.v_blocks = v.const_data_ptr<uint8_t>(), a.v_format = v_format;
+  else a.v = v.const_data_ptr<T>();
+  for (int d = 0; d < 3; ++d) a.qs[d] = q.stride(d), a.ks[d] = k.stride(d), a.vs[d] = v.stride(d);
+  a.B = q.size(0), a.H = q.size(1), a.R = q.size(2), a.D = q.size(3), a.S = k.size(2), a.Dv = Dv, a.L = L;
+  a.scale = scale, a.causal = causal, a.mask = mask, a.start = nullptr, a.softcap = softcap, a.sinks = sinks;
+  run_attention(a, out.mutable_data_ptr<T>());
+}
+
+// The feature size of a cache tensor's rows: its last dim, or the values its rows of `format` blocks hold.
+int64_t cache_row_values(const at::Tensor& t, int64_t format, const char* name, const at::Tensor& q) {
+  if (format < 0) {
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "gqa::decode_attention: ", name, " must have q's dtype ",
+                q.scalar_type(), " (or be uint8 blocks with a format), got ", t.scalar_type());
+    return t.size(3);
+  }
+  TORCH_CHECK(kv_format_known(format), "gqa::decode_attention: ", name, "_format must be -1 (float), 0 (q8_0) or ",
+              "1 (q4_0), got ", format);
+  TORCH_CHECK(t.scalar_type() == at::kByte && t.size(3) % kv_block_bytes(format) == 0,
+              "gqa::decode_attention: a quantized ", name, " must be uint8 rows of ", kv_block_bytes(format),
+              "-byte blocks, got ", t.scalar_type(), " ", t.sizes());
+  return t.size(3) / kv_block_bytes(format) * KV_BLOCK;
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, double scale, int64_t query_len, bool causal,
-                            double softcap, const c10::optional<at::Tensor>& sinks) {
+                            double softcap, const c10::optional<at::Tensor>& sinks, int64_t k_format,
+                            int64_t v_format) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "gqa::decode_attention: q (B, H_kv, R, D), k (B, H_kv, S, D), v (B, H_kv, S, Dv) must be 4-D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "gqa::decode_attention: q, k, v must share a dtype");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "gqa::decode_attention: the last dim of q, k, v must be contiguous");
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), S = k.size(2);
+  const int64_t Dk = cache_row_values(k, k_format, "k", q), Dv = cache_row_values(v, v_format, "v", q);
   TORCH_CHECK(k.size(0) == B && k.size(1) == H && v.size(0) == B && v.size(1) == H && v.size(2) == S &&
-                  k.size(3) == q.size(3),
+                  Dk == q.size(3),
               "gqa::decode_attention: shapes disagree: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
   TORCH_CHECK(query_len >= 1 && R % query_len == 0, "gqa::decode_attention: query_len ", query_len,
               " must divide the ", R, " rows");
@@ -198,9 +230,21 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                 "gqa::decode_attention: sinks must be contiguous float32 (H_kv * G,), got ", sk.sizes());
     sink_logits = sk.const_data_ptr<float>();
   }
-  at::Tensor out = at::empty({B, H, R, v.size(3)}, q.options());
+  at::Tensor out = at::empty({B, H, R, Dv}, q.options());
   if (S == 0 || B * H * R == 0) return out.zero_();  // no key: zeros, with sinks too (their values are zero)
   const float cap = softcap_float(softcap);
+  if (k_format >= 0 || v_format >= 0) {
+    if (q.scalar_type() == at::kFloat) {
+      quantized_attention_impl<float>(q, k, v, k_format, v_format, Dv, mv, static_cast<float>(scale), query_len,
+                                      causal, out, cap, sink_logits);
+    } else {
+      TORCH_CHECK(q.scalar_type() == at::kBFloat16, "gqa::decode_attention: float32 or bfloat16 only, got ",
+                  q.scalar_type());
+      quantized_attention_impl<BFloat16>(q, k, v, k_format, v_format, Dv, mv, static_cast<float>(scale), query_len,
+                                         causal, out, cap, sink_logits);
+    }
+    return out;
+  }
   if (q.scalar_type() == at::kFloat) {
     decode_attention_impl<float>(q, k, v, mv, static_cast<float>(scale), query_len, causal, out, nullptr, cap,
                                  sink_logits);
@@ -430,8 +474,7 @@ TORCH_LIBRARY(gqa, m) {
   m.def("linear_rows_n(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
   m.def(
       "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int query_len, bool causal, "
-      "float softcap=0., Tensor? sinks=None) "
-      "-> Tensor");
+      "float softcap=0., Tensor? sinks=None, int k_format=-1, int v_format=-1) -> Tensor");
   m.def(
       "paged_attention(Tensor q, Tensor key_pool, Tensor value_pool, Tensor block_table, Tensor lengths, "
       "float scale) -> Tensor");

@@ -115,20 +115,26 @@ struct Layer {
   Matrix q, k, v, o, gate, up, down;
   T *key_cache, *value_cache;
   int64_t kc_stride[3], vc_stride[3];  // (B, H_kv, C) strides of the caches; paged: (block, H_kv, slot) of the pools
+  // A quantized cache (kv_blocks.h): its rows of blocks (key_cache / value_cache unused), strides in bytes
+  uint8_t *key_blocks = nullptr, *value_blocks = nullptr;
+  int64_t k_format = -1, v_format = -1;
   const int64_t* start;
   int64_t pos;  // the slot this token's K/V go to
   const int64_t* table = nullptr;  // paged: (B, table_stride) block ids, and each row's slot for this token
   int64_t table_stride = 0, block = 0;
   const int64_t* positions = nullptr;
 
-  // Where row b's new K (or V) of head h goes.
-  T* slot(bool key, int64_t b, int64_t h) const {
+  // Where row b's new K (or V) of head h goes: an element offset into the float cache, or a byte offset into the
+  // quantized one.
+  int64_t slot_offset(bool key, int64_t b, int64_t h) const {
     const int64_t* st = key ? kc_stride : vc_stride;
-    T* base = key ? key_cache : value_cache;
-    if (table == nullptr) return base + b * st[0] + h * st[1] + pos * st[2];
+    if (table == nullptr) return b * st[0] + h * st[1] + pos * st[2];
     const int64_t p = positions[b];
-    return base + table[b * table_stride + p / block] * st[0] + h * st[1] + (p % block) * st[2];
+    return table[b * table_stride + p / block] * st[0] + h * st[1] + (p % block) * st[2];
   }
+  T* slot(bool key, int64_t b, int64_t h) const { return (key ? key_cache : value_cache) + slot_offset(key, b, h); }
+  // The quantized cache's format for K (key) or V, -1 for a float one.
+  int64_t format(bool key) const { return key ? k_format : v_format; }
   GroupedAttention<T> attention;
   int64_t q_heads, k_heads, v_heads;  // heads per chunk of q, k and v
   int64_t o_rows, f_rows, down_rows;  // rows per chunk
@@ -146,7 +152,8 @@ struct ThreadState {
   const T* input = nullptr;     // in.data(), or the shared SwiGLU output for down_proj
   gqa::QuantizedRows quantized;  // `input` quantized, when the phase's weights are blocks
   std::vector<float> sums, sums2, row;
-  std::vector<T> rounded, rounded2;
+  std::vector<T> rounded, rounded2, kv_row;  // kv_row: a new K/V row before it is quantized into the cache
+  std::vector<float> kv_floats;
   typename GroupedAttention<T>::Scratch attention;
 };
 
@@ -258,7 +265,9 @@ struct Step {
           this->norm(r, head_norm, s.rounded2.data(), 1, D, qk_eps);
           r = s.rounded2.data();
         }
-        T* dst = is_q ? qr + (b * Hq + h) * D : l.slot(is_k, b, h);
+        const int64_t format = is_q ? -1 : l.format(is_k);
+        if (format >= 0) s.kv_row.resize(width);
+        T* dst = is_q ? qr + (b * Hq + h) * D : format >= 0 ? s.kv_row.data() : l.slot(is_k, b, h);
         if (!is_q && !is_k) {
           std::copy(r, r + Dv, dst);
         } else if (l.rope == 0) {
@@ -266,6 +275,12 @@ struct Step {
         } else {
           const float *cs = l.rope == 2 ? cos_local : cos, *sn = l.rope == 2 ? sin_local : sin;
           rope_row(r, cs + b * D, sn + b * D, dst, D);
+        }
+        if (format >= 0) {  // the row as the model's dtype has it, then quantized once, into its slot
+          s.kv_floats.resize(width);
+          for (int64_t d = 0; d < width; ++d) s.kv_floats[d] = to_float(dst[d]);
+          quantize_kv_row(s.kv_floats.data(), width, format,
+                          (is_k ? l.key_blocks : l.value_blocks) + l.slot_offset(is_k, b, h));
         }
       }
   }
@@ -400,6 +415,7 @@ struct Caches {
   const at::Tensor* table = nullptr;               // paged: (B, max_blocks) int64
   const at::Tensor* positions = nullptr;           // paged: (B,) int64, the new token's slot per row
   at::Tensor lengths;                              // paged: positions + 1
+  int64_t k_format = -1, v_format = -1;            // quantized caches' block formats (kv_blocks.h), -1: float
 };
 
 // The per-layer options (see the top of the file).
@@ -430,6 +446,17 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   const at::Tensor& kc0 = key_caches[0];
   TORCH_CHECK(kc0.dim() == 4 && value_caches[0].dim() == 4, "gqa::decode_model: caches must be (B, H_kv, C, D)");
   st.Hkv = kc0.size(1), st.D = kc0.size(3), st.Dv = value_caches[0].size(3);
+  for (const int64_t f : {caches.k_format, caches.v_format})
+    TORCH_CHECK(f == -1 || kv_format_known(f), "gqa::decode_model: kv_formats must be -1 (float), 0 (q8_0) or 1 ",
+                "(q4_0), got ", f);
+  // A quantized cache's rows are bytes: the head sizes come from k_proj's and v_proj's rows.
+  if (caches.k_format >= 0 && st.Hkv > 0) st.D = weights[1].size(0) / st.Hkv;
+  if (caches.v_format >= 0 && st.Hkv > 0) st.Dv = weights[2].size(0) / st.Hkv;
+  const int64_t k_row = caches.k_format >= 0 ? kv_row_bytes(caches.k_format, st.D) : st.D;
+  const int64_t v_row = caches.v_format >= 0 ? kv_row_bytes(caches.v_format, st.Dv) : st.Dv;
+  for (const auto& [f, n] : {std::pair{caches.k_format, st.D}, std::pair{caches.v_format, st.Dv}})
+    TORCH_CHECK(f < 0 || (n > 0 && n % KV_BLOCK == 0), "gqa::decode_model: a quantized cache needs head sizes that ",
+                "are multiples of 32, got ", n);
   TORCH_CHECK(st.D > 0 && st.D % 2 == 0, "gqa::decode_model: head_dim must be positive and even for RoPE, got ", st.D);
   TORCH_CHECK(st.Hkv > 0, "gqa::decode_model: H_kv must be positive, got ", st.Hkv);
   st.Hq = weights[0].size(0) / st.D;
@@ -489,13 +516,15 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
     const at::Tensor &kc = key_caches[i], &vc = value_caches[i];
     const int64_t rows = paged ? kc0.size(0) : st.B;  // dim 0: blocks or batch rows
     TORCH_CHECK(kc.dim() == 4 && vc.dim() == 4 && kc.stride(3) == 1 && vc.stride(3) == 1 && kc.size(0) == rows &&
-                    vc.size(0) == rows && kc.size(1) == st.Hkv && vc.size(1) == st.Hkv && kc.size(3) == st.D &&
-                    vc.size(3) == st.Dv && vc.size(2) == kc.size(2) && (!paged || kc.size(2) == kc0.size(2)) &&
-                    kc.scalar_type() == dtype && vc.scalar_type() == dtype,
+                    vc.size(0) == rows && kc.size(1) == st.Hkv && vc.size(1) == st.Hkv && kc.size(3) == k_row &&
+                    vc.size(3) == v_row && vc.size(2) == kc.size(2) && (!paged || kc.size(2) == kc0.size(2)) &&
+                    kc.scalar_type() == (caches.k_format >= 0 ? at::kByte : dtype) &&
+                    vc.scalar_type() == (caches.v_format >= 0 ? at::kByte : dtype),
                 "gqa::", paged ? "decode_paged" : "decode_model", ": layer ", li, "'s caches must be ",
                 paged ? "(blocks, H_kv, block_size, D)" : "(B, H_kv, C, D)",
-                " of x's dtype with contiguous rows, like layer 0's (dense caches: of any length); got ", kc.sizes(),
-                " and ", vc.sizes());
+                " of x's dtype (uint8 rows of blocks where kv_formats says so) with contiguous rows, like layer 0's ",
+                "(dense caches: of any length); got ", kc.sizes(), " ", kc.scalar_type(), " and ", vc.sizes(), " ",
+                vc.scalar_type());
     if (!paged) {
       const at::Tensor &start = caches.starts[i], &cursor = caches.cursors[i];
       TORCH_CHECK(start.scalar_type() == at::kLong && start.is_contiguous() &&
@@ -538,7 +567,11 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
     TORCH_CHECK(l.q.M == st.Hq * st.D && l.k.M == st.Hkv * st.D && l.v.M == st.Hkv * st.Dv && l.o.M == st.E &&
                     l.gate.M == st.F && l.up.M == st.F && l.down.M == st.E,
                 "gqa::decode_model: layer ", li, "'s projections disagree with layer 0's shapes");
-    l.key_cache = kc.mutable_data_ptr<T>(), l.value_cache = vc.mutable_data_ptr<T>();
+    l.k_format = caches.k_format, l.v_format = caches.v_format;
+    if (l.k_format >= 0) l.key_blocks = kc.mutable_data_ptr<uint8_t>();
+    else l.key_cache = kc.mutable_data_ptr<T>();
+    if (l.v_format >= 0) l.value_blocks = vc.mutable_data_ptr<uint8_t>();
+    else l.value_cache = vc.mutable_data_ptr<T>();
     for (int d = 0; d < 3; ++d) l.kc_stride[d] = kc.stride(d), l.vc_stride[d] = vc.stride(d);
     if (paged) {
       l.start = nullptr, l.pos = -1;
@@ -561,6 +594,7 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
     // The attention reads the roped queries (B, H_kv, G, D) and the cache's slots [0, pos].
     GroupedAttention<T>& a = l.attention;
     a.q = nullptr, a.k = l.key_cache, a.v = l.value_cache;
+    a.k_blocks = l.key_blocks, a.v_blocks = l.value_blocks, a.k_format = l.k_format, a.v_format = l.v_format;
     a.qs[0] = st.Hq * st.D, a.qs[1] = st.Hq / st.Hkv * st.D, a.qs[2] = st.D;
     for (int d = 0; d < 3; ++d) a.ks[d] = l.kc_stride[d], a.vs[d] = l.vc_stride[d];
     a.B = st.B, a.H = st.Hkv, a.R = st.Hq / st.Hkv, a.D = st.D, a.S = paged ? max_length : l.pos + 1;
@@ -643,6 +677,13 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   return logits;
 }
 
+// kv_formats: [] (float caches) or [K's format, V's format] (-1 float, else a block format of kv_blocks.h).
+void set_kv_formats(Caches& caches, at::IntArrayRef kv_formats) {
+  TORCH_CHECK(kv_formats.empty() || kv_formats.size() == 2,
+              "gqa::decode_model: kv_formats must be [] or [K's format, V's format], got ", kv_formats);
+  if (!kv_formats.empty()) caches.k_format = kv_formats[0], caches.v_format = kv_formats[1];
+}
+
 at::Tensor dispatch(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
                     at::TensorList weights, at::IntArrayRef formats,
                     const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
@@ -670,7 +711,7 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
                         double qk_eps, at::IntArrayRef windows, at::IntArrayRef rotates,
                         c10::optional<at::TensorList> post_norms, bool offset_norms, bool gelu,
                         at::ArrayRef<double> softcaps, const c10::optional<at::Tensor>& cos_local,
-                        const c10::optional<at::Tensor>& sin_local) {
+                        const c10::optional<at::Tensor>& sin_local, at::IntArrayRef kv_formats) {
   const size_t L = norms1.size();
   TORCH_CHECK(L >= 1 && norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
                   qkv_biases.size() == 3 * L && key_caches.size() == L && value_caches.size() == L &&
@@ -678,6 +719,7 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
               "gqa::decode_model: per layer 2 norms, 7 weights and formats, 3 q/k/v biases, K and V caches, a start "
               "and a cursor; got ", L, " layers' norms1 and ", weights.size(), " weights");
   Caches caches{key_caches, value_caches, starts, cursors};
+  set_kv_formats(caches, kv_formats);
   return dispatch(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale, final_norm,
                   final_eps, head, head_format, greedy, c10::nullopt,
                   LayerOptions{qk_norms, qk_eps, windows, rotates, post_norms, offset_norms, gelu, softcaps, cos_local,
@@ -701,13 +743,14 @@ at::Tensor decode_paged(const at::Tensor& x, at::TensorList norms1, at::TensorLi
                         c10::optional<at::TensorList> qk_norms, double qk_eps, at::IntArrayRef windows,
                         at::IntArrayRef rotates, c10::optional<at::TensorList> post_norms, bool offset_norms,
                         bool gelu, at::ArrayRef<double> softcaps, const c10::optional<at::Tensor>& cos_local,
-                        const c10::optional<at::Tensor>& sin_local) {
+                        const c10::optional<at::Tensor>& sin_local, at::IntArrayRef kv_formats) {
   const size_t L = norms1.size();
   TORCH_CHECK(L >= 1 && norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
                   qkv_biases.size() == 3 * L && key_pools.size() == L && value_pools.size() == L,
               "gqa::decode_paged: per layer 2 norms, 7 weights and formats, 3 q/k/v biases, a K and a V pool; got ",
               L, " layers' norms1 and ", weights.size(), " weights");
   Caches caches{key_pools, value_pools, {}, {}, &block_table, &positions};
+  set_kv_formats(caches, kv_formats);
   return dispatch(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale, final_norm,
                   final_eps, head, head_format, greedy, logit_rows,
                   LayerOptions{qk_norms, qk_eps, windows, rotates, post_norms, offset_norms, gelu, softcaps, cos_local,
@@ -723,14 +766,15 @@ TORCH_LIBRARY_FRAGMENT(gqa, m) {
       "Tensor[] starts, Tensor(c!)[] cursors, float scale, Tensor final_norm, float final_eps, Tensor head, "
       "int head_format, Tensor(d!)? greedy=None, Tensor[]? qk_norms=None, float qk_eps=1e-6, int[] windows=[], "
       "int[] rotates=[], Tensor[]? post_norms=None, bool offset_norms=False, bool gelu=False, float[] softcaps=[], "
-      "Tensor? cos_local=None, Tensor? sin_local=None) -> Tensor");
+      "Tensor? cos_local=None, Tensor? sin_local=None, int[] kv_formats=[]) -> Tensor");
   m.def(
       "decode_paged(Tensor x, Tensor[] norms1, Tensor[] norms2, float eps, Tensor[] weights, int[] formats, "
       "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_pools, Tensor(b!)[] value_pools, "
       "Tensor block_table, Tensor positions, float scale, Tensor final_norm, float final_eps, Tensor head, "
       "int head_format, Tensor(d!)? greedy=None, Tensor? logit_rows=None, Tensor[]? qk_norms=None, "
       "float qk_eps=1e-6, int[] windows=[], int[] rotates=[], Tensor[]? post_norms=None, bool offset_norms=False, "
-      "bool gelu=False, float[] softcaps=[], Tensor? cos_local=None, Tensor? sin_local=None) -> Tensor");
+      "bool gelu=False, float[] softcaps=[], Tensor? cos_local=None, Tensor? sin_local=None, int[] kv_formats=[]) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(gqa, CPU, m) {
