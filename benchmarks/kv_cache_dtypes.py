@@ -73,11 +73,11 @@ def speed(ns: argparse.Namespace) -> list[dict]:
                 t = statistics.median(times[kv])
                 kv_bytes = sum(c.key[:, :, :context].nbytes + c.value[:, :, :context].nbytes for c in caches[kv])
                 row = dict(context=context, kv=kv, step=caches[kv][0].kinds[0].name, tok_s=1 / t,
-                           vs_first=base / t, kv_mib=kv_bytes / 2**20, bytes_ratio=(weights + kv_bytes),
+                           vs_first=base / t, kv_mib=kv_bytes / 2**20, step_bytes=weights + kv_bytes,
                            rounds=[1 / x for x in times[kv]])  # fmt: skip
                 results.append(row)
-                print(f"{context:>6} {kv:>5}: {1 / t:7.1f} tok/s  x{base / t:.2f} vs {ns.kv[0]}  KV {kv_bytes / 2**20:6.1f} "
-                      f"MiB, weights {weights / 2**20:.1f} MiB", flush=True)  # fmt: skip
+                print(f"{context:>6} {kv:>5}: {1 / t:7.1f} tok/s  x{base / t:.2f} vs {ns.kv[0]}  "
+                      f"KV {kv_bytes / 2**20:6.1f} MiB, weights {weights / 2**20:.1f} MiB", flush=True)  # fmt: skip
             del caches
     return results
 
@@ -104,10 +104,10 @@ def quality(ns: argparse.Namespace) -> list[dict]:
         for kv in ns.kv:
             model = gqa.load_model(ns.model, dtype="auto", tokenizer=False, kv_dtype=kv)
             nll, kl, n = _score(model, ids, ns.window, ns.window // 2, reference=base)
-            ppl[kv] = (float(torch.tensor(nll / n).exp()), kl / n, n)
+            ppl[kv] = (float(torch.tensor(nll / n).exp()), kl / n)
         nll0, _, n0 = _score(base, ids, ns.window, ns.window // 2)
         p0 = float(torch.tensor(nll0 / n0).exp())
-        for kv, (p, kl, n) in ppl.items():
+        for kv, (p, kl) in ppl.items():
             row = dict(text=name, tokens=len(ids), kv=kv, perplexity=p, base_perplexity=p0, change=p / p0 - 1, kl=kl)
             results.append(row)
             print(f"{name[:28]:<28} {len(ids):>6} tok  {kv:>5}: ppl {p:8.4f} vs {p0:8.4f} ({100 * (p / p0 - 1):+.3f}%) "
