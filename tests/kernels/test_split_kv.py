@@ -33,6 +33,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 import gqa
+from gqa.cache.kv_dtypes import KV_DTYPES
+from gqa.cache.quantize import quantize
 from gqa.kernels.triton.split_kv import (
     DEFAULT_CONFIG,
     MIN_CHUNK,
@@ -43,6 +45,7 @@ from gqa.kernels.triton.split_kv import (
     split_kv_attention,
     supports,
 )
+from tests.helpers.kv_blocks import stored_as
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and isinstance(tl.max, InterpretedFunction)
 CHILD = "GQA_TEST_SPLIT_KV_CHILD"  # set in the process test_kernel_tests_in_interpreter_process starts
@@ -471,6 +474,78 @@ def test_nan_query_row(num_splits):
     assert torch.isfinite(out[~bad]).all()
     ref = reference(q, k, v)
     assert rel_err(out[~bad], ref[~bad]) < TOL[torch.float32]
+
+
+# a quantized cache: uint8 rows of q8_0 / q4_0 blocks ------------------------------------------------------------
+
+QUANTIZED = {
+    # id: (K kind, V kind, batch, H_q, H_kv, L, S, D, dtype, options); None: float rows
+    "q8_0-D64": ("q8_0", "q8_0", (2,), 18, 6, 3, 300, 64, torch.float32, dict(is_causal=True, num_splits=3)),
+    "q4_0-D32-nobatch": ("q4_0", "q4_0", (), 18, 6, 1, 150, 32, torch.float32, dict(is_causal=True)),
+    "q8_0-q4_0-window-softcap-sinks-ragged": (
+        "q8_0", "q4_0", (3,), 6, 2, 2, 400, 32, torch.float32,
+        dict(is_causal=True, window=(64, None), softcap=20.0, sinks=True, ragged=True, num_splits=2),
+    ),
+    "float-q4_0-mask": (None, "q4_0", (2,), 18, 6, 2, 130, 64, torch.float32, dict(mask=True, num_splits=2)),
+    "q4_0-float": ("q4_0", None, (1,), 4, 2, 3, 100, 32, torch.float32, {}),
+    "q8_0-q4_0-fp16": ("q8_0", "q4_0", (2,), 18, 6, 2, 200, 64, torch.float16, dict(is_causal=True, num_splits=2)),
+}  # fmt: skip
+
+
+@kernel
+@pytest.mark.parametrize("case", list(QUANTIZED), ids=list(QUANTIZED))
+def test_quantized_cache_matches_float64_over_its_values(case):
+    """K and/or V as uint8 rows of blocks, read where they lie: the float64 oracle over the values the blocks hold
+    (``cache.quantize.dequantize``), with every option the kernel takes."""
+    k_name, v_name, batch, H_q, H_kv, L, S, D, dtype, options = QUANTIZED[case]
+    q, k, v = qkv(batch, H_q, H_kv, L, S, D, dtype=dtype, seed=21)
+    key, k_format, k_values = stored_as(k, k_name)
+    value, v_format, v_values = stored_as(v, v_name)
+    g = torch.Generator().manual_seed(22)
+    kw = {name: options[name] for name in ("is_causal", "window", "softcap") if name in options}
+    if options.get("sinks"):
+        kw["sinks"] = torch.randn(H_q, generator=g) + 3
+    if options.get("ragged"):
+        kw |= dict(start=torch.tensor([0, 50, 300]), end=torch.tensor([400, 333, 340]))
+    mask = torch.rand(*batch, 1, 1, S, generator=g) > 0.3 if options.get("mask") else None
+    out = split_kv_attention(q, key, value, attn_mask=mask, num_splits=options.get("num_splits"), k_format=k_format,
+                             v_format=v_format, **kw)  # fmt: skip
+    assert out.shape == (*batch, H_q, L, D)
+    check(out, reference(q, k_values, v_values, mask=mask, **kw), dtype)
+
+
+@kernel
+def test_quantized_rows_outside_the_window_and_past_the_cursor_are_never_read():
+    """Blocks whose every byte is 0xFF (a NaN scale) before each row's window and after its cursor: the same bits."""
+    q, k, v = qkv((2,), 6, 2, 1, 700, 32, seed=23)
+    key, _, _ = stored_as(k, "q4_0")
+    value, _, _ = stored_as(v, "q8_0")
+    end = torch.tensor([700, 500])
+    kw = dict(is_causal=True, window=100, end=end, k_format=1, v_format=0)
+    expected = split_kv_attention(q, key, value, **kw)
+    for row, stop in enumerate(end.tolist()):
+        for t in (key, value):
+            t[row, :, : stop - 1 - 100] = 0xFF
+            t[row, :, stop:] = 0xFF
+    assert torch.equal(split_kv_attention(q, key, value, **kw), expected)
+    assert torch.isfinite(expected).all()
+
+
+def test_quantized_cache_arguments_are_checked():
+    q, k, v = qkv((1,), 4, 2, 1, 32, 32)
+    blocks = quantize(k, KV_DTYPES["q8_0"])
+    with pytest.raises(ValueError, match=r"k_format must be -1 .* or a block format code: 0 \(q8_0\)"):
+        split_kv_attention(q, blocks, v, k_format=2)
+    with pytest.raises(ValueError, match="v_format"):
+        split_kv_attention(q, k, v, v_format=True)
+    with pytest.raises(ValueError, match=r"key must be uint8 rows of q8_0 blocks \(34 bytes each\)"):
+        split_kv_attention(q, k, v, k_format=0)  # float rows given as blocks
+    with pytest.raises(ValueError, match="value must be uint8 rows of q4_0 blocks"):
+        split_kv_attention(q, k, blocks[..., :33], v_format=1)  # not whole blocks
+    with pytest.raises(ValueError, match=r"key head dim \(64\) must equal query head dim \(32\)"):
+        split_kv_attention(q, quantize(torch.randn(1, 2, 32, 64), KV_DTYPES["q8_0"]), v, k_format=0)
+    with pytest.raises(TypeError, match="must share a dtype"):
+        split_kv_attention(q, blocks, v.half(), k_format=0)  # the float side is still checked
 
 
 # supports, the backend ------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ Each row is one token with its own block table and length: a decoding sequence's
 prompt chunk (which sees the chunk's earlier tokens: their K/V are written to the pool before the call). The ``G``
 query heads that share a KV head read each K/V tile once, gathered through the table (``paged_kernels``); each row's
 keys are split at fixed multiples of ``CHUNK`` and the splits merged by log-sum-exp, so a row's result does not depend
-on the other rows of the batch. CUDA, or CPU tensors under ``TRITON_INTERPRET=1`` (tests). Inference only.
+on the other rows of the batch. The pools hold the query's dtype, or a quantized cache's uint8 rows of llama.cpp
+``q8_0`` / ``q4_0`` blocks (``k_format`` / ``v_format``, ``kv_formats``), read where they lie. CUDA, or CPU tensors
+under ``TRITON_INTERPRET=1`` (tests). Inference only.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...attention.checks import check_softcap, shape_str
+from .kv_formats import FLOAT, block_kind, format_refusal, values_per_row
 from .split_kv import (
     DTYPES,
     MAX_HEAD_DIM,
@@ -27,7 +30,7 @@ CHUNK = 512  # keys per split: fixed, so that a row's splits do not depend on th
 BLOCK_N = 32  # keys per tile (each gathered through the table)
 
 
-def _check(query, key_pool, value_pool, tables, lengths, max_length) -> str | None:
+def _check(query, key_pool, value_pool, tables, lengths, max_length, k_kind, v_kind) -> str | None:
     if not triton_available():
         return "triton is not installed (pip install triton)"
     for name, t in (("query", query), ("key_pool", key_pool), ("value_pool", value_pool), ("tables", tables),
@@ -38,16 +41,20 @@ def _check(query, key_pool, value_pool, tables, lengths, max_length) -> str | No
             return f"{name} is on {t.device}, query on {query.device}"
     if query.device.type != "cuda" and not (query.device.type == "cpu" and interpreted()):
         return f"device {query.device.type} (CUDA, or CPU under TRITON_INTERPRET=1)"
-    if query.dtype not in DTYPES or key_pool.dtype != query.dtype or value_pool.dtype != query.dtype:
+    floats = [pool.dtype for pool, kind in ((key_pool, k_kind), (value_pool, v_kind)) if kind is None]
+    if query.dtype not in DTYPES or any(dtype != query.dtype for dtype in floats):
         return f"dtypes query {query.dtype}, pools {key_pool.dtype}/{value_pool.dtype} (one of float32/16, bfloat16)"
     if query.dim() != 3 or key_pool.dim() != 4 or value_pool.dim() != 4:
         return (f"shapes query {shape_str(query)} (N, H_q, D), pools {shape_str(key_pool)}, {shape_str(value_pool)} "
                 "(num_blocks, H_kv, block_size, D)")  # fmt: skip
+    reason = format_refusal("key_pool", key_pool, k_kind) or format_refusal("value_pool", value_pool, v_kind)
+    if reason is not None:
+        return reason
     N, H_q, D = query.shape
-    _, H_kv, block_size, Dk = key_pool.shape
-    if Dk != D or value_pool.shape[:3] != key_pool.shape[:3] or H_q % H_kv:
+    _, H_kv, block_size, _ = key_pool.shape
+    if values_per_row(key_pool, k_kind) != D or value_pool.shape[:3] != key_pool.shape[:3] or H_q % H_kv:
         return f"query {shape_str(query)} does not match pools {shape_str(key_pool)}, {shape_str(value_pool)}"
-    if max(D, value_pool.shape[-1]) > MAX_HEAD_DIM:
+    if max(D, values_per_row(value_pool, v_kind)) > MAX_HEAD_DIM:
         return f"head dim over {MAX_HEAD_DIM}"
     if any(t.stride(-1) != 1 for t in (query, key_pool, value_pool)):
         return "query and the pools need a contiguous last dim"
@@ -75,6 +82,8 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_format: int = FLOAT,
+    v_format: int = FLOAT,
 ) -> torch.Tensor:
     """Row ``n`` attends to positions ``[0, lengths[n])`` of its sequence, position ``j`` held in block
     ``tables[n, j // block_size]`` at slot ``j % block_size``.
@@ -82,7 +91,8 @@ def paged_attention(
     Parameters
     ----------
     query : ``(N, H_q, D)``, one token per row.
-    key_pool, value_pool : ``(num_blocks, H_kv, block_size, D | D_v)``.
+    key_pool, value_pool : ``(num_blocks, H_kv, block_size, D | D_v)`` in the query's dtype, or as ``k_format`` /
+        ``v_format`` say uint8 ``(num_blocks, H_kv, block_size, D / 32 * block_bytes)`` rows of blocks.
     tables : ``(N, max_blocks)`` int32/int64 block ids (entries past a row's length are not read).
     lengths : ``(N,)`` int32/int64, each >= 1 and ``<= max_length``.
     max_length : the largest of ``lengths`` (given, so that sizing the launch reads nothing back from the GPU).
@@ -93,12 +103,18 @@ def paged_attention(
         ``lengths[n] - 1 - window`` on); the keys before them are not read.
     softcap : ``softcap * tanh(scores / softcap)`` on the scaled scores.
     sinks : ``(H_q,)`` logits, each a key of value zero in its head's softmax.
+    k_format, v_format : what the pools store (``KVDtype.code``): -1 float rows, 0 llama.cpp ``q8_0`` blocks (a
+        2-byte fp16 scale ``d``, 32 int8 ``q``: ``x = d * q``), 1 ``q4_0`` blocks (``d``, then value ``j`` in the low
+        nibble of byte ``j``, ``16 + j`` in its high nibble: ``x = d * (q - 8)``); dequantized a tile at a time in
+        registers, never copied.
 
     Returns
     -------
     ``(N, H_q, D_v)`` in the query's dtype.
     """
-    reason = _check(query, key_pool, value_pool, tables, lengths, max_length) or _check_options(query, window, sinks)
+    k_kind, v_kind = block_kind("k_format", k_format), block_kind("v_format", v_format)
+    reason = _check(query, key_pool, value_pool, tables, lengths, max_length, k_kind, v_kind)
+    reason = reason or _check_options(query, window, sinks)
     if reason is not None:
         raise ValueError(f"paged_attention cannot run this call: {reason}")
     softcap = check_softcap(softcap)
@@ -107,7 +123,7 @@ def paged_attention(
 
     N, H_q, D = query.shape
     _, H_kv, block_size, _ = key_pool.shape
-    DV = value_pool.shape[-1]
+    DV = values_per_row(value_pool, v_kind)
     G = H_q // H_kv
     splits = -(-max_length // CHUNK)
     widest = -(-max(max_context or max_length, max_length) // CHUNK)
@@ -129,7 +145,8 @@ def paged_attention(
         key_pool.stride(0), key_pool.stride(1), key_pool.stride(2),
         value_pool.stride(0), value_pool.stride(1), value_pool.stride(2),
         tables.stride(0),
-        CHUNK=CHUNK, HAS_LEFT=window is not None, HAS_SOFTCAP=softcap is not None, PRECISION=_precision(query),
+        CHUNK=CHUNK, HAS_LEFT=window is not None, HAS_SOFTCAP=softcap is not None, K_FORMAT=k_format,
+        V_FORMAT=v_format, PRECISION=_precision(query),
         BLOCK_G=block_g, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
         BLOCK_DV=block_dv, num_warps=4, num_stages=2,
     )  # fmt: skip

@@ -10,7 +10,9 @@ padding and each row's cursor in a static cache: read from device memory, so a c
 the cache fills), a sliding window (its keys alone are read: the splits tile the window, wherever each row's cursor
 is), soft-capping and sinks (Gemma 2, gpt-oss), ``L <= 16`` new tokens (speculative decoding), any group size,
 ``D <= 256``, float16, bfloat16 and float32 (its dots as three TF32 products on the tensor cores: float32
-accuracy). Inference only. ``TRITON_INTERPRET=1`` runs it on CPU tensors (tests).
+accuracy), and a quantized cache where it lies: K and/or V as uint8 rows of llama.cpp ``q8_0`` / ``q4_0`` blocks
+(``k_format`` / ``v_format``, ``kv_formats``), each tile dequantized in registers. Inference only.
+``TRITON_INTERPRET=1`` runs it on CPU tensors (tests).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ...attention.checks import (
     kernel_refusal,
     shape_str,
 )
+from .kv_formats import FLOAT, block_kind, stand_in, values_per_row
 
 DTYPES = (torch.float32, *HALF_DTYPES)
 MAX_L = 16  # new tokens per call (G * L rows per KV head)
@@ -90,9 +93,16 @@ def interpreted() -> bool:
 
 
 def supports(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dropout_p: float = 0.0, return_weights: bool = False
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    v_format: int = FLOAT,
 ) -> str | None:
-    """``None`` if the kernel can run this call, else the reason it cannot."""
+    """``None`` if the kernel can run this call, else the reason it cannot (``v_format``: what ``value`` stores,
+    ``kv_formats``)."""
     if not triton_available():
         return "triton is not installed (pip install triton)"
     if query.device.type != "cuda" and not (query.device.type == "cpu" and interpreted()):
@@ -101,8 +111,9 @@ def supports(
         return f"dtype {query.dtype} (float32, float16 and bfloat16 only)"
     if query.shape[-2] > MAX_L:
         return f"L = {query.shape[-2]} new tokens (at most {MAX_L}: a decode kernel)"
-    if max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM:
-        return f"head dim {max(query.shape[-1], value.shape[-1])} (at most {MAX_HEAD_DIM})"
+    head_dim = max(query.shape[-1], values_per_row(value, block_kind("v_format", v_format)))
+    if head_dim > MAX_HEAD_DIM:
+        return f"head dim {head_dim} (at most {MAX_HEAD_DIM})"
     return kernel_refusal(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
 
 
@@ -182,13 +193,16 @@ def split_kv_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     num_splits: int | None = None,
+    k_format: int = FLOAT,
+    v_format: int = FLOAT,
 ) -> torch.Tensor:
-    """Grouped attention of a few new tokens over a KV cache.
+    """Grouped attention of a few new tokens over a KV cache, float or quantized.
 
     Parameters
     ----------
     query : ``(*B, H_q, L, D)``, ``L <= 16``; any strides.
-    key, value : ``(*B, H_kv, S, D)``, ``(*B, H_kv, S, D_v)``; last dim contiguous (cache views are fine).
+    key, value : ``(*B, H_kv, S, D)``, ``(*B, H_kv, S, D_v)``; last dim contiguous (cache views are fine). As
+        ``k_format`` / ``v_format`` say, uint8 ``(*B, H_kv, S, D / 32 * block_bytes)`` rows of blocks instead.
     scale : multiplies the scores; default ``D ** -0.5``.
     is_causal : bottom-right: row ``l`` sees keys ``j <= end - L + l`` (``end = S`` by default).
     attn_mask : broadcastable to ``(*B, H_q, L, S)``; bool (True = attend) or additive float.
@@ -199,31 +213,41 @@ def split_kv_attention(
     softcap : ``softcap * tanh(scores / softcap)`` on the scaled scores, before the mask.
     sinks : ``(H_q,)`` logits, each a key of value zero in its head's softmax.
     num_splits : KV splits per head (default: enough programs to fill the GPU, ``plan_splits``).
+    k_format, v_format : what ``key`` / ``value`` store (``KVDtype.code``): -1 float rows in the query's dtype, 0
+        llama.cpp ``q8_0`` blocks (a 2-byte fp16 scale, 32 int8), 1 ``q4_0`` blocks (the scale, 16 bytes of nibbles:
+        value ``j`` low, ``16 + j`` high, ``x = d * (q - 8)``); read where they lie, dequantized in registers.
 
     Returns
     -------
     ``(*B, H_q, L, D_v)`` in the query's dtype. A row that sees no key is zeros.
     """
-    shape = check_qkv(query, key, value)
+    k_kind, v_kind = block_kind("k_format", k_format), block_kind("v_format", v_format)
+    k_values, v_values = key, value
+    if isinstance(query, torch.Tensor):  # the shape checks see the values the blocks hold
+        k_values, v_values = stand_in("key", key, k_kind, query), stand_in("value", value, v_kind, query)
+    shape = check_qkv(query, k_values, v_values)
     check_mask(attn_mask, shape, query)
     window = check_window(window)
     softcap = check_softcap(softcap)
     check_sinks(sinks, shape, query)
-    reason = supports(query, key, value)
+    reason = supports(query, key, value, v_format=v_format)
     if reason is not None:
         raise ValueError(f"the triton split-KV kernel cannot run this call: {reason}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     return launch(query, key, value, shape, float(shape.D**-0.5 if scale is None else scale), bool(is_causal),
-                  attn_mask, start, end, num_splits, window=window, softcap=softcap, sinks=sinks)  # fmt: skip
+                  attn_mask, start, end, num_splits, window=window, softcap=softcap, sinks=sinks,
+                  k_format=k_format, v_format=v_format)  # fmt: skip
 
 
 def launch(
     query, key, value, shape, scale: float, is_causal: bool, attn_mask, start, end, num_splits, config=None, *,
     window: Window | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+    k_format: int = FLOAT, v_format: int = FLOAT,
 ) -> torch.Tensor:  # fmt: skip
     """``split_kv_attention`` on validated inputs (the backend and CUDA graphs call this: no checks twice);
-    ``config``: ``(BLOCK_N, num_warps, num_stages)`` instead of ``config_for``'s."""
+    ``config``: ``(BLOCK_N, num_warps, num_stages)`` instead of ``config_for``'s; ``shape`` the values' sizes (of a
+    quantized ``key`` / ``value``, what its blocks hold)."""
     from . import split_kv_kernels as kernels  # imports triton (seconds): only once a kernel runs
 
     H_kv, G, L, S, D, D_v = shape.H_kv, shape.G, shape.L, shape.S, shape.D, shape.D_v
@@ -232,7 +256,7 @@ def launch(
     q = query.reshape(N, H_kv, G, L, D)  # a view for the layouts attention modules make
     if q.stride(-1) != 1:
         q = q.contiguous()  # G * L rows per head: small
-    k, v = flat_view(key, 3), flat_view(value, 3)  # (N, H_kv, S, D), (N, H_kv, S, D_v)
+    k, v = flat_view(key, 3), flat_view(value, 3)  # (N, H_kv, S, D | row bytes), (N, H_kv, S, D_v | row bytes)
     out = torch.empty(*shape.batch, shape.H_q, L, D_v, dtype=query.dtype, device=query.device)
     o = out.view(N, H_kv, G, L, D_v)
     mask_kind, mask = 0, q
@@ -275,7 +299,7 @@ def launch(
         o.stride(0), o.stride(1), o.stride(2), o.stride(3),
         MASK_KIND=mask_kind, IS_CAUSAL=is_causal, HAS_START=start_n is not None, HAS_END=end_n is not None,
         HAS_LEFT=left is not None, HAS_RIGHT=right is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_SINKS=sink_logits is not None, DIRECT=direct, PRECISION=_precision(q),
+        HAS_SINKS=sink_logits is not None, DIRECT=direct, K_FORMAT=k_format, V_FORMAT=v_format, PRECISION=_precision(q),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if not direct:
@@ -298,17 +322,22 @@ def decode_op(
     window: int = -1,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_format: int = FLOAT,
+    v_format: int = FLOAT,
 ) -> torch.Tensor:
     """``split_kv_attention(query, key, value, scale=scale, start=start, end=end, window=..., softcap=...,
-    sinks=sinks)`` as a custom op, so that ``torch.compile`` keeps the Triton kernel as one opaque call
-    (``decoding.fused_step``): query ``(B, H_q, L, D)``, key/value a whole static cache ``(B, H_kv, C, D | D_v)``,
+    sinks=sinks, k_format=k_format, v_format=v_format)`` as a custom op, so that ``torch.compile`` keeps the Triton
+    kernel as one opaque call (``decoding.fused_step``): query ``(B, H_q, L, D)``, key/value a whole static cache
+    ``(B, H_kv, C, D | D_v)`` (uint8 ``(B, H_kv, C, row bytes)`` of q8_0 / q4_0 blocks for formats 0 / 1),
     ``start``/``end`` ``(B,)`` or 0-dim slot bounds, ``window`` the keys a query sees to its left (-1: all),
     ``softcap`` 0 for none, ``sinks`` ``(H_q,)`` or None. -> ``(B, H_q, L, D_v)``. Checked as ``split_kv_attention``
     checks."""
     return split_kv_attention(query, key, value, scale=scale, start=start, end=end,
-                              window=None if window < 0 else window, softcap=softcap or None, sinks=sinks)  # fmt: skip
+                              window=None if window < 0 else window, softcap=softcap or None, sinks=sinks,
+                              k_format=k_format, v_format=v_format)  # fmt: skip
 
 
 @decode_op.register_fake
-def _decode_op_fake(query, key, value, start, end, scale, window=-1, softcap=0.0, sinks=None):
-    return query.new_empty(*query.shape[:-1], value.shape[-1])
+def _decode_op_fake(query, key, value, start, end, scale, window=-1, softcap=0.0, sinks=None, k_format=FLOAT,
+                    v_format=FLOAT):  # fmt: skip
+    return query.new_empty(*query.shape[:-1], values_per_row(value, block_kind("v_format", v_format)))

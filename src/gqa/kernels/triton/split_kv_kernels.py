@@ -15,12 +15,18 @@ left window the splits tile the window, from its first key (``end[n] - L - left`
 Soft-capping bends the scaled scores (``softcap * tanh(s / softcap)``) before the mask; a sink (a logit per query
 head) joins each row's softmax as a key whose value is zero — in the merge, or at the end of the one split.
 A row that sees no key gets zeros, as the other backends give. NaN in q/K/V propagates to the output.
+
+K and V are float rows in the query's dtype or, as ``K_FORMAT`` / ``V_FORMAT`` say (``kv_formats``: -1 float, 0
+``q8_0``, 1 ``q4_0``), uint8 rows of 32-value blocks with an fp16 scale, each tile dequantized in registers
+(``kv_blocks.load_rows``) into the query's dtype before its dot; the strides are then in bytes.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .kv_blocks import load_rows
 
 
 @triton.jit
@@ -75,8 +81,8 @@ def split_kv_attend(
     scale, S, L, D, DV, rows, chunk, H_KV, splits,  # sizes
     G, win_left, win_right, softcap,  # query heads per KV head; the window's sides; the soft-cap
     sq_n, sq_h, sq_g, sq_l,  # q (N, H_kv, G, L, D), last dim contiguous
-    sk_n, sk_h, sk_s,  # k (N, H_kv, S, D), last dim contiguous
-    sv_n, sv_h, sv_s,  # v (N, H_kv, S, DV), last dim contiguous
+    sk_n, sk_h, sk_s,  # k (N, H_kv, S, D | row bytes), last dim contiguous
+    sv_n, sv_h, sv_s,  # v (N, H_kv, S, DV | row bytes), last dim contiguous
     sm_n, sm_h, sm_g, sm_l, sm_s,  # mask (N, H_kv, G, L, S), any strides (0 where broadcast)
     so_n, so_h, so_g, so_l,  # out (N, H_kv, G, L, DV), last dim contiguous
     MASK_KIND: tl.constexpr,  # 0: none, 1: bool (as uint8), 2: additive
@@ -88,6 +94,8 @@ def split_kv_attend(
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: write the output, not partials
+    K_FORMAT: tl.constexpr,  # -1: float rows; 0 / 1: uint8 rows of q8_0 / q4_0 blocks (kv_blocks)
+    V_FORMAT: tl.constexpr,
     PRECISION: tl.constexpr,  # of the dots for float32 inputs: "tf32x3" (GPU: float32 accuracy on tensor cores), "ieee"
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -131,7 +139,7 @@ def split_kv_attend(
     for first in range(k_lo, k_hi, BLOCK_N):
         j = first + tl.arange(0, BLOCK_N)  # key slots
         j_ok = j < k_hi
-        k = tl.load(k_base + j[:, None] * sk_s + d[None, :], mask=j_ok[:, None] & (d[None, :] < D), other=0.0)
+        k = load_rows(k_base + j[:, None] * sk_s, j_ok, d, D, K_FORMAT).to(q.dtype)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N) float32
         if HAS_SOFTCAP:
             s = soft_cap(s, softcap)
@@ -148,7 +156,7 @@ def split_kv_attend(
         if MASK_KIND == 2:
             s = s + tl.load(m_base + j[None, :] * sm_s, mask=seen, other=0.0).to(tl.float32)
         s = tl.where(seen, s, float("-inf"))
-        v = tl.load(v_base + j[:, None] * sv_s + dv[None, :], mask=j_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        v = load_rows(v_base + j[:, None] * sv_s, j_ok, dv, DV, V_FORMAT).to(q.dtype)  # (BLOCK_N, BLOCK_DV)
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
 
     if DIRECT and HAS_SINKS:  # the one split: the sink joins here (else in merge_splits)
