@@ -14,11 +14,14 @@ import pytest
 import torch
 
 import gqa
+from gqa.cache.kv_dtypes import KV_DTYPES
+from gqa.cache.quantize import quantize
 from gqa.kernels.triton.paged import CHUNK, paged_attention
 from gqa.serve.engine import Engine
 from gqa.serve.sampling import SamplingParams
 from tests.helpers.families import family_model
 from tests.helpers.interpreter import interpreting, run_interpreted
+from tests.helpers.kv_blocks import stored_as
 from tests.helpers.serving import hf_greedy, serve_all, tiny_qwen2
 
 transformers = pytest.importorskip("transformers")
@@ -135,6 +138,61 @@ def test_a_row_is_computed_the_same_alone_and_in_any_batch():
         assert torch.equal(alone[0], together[n])
 
 
+QUANTIZED_POOLS = {
+    # id: (K kind, V kind, H_q, H_kv, D, block_size, window, softcap, sinks); None: float rows
+    "q8_0-D64": ("q8_0", "q8_0", 18, 6, 64, 16, None, None, False),
+    "q4_0-D32-window-softcap-sinks": ("q4_0", "q4_0", 18, 6, 32, 5, 100, 5.0, True),
+    "q8_0-q4_0": ("q8_0", "q4_0", 6, 2, 32, 16, None, None, False),
+    "float-q8_0": (None, "q8_0", 6, 2, 64, 16, None, None, False),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", list(QUANTIZED_POOLS), ids=list(QUANTIZED_POOLS))
+def test_paged_attention_reads_quantized_pools(case):
+    """Pools of uint8 rows of q8_0 / q4_0 blocks (K, V or both), read where they lie: float64 attention over the
+    values the blocks hold, ragged rows through scattered tables, each row alone the same bits as in the batch."""
+    k_name, v_name, H_q, H_kv, D, block_size, window, softcap, with_sinks = QUANTIZED_POOLS[case]
+    key, value = _pools(500, H_kv, block_size, D, D, torch.float32, seed=4)
+    key, k_format, k_values = stored_as(key, k_name)
+    value, v_format, v_values = stored_as(value, v_name)
+    lengths = torch.tensor([1, 7, CHUNK + 3, 40])  # one key, a few, two splits, a partial block
+    width = -(-int(lengths.max()) // block_size)
+    g = torch.Generator().manual_seed(5)
+    tables = torch.randperm(500, generator=g)[: len(lengths) * width].view(len(lengths), width).int()
+    q = torch.randn(len(lengths), H_q, D, generator=g) * 3
+    sinks = torch.randn(H_q, generator=g) + 3 if with_sinks else None
+    options = dict(max_context=4096, window=window, softcap=softcap, sinks=sinks, k_format=k_format,
+                   v_format=v_format)  # fmt: skip
+    out = paged_attention(q, key, value, tables, lengths, max_length=int(lengths.max()), **options)
+    ref = _reference(q, k_values, v_values, tables, lengths, window, softcap, sinks)
+    assert out.shape == (len(lengths), H_q, D) and out.dtype == torch.float32
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    for n in (0, 2):
+        alone = paged_attention(q[n : n + 1], key, value, tables[n : n + 1], lengths[n : n + 1],
+                                max_length=int(lengths[n]), **options)  # fmt: skip
+        assert torch.equal(alone[0], out[n])
+
+
+@needs_interpreter
+def test_paged_attention_checks_quantized_pools():
+    key = quantize(torch.randn(10, 2, 16, 32), KV_DTYPES["q8_0"])
+    value = torch.randn(10, 2, 16, 32)
+    tables, lengths = torch.zeros(2, 4, dtype=torch.int32), torch.ones(2, dtype=torch.long)
+    args = dict(
+        query=torch.randn(2, 4, 32), key_pool=key, value_pool=value, tables=tables, lengths=lengths, max_length=1
+    )
+    with pytest.raises(ValueError, match="dtypes query"):  # blocks, yet called float
+        paged_attention(**args)
+    with pytest.raises(ValueError, match=r"value_pool must be uint8 rows of q4_0 blocks \(18 bytes each\)"):
+        paged_attention(**args, k_format=0, v_format=1)
+    with pytest.raises(ValueError, match="k_format must be -1"):
+        paged_attention(**args, k_format=5)
+    with pytest.raises(ValueError, match="does not match pools"):  # blocks of 64 values for D = 32
+        paged_attention(**args | dict(key_pool=quantize(torch.randn(10, 2, 16, 64), KV_DTYPES["q8_0"])), k_format=0)
+    assert paged_attention(**args, k_format=0).shape == (2, 4, 32)
+
+
 @needs_interpreter
 @pytest.mark.parametrize(
     "change, words",
@@ -223,6 +281,29 @@ def test_triton_runner_prefix_cache_and_seeded_sampling(tiny):
     sampled = SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
     first = serve_all(engine, [[4, 5, 6]], sampled)
     assert serve_all(engine, [[4, 5, 6]], sampled) == first
+
+
+@needs_interpreter
+def test_the_triton_runner_serves_from_a_q8_0_pool(tmp_path):
+    """``kv_cache_dtype="q8_0"``: the pool holds uint8 blocks (1.9x the float32 pool's tokens... here 3.8x: the model
+    is float32), each request served alone gives the tokens it gives in the batch, and they are the CPU engine's over
+    the same q8_0 pool (the native kernels: another implementation of the blocks)."""
+    from gqa import kernels
+    from gqa.serve.engine import Engine
+
+    family_model("qwen2", tmp_path, head_dim=32)
+    model = gqa.load_model(tmp_path, dtype=torch.float32, tokenizer=False)
+    prompts = [[5, 9, 17, 33, 2, 8, 40, 41, 7], [11, 12], list(range(20, 40))]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    options = dict(kv_cache_mib=1, block_size=4, prefill_chunk=8, kv_cache_dtype="q8_0")
+    engine = _engine(model, **options)
+    assert engine.cache.key[0].dtype == torch.uint8 and engine.cache.key[0].shape[-1] == 34
+    assert engine.blocks.num_blocks >= 3.7 * _engine(model, kv_cache_mib=1, block_size=4).blocks.num_blocks
+    together = serve_all(engine, prompts, params)
+    for prompt, tokens in zip(prompts, together, strict=True):
+        assert serve_all(_engine(model, **options), [prompt], params) == [tokens]
+    if kernels.vectorized():
+        assert serve_all(Engine(model, **options), prompts, params) == together
 
 
 def test_the_engine_picks_the_runner_by_device(tiny):

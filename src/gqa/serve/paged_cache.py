@@ -78,8 +78,16 @@ class PagedKVCache:
         """Store ``key (H_kv, n, D)`` and ``value`` as positions ``[start, start + n)`` of the sequence with table
         ``blocks``."""
         ids, offsets = self._slots(blocks, start, start + key.shape[1])
+        self.write_slots(layer, ids, offsets, key.transpose(0, 1), value.transpose(0, 1))
+
+    def write_slots(
+        self, layer: int, ids: torch.Tensor, offsets: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Store ``key (n, H_kv, D)`` and ``value (n, H_kv, D_v)``, row ``r`` at slot ``offsets[r]`` of block
+        ``ids[r]`` (``(n,)`` each, on the pool's device), each row quantized on its own where the pool stores
+        blocks."""
         for pool, kind, t in ((self.key, self.kinds[0], key), (self.value, self.kinds[1], value)):
-            pool[layer][ids, :, offsets] = (quantize(t, kind) if kind.quantized else t).transpose(0, 1)  # (n, H_kv, _)
+            pool[layer][ids, :, offsets] = quantize(t, kind) if kind.quantized else t  # (n, H_kv, D | row bytes)
 
     def read(self, layer: int, blocks: Sequence[int], stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``[0, stop)`` of the sequence with table ``blocks``: ``(H_kv, stop, D)`` K and V (copies; the

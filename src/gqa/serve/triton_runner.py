@@ -6,8 +6,9 @@ mixed, each with its own block table and position —, every row's K/V written t
 attention, logits and greedy tokens only for the rows whose next token is wanted. The projections are the fused
 ones of ``decoding.fused_step`` (one GEMM for q/k/v, one for gate/up). Attention of a row depends on that row alone
 (fixed splits); the GEMMs are cuBLAS's, whose rounding can depend on how many rows a call has, so batch invariance
-on a GPU is measured (``benchmarks/gpu_check.py``), not assumed. Runs on CPU tensors under ``TRITON_INTERPRET=1``
-(tests).
+on a GPU is measured (``benchmarks/gpu_check.py``), not assumed. A quantized pool (``kv_cache_dtype`` ``q8_0`` /
+``q4_0``, K and V each) stores each new row's blocks once, as it is written, and the kernel reads them where they lie.
+Runs on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
 """
 
 from __future__ import annotations
@@ -31,22 +32,21 @@ __all__ = ["TritonModelRunner", "default_device_kv_cache_mib"]
 
 class TritonModelRunner:
     """A ``CausalLM`` of any family gqa loads on a GPU (float32, float16 or bfloat16, plain float linears) and its
-    paged KV pool on the same device, sized by ``config``. A sliding-window layer's attention reads only its window's
-    blocks; when every layer slides, blocks behind every window go back to the pool (``serving_window``)."""
+    paged KV pool on the same device, sized by ``config`` and stored as its ``kv_cache_dtype`` says (``pool_kinds``:
+    the model's dtype, or q8_0 / q4_0 blocks). A sliding-window layer's attention reads only its window's blocks;
+    when every layer slides, blocks behind every window go back to the pool (``serving_window``)."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig) -> None:
         self.check_model(model)
         self.model, cfg = model, model.config
         kinds = pool_kinds(model, config)
-        if any(kind.quantized for kind in kinds):
-            raise EngineError("the GPU engine's pool stores the model's dtype; a q8_0 / q4_0 KV cache is served on CPU")
         self.pool_size = device_pool_size(model, config)
         mib = self.pool_size.nbytes / 2**20
         num_blocks = blocks_in_budget(mib, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, kinds)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_mib={mib} holds no block of {config.block_size} tokens")
         self.cache = PagedKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, config.block_size,
-                                  model.dtype, device=model.device)  # fmt: skip
+                                  model.dtype, device=model.device, kv_dtype=kinds)  # fmt: skip
         self.window = serving_window(model)
 
     @staticmethod
@@ -79,14 +79,14 @@ class TritonModelRunner:
         max_length = max(positions) + 1
         context = model.config.max_position_embeddings
         w = step_weights(model)
-        key, value = self.cache.key, self.cache.value
+        cache = self.cache
+        k_format, v_format = (kind.code for kind in cache.kinds)
 
         def attend(i: int, lw: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            key[i][blocks, :, slots] = k[:, :, 0]  # (N, H_kv, D)
-            value[i][blocks, :, slots] = v[:, :, 0]
-            out = paged_attention(q[:, :, 0], key[i], value[i], table, lengths, max_length=max_length,
+            cache.write_slots(i, blocks, slots, k[:, :, 0], v[:, :, 0])  # (N, H_kv, D) each
+            out = paged_attention(q[:, :, 0], cache.key[i], cache.value[i], table, lengths, max_length=max_length,
                                   max_context=max(context, max_length), scale=lw.scale, window=lw.window,
-                                  softcap=lw.softcap, sinks=lw.sinks)  # fmt: skip
+                                  softcap=lw.softcap, sinks=lw.sinks, k_format=k_format, v_format=v_format)  # fmt: skip
             return out[:, :, None]  # (N, H_q, 1, D)
 
         def rotation(rope: RoPE) -> tuple[torch.Tensor, torch.Tensor]:
