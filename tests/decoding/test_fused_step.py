@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import gqa
+from gqa.cache.kv_dtypes import KV_DTYPES
+from gqa.cache.quantize import quantize
 from gqa.decoding.fused_step import fused_applies, fused_step, step_weights
 from gqa.models import CausalLM
 from gqa.models.config import ModelConfig
@@ -55,15 +57,17 @@ def _hf_logits(hf, rows: list[list[int]]) -> list[torch.Tensor]:
     return [hf(torch.tensor([r])).logits[0] for r in rows]
 
 
-def _run_steps(step, model, rows: list[list[int]], prompt_lens: list[int], steps: int, static=False) -> torch.Tensor:
+def _run_steps(
+    step, model, rows: list[list[int]], prompt_lens: list[int], steps: int, static=False, kv_dtype=None
+) -> torch.Tensor:
     """Prefill each row's prompt (left-padded) with the eager model, then ``steps`` tokens through ``step``; the
     logits of each step ``(B, steps, vocab)``. ``static``: full caches for windowed layers too (what the graphed
-    step decodes over)."""
+    step decodes over); ``kv_dtype``: what the caches store."""
     width = max(prompt_lens)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     for b, (r, n) in enumerate(zip(rows, prompt_lens, strict=True)):
         ids[b, width - n :] = torch.tensor(r[:n])
-    caches = model.new_caches(len(rows), width + steps + 5, window_caches=not static)
+    caches = model.new_caches(len(rows), width + steps + 5, window_caches=not static, kv_dtype=kv_dtype)
     for cache in caches:
         cache.set_left_padding([width - n for n in prompt_lens])
     model(ids, caches=caches, last_only=True)
@@ -106,6 +110,40 @@ def test_fused_step_takes_every_family_past_its_window(tmp_path, arch):
     ours = _run_steps(lambda t, c: fused_step(model, weights, t, c), model, rows, prompt_lens, steps, static=True)
     for b, ref in enumerate(_hf_logits(hf, rows)):
         torch.testing.assert_close(ours[b], ref[prompt_lens[b] : prompt_lens[b] + steps], atol=2e-4, rtol=2e-4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("arch, kv", [("qwen2", ("q8_0", "q4_0")), ("gemma2", "q8_0")])
+@torch.inference_mode()
+def test_fused_step_over_quantized_caches_equals_the_eager_model(tmp_path, arch, kv):
+    """Static caches of q8_0 / q4_0 blocks: the fused step quantizes each new row as it writes it and the split-KV
+    kernel reads the blocks (Gemma 2: windows and soft-caps too); the eager model over the same kind of caches
+    (the native CPU attention over the blocks, another implementation) gives the same logits."""
+    family_model(arch, tmp_path, head_dim=32)
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randint(3, 96, (16,), generator=g).tolist() for _ in range(2)]
+    weights = step_weights(model)
+    fused = _run_steps(lambda t, c: fused_step(model, weights, t, c), model, rows, [9, 5], 7, True, kv)
+    eager = _run_steps(lambda t, c: model(t, caches=c), model, rows, [9, 5], 7, True, kv)
+    torch.testing.assert_close(fused, eager, atol=2e-4, rtol=2e-4)
+
+
+@needs_interpreter
+@torch.inference_mode()
+def test_static_step_over_quantized_caches_equals_the_eager_model(tmp_path):
+    """``cuda_graphs.static_step`` (what the graph captures for Llama layers the fused step does not take): q4_0 K,
+    q8_0 V written as blocks and read by the split-KV kernel, the eager model's logits."""
+    from gqa.decoding.cuda_graphs import static_step
+
+    family_model("llama", tmp_path, head_dim=32)
+    model = gqa.load_model(tmp_path, tokenizer=False)
+    model.model.rope.cos_sin(torch.tensor([63]))  # the table static_step looks positions up in
+    rows = [torch.randint(3, 96, (12,), generator=torch.Generator().manual_seed(8)).tolist() for _ in range(2)]
+    kv = ("q4_0", "q8_0")
+    ours = _run_steps(lambda t, c: static_step(model, t, c), model, rows, [7, 4], 5, True, kv)
+    torch.testing.assert_close(ours, _run_steps(lambda t, c: model(t, caches=c), model, rows, [7, 4], 5, True, kv),
+                               atol=2e-4, rtol=2e-4)  # fmt: skip
 
 
 @needs_interpreter
@@ -173,4 +211,9 @@ def test_the_split_kv_custom_op_passes_opcheck():
     assert set(results.values()) == {"SUCCESS"}, results
     variant = (q, k, v, torch.tensor([0, 3]), torch.tensor(30), 0.25, 7, 3.0, torch.randn(6, generator=g))
     results = torch.library.opcheck(decode_op, variant)
+    assert set(results.values()) == {"SUCCESS"}, results
+    q = torch.randn(2, 6, 1, 64, generator=g)  # a quantized cache: q8_0 K, q4_0 V, blocks of 64 values a row
+    k, v = (quantize(torch.randn(2, 2, 40, 64, generator=g), KV_DTYPES[n]) for n in ("q8_0", "q4_0"))
+    quantized = (q, k, v, torch.tensor([0, 3]), torch.tensor(30), 0.25, -1, 0.0, None, 0, 1)
+    results = torch.library.opcheck(decode_op, quantized)
     assert set(results.values()) == {"SUCCESS"}, results

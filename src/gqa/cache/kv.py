@@ -20,7 +20,7 @@ from torch import nn
 from .._compiler import disable
 from ..attention.checks import shape_str
 from .kv_dtypes import KVDtype
-from .quantize import DTYPE_NAMES, quantize, resolve_kv_dtype, row_size, storage_dtype
+from .quantize import DTYPE_NAMES, as_stored, resolve_kv_dtype, row_size, storage_dtype
 from .sizes import kv_cache_elements
 
 KVDtypeChoice = str | KVDtype | tuple[str | KVDtype, str | KVDtype] | None
@@ -119,11 +119,7 @@ class _KVCache(nn.Module):
 
     def _stored(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``key`` and ``value`` as the buffers hold them: quantized where the cache's kinds say so."""
-        k_kind, v_kind = self.kinds
-        return (
-            quantize(key, k_kind) if k_kind.quantized else key,
-            quantize(value, v_kind) if v_kind.quantized else value,
-        )
+        return as_stored(key, self.kinds[0]), as_stored(value, self.kinds[1])
 
     @property
     def seq_len(self) -> int:

@@ -15,7 +15,7 @@ import torch
 from .. import kernels
 from .kv_dtypes import KVDtype, check_head_dim, kv_dtype
 
-__all__ = ["dequantize", "quantize", "reference_quantize", "resolve_kv_dtype", "storage_dtype"]
+__all__ = ["as_stored", "dequantize", "quantize", "reference_quantize", "resolve_kv_dtype", "storage_dtype"]
 
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
@@ -58,6 +58,11 @@ def quantize(x: torch.Tensor, kv: KVDtype) -> torch.Tensor:
 
         return ops.quantize_kv(x.detach(), kv.code)
     return reference_quantize(x, kv)
+
+
+def as_stored(x: torch.Tensor, kv: KVDtype) -> torch.Tensor:
+    """``x (..., D)`` as a cache of ``kv`` stores it: ``quantize``'s blocks, or ``x`` itself for a float type."""
+    return quantize(x, kv) if kv.quantized else x
 
 
 def _round_half_away(v: torch.Tensor) -> torch.Tensor:

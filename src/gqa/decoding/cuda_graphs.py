@@ -22,6 +22,7 @@ import math
 import torch
 
 from ..cache.kv import StaticKVCache
+from ..cache.quantize import as_stored
 from ..kernels.triton.split_kv import split_kv_attention
 from ..models.linear import linears
 from .fused_step import fused_applies, fused_step, step_ropes, step_weights
@@ -62,13 +63,14 @@ def static_step(model: torch.nn.Module, tokens: torch.Tensor, caches: list[Stati
         q = rope.rotate(attn._heads(q, attn.num_heads), cos, sin)  # (B, H_q, 1, D)
         k = rope.rotate(attn._heads(k, attn.num_kv_heads), cos, sin)  # (B, H_kv, 1, D)
         v = attn._heads(v, attn.num_kv_heads)  # (B, H_kv, 1, D)
+        k_kind, v_kind = cache.kinds
         slot = cache.cursor.view(1)
-        cache.key.index_copy_(2, slot, k)
-        cache.value.index_copy_(2, slot, v)
+        cache.key.index_copy_(2, slot, as_stored(k, k_kind))  # a quantized cache: the row's blocks
+        cache.value.index_copy_(2, slot, as_stored(v, v_kind))
         cache.cursor.add_(1)
-        a = split_kv_attention(
-            q, cache.key, cache.value, scale=1.0 / math.sqrt(attn.head_dim), start=cache.start, end=cache.cursor
-        )  # (B, H_q, 1, D): each row's slots [start, cursor) of the whole cache
+        # (B, H_q, 1, D): each row's slots [start, cursor) of the whole cache
+        a = split_kv_attention(q, cache.key, cache.value, scale=1.0 / math.sqrt(attn.head_dim), start=cache.start,
+                               end=cache.cursor, k_format=k_kind.code, v_format=v_kind.code)  # fmt: skip
         x = x + attn.o_proj(a.transpose(1, 2).flatten(-2))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(backbone.norm(x))  # (B, 1, vocab)

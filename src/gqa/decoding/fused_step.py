@@ -12,7 +12,9 @@ to the compiler (``kernels.triton.split_kv.decode_op``).
 Every family gqa loads runs through it: a layer's q/k norms (Qwen3, Gemma 3), no RoPE (SmolLM3's NoPE layers), its own
 RoPE table (Gemma 3's sliding layers), a sliding window (the kernel reads only the window's keys of the static cache),
 attention soft-capping and sinks (in the kernel), Gemma's sandwich norms, GELU gate and scaled embeddings, and the
-final soft-cap — each layer's options are read from its modules once, into ``LayerWeights``.
+final soft-cap — each layer's options are read from its modules once, into ``LayerWeights``. A quantized cache
+(``q8_0`` / ``q4_0`` K and/or V) gets each new row's blocks (``cache.quantize.as_stored``: torch ops, no host
+synchronisation) and the kernel reads the blocks where they lie.
 
 The concatenated matrices are copies (the model's own weights stay as they are, so saving or training the model
 is unaffected): extra device memory of the q/k/v and gate/up weights, ~85% of a Llama-shaped model's. They are
@@ -32,6 +34,7 @@ from torch import nn
 
 from ..attention.rope import RoPE
 from ..cache.kv import StaticKVCache
+from ..cache.quantize import as_stored
 from ..kernels.triton.split_kv import decode_op
 from ..models.layers import ACTIVATIONS
 
@@ -206,12 +209,14 @@ def fused_step(model: nn.Module, w: StepWeights, tokens: torch.Tensor, caches: l
 
     def attend(i: int, lw: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = caches[i]
+        k_kind, v_kind = cache.kinds
         slot = cache.cursor.view(1)
-        cache.key.index_copy_(2, slot, k)
-        cache.value.index_copy_(2, slot, v)
+        cache.key.index_copy_(2, slot, as_stored(k, k_kind))
+        cache.value.index_copy_(2, slot, as_stored(v, v_kind))
         cache.cursor.add_(1)
         return decode_op(q, cache.key, cache.value, cache.start, cache.cursor, lw.scale,
-                         -1 if lw.window is None else lw.window, lw.softcap or 0.0, lw.sinks)  # fmt: skip
+                         -1 if lw.window is None else lw.window, lw.softcap or 0.0, lw.sinks, k_kind.code,
+                         v_kind.code)  # fmt: skip
 
     x = fused_layers(model, w, model.model.embed(tokens), rotation, attend)  # (B, 1, E)
     return logits_of(model, x)  # (B, 1, vocab)

@@ -16,7 +16,7 @@ import torch
 
 from ..cache.kv import KVDtypeChoice, kv_kinds
 from ..cache.kv_dtypes import KVDtype
-from ..cache.quantize import dequantize, quantize, row_size, storage_dtype
+from ..cache.quantize import as_stored, dequantize, row_size, storage_dtype
 
 __all__ = ["PagedKVCache", "blocks_in_budget", "token_bytes"]
 
@@ -87,7 +87,7 @@ class PagedKVCache:
         ``ids[r]`` (``(n,)`` each, on the pool's device), each row quantized on its own where the pool stores
         blocks."""
         for pool, kind, t in ((self.key, self.kinds[0], key), (self.value, self.kinds[1], value)):
-            pool[layer][ids, :, offsets] = quantize(t, kind) if kind.quantized else t  # (n, H_kv, D | row bytes)
+            pool[layer][ids, :, offsets] = as_stored(t, kind)  # (n, H_kv, D | row bytes)
 
     def read(self, layer: int, blocks: Sequence[int], stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``[0, stop)`` of the sequence with table ``blocks``: ``(H_kv, stop, D)`` K and V (copies; the
