@@ -16,7 +16,7 @@ from gqa.attention.module import GroupedQueryAttention
 from gqa.attention.rope import RoPE
 from gqa.cache.kv import DynamicKVCache, StaticKVCache, kv_kinds
 from gqa.cache.kv_dtypes import KV_DTYPES
-from gqa.cache.quantize import dequantize, quantize, reference_quantize
+from gqa.cache.quantize import as_stored, dequantize, held_values, quantize, reference_quantize, rotate
 from gqa.cache.window import WindowKVCache
 
 native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built on this machine")
@@ -79,6 +79,30 @@ def test_round_trip_is_within_half_a_step_of_the_float64_values(name):
     assert float(err.max()) > 0  # not a copy
 
 
+def hadamard64(n: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of size ``n`` / sqrt(n), float64."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / n**0.5
+
+
+@pytest.mark.parametrize(("D", "r"), [(32, 32), (64, 64), (96, 32), (128, 128), (256, 256), (512, 256)])
+def test_keys_are_stored_hadamard_rotated_the_same_bits_whichever_path(path, D, r):
+    g = torch.Generator().manual_seed(5)
+    x = random_rows(g, 3, 4, D)
+    turned = rotate(x)
+    want = x.double().reshape(3, 4, D // r, r) @ hadamard64(r)  # block-diagonal, r values a block
+    torch.testing.assert_close(turned.double(), want.reshape(3, 4, D), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rotate(turned).double(), x.double(), atol=1e-5, rtol=1e-5)  # its own inverse
+    for name in BLOCKS:
+        kv = KV_DTYPES[name]
+        stored = as_stored(x, kv, key=True)
+        assert torch.equal(stored, reference_quantize(turned, kv))  # native and torch: the same rotation, bit for bit
+        assert torch.equal(as_stored(x, kv), quantize(x, kv))  # values: not rotated
+        torch.testing.assert_close(held_values(stored, kv, key=True), rotate(dequantize(stored, kv)))
+
+
 def test_a_block_with_nan_or_inf_reads_back_as_nan_and_its_neighbours_do_not(path):
     x = torch.randn(2, 64)
     x[0, 3], x[1, 40] = float("nan"), float("inf")
@@ -135,9 +159,8 @@ def test_attention_over_blocks_is_float64_attention_over_their_values(path, B, H
     kind = tuple(KV_DTYPES[name] for name in kinds)
     q = torch.randn(B, Hq, L, D, generator=g).to(dtype)
     k, v = (torch.randn(B, Hkv, S, D, generator=g).to(dtype) for _ in range(2))
-    kq = quantize(k, kind[0]) if kind[0].quantized else k
-    vq = quantize(v, kind[1]) if kind[1].quantized else v
-    held = [dequantize(t, kd) if kd.quantized else t for t, kd in ((kq, kind[0]), (vq, kind[1]))]
+    kq, vq = as_stored(k, kind[0], key=True), as_stored(v, kind[1])
+    held = held_values(kq, kind[0], key=True), held_values(vq, kind[1])
     got = quantized_cache.quantized_cache_attention(q, kq, vq, kind, None, True, None)
     want = reference_attention(q, *held, causal=True)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
@@ -152,8 +175,8 @@ def test_masks_windows_softcap_and_sinks_over_blocks(path, variant):
     kind = (KV_DTYPES["q8_0"], KV_DTYPES["q4_0"])
     q = torch.randn(B, Hq, L, D, generator=g)
     k, v = (torch.randn(B, Hkv, S, D, generator=g) for _ in range(2))
-    kq, vq = quantize(k, kind[0]), quantize(v, kind[1])
-    held = dequantize(kq, kind[0]), dequantize(vq, kind[1])
+    kq, vq = as_stored(k, kind[0], key=True), as_stored(v, kind[1])
+    held = held_values(kq, kind[0], key=True), held_values(vq, kind[1])
     kw: dict = {}
     mask = None
     if variant == "mask":  # a per-row padding mask (B, 1, 1, S)
@@ -227,12 +250,11 @@ def test_every_cache_holds_blocks_and_the_module_attends_to_them(path, monkeypat
             q, k, v, att = calls[-1]
             S = k.shape[2]
             first = cache._returned_offset if cache_class == "window" else 0  # the position of the first key
-            for mine, theirs, kd in ((k, plain.key, kind[0]), (v, plain.value, kind[1])):
+            for mine, theirs, kd, is_key in ((k, plain.key, kind[0], True), (v, plain.value, kind[1], False)):
                 if cache_class == "window" and plain.slots < S:
                     continue  # a call longer than the slots: K/V joined, not the buffers
-                want = quantize(theirs[:, :, :S], kd) if kd.quantized else theirs[:, :, :S]
-                assert torch.equal(mine, want)
-            held = [dequantize(t, kd) if kd.quantized else t for t, kd in ((k, kind[0]), (v, kind[1]))]
+                assert torch.equal(mine, as_stored(theirs[:, :, :S], kd, key=is_key))
+            held = held_values(k, kind[0], key=True), held_values(v, kind[1])
             pad = (torch.arange(first, first + S) >= cache.start[:, None])[:, None, None]  # (B, 1, 1, S)
             want = reference_attention(q, *held, causal=True, mask=pad, window=window if module.window else None)
             torch.testing.assert_close(att.double(), want, atol=2e-5, rtol=2e-5)

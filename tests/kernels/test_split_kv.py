@@ -499,7 +499,7 @@ def test_quantized_cache_matches_float64_over_its_values(case):
     (``cache.quantize.dequantize``), with every option the kernel takes."""
     k_name, v_name, batch, H_q, H_kv, L, S, D, dtype, options = QUANTIZED[case]
     q, k, v = qkv(batch, H_q, H_kv, L, S, D, dtype=dtype, seed=21)
-    key, k_format, k_values = stored_as(k, k_name)
+    key, k_format, k_values = stored_as(k, k_name, key=True)
     value, v_format, v_values = stored_as(v, v_name)
     g = torch.Generator().manual_seed(22)
     kw = {name: options[name] for name in ("is_causal", "window", "softcap") if name in options}
@@ -518,7 +518,7 @@ def test_quantized_cache_matches_float64_over_its_values(case):
 def test_quantized_rows_outside_the_window_and_past_the_cursor_are_never_read():
     """Blocks whose every byte is 0xFF (a NaN scale) before each row's window and after its cursor: the same bits."""
     q, k, v = qkv((2,), 6, 2, 1, 700, 32, seed=23)
-    key, _, _ = stored_as(k, "q4_0")
+    key, _, _ = stored_as(k, "q4_0", key=True)
     value, _, _ = stored_as(v, "q8_0")
     end = torch.tensor([700, 500])
     kw = dict(is_causal=True, window=100, end=end, k_format=1, v_format=0)

@@ -154,7 +154,7 @@ def test_paged_attention_reads_quantized_pools(case):
     values the blocks hold, ragged rows through scattered tables, each row alone the same bits as in the batch."""
     k_name, v_name, H_q, H_kv, D, block_size, window, softcap, with_sinks = QUANTIZED_POOLS[case]
     key, value = _pools(500, H_kv, block_size, D, D, torch.float32, seed=4)
-    key, k_format, k_values = stored_as(key, k_name)
+    key, k_format, k_values = stored_as(key, k_name, key=True)
     value, v_format, v_values = stored_as(value, v_name)
     lengths = torch.tensor([1, 7, CHUNK + 3, 40])  # one key, a few, two splits, a partial block
     width = -(-int(lengths.max()) // block_size)

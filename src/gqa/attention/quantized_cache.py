@@ -13,7 +13,7 @@ import torch
 
 from .. import kernels
 from ..cache.kv_dtypes import KVDtype
-from ..cache.quantize import dequantize
+from ..cache.quantize import dequantize, rotate
 from .checks import check_window
 from .masks import group_mask, merge_masks, soft_cap, window_mask
 
@@ -89,7 +89,7 @@ def chunked_attention(
     B, Hq, L, D = q.shape
     Hkv, S = key.shape[1], key.shape[2]
     G = Hq // Hkv
-    qg = q.float().reshape(B, Hkv, G, L, D)
+    qg = (rotate(q) if kinds[0].quantized else q.float()).reshape(B, Hkv, G, L, D)  # keys are stored rotated
     mask = group_mask(attn_mask, 4, Hkv, G) if attn_mask is not None else None  # broadcastable (B, H_kv, G, L, S)
     neg_inf = torch.tensor(float("-inf"), device=q.device)
     m = torch.full((B, Hkv, G, L, 1), float("-inf"), device=q.device)

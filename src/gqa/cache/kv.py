@@ -119,7 +119,7 @@ class _KVCache(nn.Module):
 
     def _stored(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``key`` and ``value`` as the buffers hold them: quantized where the cache's kinds say so."""
-        return as_stored(key, self.kinds[0]), as_stored(value, self.kinds[1])
+        return as_stored(key, self.kinds[0], key=True), as_stored(value, self.kinds[1])
 
     @property
     def seq_len(self) -> int:

@@ -6,16 +6,34 @@ same arithmetic in torch elsewhere (``reference_quantize``: llama.cpp's ``quanti
 half away from zero, so the bytes equal gguf.quants' and the native kernel's). ``dequantize`` gives the stored values
 back exactly (an fp16 scale times a small integer is exact in float32); attention kernels read the blocks themselves,
 a chunk at a time, and only the PyTorch fallback (``attention.quantized_cache``) calls it, on a chunk of keys.
+
+Quantized keys are stored rotated (``rotate``: ``k H``, H a Walsh-Hadamard matrix, as llama.cpp rotates quantized K):
+RoPE'd keys carry a few channels of outsized values, which set every 32-value block's scale and leave the other values
+few levels; rotated, each block's values are alike in size. Queries are rotated the same way (``q k^T = (q H)(k
+H)^T``), by every attention kernel that reads quantized keys. SmolLM2-135M, 2,048 tokens, K and V in q4_0:
+perplexity +21% unrotated, +7.6% rotated; q8_0 K: mean KL 0.0028 -> 0.0026. Values are not rotated (it did not help
+them: +7.6% -> +8.6% with q4_0 V rotated too).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .. import kernels
 from .kv_dtypes import KVDtype, check_head_dim, kv_dtype
 
-__all__ = ["as_stored", "dequantize", "quantize", "reference_quantize", "resolve_kv_dtype", "storage_dtype"]
+__all__ = [
+    "as_stored",
+    "dequantize",
+    "held_values",
+    "quantize",
+    "reference_quantize",
+    "resolve_kv_dtype",
+    "rotate",
+    "storage_dtype",
+]
 
 FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
@@ -50,19 +68,54 @@ def row_size(kv: KVDtype, head_dim: int) -> int:
     return kv.row_bytes(head_dim) if kv.quantized else head_dim
 
 
-def quantize(x: torch.Tensor, kv: KVDtype) -> torch.Tensor:
-    """``x (..., D)`` as the blocks of ``kv`` ``(..., D / 32 * block_bytes)`` uint8, each row on its own."""
+def rotation_size(D: int) -> int:
+    """The Walsh-Hadamard blocks' size for rows of ``D`` values: the largest power of two <= 256 dividing ``D``."""
+    r = 1
+    while r < 256 and D % (2 * r) == 0:
+        r *= 2
+    return r
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x (..., D) H`` in float32: H the orthonormal Walsh-Hadamard matrix of ``rotation_size(D)``, block-diagonal
+    over ``D``; its own inverse. The butterflies and the scale of the native kernels' ``rotate_kv_row``, in the same
+    order, so both give the same bits."""
+    D = x.shape[-1]
+    r = rotation_size(D)
+    y = x.float().reshape(*x.shape[:-1], D // r, r)
+    h = 1
+    while h < r:
+        pairs = y.reshape(*y.shape[:-1], r // (2 * h), 2, h)
+        a, b = pairs.select(-2, 0), pairs.select(-2, 1)
+        y = torch.stack([a + b, a - b], -2).reshape(y.shape)
+        h *= 2
+    return (y * torch.tensor(1.0 / math.sqrt(r), dtype=torch.float32)).reshape(x.shape)
+
+
+def quantize(x: torch.Tensor, kv: KVDtype, *, rotated: bool = False) -> torch.Tensor:
+    """``x (..., D)`` as the blocks of ``kv`` ``(..., D / 32 * block_bytes)`` uint8, each row on its own;
+    ``rotated``: ``rotate(x)``'s blocks (how keys are stored)."""
     check_head_dim(kv, x.shape[-1])
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.available():
         from ..kernels import ops
 
-        return ops.quantize_kv(x.detach(), kv.code)
-    return reference_quantize(x, kv)
+        return ops.quantize_kv(x.detach(), kv.code, rotated)
+    return reference_quantize(rotate(x) if rotated else x, kv)
 
 
-def as_stored(x: torch.Tensor, kv: KVDtype) -> torch.Tensor:
-    """``x (..., D)`` as a cache of ``kv`` stores it: ``quantize``'s blocks, or ``x`` itself for a float type."""
-    return quantize(x, kv) if kv.quantized else x
+def as_stored(x: torch.Tensor, kv: KVDtype, *, key: bool = False) -> torch.Tensor:
+    """``x (..., D)`` as a cache of ``kv`` stores it: ``quantize``'s blocks (rotated for ``key``s), or ``x`` itself
+    for a float type."""
+    return quantize(x, kv, rotated=key) if kv.quantized else x
+
+
+def held_values(stored: torch.Tensor, kv: KVDtype, *, key: bool = False) -> torch.Tensor:
+    """The values a cache's ``stored (..., D | row bytes)`` rows hold, in the model's space: float rows as they are,
+    blocks dequantized to float32 (and rotated back for ``key``s)."""
+    if not kv.quantized:
+        return stored
+    values = dequantize(stored, kv)
+    return rotate(values) if key else values
 
 
 def _round_half_away(v: torch.Tensor) -> torch.Tensor:

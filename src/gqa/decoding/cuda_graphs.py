@@ -65,7 +65,7 @@ def static_step(model: torch.nn.Module, tokens: torch.Tensor, caches: list[Stati
         v = attn._heads(v, attn.num_kv_heads)  # (B, H_kv, 1, D)
         k_kind, v_kind = cache.kinds
         slot = cache.cursor.view(1)
-        cache.key.index_copy_(2, slot, as_stored(k, k_kind))  # a quantized cache: the row's blocks
+        cache.key.index_copy_(2, slot, as_stored(k, k_kind, key=True))  # a quantized cache: the row's blocks
         cache.value.index_copy_(2, slot, as_stored(v, v_kind))
         cache.cursor.add_(1)
         # (B, H_q, 1, D): each row's slots [start, cursor) of the whole cache

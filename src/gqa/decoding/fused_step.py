@@ -211,7 +211,7 @@ def fused_step(model: nn.Module, w: StepWeights, tokens: torch.Tensor, caches: l
         cache = caches[i]
         k_kind, v_kind = cache.kinds
         slot = cache.cursor.view(1)
-        cache.key.index_copy_(2, slot, as_stored(k, k_kind))
+        cache.key.index_copy_(2, slot, as_stored(k, k_kind, key=True))
         cache.value.index_copy_(2, slot, as_stored(v, v_kind))
         cache.cursor.add_(1)
         return decode_op(q, cache.key, cache.value, cache.start, cache.cursor, lw.scale,

@@ -146,14 +146,16 @@ def decode_attention(
     views allowed), ``mask (B, H_kv, G, L, S)`` bool or float (any strides) -> ``(B, H_kv, G * L, D_v)``. ``softcap``
     > 0 soft-caps the scaled scores before the mask; ``sinks`` (float32 ``(H_kv * G,)``, one per query head) join
     every row's softmax denominator. ``k_format`` / ``v_format`` >= 0: that one is a quantized cache's uint8 rows of
-    blocks ``(B, H_kv, S, row_bytes)`` (``KVDtype.code``), read where it lies."""
+    blocks ``(B, H_kv, S, row_bytes)`` (``KVDtype.code``), read where it lies; quantized keys are stored rotated
+    (``cache.quantize.rotate``) and the kernel rotates ``q`` to match."""
     return torch.ops.gqa.decode_attention(q, k, v, mask, scale, query_len, causal, softcap, sinks, k_format, v_format)
 
 
-def quantize_kv(x: Tensor, format: int) -> Tensor:
+def quantize_kv(x: Tensor, format: int, rotate: bool = False) -> Tensor:
     """``x (..., D)`` float32 / bfloat16 / float16 -> the uint8 blocks ``(..., D / 32 * block_bytes)`` a quantized
-    cache stores (``format`` 0: q8_0, 1: q4_0), llama.cpp's reference rounding, row by row."""
-    return torch.ops.gqa.quantize_kv(x, format)
+    cache stores (``format`` 0: q8_0, 1: q4_0), llama.cpp's reference rounding, row by row; ``rotate``: each row
+    Walsh-Hadamard rotated first (``cache.quantize.rotate``: how keys are stored)."""
+    return torch.ops.gqa.quantize_kv(x, format, rotate)
 
 
 def paged_attention(
@@ -279,7 +281,7 @@ def register_fakes() -> None:
         return q.new_empty(q.shape[0], q.shape[1], q.shape[2], dv)
 
     @register("gqa::quantize_kv")
-    def _(x: Tensor, format: int) -> Tensor:
+    def _(x: Tensor, format: int, rotate: bool = False) -> Tensor:
         return x.new_empty(*x.shape[:-1], x.shape[-1] // 32 * (34 if format == 0 else 18), dtype=torch.uint8)
 
     @register("gqa::paged_attention")

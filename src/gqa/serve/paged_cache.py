@@ -16,7 +16,7 @@ import torch
 
 from ..cache.kv import KVDtypeChoice, kv_kinds
 from ..cache.kv_dtypes import KVDtype
-from ..cache.quantize import as_stored, dequantize, row_size, storage_dtype
+from ..cache.quantize import as_stored, held_values, row_size, storage_dtype
 
 __all__ = ["PagedKVCache", "blocks_in_budget", "token_bytes"]
 
@@ -86,18 +86,15 @@ class PagedKVCache:
         """Store ``key (n, H_kv, D)`` and ``value (n, H_kv, D_v)``, row ``r`` at slot ``offsets[r]`` of block
         ``ids[r]`` (``(n,)`` each, on the pool's device), each row quantized on its own where the pool stores
         blocks."""
-        for pool, kind, t in ((self.key, self.kinds[0], key), (self.value, self.kinds[1], value)):
-            pool[layer][ids, :, offsets] = as_stored(t, kind)  # (n, H_kv, D | row bytes)
+        for pool, kind, t, is_key in ((self.key, self.kinds[0], key, True), (self.value, self.kinds[1], value, False)):
+            pool[layer][ids, :, offsets] = as_stored(t, kind, key=is_key)  # (n, H_kv, D | row bytes)
 
     def read(self, layer: int, blocks: Sequence[int], stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``[0, stop)`` of the sequence with table ``blocks``: ``(H_kv, stop, D)`` K and V (copies; the
         values a quantized pool holds, in float32)."""
         ids, offsets = self._slots(blocks, 0, stop)
-        out = []
-        for pool, kind in ((self.key, self.kinds[0]), (self.value, self.kinds[1])):
-            t = pool[layer][ids, :, offsets].transpose(0, 1)
-            out.append(dequantize(t, kind) if kind.quantized else t)
-        return out[0], out[1]
+        k, v = (pool[layer][ids, :, offsets].transpose(0, 1) for pool in (self.key, self.value))
+        return held_values(k, self.kinds[0], key=True), held_values(v, self.kinds[1])
 
 
 def table_tensor(tables: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -349,8 +349,10 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
   const int64_t v_bytes = v_quantized ? kv_row_bytes(v_format, Dv) : Dv * int64_t(sizeof(T));
   const int64_t sk = ks[2], sv = vs[2];
   if (!use_dpbf16)  // vdpbf16ps reads the bf16 queries in place
-    for (int64_t r = 0; r < R; ++r)
+    for (int64_t r = 0; r < R; ++r) {
       for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(qh[r * qs[2] + d]) * scale;
+      if (k_quantized) rotate_kv_row(qf + r * D, D);  // quantized keys are stored rotated (kv_blocks.h)
+    }
   float* m = part_m + task * R;
   float* l = part_l + task * R;
   float* acc = part_acc + task * R * Dv;

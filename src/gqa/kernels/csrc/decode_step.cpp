@@ -279,6 +279,7 @@ struct Step {
         if (format >= 0) {  // the row as the model's dtype has it, then quantized once, into its slot
           s.kv_floats.resize(width);
           for (int64_t d = 0; d < width; ++d) s.kv_floats[d] = to_float(dst[d]);
+          if (is_k) rotate_kv_row(s.kv_floats.data(), width);  // K is stored rotated (kv_blocks.h)
           quantize_kv_row(s.kv_floats.data(), width, format,
                           (is_k ? l.key_blocks : l.value_blocks) + l.slot_offset(is_k, b, h));
         }

@@ -19,6 +19,34 @@ constexpr int64_t KV_Q8_0 = 0, KV_Q4_0 = 1;  // the block formats' codes, as the
 constexpr int64_t KV_BLOCK = 32;
 
 inline int64_t kv_block_bytes(int64_t format) { return format == KV_Q8_0 ? 34 : 18; }
+
+// A quantized K row is stored rotated: k H, H the orthonormal Walsh-Hadamard matrix of size r (the largest power of
+// two <= 256 that divides D; block-diagonal over D / r such blocks), and the queries are rotated the same way, so
+// that q k^T = (q H)(k H)^T while a channel of outsized keys (RoPE'd K has a few) is spread over r values before the
+// 32-value blocks take their scale from its largest. SmolLM2, q4_0 K/V, 2k tokens: perplexity +21% unrotated, +7.6%
+// rotated (llama.cpp rotates quantized K the same way). H is its own inverse.
+inline int64_t kv_rotation_size(int64_t D) {
+  int64_t r = 1;
+  while (r < 256 && D % (2 * r) == 0) r *= 2;
+  return r;
+}
+
+// x[0:D] = x H in place: butterflies of widths 1, 2, 4, ... r / 2 over each r-value block, then the 1 / sqrt(r)
+// scale (float32 as cache.quantize.rotate computes it, so that both give the same bits).
+inline void rotate_kv_row(float* x, int64_t D) {
+  const int64_t r = kv_rotation_size(D);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(r)));
+  for (int64_t base = 0; base < D; base += r) {
+    float* y = x + base;
+    for (int64_t h = 1; h < r; h *= 2)
+      for (int64_t i = 0; i < r; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = y[j], b = y[j + h];
+          y[j] = a + b, y[j + h] = a - b;
+        }
+    for (int64_t j = 0; j < r; ++j) y[j] *= scale;
+  }
+}
 inline bool kv_format_known(int64_t format) { return format == KV_Q8_0 || format == KV_Q4_0; }
 // Bytes of one head's row of D values (D a multiple of 32).
 inline int64_t kv_row_bytes(int64_t format, int64_t D) { return D / KV_BLOCK * kv_block_bytes(format); }

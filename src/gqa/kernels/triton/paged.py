@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...attention.checks import check_softcap, shape_str
+from ...cache.quantize import rotate
 from .kv_formats import FLOAT, block_kind, format_refusal, values_per_row
 from .split_kv import (
     DTYPES,
@@ -124,6 +125,8 @@ def paged_attention(
     N, H_q, D = query.shape
     _, H_kv, block_size, _ = key_pool.shape
     DV = values_per_row(value_pool, v_kind)
+    if k_format != FLOAT:  # quantized keys are stored rotated: the queries are rotated to match
+        query = rotate(query).to(query.dtype)
     G = H_q // H_kv
     splits = -(-max_length // CHUNK)
     widest = -(-max(max_context or max_length, max_length) // CHUNK)

@@ -36,6 +36,7 @@ from ...attention.checks import (
     kernel_refusal,
     shape_str,
 )
+from ...cache.quantize import rotate
 from .kv_formats import FLOAT, block_kind, stand_in, values_per_row
 
 DTYPES = (torch.float32, *HALF_DTYPES)
@@ -253,6 +254,8 @@ def launch(
     H_kv, G, L, S, D, D_v = shape.H_kv, shape.G, shape.L, shape.S, shape.D, shape.D_v
     N = math.prod(shape.batch)
     rows = G * L
+    if k_format != FLOAT:  # quantized keys are stored rotated: the queries are rotated to match
+        query = rotate(query).to(query.dtype)
     q = query.reshape(N, H_kv, G, L, D)  # a view for the layouts attention modules make
     if q.stride(-1) != 1:
         q = q.contiguous()  # G * L rows per head: small
