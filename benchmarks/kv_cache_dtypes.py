@@ -56,7 +56,7 @@ def speed(ns: argparse.Namespace) -> list[dict]:
             if context + ns.new > cfg.max_position_embeddings:
                 print(f"context {context} + {ns.new} exceeds the model's {cfg.max_position_embeddings}: skipped")
                 continue
-            caches = {kv: model.new_caches(1, context + ns.new, kv_dtype=kv) for kv in ns.kv}
+            caches = {kv: model.new_caches(1, context + ns.new, kv_dtype=kv_choice(kv)) for kv in ns.kv}
             times: dict[str, list[float]] = {kv: [] for kv in ns.kv}
             for _ in range(ns.rounds):
                 for kv in ns.kv:  # alternating: the machine's noise falls on every dtype alike
@@ -83,13 +83,20 @@ def speed(ns: argparse.Namespace) -> list[dict]:
 
 
 def texts() -> list[tuple[str, str]]:
+    """The repository's texts, and all of them joined (``--text-file`` writes that one out, for llama-perplexity:
+    it takes a file of at least two 2k-token windows)."""
     from gqa.evaluation.perplexity import default_eval_text
 
     text, description = default_eval_text()
     out = [(description, text)]
     out.append(("gqa's encyclopedia text", (ROOT / "src/gqa/data/encyclopedia.txt").read_text()))
     out.append(("README.md", (ROOT / "README.md").read_text()))
-    return out
+    return [("all three, joined", "".join(t for _, t in out)), *out]
+
+
+def kv_choice(name: str) -> str | tuple[str, str]:
+    """``q8_0`` or ``K/V`` (``q8_0/q4_0``: llama.cpp's ``-ctk q8_0 -ctv q4_0``)."""
+    return tuple(name.split("/")) if "/" in name else name  # type: ignore[return-value]
 
 
 def quality(ns: argparse.Namespace) -> list[dict]:
@@ -98,11 +105,13 @@ def quality(ns: argparse.Namespace) -> list[dict]:
     base = gqa.load_model(ns.model, dtype="auto")
     tok = base.tokenizer
     results = []
-    for name, text in texts():
+    for name, text in texts()[: 1 if ns.joined_only else None]:
+        if ns.text_file is not None and name.startswith("all"):
+            ns.text_file.write_text(text)
         ids = torch.tensor(tok.encode(text))
         ppl = {}
         for kv in ns.kv:
-            model = gqa.load_model(ns.model, dtype="auto", tokenizer=False, kv_dtype=kv)
+            model = gqa.load_model(ns.model, dtype="auto", tokenizer=False, kv_dtype=kv_choice(kv))
             nll, kl, n = _score(model, ids, ns.window, ns.window // 2, reference=base)
             ppl[kv] = (float(torch.tensor(nll / n).exp()), kl / n)
         nll0, _, n0 = _score(base, ids, ns.window, ns.window // 2)
@@ -125,7 +134,7 @@ def capacity(ns: argparse.Namespace) -> list[dict]:
     for clients in ns.clients:
         prompts = [torch.randint(100, 20000, (ns.prompt_tokens,), generator=g).tolist() for _ in range(clients)]
         for kv in ns.kv:
-            engine = Engine(model, model.tokenizer, kv_cache_mib=ns.kv_cache_mib, kv_cache_dtype=kv,
+            engine = Engine(model, model.tokenizer, kv_cache_mib=ns.kv_cache_mib, kv_cache_dtype=kv_choice(kv),
                             max_running=clients, prefill_chunk=256)  # fmt: skip
             tokens = engine.blocks.num_blocks * engine.blocks.block_size
             fits = tokens // (ns.prompt_tokens + ns.new)
@@ -160,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--prompt-tokens", type=int, default=1536)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--text-file", type=Path, default=None, help="quality: write the joined texts here")
+    parser.add_argument("--joined-only", action="store_true", help="quality: the joined texts only")
     ns = parser.parse_args(argv)
-    ns.kv = ns.kv or (["auto", "q8_0", "q4_0"] if ns.what != "quality" else ["q8_0", "q4_0"])
+    ns.kv = ns.kv or (["auto", "q8_0", "q4_0"] if ns.what != "quality" else ["q8_0", "q8_0/q4_0", "q4_0"])
     if ns.what == "capacity":
         ns.new = 16 if ns.new == 32 else ns.new
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {' '.join(sys.argv)}", flush=True)
