@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from gqa import kernels
 from gqa.models import ModelConfig
 from gqa.parallel.tensor_parallel import check_tp, head_layout, rank_shard, rank_weight_bytes, shard_state, working_tp
 
@@ -178,6 +179,63 @@ def test_sharded_model_matches_hf_and_one_process(tp, specs):
             assert got["cache"] == [(2, len(shard.kv_heads), 16, cfg.head_dim)] * cfg.num_layers  # only its heads
             assert got["cache_bytes"] == 2 * 2 * len(shard.kv_heads) * 16 * cfg.head_dim * 4 * cfg.num_layers
             assert got["allreduces_per_token"] == 2 * cfg.num_layers
+
+
+@pytest.fixture(scope="module")
+def kv32_folders(tmp_path_factory):
+    """Random Llama checkpoints whose head dim (32) takes quantized KV caches: 8 query / 2 KV heads (one KV head a
+    rank at tp=2) and 4 / 1 (MQA: the KV head replicated on both ranks)."""
+    from helpers.checkpoints import tiny_dir
+
+    root = tmp_path_factory.mktemp("tp-kv")
+    return str(tiny_dir(root / "gqa", heads=8, kv=2, head_dim=32)), str(tiny_dir(root / "mqa", heads=4, kv=1,
+                                                                                   head_dim=32))  # fmt: skip
+
+
+def test_sharded_model_with_a_quantized_cache_decodes_as_one_process(kv32_folders):
+    """``load_model(tensor_parallel=True, kv_dtype=...)`` at tp=2: each rank's caches hold its KV heads as blocks,
+    and the greedy tokens (batched, left-padded) and logits are the single process's with the same cache (float32:
+    the two ranks' partial sums add up to the one process's within rounding, and the blocks they write are the same;
+    in bf16 the two-part all-reduce rounds differently, float cache or not). The ranks decode eagerly: the native call
+    per layer reads float caches only (the whole-model call, which reads blocks, does not take the all-reducing
+    projections)."""
+    from gqa.parallel.distributed import launch_local
+
+    gqa_dir, mqa_dir = kv32_folders
+    cases = [(gqa_dir, "q8_0"), (gqa_dir, ("q8_0", "q4_0")), (mqa_dir, "q4_0")]
+    ranks = launch_local(2, tp_workers.quantized_cache_runs, cases)
+    one = tp_workers.quantized_cache_runs(cases)
+    (plain,) = tp_workers.quantized_cache_runs([(gqa_dir, "auto")])
+    rows = {"q8_0": 34, "q4_0": 18}  # bytes of a 32-value block
+    for i, (_, kv) in enumerate(cases):
+        k, v = kv if isinstance(kv, tuple) else (kv, kv)
+        for rank in range(2):
+            got = ranks[rank][i]
+            assert got["kinds"] == one[i]["kinds"] == (k, v)
+            assert got["key"] == (2, 1, 24, rows[k]) and got["value"] == (2, 1, 24, rows[v])  # its one KV head
+            assert got["tokens"] == one[i]["tokens"]
+            torch.testing.assert_close(got["logits"], one[i]["logits"], atol=1e-5, rtol=1e-5)
+            assert got["step"] == "eager"
+        assert one[i]["step"] == ("native" if kernels.vectorized() else "eager")  # the one call reads the blocks
+    # the blocks change the logits far beyond that tolerance: a rank holding a float cache would not pass
+    assert (one[0]["logits"] - plain["logits"]).abs().max() > 1e-3
+
+
+def test_generate_tp2_passes_the_kv_cache_dtype_to_every_rank(kv32_folders):
+    """``gqa generate --tp 2 --kv-cache-dtype-k q8_0 --kv-cache-dtype-v q4_0``: every rank's model (loaded by the
+    command's own rank function) holds a q8_0 K and a q4_0 V cache."""
+    import argparse
+    import functools
+
+    from gqa.cli import generate
+    from gqa.cli.parallel import run_on_ranks
+
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    argv = ["the cat sat", "--raw", "--model", kv32_folders[0], "--dtype", "fp32", "--tp", "2", "--max-new-tokens",
+            "3", "--kv-cache-dtype-k", "q8_0", "--kv-cache-dtype-v", "q4_0"]  # fmt: skip
+    check = functools.partial(tp_workers.generate_checking_kv, expected=("q8_0", "q4_0"))
+    assert run_on_ranks(parser.parse_args(argv), check) == 0  # 3 from a rank whose caches are otherwise
 
 
 def test_failing_rank_ends_the_launch_with_its_message():
