@@ -372,27 +372,34 @@ def test_info_tp_table(tmp_path, capsys):
     assert "tp values that work: 1, 2, 4, 8" in capsys.readouterr().err
 
 
-def test_bench_model_tp(tmp_path):
-    """``gqa bench model --tp 1 2``: a result per tp with every rank's heads and bytes, and all-reduce shares."""
+def test_bench_model_tp(kv32_folders, tmp_path):
+    """``gqa bench model --tp 1 2 --kv-cache-dtypes auto q8_0``: a result per (KV cache type, tp) with every rank's
+    heads and bytes (a q8_0 cache's counted in the rank's caches: 34 bytes per 32 values against float32's 128), and
+    all-reduce shares."""
     import json
-
-    from helpers.checkpoints import tiny_dir
 
     from gqa.cli import main as cli
 
-    folder = tiny_dir(tmp_path / "m")
     out = tmp_path / "tp.json"
-    argv = ["bench", "model", "--model", str(folder), "--tp", "1", "2", "--dtypes", "fp32", "--contexts", "8",
-            "--new-tokens", "3", "--json", str(out), "--markdown", str(tmp_path / "tp.md")]  # fmt: skip
+    argv = ["bench", "model", "--model", kv32_folders[0], "--tp", "1", "2", "--dtypes", "fp32", "--kv-cache-dtypes",
+            "auto", "q8_0", "--contexts", "8", "--new-tokens", "3", "--json", str(out), "--markdown",
+            str(tmp_path / "tp.md")]  # fmt: skip
     assert cli(argv) == 0
     results = json.loads(out.read_text())["results"]
-    assert [(r["tp"], len(r["ranks"])) for r in results] == [(1, 1), (2, 2)]
+    assert [(r["kv_dtype"], r["tp"], len(r["ranks"])) for r in results] == [
+        ("fp32", 1, 1), ("fp32", 2, 2), ("q8_0", 1, 1), ("q8_0", 2, 2)
+    ]  # fmt: skip
     one, two = results[0]["ranks"][0], results[1]["ranks"]
     assert one["heads"] == [8, 2] and [r["heads"] for r in two] == [[4, 1], [4, 1]]
+    assert one["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads of 32 values, float32
     assert [r["kv_bytes_per_token"] for r in two] == [one["kv_bytes_per_token"] // 2] * 2
+    q8_one, q8_two = results[2]["ranks"][0], results[3]["ranks"]
+    assert q8_one["kv_bytes_per_token"] * 128 == one["kv_bytes_per_token"] * 34
+    assert [r["kv_bytes_per_token"] for r in q8_two] == [q8_one["kv_bytes_per_token"] // 2] * 2
     assert all(r["weight_bytes"] < one["weight_bytes"] for r in two)
     assert 0 < two[0]["rows"][0]["allreduce_share"] < 1 and two[0]["rows"][0]["decode_tok_s"] > 0
-    assert "| fp32 | 2 | 8 |" in (tmp_path / "tp.md").read_text()
+    md = (tmp_path / "tp.md").read_text()
+    assert "| fp32 | fp32 | 2 | 8 |" in md and "| fp32 | q8_0 | 2 | 8 |" in md
 
 
 def test_bad_tp_flags_and_timeout_are_clear_errors(monkeypatch, capsys):
