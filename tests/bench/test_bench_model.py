@@ -11,8 +11,9 @@ import pytest
 from helpers.checkpoints import tiny_dir
 
 from gqa import kernels
-from gqa.bench.model.benchmark import default_kv_heads, kv_bytes_per_token
+from gqa.bench.model.benchmark import default_kv_heads
 from gqa.bench.model.benchmark import main as bench_model
+from gqa.bench.model.kv_caches import kv_bytes_per_token, kv_kind
 from gqa.bench.model.report import kind
 from gqa.cli import main as cli
 
@@ -278,8 +279,6 @@ def test_llama_cpp_runs_with_the_same_kv_cache_type(tmp_path, monkeypatch):
     bytes as those types'."""
     import subprocess
     import sys
-
-    from gqa.bench.model.benchmark import kv_kind
 
     gguf = pytest.importorskip("gguf")
     (tmp_path / "llama_cpp").mkdir()

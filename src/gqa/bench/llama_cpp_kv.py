@@ -2,7 +2,7 @@
 llama-cpp-python's ``Llama(type_k=, type_v=, flash_attn=True)`` and its server's ``--type_k`` / ``--type_v`` /
 ``--flash_attn`` take ggml type ids, llama.cpp's ``llama-server`` ``-ctk`` / ``-ctv`` / ``-fa`` take names. A quantized
 V cache needs llama.cpp's flash-attention path, so a chosen type turns it on. ``auto`` leaves llama.cpp's default, an
-f16 cache. Torch-free (``gqa bench serve`` runs without torch).
+f16 cache. Neither torch nor numpy is imported here (``gqa bench serve --help`` loads this module).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import subprocess
 from pathlib import Path
 
 from ..cache.kv_dtypes import KV_DTYPES, KVDtype
-from ..loaders.gguf_reader import GGML_TYPES
 
 __all__ = ["cache_kind", "ggml_type", "llama_kwargs", "llama_server_flags", "server_flags"]
 
@@ -20,6 +19,8 @@ _GGML_NAMES = {"fp32": "F32", "fp16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4
 
 def ggml_type(kv: str) -> int:
     """The ggml type id of the KV dtype ``kv`` (``"q8_0"`` -> 8); ``ValueError`` naming the choices otherwise."""
+    from ..loaders.gguf_reader import GGML_TYPES  # numpy: only when a server is started
+
     if kv not in _GGML_NAMES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(_GGML_NAMES)} for llama.cpp, got {kv!r}")
     return next(t.id for t in GGML_TYPES.values() if t.name == _GGML_NAMES[kv])

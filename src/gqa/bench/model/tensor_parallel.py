@@ -70,7 +70,7 @@ def run_tp(ns: argparse.Namespace, tps: list[int], skipped: dict) -> list[dict]:
     from ...loaders import read_config
     from ...parallel.distributed import launch_local
     from ...parallel.tensor_parallel import check_tp
-    from .benchmark import kv_runs
+    from .kv_caches import kv_runs
 
     cfg = read_config(ns.model)
     for tp in tps:
