@@ -4,14 +4,16 @@ process, JSON / markdown / PNG outputs, and clear errors for bad flags. Timings 
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 
 import pytest
 from helpers.checkpoints import tiny_dir
 
 from gqa import kernels
-from gqa.bench.model.benchmark import default_kv_heads, kv_bytes_per_token
+from gqa.bench.model.benchmark import default_kv_heads
 from gqa.bench.model.benchmark import main as bench_model
+from gqa.bench.model.kv_caches import kv_bytes_per_token, kv_kind
 from gqa.bench.model.report import kind
 from gqa.cli import main as cli
 
@@ -22,6 +24,12 @@ pytest.importorskip("transformers")
 def tiny(tmp_path_factory):
     """Llama, 8 query heads, 2 KV heads, head_dim 4, 2 layers, 64 positions."""
     return tiny_dir(tmp_path_factory.mktemp("bench-model") / "llama", "llama", 8, 2)
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    """The same with head_dim 64: two 32-value blocks a row in a quantized KV cache."""
+    return tiny_dir(tmp_path_factory.mktemp("bench-model") / "llama64", "llama", 8, 2, head_dim=64)
 
 
 def test_default_head_counts_and_bytes():
@@ -70,6 +78,14 @@ def test_run_over_head_counts_writes_json_markdown_and_png(tiny, tmp_path, monke
         (["--engines", "hf-static-compile"], "runs with --device cuda"),
         (["--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
         (["--device", "cuda"], "--device cuda"),  # CPU machine: no CUDA; a GPU one: --model is a CPU option
+        (["--kv-cache-dtypes", "q5_0"], "argument --kv-cache-dtypes: invalid choice: 'q5_0'"),
+        (
+            ["--kv-cache-dtypes", "auto", "q8_0"],
+            "--kv-cache-dtypes q8_0: a q8_0 KV cache needs a head dim that is a multiple of 32, got 4",
+        ),
+        (["--kv-cache-dtypes", "q4_0", "--batch", "2"], "--kv-cache-dtypes q4_0: a q4_0 KV cache needs a head dim"),
+        (["--kv-cache-dtypes", "q4_0", "--tp", "2"], "--kv-cache-dtypes q4_0: a q4_0 KV cache needs a head dim"),
+        (["--kv-cache-dtypes", "q8_0", "--device", "cuda"], "--kv-cache-dtypes: --window-caches and --device cuda "),
     ],
 )
 def test_bad_flags_give_clear_errors(tiny, flags, message, capsys):
@@ -130,10 +146,20 @@ def test_greedy_agreement_and_bandwidth_fraction_in_the_table():
         "greedy": [[1, 2, 3], [4, 9, 6], [7, 8]],
     }
     text = agreement([ours, theirs])
-    assert "2 of 3 chat prompts identical" in text and "matching prefix 2.0 tokens on average"  # 3, 1, 2 in text
+    assert "2 of 3 chat prompts identical" in text and "matching prefix 2.0 tokens on average" in text  # 3, 1, 2
     payload = {"results": [ours, theirs], "args": {"contexts": [4]}, "config": {"num_heads": 9}, "read_gbps": 10.0}
     md = table(payload)
-    assert "| 2.00x vs llama.cpp | 50% |" in md  # 1e8 bytes x 50 tok/s = 5 GB/s of 10
+    assert "| 2.00x vs llama.cpp | - | 50% |" in md  # 1e8 bytes x 50 tok/s = 5 GB/s of 10 (float KV: no "vs float")
+    # with a q8_0 cache each: compared with llama.cpp's q8_0 run and with gqa's own float cache, greedy pair by pair
+    q8 = {"kv_cache_dtype": "q8_0", "kv_dtype": "q8_0"}
+    ours_q8 = ours | q8 | {"rows": [row | {"decode_tok_s": 60.0}], "greedy": [[1, 2, 3], [4, 5, 6], [7, 9]]}
+    theirs_q8 = theirs | q8 | {"rows": [row | {"decode_tok_s": 20.0}]}
+    payload["results"] += [ours_q8, theirs_q8]
+    md = table(payload)
+    assert "| q4_1 | q8_0 | GQA (3 KV) | 4 | 0.0 | gqa | 10 | 60.0 | 3.00x vs llama.cpp | 1.20x |" in md
+    assert "| q4_1 | q8_0 | GQA (3 KV) | 4 | 0.0 | llama.cpp | 10 | 20.0 | 1.00x vs llama.cpp | 0.80x |" in md
+    assert "gqa q4_1 vs llama.cpp on the same file: 2 of 3" in md
+    assert "gqa q4_1, q8_0 KV cache vs llama.cpp on the same file: 1 of 3" in md
 
 
 def test_window_caches_mode_compares_window_and_full_caches(tmp_path, capsys):
@@ -169,3 +195,104 @@ def test_window_caches_mode_refuses_what_it_does_not_run(flags, message, capsys)
         cli(["bench", "model", "--window-caches", "--contexts", "16", *flags])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_kv_cache_dtypes_run_side_by_side_with_the_bytes_their_caches_hold(tiny64, tmp_path, capsys):
+    """``--kv-cache-dtypes auto q8_0 q4_0 bf16``: gqa runs a float cache and each block type (the worker counts the
+    bytes a token takes in the caches it decoded with: a row of 64 values is two blocks, 2 x 34 bytes in q8_0 and
+    2 x 18 in q4_0, against bf16's 128), HF the float cache only, the skips said in the report; ``bf16`` is ``auto``'s
+    cache here and runs once."""
+    out = tmp_path / "kv.json"
+    argv = ["--model", str(tiny64), "--kv-heads", "2", "--contexts", "8", "--new-tokens", "2", "--engines", "gqa",
+            "hf", "--dtypes", "bf16", "--kv-cache-dtypes", "auto", "q8_0", "q4_0", "bf16",
+            "--json", str(out)]  # fmt: skip
+    assert bench_model(argv) == 0
+    payload = json.loads(out.read_text())
+    results = payload["results"]
+    assert [(r["engine"], r["kv_cache_dtype"], r["kv_dtype"]) for r in results] == [
+        ("gqa", "auto", "bf16"), ("gqa", "q8_0", "q8_0"), ("gqa", "q4_0", "q4_0"), ("hf", "auto", "bf16")
+    ]  # fmt: skip
+    per_token = {r["kv_dtype"]: r["kv_bytes_per_token"] for r in results if r["engine"] == "gqa"}
+    assert per_token["bf16"] == 2 * 2 * 2 * 64 * 2 == kv_bytes_per_token(2, 2, 64, "bf16")  # K+V, 2 layers, 2 heads
+    assert per_token["q8_0"] * 64 == per_token["bf16"] * 34 and per_token["q4_0"] * 64 == per_token["bf16"] * 18
+    assert per_token["q8_0"] == kv_bytes_per_token(2, 2, 64, "bf16", "q8_0")
+    for r in results[:3]:
+        assert r["rows"][0]["kv_bytes"] == r["kv_bytes_per_token"] * 8  # the cache read at the context
+    why = "transformers' caches are float here (its QuantizedCache needs quanto/HQQ, other formats)"
+    assert payload["skipped"] == [f"hf bf16 with a {kv} KV cache: {why}" for kv in ("q8_0", "q4_0")]
+    text = capsys.readouterr().out
+    assert "| bf16 | q8_0 | GQA (2 KV) | 8 | 0.0 | gqa |" in text and "| bf16 | q4_0 | GQA (2 KV) | 8 |" in text
+    assert "Not run: hf bf16 with a q8_0 KV cache" in text
+
+
+def test_throughput_budget_holds_more_sequences_with_a_q8_0_cache(tiny64, tmp_path, capsys):
+    """``--batch`` with ``--kv-cache-dtypes auto q8_0``: the caches (filled with random blocks) hold 68 bytes a row
+    against float32's 256, so the budget that holds 5 float sequences holds 18 of q8_0."""
+    out = tmp_path / "t.json"
+    budget = 2 * 2 * 2 * 64 * 4 * (8 + 2) * 5 / 2**30  # exactly 5 sequences of 8 + 2 tokens (fp32)
+    argv = ["--model", str(tiny64), "--kv-heads", "2", "--contexts", "8", "--new-tokens", "2", "--dtypes", "fp32",
+            "--kv-cache-dtypes", "auto", "q8_0", "--batch", "1", "--kv-budget", str(budget),
+            "--json", str(out)]  # fmt: skip
+    assert bench_model(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [(r["kv_dtype"], r["budget_batch"]) for r in results] == [("fp32", 5), ("q8_0", 18)]
+    for r in results:
+        for row in r["rows"]:
+            assert row["decode_tok_s"] > 0 and row["kv_cache_bytes"] == r["kv_bytes_per_token"] * row["batch"] * 10
+    assert "| fp32 | q8_0 | GQA (2 KV) | 8 | 18 (largest in " in capsys.readouterr().out
+
+
+FAKE_LLAMA_CPP = '''
+import json, os
+
+
+class Llama:
+    """llama-cpp-python's ``Llama`` as far as the benchmark worker calls it: it writes down its arguments."""
+
+    def __init__(self, model_path, **kwargs):
+        with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
+            f.write(json.dumps(kwargs) + "\\n")
+        self.metadata = {"general.architecture": "llama", "llama.attention.head_count_kv": "3"}
+
+    def n_vocab(self):
+        return 49152
+
+    def eval(self, ids):
+        pass
+
+    def reset(self):
+        pass
+
+    def token_eos(self):
+        return 2
+
+    def generate(self, ids, **kwargs):
+        while True:
+            yield 7
+'''
+
+
+def test_llama_cpp_runs_with_the_same_kv_cache_type(tmp_path, monkeypatch):
+    """The llama.cpp worker with ``--kv-cache-dtype q8_0``: ``Llama(type_k=8, type_v=8, flash_attn=True)`` (ggml's
+    q8_0, as the ``gguf`` package numbers it; a quantized V needs its flash attention), with ``auto`` none of them
+    (its own f16 cache); a stand-in ``llama_cpp`` module records the arguments. The benchmark counts llama.cpp's
+    bytes as those types'."""
+    import subprocess
+    import sys
+
+    gguf = pytest.importorskip("gguf")
+    (tmp_path / "llama_cpp").mkdir()
+    (tmp_path / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+                        "FAKE_LLAMA_LOG": str(tmp_path / "calls.jsonl")}  # fmt: skip
+    for kv in ("auto", "q8_0"):
+        argv = [sys.executable, "-m", "gqa.bench.model.worker", "llama.cpp", "--dtype", "q4_1", "--kv-cache-dtype", kv,
+                "--contexts", "8", "--new-tokens", "2", "--greedy"]  # fmt: skip
+        result = json.loads(subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout)
+        assert result["kv_cache_dtype"] == kv and result["greedy"] == [[7] * 32] * 6
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    q8 = int(gguf.GGMLQuantizationType.Q8_0)
+    assert [{k: c.get(k) for k in ("type_k", "type_v", "flash_attn")} for c in calls] == [
+        {"type_k": None, "type_v": None, "flash_attn": None}, {"type_k": q8, "type_v": q8, "flash_attn": True}
+    ]  # fmt: skip
+    assert [kv_kind("llama.cpp", "q4_1", kv).name for kv in ("auto", "q8_0", "q4_0")] == ["fp16", "q8_0", "q4_0"]

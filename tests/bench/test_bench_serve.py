@@ -1,5 +1,6 @@
-"""``gqa bench serve``: a real ``gqa serve`` under 1 and 3 concurrent streaming clients, responses compared with the
-1-client pass, results written; bad flags are exit 2."""
+"""``gqa bench serve``: a real ``gqa serve`` (with a q8_0 KV pool) under 1 and 3 concurrent streaming clients,
+responses compared with the 1-client pass, results written; the KV cache type on every server's command line; bad
+flags are exit 2."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ pytestmark = pytest.mark.skipif(not kernels.vectorized(), reason="native SIMD ke
 
 
 def test_the_cli_serves_the_embedded_model_to_concurrent_clients(tmp_path, capsys):
+    """``--kv-cache-dtype q8_0`` reaches the server: its pool holds the token slots of 34-byte blocks in 64 MiB
+    (SmolLM2: 30 layers, K and V of 3 KV heads of 64 values, 2 blocks each), 1.9x a bf16 pool's; a request served
+    with two others is the one served alone."""
     code = main(["bench", "serve", "--engines", "gqa", "--clients", "1", "3", "--prompts", "3", "--max-tokens", "6",
-                 "--kv-cache-mib", "64", "--out", str(tmp_path)])  # fmt: skip
+                 "--kv-cache-mib", "64", "--kv-cache-dtype", "q8_0", "--out", str(tmp_path)])  # fmt: skip
     assert code == 0
     result = json.loads((tmp_path / "results.json").read_text())
     (row,) = result["rows"]
@@ -25,7 +29,10 @@ def test_the_cli_serves_the_embedded_model_to_concurrent_clients(tmp_path, capsy
         assert x["errors"] == [] and x["tokens"] == 3 * 6 and x["tok_s"] > 0 and x["differ_from_alone"] == 0
         assert 0 < x["ttft_p50_ms"] <= x["ttft_p99_ms"] and 0 < x["itl_p50_ms"] <= x["itl_p99_ms"]
     assert row["kv_blocks_used_after"] == 0 and row["preemptions"] == 0 and row["peak_rss_mib"] > 100
-    assert "| gqa | 3 |" in (tmp_path / "results.md").read_text()
+    q8_token = 2 * 30 * 3 * 2 * 34
+    assert 64 * 2**20 // q8_token - 64 < row["kv_slots"] <= 64 * 2**20 // q8_token  # whole blocks of slots
+    md = (tmp_path / "results.md").read_text()
+    assert "| gqa | 3 |" in md and f"| gqa | q8_0 | {row['peak_rss_mib']:.0f} | {int(row['kv_slots'])} |" in md
 
 
 def test_prompts_are_distinct_and_bad_flags_exit_2(tmp_path, capsys):
@@ -35,6 +42,9 @@ def test_prompts_are_distinct_and_bad_flags_exit_2(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main(["bench", "serve", *flags, "--out", str(tmp_path)])
         assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--kv-cache-dtype", "q5_0", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "argument --kv-cache-dtype: invalid choice: 'q5_0'" in capsys.readouterr().err
 
 
 def test_structured_loads_are_served_and_their_answers_validated(tmp_path, capsys):
@@ -82,3 +92,27 @@ def test_speculate_row_counts_tokens_and_matches_the_plain_row(tmp_path, capsys)
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [r["tag"] for r in rows] == ["gqa", "gqa, --speculate 7"] and rows[1]["differ_from_plain"] == 0
     assert rows[0]["loads"][0]["tokens"] == rows[1]["loads"][0]["tokens"] and "texts" not in rows[0]
+
+
+def test_every_server_runs_the_kv_cache_type(tmp_path):
+    """``--kv-cache-dtype q8_0`` on each server's command line: gqa serve's flag; llama-cpp-python's server the ggml
+    type id (8, as the ``gguf`` package numbers q8_0) with flash attention; llama-server ``-ctk/-ctv q8_0`` and ``-fa``
+    as its ``--help`` says it takes it (``on`` since late 2025, a switch before). ``auto`` adds nothing."""
+    import argparse
+
+    gguf = pytest.importorskip("gguf")
+    q8 = str(int(gguf.GGMLQuantizationType.Q8_0))
+    ns = argparse.Namespace(clients=[1], threads=2, kv_cache_dtype="q8_0", llama_server=tmp_path / "llama-server")
+    gqa_argv = bench_serve.server_argv("gqa", None, ns, 8123, 64)
+    assert gqa_argv[gqa_argv.index("--kv-cache-dtype") + 1] == "q8_0"
+    py_argv = bench_serve.server_argv("llama.cpp", "m.gguf", ns, 8123, 64)
+    assert py_argv[-6:] == ["--type_k", q8, "--type_v", q8, "--flash_attn", "True"]
+    for usage, flash in (("-fa, --flash-attn [on|off|auto]", ["-fa", "on"]), ("-fa, --flash-attn", ["-fa"])):
+        ns.llama_server.write_text(f"#!/bin/sh\necho '{usage}'\n")
+        ns.llama_server.chmod(0o755)
+        argv = bench_serve.server_argv("llama-server", "m.gguf", ns, 8123, 64)
+        assert argv[-4 - len(flash) :] == ["-ctk", "q8_0", "-ctv", "q8_0", *flash]
+    ns.kv_cache_dtype = "auto"
+    assert "--kv-cache-dtype" not in bench_serve.server_argv("gqa", None, ns, 8123, 64)
+    assert "--type_k" not in bench_serve.server_argv("llama.cpp", "m.gguf", ns, 8123, 64)
+    assert "-ctk" not in bench_serve.server_argv("llama-server", "m.gguf", ns, 8123, 64)

@@ -77,3 +77,50 @@ def hf_tp_plan_logits(path: str, ids: torch.Tensor, mask: torch.Tensor) -> dict:
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask).logits
     return {"logits": logits, "heads": sorted(seen)}
+
+
+def quantized_cache_runs(cases: list[tuple[str, object]]) -> list[dict]:
+    """Per ``(model folder, kv_dtype)``: the model as ``load_model(tensor_parallel=True, kv_dtype=...)`` loads it on
+    this rank (float32; outside a process group, the whole model): the greedy tokens of left-padded batched prompts
+    and the decode step that made them, its caches' shapes and kinds, and the logits of a prompt and 3 decoded
+    tokens."""
+    from gqa import load_model
+
+    out = []
+    for path, kv in cases:
+        model = load_model(path, tokenizer=False, tensor_parallel=dist.is_initialized(), kv_dtype=kv)
+        steps: list = []
+        tokens = model.generate([[5, 6, 7, 8, 9, 4], [9, 4]], max_new_tokens=12, eos_token_ids=[], on_step=steps.append)
+        caches = model.new_caches(2, 24)
+        ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3]])
+        with torch.no_grad():
+            logits = [model(ids, caches=caches)[:, -1]]
+            for _ in range(3):
+                logits.append(model(logits[-1].argmax(-1, keepdim=True), caches=caches)[:, -1])
+        out.append({
+            "tokens": tokens, "step": steps[0].name, "logits": torch.stack(logits, 1),
+            "key": tuple(caches[0].key.shape), "value": tuple(caches[0].value.shape),
+            "kinds": tuple(k.name for k in caches[0].kinds),
+        })  # fmt: skip
+    return out
+
+
+def generate_checking_kv(ns: object, expected: tuple[str, str]) -> int:
+    """``gqa generate``'s own rank function (``cli.generate.generate_text``) on this rank, its model's KV cache kinds
+    recorded as it loads: 0 when they are ``expected`` (K, V), else 3."""
+    from gqa.cli import generate
+    from gqa.loaders import model as loader
+
+    load, kinds = loader.load_model, []
+
+    def recording(*args: object, **kwargs: object) -> torch.nn.Module:
+        model = load(*args, **kwargs)
+        kinds.append(tuple(k.name for k in model.new_caches(1, 1)[0].kinds))
+        return model
+
+    loader.load_model = recording
+    try:
+        code = generate.generate_text(ns)
+    finally:
+        loader.load_model = load
+    return code if kinds == [expected] else 3

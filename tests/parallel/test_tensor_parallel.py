@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from gqa import kernels
 from gqa.models import ModelConfig
 from gqa.parallel.tensor_parallel import check_tp, head_layout, rank_shard, rank_weight_bytes, shard_state, working_tp
 
@@ -180,6 +181,63 @@ def test_sharded_model_matches_hf_and_one_process(tp, specs):
             assert got["allreduces_per_token"] == 2 * cfg.num_layers
 
 
+@pytest.fixture(scope="module")
+def kv32_folders(tmp_path_factory):
+    """Random Llama checkpoints whose head dim (32) takes quantized KV caches: 8 query / 2 KV heads (one KV head a
+    rank at tp=2) and 4 / 1 (MQA: the KV head replicated on both ranks)."""
+    from helpers.checkpoints import tiny_dir
+
+    root = tmp_path_factory.mktemp("tp-kv")
+    return str(tiny_dir(root / "gqa", heads=8, kv=2, head_dim=32)), str(tiny_dir(root / "mqa", heads=4, kv=1,
+                                                                                   head_dim=32))  # fmt: skip
+
+
+def test_sharded_model_with_a_quantized_cache_decodes_as_one_process(kv32_folders):
+    """``load_model(tensor_parallel=True, kv_dtype=...)`` at tp=2: each rank's caches hold its KV heads as blocks,
+    and the greedy tokens (batched, left-padded) and logits are the single process's with the same cache (float32:
+    the two ranks' partial sums add up to the one process's within rounding, and the blocks they write are the same;
+    in bf16 the two-part all-reduce rounds differently, float cache or not). The ranks decode eagerly: the native call
+    per layer reads float caches only (the whole-model call, which reads blocks, does not take the all-reducing
+    projections)."""
+    from gqa.parallel.distributed import launch_local
+
+    gqa_dir, mqa_dir = kv32_folders
+    cases = [(gqa_dir, "q8_0"), (gqa_dir, ("q8_0", "q4_0")), (mqa_dir, "q4_0")]
+    ranks = launch_local(2, tp_workers.quantized_cache_runs, cases)
+    one = tp_workers.quantized_cache_runs(cases)
+    (plain,) = tp_workers.quantized_cache_runs([(gqa_dir, "auto")])
+    rows = {"q8_0": 34, "q4_0": 18}  # bytes of a 32-value block
+    for i, (_, kv) in enumerate(cases):
+        k, v = kv if isinstance(kv, tuple) else (kv, kv)
+        for rank in range(2):
+            got = ranks[rank][i]
+            assert got["kinds"] == one[i]["kinds"] == (k, v)
+            assert got["key"] == (2, 1, 24, rows[k]) and got["value"] == (2, 1, 24, rows[v])  # its one KV head
+            assert got["tokens"] == one[i]["tokens"]
+            torch.testing.assert_close(got["logits"], one[i]["logits"], atol=1e-5, rtol=1e-5)
+            assert got["step"] == "eager"
+        assert one[i]["step"] == ("native" if kernels.vectorized() else "eager")  # the one call reads the blocks
+    # the blocks change the logits far beyond that tolerance: a rank holding a float cache would not pass
+    assert (one[0]["logits"] - plain["logits"]).abs().max() > 1e-3
+
+
+def test_generate_tp2_passes_the_kv_cache_dtype_to_every_rank(kv32_folders):
+    """``gqa generate --tp 2 --kv-cache-dtype-k q8_0 --kv-cache-dtype-v q4_0``: every rank's model (loaded by the
+    command's own rank function) holds a q8_0 K and a q4_0 V cache."""
+    import argparse
+    import functools
+
+    from gqa.cli import generate
+    from gqa.cli.parallel import run_on_ranks
+
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    argv = ["the cat sat", "--raw", "--model", kv32_folders[0], "--dtype", "fp32", "--tp", "2", "--max-new-tokens",
+            "3", "--kv-cache-dtype-k", "q8_0", "--kv-cache-dtype-v", "q4_0"]  # fmt: skip
+    check = functools.partial(tp_workers.generate_checking_kv, expected=("q8_0", "q4_0"))
+    assert run_on_ranks(parser.parse_args(argv), check) == 0  # 3 from a rank whose caches are otherwise
+
+
 def test_failing_rank_ends_the_launch_with_its_message():
     from gqa.parallel.distributed import DistributedError, launch_local
 
@@ -314,27 +372,34 @@ def test_info_tp_table(tmp_path, capsys):
     assert "tp values that work: 1, 2, 4, 8" in capsys.readouterr().err
 
 
-def test_bench_model_tp(tmp_path):
-    """``gqa bench model --tp 1 2``: a result per tp with every rank's heads and bytes, and all-reduce shares."""
+def test_bench_model_tp(kv32_folders, tmp_path):
+    """``gqa bench model --tp 1 2 --kv-cache-dtypes auto q8_0``: a result per (KV cache type, tp) with every rank's
+    heads and bytes (a q8_0 cache's counted in the rank's caches: 34 bytes per 32 values against float32's 128), and
+    all-reduce shares."""
     import json
-
-    from helpers.checkpoints import tiny_dir
 
     from gqa.cli import main as cli
 
-    folder = tiny_dir(tmp_path / "m")
     out = tmp_path / "tp.json"
-    argv = ["bench", "model", "--model", str(folder), "--tp", "1", "2", "--dtypes", "fp32", "--contexts", "8",
-            "--new-tokens", "3", "--json", str(out), "--markdown", str(tmp_path / "tp.md")]  # fmt: skip
+    argv = ["bench", "model", "--model", kv32_folders[0], "--tp", "1", "2", "--dtypes", "fp32", "--kv-cache-dtypes",
+            "auto", "q8_0", "--contexts", "8", "--new-tokens", "3", "--json", str(out), "--markdown",
+            str(tmp_path / "tp.md")]  # fmt: skip
     assert cli(argv) == 0
     results = json.loads(out.read_text())["results"]
-    assert [(r["tp"], len(r["ranks"])) for r in results] == [(1, 1), (2, 2)]
+    assert [(r["kv_dtype"], r["tp"], len(r["ranks"])) for r in results] == [
+        ("fp32", 1, 1), ("fp32", 2, 2), ("q8_0", 1, 1), ("q8_0", 2, 2)
+    ]  # fmt: skip
     one, two = results[0]["ranks"][0], results[1]["ranks"]
     assert one["heads"] == [8, 2] and [r["heads"] for r in two] == [[4, 1], [4, 1]]
+    assert one["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads of 32 values, float32
     assert [r["kv_bytes_per_token"] for r in two] == [one["kv_bytes_per_token"] // 2] * 2
+    q8_one, q8_two = results[2]["ranks"][0], results[3]["ranks"]
+    assert q8_one["kv_bytes_per_token"] * 128 == one["kv_bytes_per_token"] * 34
+    assert [r["kv_bytes_per_token"] for r in q8_two] == [q8_one["kv_bytes_per_token"] // 2] * 2
     assert all(r["weight_bytes"] < one["weight_bytes"] for r in two)
     assert 0 < two[0]["rows"][0]["allreduce_share"] < 1 and two[0]["rows"][0]["decode_tok_s"] > 0
-    assert "| fp32 | 2 | 8 |" in (tmp_path / "tp.md").read_text()
+    md = (tmp_path / "tp.md").read_text()
+    assert "| fp32 | fp32 | 2 | 8 |" in md and "| fp32 | q8_0 | 2 | 8 |" in md
 
 
 def test_bad_tp_flags_and_timeout_are_clear_errors(monkeypatch, capsys):

@@ -11,7 +11,9 @@ counts (``gqa convert --method mean``, written once under ``--out``) under one K
 concurrent ``--kv-context``-token sequences that fit, and the throughput at the largest client count with responses
 of ``--kv-max-tokens`` tokens (the preemptions the pool forced are counted). ``--structured`` serves the same loads
 again with a JSON schema as ``response_format`` (xgrammar's masks in every step): the throughput it costs, and how many
-answers parse and validate.
+answers parse and validate. ``--kv-cache-dtype q8_0`` (or ``q4_0``) runs every server with that KV cache: gqa serve's
+pool stores the blocks (more token slots in the same ``--kv-cache-mib``), llama.cpp's servers the same type
+(``-ctk`` / ``-ctv`` with flash attention, ``bench.llama_cpp_kv``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
+
+from ..options.common import KV_CACHE_DTYPES
+from .llama_cpp_kv import cache_kind, llama_server_flags, server_flags
 
 HELP = "OpenAI-compatible servers under 1-64 concurrent streaming clients: tok/s, TTFT, ITL, memory"
 DESCRIPTION = __doc__.split("\n\n")[1].replace("\n", " ")
@@ -65,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per response")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads of each server")
     parser.add_argument("--kv-cache-mib", type=float, default=512, help="gqa serve's KV pool in the engine comparison")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+        help="what every server's KV cache stores: gqa serve's --kv-cache-dtype (auto: the model's dtype), and the "
+        "same type in llama.cpp's servers (-ctk/-ctv with flash attention; auto: their f16)",
+    )  # fmt: skip
     parser.add_argument(
         "--kv-heads", type=int, nargs="*", default=[], metavar="N",
         help="also serve the model converted to these KV head counts under --kv-budget-mib (e.g. 9 3 1)",
@@ -207,8 +217,12 @@ def valid(text: str, schema: dict) -> bool:
 
 
 def server_argv(engine: str, model_path: str | None, ns: argparse.Namespace, port: int, kv_mib: float) -> list[str]:
+    """The command line of ``engine``'s server on ``port``, its KV cache storing ``ns.kv_cache_dtype``."""
+    kv = getattr(ns, "kv_cache_dtype", "auto")
     if engine == "gqa":
         argv = [sys.executable, "-m", "gqa", "serve", "--port", str(port), "--kv-cache-mib", str(kv_mib)]
+        if kv != "auto":
+            argv += ["--kv-cache-dtype", kv]
         if getattr(ns, "device", "cpu") != "cpu":
             argv += ["--device", ns.device]
         if getattr(ns, "gqa_speculate", 0):
@@ -219,10 +233,12 @@ def server_argv(engine: str, model_path: str | None, ns: argparse.Namespace, por
     if engine == "llama-server":
         slots = min(64, max(ns.clients))
         return [str(ns.llama_server), "-m", str(model_path or default_model_path()), "--host", "127.0.0.1", "--port",
-                str(port), "-t", str(ns.threads), "-np", str(slots), "-c", str(1024 * slots)]  # fmt: skip
+                str(port), "-t", str(ns.threads), "-np", str(slots), "-c", str(1024 * slots),
+                *llama_server_flags(kv, ns.llama_server)]  # fmt: skip
+    # --interrupt_requests: by default a new request cuts the running one short
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(model_path or default_model_path()), "--port",
-            str(port), "--n_threads", str(ns.threads), "--n_ctx", "4096",
-            "--interrupt_requests", "False"]  # fmt: skip  # by default a new request cuts the running one short
+            str(port), "--n_threads", str(ns.threads), "--n_ctx", "4096", "--interrupt_requests", "False",
+            *server_flags(kv)]  # fmt: skip
 
 
 def bench_engine(
@@ -231,7 +247,8 @@ def bench_engine(
     port = free_port()
     ns.out.mkdir(parents=True, exist_ok=True)
     server = ServerProcess(server_argv(engine, model_path, ns, port, kv_mib), port, ns.out / f"{tag}.log")
-    row: dict = {"engine": engine, "tag": tag, "loads": []}
+    kv = getattr(ns, "kv_cache_dtype", "auto")  # gqa's auto is the model's dtype, llama.cpp's f16
+    row: dict = {"engine": engine, "tag": tag, "kv_cache": kv if engine == "gqa" else cache_kind(kv).name, "loads": []}
     try:
         texts = prompts(ns.prompts)
         stream_chat(port, server.model, texts[0], 4, schema)  # warm-up (and the grammar's compilation)
@@ -285,13 +302,14 @@ def table(rows: list[dict]) -> str:
                 f"{x['itl_p50_ms']:.0f} / {x['itl_p99_ms']:.0f} | {differ} | {len(x['errors'])} | {valid_json} |"
             )
     lines.append("")
-    lines.append("| server | peak RSS (MiB) | KV token slots | sequences of the context that fit | preemptions | "
-                 "blocks used after |")  # fmt: skip
-    lines.append("|---|---:|---:|---:|---:|---:|")
+    lines.append("| server | KV cache | peak RSS (MiB) | KV token slots | sequences of the context that fit | "
+                 "preemptions | blocks used after |")  # fmt: skip
+    lines.append("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         slots = r.get("kv_slots")
         fit = f"{int(slots // r['context'])}" if slots and r.get("context") else "—"
-        lines.append(f"| {r['tag']} | {r['peak_rss_mib']:.0f} | {int(slots) if slots else '—'} | {fit} | "
+        lines.append(f"| {r['tag']} | {r.get('kv_cache', 'auto')} | {r['peak_rss_mib']:.0f} | "
+                     f"{int(slots) if slots else '—'} | {fit} | "
                      f"{int(r['preemptions']) if 'preemptions' in r else '—'} | "
                      f"{int(r['kv_blocks_used_after']) if 'kv_blocks_used_after' in r else '—'} |")  # fmt: skip
     return "\n".join(lines)

@@ -9,9 +9,9 @@ one. The kinds, in the order ``select_step`` tries them:
   (``cuda_graphs.GraphedDecoder``; with ``compile``, the Inductor-compiled fused step inside the graph);
 * ``compiled`` (``compile`` elsewhere): ``model.forward`` under ``torch.compile`` (``compiled.compiled_step``);
 * ``native`` (CPU, float32/bfloat16, native kernels built, the model's own forward, no soft-capping or sinks): the
-  whole step in one native call (``native_step``; q/k-normed layers op by op), which also finds each row's argmax
-  while writing the logits; a call it cannot take (more rows than it handles, a full cache, autograd on, a context
-  longer than a layer's sliding window) runs eagerly;
+  whole step in one native call (``native_step``; q/k-normed layers op by op, and a quantized KV cache only where the
+  one call runs the model), which also finds each row's argmax while writing the logits; a call it cannot take (more
+  rows than it handles, a full cache, autograd on, a context longer than a layer's sliding window) runs eagerly;
 * ``eager``: ``model(tokens, caches=caches)``.
 
 Steps whose batch size is baked in (``fixed_batch``: graphs, compiled, custom) keep every row to the end; the others
@@ -112,7 +112,9 @@ def select_step(
     # not checked again at every token
     weights = native_step.decode_weights(model, model.dtype) if possible else None
     whole = weights is not None  # the one call: window caches too
-    if possible and all(isinstance(c, StaticKVCache) or whole for c in caches):
+    # the call per layer reads float caches only: over a quantized one (tensor parallelism's ranks) every token would
+    # go the eager way, so that is the step
+    if possible and all(isinstance(c, StaticKVCache) or whole for c in caches) and (whole or not caches[0].quantized):
         # the one native call computes windows; the call per layer does not, so it runs while they hide nothing
         left = None if whole else _window_left(model)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ...options.common import KV_CACHE_DTYPES
 from ...options.defaults import QUANT_FORMATS
 from ...options.dtypes import dtype_type
 
@@ -48,6 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is in that format, else quantized on load), or gguf: the GGUF file's tensors as they are, every block "
         "format kept (a Q4_K_M file's Q4_K/Q6_K/Q5_0/Q8_0; the model's own KV heads only); activations bf16 where "
         "the CPU has native bf16",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-dtypes", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"], metavar="KV",
+        help="what the KV cache stores, each run side by side: auto (the activations' dtype), a float dtype equal to "
+        "them, or llama.cpp's q8_0 / q4_0 blocks of 32 values (gqa serve's --kv-cache-dtype; llama.cpp runs with "
+        "-ctk/-ctv the same and flash attention; hf and gqa-compile take float caches and are skipped for block "
+        "types, with a note); the KV bytes reported are the caches'",
     )  # fmt: skip
     parser.add_argument(
         "--engines", nargs="+", choices=ENGINES, default=None,

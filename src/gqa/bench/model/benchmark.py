@@ -4,9 +4,10 @@ for the model as MHA, GQA and MQA.
 The source model (default: the embedded SmolLM2-135M-Instruct, 9 query / 3 KV heads) is run with each KV head count
 of ``--kv-heads`` (default: ``H_q``, its own ``H_kv`` and 1 — for SmolLM2, MHA 9, GQA 3, MQA 1). Other counts are
 made with ``gqa.convert`` into a temporary folder: more heads by exact expansion (the same model), fewer by the GQA
-paper's mean-pooling (speed does not depend on the weights: generation never stops early). Every (head count, engine,
-dtype) runs in its own subprocess (``gqa.bench.model.worker``), one after another, so each peak RSS is its own.
-Run ``gqa bench model --help`` for the flags.
+paper's mean-pooling (speed does not depend on the weights: generation never stops early). Every (head count, dtype,
+KV cache dtype, engine) runs in its own subprocess (``gqa.bench.model.worker``), one after another, so each peak RSS
+is its own. ``--kv-cache-dtypes auto q8_0 q4_0`` runs each with a float cache and with llama.cpp's blocks; an engine
+that cannot hold a cache type is skipped with a note in the report. Run ``gqa bench model --help`` for the flags.
 """
 
 from __future__ import annotations
@@ -23,26 +24,16 @@ from pathlib import Path
 
 import torch
 
+from ...cache.kv_dtypes import kv_bytes_per_token as kind_bytes_per_token
 from ...loaders import read_config, resolve_model_path
 from ...models.config import ModelConfig
 from ...options.common import model_label
 from .. import write_json_atomic, write_text_atomic
 from ..attention.report import machine_description
 from .arguments import CPU_ENGINES, DESCRIPTION, FILE_BLOCKS, add_arguments
-from .report import check_plotting, plot_model, table
-from .worker import DTYPES, QUANTIZED, gguf_format
-
-
-def cache_dtype(dtype: str) -> torch.dtype:
-    """The KV cache's dtype for a bench dtype: itself, or for a block format the activations' (``auto_dtype``)."""
-    from ...hardware import auto_dtype
-
-    return auto_dtype() if dtype in QUANTIZED else DTYPES[dtype]
-
-
-def kv_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: str) -> int:
-    """K and V of every layer for one token: ``2 * layers * H_kv * D * itemsize``."""
-    return 2 * num_layers * kv_heads * head_dim * cache_dtype(dtype).itemsize
+from .kv_caches import check_kv_dtypes, kv_runs
+from .report import check_plotting, plot_model, skipped_note, table
+from .worker import DTYPES, gguf_format
 
 
 def llama_cpp_available() -> bool:
@@ -111,6 +102,9 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     """The benchmark on flags ``parser`` (``build_parser`` or ``add_arguments``'s parser) has parsed."""
     if ns.window_caches and (ns.device != "cpu" or ns.tp is not None):
         parser.error("--window-caches runs on the CPU at batch 1 (no --device, --tp)")
+    ns.kv_cache_dtypes = list(dict.fromkeys(ns.kv_cache_dtypes))
+    if ns.kv_cache_dtypes != ["auto"] and (ns.window_caches or ns.device != "cpu"):
+        parser.error("--kv-cache-dtypes: --window-caches and --device cuda run float caches (auto) only")
     if ns.device != "cpu":
         from .cuda import run as run_cuda
 
@@ -132,6 +126,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error(f"--kv-heads must be positive, got {ns.kv_heads}")
     if ns.plot is not None:
         check_plotting()  # fail before the long part
+    if not ns.window_caches:
+        check_kv_dtypes(parser, ns.kv_cache_dtypes, read_config(ns.model))
 
     if ns.tp is not None:
         return _run_tp(parser, ns)
@@ -169,7 +165,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         why = "llama-cpp-python is not installed (make llama-cpp)" if own_format else "the model is no quantized GGUF"
         print(f"[bench model] skipping llama.cpp: {why}", file=sys.stderr, flush=True)
         engines.remove("llama.cpp")
-    results = []
+    results, skipped = [], {}
     read_gbps = [read_bandwidth()]  # the ceiling a decode step's bytes are measured against, at the start and end
     with tempfile.TemporaryDirectory(prefix="gqa-bench-model-") as tmp:
         paths = _variants(ns.model, cfg, counts, Path(tmp))
@@ -178,16 +174,20 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
                 for engine in engines:
                     if not _applies(engine, dtype, path == ns.model and n == cfg.num_kv_heads, own_format):
                         continue
-                    print(f"[bench model] {n} KV heads, {engine} {dtype}, contexts {ns.contexts} ...",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                    greedy = ("--greedy",) if dtype in (own_format, FILE_BLOCKS) and path == ns.model else ()
-                    r = _run_worker(path, engine, dtype, ns.contexts, ns.new_tokens, *greedy)
-                    per_token = kv_bytes_per_token(cfg.num_layers, n, cfg.head_dim, dtype)
-                    results.append({"kv_heads": n, "kv_bytes_per_token": per_token} | r)
+                    for kv, kind in kv_runs(engine, dtype, ns.kv_cache_dtypes, skipped):
+                        print(f"[bench model] {n} KV heads, {engine} {dtype}, {kv} KV cache, contexts {ns.contexts} "
+                              "...", file=sys.stderr, flush=True)  # fmt: skip
+                        greedy = ("--greedy",) if dtype in (own_format, FILE_BLOCKS) and path == ns.model else ()
+                        r = _run_worker(path, engine, dtype, ns.contexts, ns.new_tokens, "--kv-cache-dtype", kv,
+                                        *greedy)  # fmt: skip
+                        per_token = kind_bytes_per_token(cfg.num_layers, n, cfg.head_dim, kind)
+                        # a gqa worker's own count (its caches' bytes) replaces the formula's
+                        results.append({"kv_heads": n, "kv_dtype": kind.name, "kv_bytes_per_token": per_token} | r)
     read_gbps.append(read_bandwidth())
-    args = {"kv_heads": list(paths), "contexts": ns.contexts, "dtypes": ns.dtypes, "engines": engines,
-            "new_tokens": ns.new_tokens}  # fmt: skip
-    payload = _payload("model", ns, started, args, results, read_gbps=max(read_gbps), config=cfg.as_dict())
+    args = {"kv_heads": list(paths), "contexts": ns.contexts, "dtypes": ns.dtypes,
+            "kv_cache_dtypes": ns.kv_cache_dtypes, "engines": engines, "new_tokens": ns.new_tokens}  # fmt: skip
+    payload = _payload("model", ns, started, args, results, read_gbps=max(read_gbps), config=cfg.as_dict(),
+                       skipped=list(skipped))  # fmt: skip
     header = (
         f"Model benchmark ({payload['model']}, {cfg.num_heads} query heads), batch 1, {ns.new_tokens} new tokens "
         f"per context; torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -223,27 +223,29 @@ def _run_throughput(ns: argparse.Namespace, cfg: ModelConfig, counts: list[int],
     """Decode throughput at ``--batch`` sizes (and the ``--kv-budget`` batch) per KV head count, dtype, context."""
     from .report import plot_throughput, throughput_table
 
-    results = []
+    results, skipped = [], {}
     with tempfile.TemporaryDirectory(prefix="gqa-bench-model-") as tmp:
         paths = _variants(ns.model, cfg, counts, Path(tmp))
-        for n, path in paths.items():
-            for dtype in ns.dtypes:
-                per_token = kv_bytes_per_token(cfg.num_layers, n, cfg.head_dim, dtype)
+        for n, path, dtype in ((n, p, d) for n, p in paths.items() for d in ns.dtypes):
+            for kv, kind in kv_runs("gqa", dtype, ns.kv_cache_dtypes, skipped):
+                per_token = kind_bytes_per_token(cfg.num_layers, n, cfg.head_dim, kind)
                 for context in ns.contexts:
                     batches = list(ns.batch)
                     fits = None
                     if ns.kv_budget is not None:
                         fits = int(ns.kv_budget * 2**30 // (per_token * (context + ns.new_tokens)))
                         batches = sorted({*batches, fits} - {0})
-                    print(f"[bench model] throughput: {n} KV heads, {dtype}, context {context}, batch {batches} ...",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                    r = _run_worker(path, "gqa", dtype, [context], ns.new_tokens, "--batch", *map(str, batches))
+                    print(f"[bench model] throughput: {n} KV heads, {dtype}, {kv} KV cache, context {context}, batch "
+                          f"{batches} ...", file=sys.stderr, flush=True)  # fmt: skip
+                    r = _run_worker(path, "gqa", dtype, [context], ns.new_tokens, "--kv-cache-dtype", kv, "--batch",
+                                    *map(str, batches))  # fmt: skip
                     for row in r["rows"]:
                         row["fits_budget"] = row["batch"] == fits
-                    results.append({"kv_heads": n, "kv_bytes_per_token": per_token, "budget_batch": fits} | r)
-    args = {"kv_heads": counts, "contexts": ns.contexts, "dtypes": ns.dtypes, "batch": ns.batch,
-            "kv_budget_gib": ns.kv_budget, "new_tokens": ns.new_tokens}  # fmt: skip
-    payload = _payload("model-throughput", ns, started, args, results, config=cfg.as_dict())
+                    results.append({"kv_heads": n, "kv_dtype": kind.name, "kv_bytes_per_token": per_token,
+                                    "budget_batch": fits} | r)  # fmt: skip
+    args = {"kv_heads": counts, "contexts": ns.contexts, "dtypes": ns.dtypes, "kv_cache_dtypes": ns.kv_cache_dtypes,
+            "batch": ns.batch, "kv_budget_gib": ns.kv_budget, "new_tokens": ns.new_tokens}  # fmt: skip
+    payload = _payload("model-throughput", ns, started, args, results, config=cfg.as_dict(), skipped=list(skipped))
     header = (
         f"Decode throughput ({payload['model']}, {cfg.num_heads} query heads), {ns.new_tokens} steps per point, "
         f"caches filled to the context; torch {torch.__version__}, {torch.get_num_threads()} threads"
@@ -263,15 +265,18 @@ def _run_tp(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error("--tp runs the model as it is, eager: --plot, --kv-heads and --engines do not apply")
     started = time.perf_counter()
     tps = list(dict.fromkeys(ns.tp))
-    results = run_tp(ns, tps)
-    args = {"tp": tps, "contexts": ns.contexts, "dtypes": ns.dtypes, "new_tokens": ns.new_tokens}
-    payload = _payload("model-tp", ns, started, args, results)
+    skipped: dict = {}
+    results = run_tp(ns, tps, skipped)
+    args = {"tp": tps, "contexts": ns.contexts, "dtypes": ns.dtypes, "kv_cache_dtypes": ns.kv_cache_dtypes,
+            "new_tokens": ns.new_tokens}  # fmt: skip
+    payload = _payload("model-tp", ns, started, args, results, skipped=list(skipped))
     cores = os.cpu_count()
     header = (
         f"Tensor-parallel decode ({payload['model']}), batch 1, eager, {ns.new_tokens} new tokens per context; "
         f"{cores} cores, cores / tp threads per rank; gloo all-reduces; torch {torch.__version__}"
     )
-    _report(ns, payload, header + "\n\n" + tp_table(results))
+    note = skipped_note(payload)
+    _report(ns, payload, header + "\n\n" + tp_table(results) + ("\n\n" + note if note else ""))
     return 0
 
 

@@ -11,7 +11,10 @@ Engines:
 * ``llama.cpp`` — ``llama-cpp-python`` on the GGUF file itself (its own quantization; an optional extra).
 
 Dtypes: ``fp32``, ``bf16``, or a block format (``q8_0``, ``q4_0``, ``q4_1``): the GGUF's own blocks when the file is
-in that format, else the float weights quantized to it; activations in ``gqa.hardware.auto_dtype()``.
+in that format, else the float weights quantized to it; activations in ``gqa.hardware.auto_dtype()``. The KV cache
+(``--kv-cache-dtype``): ``auto`` (the activations' dtype; llama.cpp's default f16), or what
+``gqa.load_model(kv_dtype=)`` takes (``q8_0``, ``q4_0``; llama.cpp the same type through ``type_k`` / ``type_v``);
+gqa engines report the bytes a token takes in the caches they decoded with (``kv_bytes_per_token``).
 
 Per context ``C``: prefill = one forward over a ``C``-token prompt (batch 1) that returns the last position's logits
 (as generation needs); decode = one over the median time between consecutive new tokens (``N`` new tokens give ``N - 1``
@@ -33,6 +36,7 @@ from pathlib import Path
 import torch
 
 from gqa.bench.model.arguments import ENGINES, FILE_BLOCKS, FLOAT_DTYPES, QUANTIZED
+from gqa.options.common import KV_CACHE_DTYPES
 from gqa.options.dtypes import torch_dtype
 
 DTYPES = {name: torch_dtype(name) for name in FLOAT_DTYPES}
@@ -68,19 +72,25 @@ def gguf_format(path: str | None) -> str | None:
     return None if name in ("f32", "f16", "bf16") else name
 
 
-def load_gqa(path: str | None, dtype: str):
-    """The model as ``gqa`` loads it for ``dtype`` (a float dtype, or a block format: see the module docstring)."""
+def load_gqa(path: str | None, dtype: str, kv: str = "auto"):
+    """The model as ``gqa`` loads it for ``dtype`` (a float dtype, or a block format: see the module docstring), its
+    KV caches storing ``kv`` (``load_model``'s ``kv_dtype``)."""
     import gqa
 
     if dtype not in QUANTIZED:
-        return gqa.load_model(path, dtype=DTYPES[dtype], tokenizer=False)
+        return gqa.load_model(path, dtype=DTYPES[dtype], tokenizer=False, kv_dtype=kv)
     own = dtype == FILE_BLOCKS or gguf_format(path) == dtype
     quantize = None if own else dtype  # the file's own blocks, or float weights quantized
-    return gqa.load_model(path, dtype="auto", tokenizer=False, quantize=quantize)
+    return gqa.load_model(path, dtype="auto", tokenizer=False, quantize=quantize, kv_dtype=kv)
+
+
+def cache_bytes_per_token(caches: list) -> int:
+    """Bytes one token takes in ``caches`` (batch 1): each layer's K and V slot as the buffers store it (float
+    values or blocks), a window cache's too."""
+    return sum(c.nbytes // (c.key.shape[0] * c.key.shape[2]) for c in caches)
 
 
 def run_gqa(model: torch.nn.Module, contexts: list[int], new: int, compiled: bool) -> tuple[int, list]:
-    from gqa.cache.kv import kv_cache_bytes
     from gqa.decoding.generate import generate_stream
     from gqa.models.quantized import weight_bytes
 
@@ -91,31 +101,32 @@ def run_gqa(model: torch.nn.Module, contexts: list[int], new: int, compiled: boo
             ids = prompt(context, model.config.vocab_size)
             if compiled:  # compile (or re-specialise) for this cache bucket outside the timing
                 model.generate(ids, max_new_tokens=new, eos_token_ids=[], compile=True)
+            caches = model.new_caches(1, context + new)
             start = time.perf_counter()
-            model(torch.tensor([ids]), caches=model.new_caches(1, context + new), last_only=True)
+            model(torch.tensor([ids]), caches=caches, last_only=True)
             prefill = time.perf_counter() - start
             stamps = []
             for _ in generate_stream(model, [ids], max_new_tokens=new, eos_token_ids=[], compile=compiled):
                 stamps.append(time.perf_counter())
             assert len(stamps) == new
-            rows.append(_row(context, prefill, stamps))
-    cfg, weights = model.config, sum(weight_bytes(model).values())
-    for row in rows:  # what one decoded token reads: every weight once, and the KV cache at the context
+            # what one decoded token reads: every weight once, and the KV cache (as stored) at the context
+            rows.append(_row(context, prefill, stamps) | {"kv_bytes": cache_bytes_per_token(caches) * context})
+    weights = sum(weight_bytes(model).values())
+    for row in rows:
         row["weight_bytes"] = weights
-        row["kv_bytes"] = kv_cache_bytes(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, row["context"], dtype=model.dtype
-        )
     return model.config.num_kv_heads, rows
 
 
-def run_throughput(path: str | None, dtype: str, contexts: list[int], new: int, batches: list[int]) -> tuple[int, list]:
-    """Decode throughput of ``B`` sequences at once, for each batch size and context: the caches are filled with
-    random keys/values up to the context (decode time does not depend on their values, and a real prefill of 32 x 4k
-    tokens would take minutes here), then ``new`` steps of ``B`` greedy tokens run through the step ``generate``
-    takes (``select_step``); tokens/s = ``B`` / the median step time."""
+def run_throughput(
+    path: str | None, dtype: str, kv: str, contexts: list[int], new: int, batches: list[int]
+) -> tuple[int, list]:
+    """Decode throughput of ``B`` sequences at once, for each batch size and context: the caches (storing ``kv``) are
+    filled with random keys/values up to the context (decode time does not depend on their values, and a real
+    prefill of 32 x 4k tokens would take minutes here), then ``new`` steps of ``B`` greedy tokens run through the
+    step ``generate`` takes (``select_step``); tokens/s = ``B`` / the median step time."""
     from gqa.decoding.steps import select_step
 
-    model = load_gqa(path, dtype)
+    model = load_gqa(path, dtype, kv)
     rows = []
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -123,8 +134,7 @@ def run_throughput(path: str | None, dtype: str, contexts: list[int], new: int, 
             for batch in batches:
                 caches = model.new_caches(batch, context + new)
                 for cache in caches:
-                    cache.key.normal_(generator=g)
-                    cache.value.normal_(generator=g)
+                    fill_random(cache, g)
                     cache.cursor.fill_(context)
                 tokens = torch.randint(10, model.config.vocab_size, (batch, 1), generator=g)
                 step_fn = select_step(model, caches)
@@ -138,6 +148,22 @@ def run_throughput(path: str | None, dtype: str, contexts: list[int], new: int, 
                              "decode_tok_s": batch / step, "kv_cache_bytes": kv})  # fmt: skip
                 del caches
     return model.config.num_kv_heads, rows
+
+
+def fill_random(cache: torch.nn.Module, g: torch.Generator, rows: int = 256) -> None:
+    """Every slot of ``cache``'s ``key (B, H_kv, C, D)`` and ``value`` buffers random: normal values, or for a
+    quantized cache ``rows`` slots of them quantized and repeated along the slots (quantizing all of a large cache
+    would take longer than the benchmark)."""
+    from gqa.cache.quantize import quantize
+
+    for buf, kind, dim in ((cache.key, cache.kinds[0], cache.head_dim), (cache.value, cache.kinds[1], cache.value_dim)):
+        if not kind.quantized:
+            buf.normal_(generator=g)
+            continue
+        B, H, C, _ = buf.shape
+        blocks = quantize(torch.randn(B, H, min(rows, C), dim, generator=g), kind)  # (B, H_kv, n, row bytes)
+        for s in range(0, C, blocks.shape[2]):
+            buf[:, :, s : s + blocks.shape[2]] = blocks[:, :, : C - s]
 
 
 def greedy_tokens(path: str | None, generate: object) -> list[list[int]]:
@@ -220,10 +246,12 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_llama_cpp(path: str | None, contexts: list[int], new: int) -> tuple[int, list, object]:
-    """llama.cpp (``llama-cpp-python``) on the GGUF file itself, as many threads as torch uses here."""
+def run_llama_cpp(path: str | None, kv: str, contexts: list[int], new: int) -> tuple[int, list, object]:
+    """llama.cpp (``llama-cpp-python``) on the GGUF file itself, as many threads as torch uses here, its KV cache
+    storing ``kv`` (``bench.llama_cpp_kv``)."""
     from llama_cpp import Llama
 
+    from gqa.bench.llama_cpp_kv import llama_kwargs
     from gqa.loaders import resolve_model_path
 
     file = resolve_model_path(path)
@@ -231,7 +259,7 @@ def run_llama_cpp(path: str | None, contexts: list[int], new: int) -> tuple[int,
         raise ValueError(f"{file}: llama.cpp runs GGUF files, not HF folders")
     threads = torch.get_num_threads()
     llm = Llama(model_path=str(file), n_ctx=max(contexts) + new + 64, n_batch=512, n_threads=threads,
-                n_threads_batch=threads, verbose=False)  # fmt: skip
+                n_threads_batch=threads, verbose=False, **llama_kwargs(kv))  # fmt: skip
     vocab = llm.n_vocab()
     rows = []
     llm.eval([5, 6, 7])  # first-call costs outside the timing
@@ -266,31 +294,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("engine", choices=ENGINES)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", choices=[*DTYPES, *QUANTIZED], default="fp32")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     parser.add_argument("--contexts", type=int, nargs="+", required=True)
     parser.add_argument("--new-tokens", type=int, required=True)
     parser.add_argument("--batch", type=int, nargs="+", default=None, help="decode throughput at these batch sizes")
     parser.add_argument("--greedy", action="store_true", help="also greedy tokens of GREEDY_PROMPTS")
     ns = parser.parse_args(argv)
     torch.manual_seed(0)
-    greedy = None
+    kv = ns.kv_cache_dtype
+    if ns.engine == "hf" and kv not in ("auto", ns.dtype):
+        parser.error(f"--kv-cache-dtype {kv}: the hf engine runs its cache in --dtype {ns.dtype}")
+    greedy, measured = None, {}
     if ns.batch is not None:
-        kv_heads, rows = run_throughput(ns.model, ns.dtype, ns.contexts, ns.new_tokens, ns.batch)
+        kv_heads, rows = run_throughput(ns.model, ns.dtype, kv, ns.contexts, ns.new_tokens, ns.batch)
     elif ns.engine == "hf":
         kv_heads, rows = run_hf(ns.model, DTYPES[ns.dtype], ns.contexts, ns.new_tokens)
     elif ns.engine == "llama.cpp":
-        kv_heads, rows, generate = run_llama_cpp(ns.model, ns.contexts, ns.new_tokens)
+        kv_heads, rows, generate = run_llama_cpp(ns.model, kv, ns.contexts, ns.new_tokens)
         greedy = greedy_tokens(ns.model, generate) if ns.greedy else None
     else:
         compiled = ns.engine == "gqa-compile"
-        model = load_gqa(ns.model, ns.dtype)
+        model = load_gqa(ns.model, ns.dtype, kv)
         kv_heads, rows = run_gqa(model, ns.contexts, ns.new_tokens, compiled=compiled)
+        measured = {"kv_bytes_per_token": cache_bytes_per_token(model.new_caches(1, 1))}
         if ns.greedy:
             greedy = greedy_tokens(ns.model, lambda ids: model.generate(ids, max_new_tokens=32, compile=compiled))
     peak_mib = peak_rss_mib()
     from gqa import kernels
 
-    print(json.dumps({"engine": ns.engine, "dtype": ns.dtype, "model_kv_heads": kv_heads, "peak_rss_mib": peak_mib,
-                      "native_kernels": kernels.available(), "rows": rows, "greedy": greedy}))  # fmt: skip
+    print(json.dumps({"engine": ns.engine, "dtype": ns.dtype, "kv_cache_dtype": kv, "model_kv_heads": kv_heads,
+                      "peak_rss_mib": peak_mib, "native_kernels": kernels.available(), "rows": rows, "greedy": greedy}
+                     | measured))  # fmt: skip
     return 0
 
 
