@@ -20,7 +20,7 @@ from torch import nn
 from .._compiler import disable
 from ..attention.checks import shape_str
 from .kv_dtypes import KVDtype
-from .quantize import DTYPE_NAMES, as_stored, resolve_kv_dtype, row_size, storage_dtype
+from .quantize import DTYPE_NAMES, as_stored, kv_formats, resolve_kv_dtype, row_size, storage_dtype
 from .sizes import kv_cache_elements
 
 KVDtypeChoice = str | KVDtype | tuple[str | KVDtype, str | KVDtype] | None
@@ -113,9 +113,9 @@ class _KVCache(nn.Module):
         return self.kinds[0].quantized or self.kinds[1].quantized
 
     @property
-    def kv_formats(self) -> tuple[int, int]:
+    def kv_formats(self) -> tuple[int, ...]:
         """The native kernels' codes of K's and V's storage (``KVDtype.code``; ``()`` where both are float)."""
-        return (self.kinds[0].code, self.kinds[1].code) if self.quantized else ()
+        return kv_formats(self.kinds)
 
     def _stored(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``key`` and ``value`` as the buffers hold them: quantized where the cache's kinds say so."""

@@ -22,12 +22,14 @@ import math
 import torch
 
 from .. import kernels
+from ..options.dtypes import DTYPES as FLOAT_DTYPES  # the CLI's short names: fp32, bf16, fp16
 from .kv_dtypes import KVDtype, check_head_dim, kv_dtype
 
 __all__ = [
     "as_stored",
     "dequantize",
     "held_values",
+    "kv_formats",
     "quantize",
     "reference_quantize",
     "resolve_kv_dtype",
@@ -35,7 +37,6 @@ __all__ = [
     "storage_dtype",
 ]
 
-FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
 
 
@@ -53,6 +54,11 @@ def resolve_kv_dtype(kv: str | KVDtype | None, model_dtype: torch.dtype, flag: s
     if isinstance(kv, str) and kv.startswith("fp8"):
         raise ValueError(f"{flag} {kv!r}: an fp8 KV cache is not built yet (CPU kernels read q8_0 and q4_0 blocks)")
     return kv_dtype(kv, flag)
+
+
+def kv_formats(kinds: tuple[KVDtype, KVDtype]) -> tuple[int, ...]:
+    """The native kernels' codes of K's and V's storage (``KVDtype.code``), ``()`` where both are float."""
+    return tuple(kind.code for kind in kinds) if any(kind.quantized for kind in kinds) else ()
 
 
 def storage_dtype(kv: KVDtype) -> torch.dtype:

@@ -16,7 +16,7 @@ import torch
 
 from ..cache.kv import KVDtypeChoice, kv_kinds
 from ..cache.kv_dtypes import KVDtype
-from ..cache.quantize import as_stored, held_values, row_size, storage_dtype
+from ..cache.quantize import as_stored, held_values, kv_formats, row_size, storage_dtype
 
 __all__ = ["PagedKVCache", "blocks_in_budget", "token_bytes"]
 
@@ -60,8 +60,7 @@ class PagedKVCache:
     @property
     def kv_formats(self) -> tuple[int, ...]:
         """The native kernels' codes of K's and V's storage, ``()`` where both are float."""
-        quantized = any(kind.quantized for kind in self.kinds)
-        return tuple(kind.code for kind in self.kinds) if quantized else ()
+        return kv_formats(self.kinds)
 
     @property
     def nbytes(self) -> int:
