@@ -61,11 +61,15 @@ TRAIN_IDS = torch.randint(0, 64, (600,), generator=torch.Generator().manual_seed
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and"]
 
 
-def tiny_dir(folder: Path, arch: str = "llama", heads: int = 8, kv: int = 2, head_dim: int = 4) -> Path:
+def tiny_dir(
+    folder: Path, arch: str = "llama", heads: int = 8, kv: int = 2, head_dim: int = 4, vocab_size: int = 32
+) -> Path:
     """A random HF checkpoint (Llama: tied embeddings, no bias; Qwen2: untied, q/k/v biases) with a word-level
-    tokenizer, saved to ``folder``. Every parameter is random (HF would start biases at zero)."""
+    tokenizer, saved to ``folder``. Every parameter is random (HF would start biases at zero). ``vocab_size``: the
+    model's; the tokenizer's 10 tokens come first (10: every token the model can choose has its text)."""
     torch.manual_seed(0)
-    kw = dict(vocab_size=32, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=heads)
+    kw = dict(vocab_size=vocab_size, hidden_size=24, intermediate_size=40, num_hidden_layers=2)
+    kw |= dict(num_attention_heads=heads)
     kw |= dict(num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=64, rms_norm_eps=1e-6)
     kw |= dict(bos_token_id=1, eos_token_id=2, tie_word_embeddings=arch == "llama")
     if arch == "llama":

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..options.common import (
@@ -32,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "weight dtype; auto: bf16 where the CPU multiplies bf16 natively, else fp32, and a GGUF's q8_0/q4_*/q5_* "
         "weights stay quantized",
         auto=True,
+        model_help="GGUF file or HF directory; repeat it to serve several models, each loaded on its first request "
+        "(a request's 'model' picks one; default: embedded SmolLM2-135M)",
     )
     add_kv_dtype_arguments(parser)
     parser.add_argument(
@@ -73,7 +77,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="close a connection whose request headers take longer (slowloris)")  # fmt: skip
     parser.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                         help="render chats with this jinja template instead of the model's")  # fmt: skip
-    parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: from --model)")
+    parser.add_argument(
+        "--served-model-name", action="append", default=None, metavar="NAME",
+        help="the model's name in the API (default: --model's file or folder name); with several --model, one per "
+        "--model, in their order",
+    )  # fmt: skip
+    parser.add_argument(
+        "--models-dir", type=Path, default=None, metavar="DIR",
+        help="serve every *.gguf file and every HF folder (with config.json) in DIR as well, named by the file's "
+        "name without .gguf or the folder's name (without --model: these alone)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-loaded", type=int, default=None, metavar="N",
+        help="with several models: at most N loaded at once; a request for another unloads the least recently used "
+        "(default: no bound)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-loaded-gib", type=float, default=None, metavar="GIB",
+        help="with several models: the loaded models' weights and KV pools take at most GIB together; the least "
+        "recently used are unloaded to make room (a larger model is served alone; default: no bound)",
+    )  # fmt: skip
 
 
 def serve_device(text: str):
@@ -102,18 +125,67 @@ def api_key_of(ns: argparse.Namespace) -> str | None:
     return key
 
 
+def served_models(ns: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """``(name in the API, path)`` of every model to serve (``None``: the embedded one): ``--model``'s (or the
+    embedded model when neither ``--model`` nor ``--models-dir`` is given), then ``--models-dir``'s. ``ValueError``
+    naming the flag for a path that is no model, a name given twice, a ``--served-model-name`` count that does not
+    match."""
+    from ..loaders import resolve_model_path
+
+    paths = ns.model or ([] if ns.models_dir is not None else [None])
+    names = ns.served_model_name or []
+    if names and len(names) != len(paths):
+        raise ValueError(f"--served-model-name: given {len(names)} time(s) for {len(paths)} --model")
+    models = [(names[i] if names else EMBEDDED_NAME if p is None else Path(p).name, p) for i, p in enumerate(paths)]
+    if ns.models_dir is not None:
+        if not ns.models_dir.is_dir():
+            raise ValueError(f"--models-dir {ns.models_dir}: no such folder")
+        found = sorted(p for p in ns.models_dir.iterdir() if (p.is_file() and p.suffix.lower() == ".gguf")
+                       or (p.is_dir() and (p / "config.json").is_file()))  # fmt: skip
+        if not found:
+            raise ValueError(f"--models-dir {ns.models_dir}: holds no .gguf file and no HF folder (with config.json)")
+        models += [(p.stem if p.is_file() else p.name, str(p)) for p in found]
+    if len(models) > 1:  # checked now: each loads only on its first request
+        for _, path in models:
+            if path is not None:
+                try:
+                    resolve_model_path(path)
+                except ValueError as e:
+                    raise ValueError(f"--model {e}") from None
+    seen: dict[str, str | None] = {}
+    for name, path in models:
+        if name in seen:
+            raise ValueError(f"two models are named {name!r} ({model_label(seen[name])} and {model_label(path)}): "
+                             "--served-model-name names each --model")  # fmt: skip
+        seen[name] = path
+    return models
+
+
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..hardware import auto_dtype
-    from ..loaders.model import load_model
-    from ..options.dtypes import DTYPES
-    from ..serve.async_engine import AsyncEngine
-    from ..serve.config import MAX_DRAFT, EngineConfig
-    from ..serve.engine import Engine, EngineError
     from ..serve.http_protocol import with_header_timeout
-    from ..serve.runner import full_context_bytes
-    from ..serve.server import build_app
+
+    protocol = with_header_timeout(ns.header_timeout)
+    app = serving_app(ns)
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=30, http=protocol)  # fmt: skip
+    server = uvicorn.Server(config)
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT and then raises the signal again to the handler it found:
+    # one that does nothing makes a graceful stop exit 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda number, frame: None)
+    server.run()
+    return 0 if server.started else 1
+
+
+def serving_app(ns: argparse.Namespace):
+    """The ASGI app ``gqa serve`` serves, the flags checked (``ValueError`` naming one): one model's app
+    (``server.build_app``), loaded now; or, for several, the router (``model_router``) that loads each on its first
+    request."""
+    from ..hardware import auto_dtype
+    from ..options.dtypes import DTYPES
+    from ..serve.config import MAX_DRAFT
 
     for flag, value, low in (("--port", ns.port, 0), ("--block-size", ns.block_size, 1),
                              ("--max-running", ns.max_running, 1), ("--max-queue", ns.max_queue, 0),
@@ -126,8 +198,12 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         raise ValueError(f"--speculate must be in [0, {MAX_DRAFT}], got {ns.speculate}")
     if not ns.max_body_mib > 0:
         raise ValueError(f"--max-body-mib must be > 0, got {ns.max_body_mib}")
+    if ns.max_loaded is not None and ns.max_loaded < 1:
+        raise ValueError(f"--max-loaded must be >= 1, got {ns.max_loaded}")
+    if ns.max_loaded_gib is not None and not (math.isfinite(ns.max_loaded_gib) and ns.max_loaded_gib > 0):
+        raise ValueError(f"--max-loaded-gib must be a positive number of GiB, got {ns.max_loaded_gib}")
+    models = served_models(ns)
     api_key = api_key_of(ns)
-    protocol = with_header_timeout(ns.header_timeout)
     template = None
     if ns.chat_template is not None:
         try:
@@ -139,8 +215,37 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         dtype = DTYPES["bf16"] if ns.dtype == "auto" else DTYPES[ns.dtype]
     else:
         dtype = auto_dtype() if ns.dtype == "auto" else DTYPES[ns.dtype]
-    with kv_flag_errors(), loading(f"{model_label(ns.model)} as {ns.dtype} on {device}"):
-        model = load_model(ns.model, dtype="auto" if ns.dtype == "auto" and device.type == "cpu" else dtype,
+    settings = Settings(ns, device, dtype, template, api_key)
+    if len(models) == 1:  # loaded now and served directly: no router in the way
+        return load_served(settings, models[0][1], models[0][0]).app
+    return model_router(settings, models)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every served model is loaded with: the flags, read and checked."""
+
+    ns: argparse.Namespace
+    device: object  # torch.device
+    dtype: object  # torch.dtype
+    template: str | None
+    api_key: str | None
+
+
+def load_served(settings: Settings, path: str | None, name: str):
+    """Load the model at ``path`` (``None``: the embedded one) and build its app, served as ``name``: a
+    ``model_router.Loaded`` (the app's lifespan starts its engine thread)."""
+    from ..loaders.model import load_model
+    from ..serve.async_engine import AsyncEngine
+    from ..serve.config import EngineConfig
+    from ..serve.engine import Engine, EngineError
+    from ..serve.model_router import Loaded
+    from ..serve.runner import full_context_bytes
+    from ..serve.server import build_app
+
+    ns, device, dtype, template = settings.ns, settings.device, settings.dtype, settings.template
+    with kv_flag_errors(), loading(f"{model_label(path)} as {ns.dtype} on {device}"):
+        model = load_model(path, dtype="auto" if ns.dtype == "auto" and device.type == "cpu" else dtype,
                            device=device, kv_dtype=kv_dtype_choice(ns))  # fmt: skip
     if template is not None:
         if model.tokenizer is None:
@@ -155,11 +260,10 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         engine = Engine(model, model.tokenizer, config)
     except EngineError as e:
         raise ValueError(f"this model cannot be served: {e}") from e
-    name = ns.served_model_name or (EMBEDDED_NAME if ns.model is None else Path(ns.model).name)
     cfg, blocks = model.config, engine.blocks
     slots = blocks.num_blocks * blocks.block_size
     print(
-        f"gqa serve: {name} ({model_label(ns.model) if ns.model else EMBEDDED_MODEL}), {cfg.num_heads} query / "
+        f"gqa serve: {name} ({model_label(path) if path else EMBEDDED_MODEL}), {cfg.num_heads} query / "
         f"{cfg.num_kv_heads} KV heads stored as {'/'.join(dict.fromkeys(k.name for k in engine.cache.kinds))}; "
         f"KV cache {slots} tokens = {engine.cache.nbytes / 2**30:.2f} GiB "
         f"({blocks.num_blocks} blocks of {blocks.block_size}, {slots / cfg.max_position_embeddings:.1f} "
@@ -171,14 +275,38 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         print(f"gqa serve: note: the KV cache holds {slots} tokens, fewer than the model's context of "
               f"{cfg.max_position_embeddings}: a request's prompt and max_tokens together can use at most {slots} "
               f"(--kv-cache-mib {math.ceil(full)} holds a full context)", file=sys.stderr)  # fmt: skip
-    app = build_app(AsyncEngine(engine, ns.max_queue), model.tokenizer, name, api_key,
-                    max_body_bytes=int(ns.max_body_mib * 2**20))  # fmt: skip
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=30, http=protocol)  # fmt: skip
-    server = uvicorn.Server(config)
-    # uvicorn shuts down gracefully on SIGTERM / SIGINT and then raises the signal again to the handler it found:
-    # one that does nothing makes a graceful stop exit 0
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda number, frame: None)
-    server.run()
-    return 0 if server.started else 1
+    served = AsyncEngine(engine, ns.max_queue)
+    app = build_app(served, model.tokenizer, name, settings.api_key, max_body_bytes=int(ns.max_body_mib * 2**20))
+    weights = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
+    return Loaded(app, served, weights + engine.cache.nbytes)
+
+
+def model_router(settings: Settings, models: list[tuple[str, str | None]]):
+    """The ASGI app serving ``models`` (``(name, path)``), each loaded on its first request (``model_router``)."""
+    from functools import partial
+
+    from ..serve.loaded_models import LoadedModels
+    from ..serve.model_router import ModelRouter, ServedModel
+
+    ns = settings.ns
+    gib = ns.max_loaded_gib
+    loaded = LoadedModels(ns.max_loaded, None if gib is None else int(gib * 2**30))
+    pool = 0 if ns.kv_cache_mib is None else int(ns.kv_cache_mib * 2**20)
+    served = {name: ServedModel(partial(load_served, settings, path, name), disk_bytes(path) + pool)
+              for name, path in models}  # fmt: skip
+    names = ", ".join(served)
+    print(f"gqa serve: {len(served)} models ({names}), each loaded on its first request; at most "
+          f"{ns.max_loaded or 'any number'} loaded at once"
+          + ("" if gib is None else f", {gib:g} GiB of weights and KV pools"), file=sys.stderr)  # fmt: skip
+    return ModelRouter(served, loaded, settings.api_key, max_body_bytes=int(ns.max_body_mib * 2**20))
+
+
+def disk_bytes(path: str | None) -> int:
+    """The bytes of a model's weights on disk (a GGUF file, an HF folder's weight files): what its load is expected
+    to take before it has been loaded once."""
+    from ..loaders import resolve_model_path
+
+    resolved = resolve_model_path(path)
+    if resolved.is_file():
+        return resolved.stat().st_size
+    return sum(f.stat().st_size for f in resolved.iterdir() if f.suffix in (".safetensors", ".bin", ".pt"))

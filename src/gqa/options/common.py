@@ -57,10 +57,14 @@ def loading(what: str, *, timed: bool = True, quiet: bool = False) -> Iterator[N
 
 
 def add_model_arguments(
-    parser: argparse.ArgumentParser, dtype_help: str = "weight dtype", *, auto: bool = False
+    parser: argparse.ArgumentParser, dtype_help: str = "weight dtype", *, auto: bool = False, model_help: str = ""
 ) -> None:
-    """``--model`` and ``--dtype`` (default fp32; with ``auto``, the keyword ``auto`` is accepted and the default)."""
-    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
+    """``--model`` and ``--dtype`` (default fp32; with ``auto``, the keyword ``auto`` is accepted and the default).
+    ``model_help``: ``--model`` is repeatable (a list in the namespace) and this is its help."""
+    if model_help:
+        parser.add_argument("--model", action="append", default=None, help=model_help)
+    else:
+        parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: embedded SmolLM2-135M)")
     keywords = ("auto",) if auto else ()
     add_dtype_argument(parser, "--dtype", keywords=keywords, default="auto" if auto else "fp32", help=dtype_help)
 
