@@ -1,5 +1,5 @@
-"""What a cold load of a model costs through ``gqa serve``'s router (several models, ``--max-loaded 1``) beside the first
-request to a server that loaded the model at its start (one model, today's path).
+"""What a cold load of a model costs through ``gqa serve``'s router (several models, ``--max-loaded 1``) beside the
+first request to a server that loaded the model at its start (one model, today's path).
 
     python benchmarks/model_router.py                     # the embedded SmolLM2, 5 cold loads
     python benchmarks/model_router.py --model M.gguf --rounds 9
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers: the server as a child process
 
-from tests.helpers.server_process import Server  # noqa: E402
+from tests.helpers.server_process import Server
 
 
 def chat(url: str, model: str) -> float:
