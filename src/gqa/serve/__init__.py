@@ -14,6 +14,9 @@
 * ``offline`` — ``LLM(...).generate(prompts)``, the engine without a server;
 * ``async_engine``, ``openai_api``, ``tools``, ``server``, ``http_protocol`` — the engine on its own thread, OpenAI's
   shapes and function calling, the HTTP app, uvicorn's protocol with a deadline for headers.
+* ``model_router``, ``loaded_models``, ``asgi_calls`` — several models behind one server: the app that routes by a
+  request's ``model`` and loads and unloads models, which ones stay loaded (LRU under a count and a budget), the ASGI
+  plumbing it needs.
 
 ``LLM``, ``Engine`` and ``SamplingParams`` are loaded on first use (they import torch).
 """
