@@ -5,6 +5,7 @@ with stand-in models (no weights) for its waits and drains; the LRU/budget polic
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from contextlib import asynccontextmanager
@@ -99,7 +100,14 @@ def test_the_models_are_listed_and_an_unknown_one_is_a_404_naming_them(server):
     status, body, _ = post(server.url + "/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, text = get(server.url + "/health")
-    assert status == 200 and set(__import__("json").loads(text)["models"]) == {"smol", "tiny"}
+    assert status == 200 and set(json.loads(text)["models"]) == {"smol", "tiny"}
+
+
+def test_a_stream_through_the_router_equals_the_whole_answer(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+    whole = client.completions.create(model="smol", prompt=PROMPTS["smol"], max_tokens=6, temperature=0)
+    chunks = client.completions.create(model="smol", prompt=PROMPTS["smol"], max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
 
 
 # -- the CLI ---------------------------------------------------------------------------------------------------------
@@ -142,15 +150,17 @@ def test_bad_model_flags_exit_2_naming_the_flag(capsys, tmp_path, args, message)
 
 
 @needs_kernels
-def test_two_loaded_models_switch_without_a_reload(tmp_path):
-    """``--models-dir`` with two tiny models and ``--max-loaded 2`` (the CLI's own app, in this process): after each
-    has loaded once, alternating between them loads nothing; a third request pattern's answers stay the same."""
+@pytest.mark.parametrize("bound,loads", [(("--max-loaded", "2"), 1), (("--max-loaded-gib", "1e-6"), 3)])
+def test_two_loaded_models_switch_without_a_reload(tmp_path, bound, loads):
+    """``--models-dir`` with two tiny models (the CLI's own app, in this process), alternating: with room for both
+    (``--max-loaded 2``) each loads once and switching loads nothing; with a budget neither fits in, each request
+    unloads the other (a model over the budget is served alone); the answers stay the same either way."""
     from gqa.cli import build_parser
     from gqa.cli.serve import serving_app
 
     tiny(tmp_path / "qwen")
     tiny(tmp_path / "llama", arch="llama")
-    ns = build_parser().parse_args(["serve", "--models-dir", str(tmp_path), "--max-loaded", "2"])
+    ns = build_parser().parse_args(["serve", "--models-dir", str(tmp_path), *bound])
     router = serving_app(ns)
 
     async def go() -> tuple[list[str], str]:
@@ -169,8 +179,9 @@ def test_two_loaded_models_switch_without_a_reload(tmp_path):
 
     texts, metrics = asyncio.run(go())
     assert texts[0::2] == [texts[0]] * 3 and texts[1::2] == [texts[1]] * 3
-    assert 'gqa_model_loads_total{model="qwen"} 1' in metrics and 'gqa_model_loads_total{model="llama"} 1' in metrics
-    assert 'gqa_model_unloads_total{model="qwen"} 0' in metrics
+    for name in ("qwen", "llama"):
+        assert f'gqa_model_loads_total{{model="{name}"}} {loads}' in metrics, metrics
+    assert f'gqa_model_unloads_total{{model="llama"}} {loads - 1}' in metrics  # the last one stays
 
 
 # -- the router with stand-in models ---------------------------------------------------------------------------------
