@@ -248,6 +248,17 @@ def test_requests_for_a_model_being_loaded_wait_for_that_one_load():
     assert log == ["load a", "start a", "stop a"]  # one load; its app stopped when the router closed
 
 
+def test_requests_for_two_models_at_once_with_room_for_one_are_all_served_without_ping_pong():
+    """A load's waiting requests are served before a load of the other model may unload it (else each load would
+    unload the other before its requests ran, and none would be served)."""
+    log: list[str] = []
+    router = ModelRouter({"a": standin("a", log, 0.05), "b": standin("b", log, 0.05)}, LoadedModels(max_loaded=1),
+                         load_wait=5)  # fmt: skip
+    responses = run_router(router, [chat(name) for name in "abababab"])
+    assert [r.json()["model"] for r in responses] == list("abababab")
+    assert log.count("load a") == 1 and log.count("load b") == 1, log
+
+
 def test_a_running_request_finishes_before_its_model_is_unloaded():
     """``--max-loaded 1``: b's request waits until a's running request has finished, then a stops and b loads."""
     log: list[str] = []

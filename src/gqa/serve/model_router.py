@@ -71,6 +71,16 @@ class Running:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     closing: bool = False
 
+    def hold(self) -> None:
+        """A request holds a slot in it: it is not unloaded under the request."""
+        self.active += 1
+        self.idle.clear()
+
+    def release(self) -> None:
+        self.active -= 1
+        if not self.active:
+            self.idle.set()
+
 
 @dataclass
 class Counts:
@@ -94,6 +104,7 @@ class ModelRouter:
         self.counts = {name: Counts() for name in models}
         self._running: dict[str, Running] = {}
         self._loading: dict[str, asyncio.Task] = {}
+        self._tickets: dict[str, list[asyncio.Future]] = {}  # the requests waiting for a model's load
         self._lock: asyncio.Lock | None = None  # one load or unload at a time (made on the serving loop)
         self._started = int(time.time())
 
@@ -169,14 +180,10 @@ class ModelRouter:
         except ApiError as e:
             await fail(e)(scope, receive, send)
             return
-        running.active += 1
-        running.idle.clear()
         try:
             await running.loaded.app(dict(scope), receive, send)  # a copy: the app writes itself into its scope
         finally:
-            running.active -= 1
-            if not running.active:
-                running.idle.set()
+            running.release()
 
     async def _first_found(self, scope: Message, receive: Receive, send: Send) -> None:
         """A request with no body to route by: the loaded models' apps, most recently used first, until one answers
@@ -187,6 +194,8 @@ class ModelRouter:
             raise ApiError(f"{scope['method']} {path}: not found (no model is loaded; this server has "
                            f"{list(self.models)})", 404)  # fmt: skip
         for i, name in enumerate(names):
+            if self._running.get(name) is None or self._running[name].closing:  # unloaded meanwhile: not loaded again
+                continue
             if i == len(names) - 1:
                 await self._serve(name, scope, receive, send)
                 return
@@ -204,57 +213,82 @@ class ModelRouter:
     # -- loading and unloading -------------------------------------------------------------------------------------
 
     async def _ready(self, name: str) -> Running:
-        """Model ``name``'s app serving: loaded now, or after the load under way (or a new one); 503 past
-        ``load_wait``, 500 if the load failed."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.load_wait
-        while True:
-            running = self._running.get(name)
-            if running is not None and not running.closing:
-                self.loaded.touch(name)
-                return running
-            task = self._loading.get(name)
-            if task is None:  # the load runs as a task of its own: a waiter that gives up does not cancel it
-                task = self._loading[name] = asyncio.ensure_future(self._load(name))
-                task.add_done_callback(self._loaded_callback(name))
-            done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - loop.time()))
-            if not done:
-                raise ApiError(f"the model '{name}' is still loading (waited {self.load_wait:g} s); retry later", 503)
-            if task.exception() is not None:
-                e = task.exception()
-                raise ApiError(f"the model '{name}' could not be loaded: {type(e).__name__}: {e}", 500)
+        """Model ``name``'s app with a slot held for this request (``release`` it): loaded now, or once the load under
+        way (or a new one) is done; 503 past ``load_wait``, 500 if the load failed. A load hands its app to the
+        requests that waited for it with their slots held, so no later load unloads it before they have run (else two
+        models with room for one could unload each other for ever, serving nobody)."""
+        running = self._running.get(name)
+        if running is not None and not running.closing:
+            self.loaded.touch(name)
+            running.hold()
+            return running
+        ticket = asyncio.get_running_loop().create_future()
+        self._tickets.setdefault(name, []).append(ticket)
+        task = self._loading.get(name)
+        if task is None or task.done():  # the load runs as a task of its own: a request that gives up leaves it
+            task = self._loading[name] = asyncio.ensure_future(self._load(name))
+            task.add_done_callback(self._loaded_callback(name))
+        try:
+            await asyncio.wait({ticket}, timeout=self.load_wait)
+        except BaseException:  # cancelled: a slot handed over at that moment goes back
+            if ticket.done() and not ticket.cancelled() and ticket.exception() is None:
+                ticket.result().release()
+            raise
+        finally:
+            if not ticket.done():  # gave up: the load leaves this request out
+                self._tickets[name].remove(ticket)
+                ticket.cancel()
+        if ticket.cancelled():
+            raise ApiError(f"the model '{name}' is still loading (waited {self.load_wait:g} s); retry later", 503)
+        return ticket.result()  # the failed load's ApiError raises here
 
     def _loaded_callback(self, name: str) -> Callable[[asyncio.Task], None]:
         def done(task: asyncio.Task) -> None:
             if self._loading.get(name) is task:
                 del self._loading[name]
             if not task.cancelled():
-                task.exception()  # read: a failed load whose waiters all gave up is not logged as never retrieved
+                task.exception()  # read: its requests were told (a failed load is not logged as never retrieved)
 
         return done
 
     async def _load(self, name: str) -> None:
+        """Load ``name`` (once the models it must make room for are unloaded) and hand it to the requests waiting."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            if name in self._running:  # loaded by the load before this one
-                return
-            served = self.models[name]
-            for other in self.loaded.to_unload(name, served.nbytes):
-                await self._unload(other)
-            start = time.perf_counter()
-            loaded = await asyncio.to_thread(served.load)
-            lifespan = Lifespan(loaded.app)
-            await lifespan.startup()  # the engine thread starts
-            served.nbytes = loaded.nbytes  # what it really takes: the next load's estimate
-            for other in self.loaded.to_unload(name, loaded.nbytes):  # more than estimated: more room
-                await self._unload(other)
-            self.loaded.add(name, loaded.nbytes)
-            self._running[name] = Running(loaded, lifespan)
-            counts = self.counts[name]
-            counts.loads, counts.load_seconds = counts.loads + 1, time.perf_counter() - start
-            say(f"loaded {name} in {counts.load_seconds:.2f} s ({loaded.nbytes / 2**30:.2f} GiB; loaded now: "
-                f"{', '.join(self.loaded.names)})")  # fmt: skip
+            try:
+                running = self._running.get(name)  # loaded by the load before this one, or loaded now
+                running = running or await self._bring_up(name)
+            except BaseException as e:
+                error = ApiError(f"the model '{name}' could not be loaded: {type(e).__name__}: {e}", 500)
+                if not isinstance(e, Exception):  # the server is stopping
+                    error = ApiError("the server is shutting down", 503)
+                for ticket in self._tickets.pop(name, []):
+                    ticket.set_exception(error)
+                raise
+            for ticket in self._tickets.pop(name, []):  # each slot held now, before another load may run
+                running.hold()
+                ticket.set_result(running)
+
+    async def _bring_up(self, name: str) -> Running:
+        """Load ``name`` under the lock, unloading the least recently used models that must make room."""
+        served = self.models[name]
+        for other in self.loaded.to_unload(name, served.nbytes):
+            await self._unload(other)
+        start = time.perf_counter()
+        loaded = await asyncio.to_thread(served.load)
+        lifespan = Lifespan(loaded.app)
+        await lifespan.startup()  # the engine thread starts
+        served.nbytes = loaded.nbytes  # what it really takes: the next load's estimate
+        for other in self.loaded.to_unload(name, loaded.nbytes):  # more than estimated: more room
+            await self._unload(other)
+        self.loaded.add(name, loaded.nbytes)
+        running = self._running[name] = Running(loaded, lifespan)
+        counts = self.counts[name]
+        counts.loads, counts.load_seconds = counts.loads + 1, time.perf_counter() - start
+        say(f"loaded {name} in {counts.load_seconds:.2f} s ({loaded.nbytes / 2**30:.2f} GiB; loaded now: "
+            f"{', '.join(self.loaded.names)})")  # fmt: skip
+        return running
 
     async def _unload(self, name: str) -> None:
         """Unload ``name`` (under the lock): its requests finish (``drain_seconds`` at most), its app stops, its
@@ -312,7 +346,8 @@ class ModelRouter:
         running = self._running.get(name)
         if running is not None:
             return "unloading" if running.closing else "loaded"
-        return "loading" if name in self._loading else "unloaded"
+        task = self._loading.get(name)
+        return "loading" if task is not None and not task.done() else "unloaded"
 
     async def _health(self) -> Response:
         states = {name: self._state(name) for name in self.models}
