@@ -203,6 +203,10 @@ def standin(name: str, log: list[str], load_seconds: float = 0.0, hold: asyncio.
             await hold.wait()
         return JSONResponse({"model": name, "body": await request.json()})
 
+    async def stored(request):  # a response this model stored: "r-<name>"
+        rid = request.path_params["rid"]
+        return JSONResponse({"id": rid, "model": name}, status_code=200 if rid == f"r-{name}" else 404)
+
     def load() -> Loaded:
         time.sleep(load_seconds)
         log.append(f"load {name}")
@@ -213,7 +217,8 @@ def standin(name: str, log: list[str], load_seconds: float = 0.0, hold: asyncio.
             yield
             log.append(f"stop {name}")
 
-        app = Starlette(routes=[Route("/v1/chat/completions", answer, methods=["POST"])], lifespan=lifespan)
+        routes = [Route("/v1/chat/completions", answer, methods=["POST"]), Route("/v1/responses/{rid}", stored)]
+        app = Starlette(routes=routes, lifespan=lifespan)
         return Loaded(app, Engine(), 100)
 
     return ServedModel(load, 100)
@@ -287,6 +292,23 @@ def test_a_load_that_takes_too_long_is_a_503_and_a_failed_one_a_500():
     assert "the model 'slow' is still loading" in slow.json()["error"]["message"]
     assert failed.status_code == 500 and "no tokenizer" in failed.json()["error"]["message"]
     assert later.json()["model"] == "slow" and log.count("load slow") == 1  # the load went on for the next request
+
+
+def test_a_request_without_a_body_goes_to_the_loaded_models_until_one_knows_it():
+    router = ModelRouter({"a": standin("a", []), "b": standin("b", []), "c": standin("c", [])}, LoadedModels())
+
+    def fetch(rid: str, delay: float):
+        async def send(http: httpx.AsyncClient) -> httpx.Response:
+            await asyncio.sleep(delay)
+            return await http.get(f"/v1/responses/{rid}")
+
+        return send
+
+    none, *_, a, b, unknown = run_router(router, [fetch("r-a", 0), chat("a", 0.05), chat("b", 0.1), fetch("r-a", 0.2),
+                                                  fetch("r-b", 0.2), fetch("r-x", 0.2)])  # fmt: skip
+    assert none.status_code == 404 and "no model is loaded; this server has ['a', 'b', 'c']" in none.text
+    assert (a.status_code, a.json()["model"]) == (200, "a") and (b.status_code, b.json()["model"]) == (200, "b")
+    assert unknown.status_code == 404 and router.counts["c"].loads == 0  # c was never loaded for it
 
 
 def test_the_api_key_is_asked_before_the_models_are_named():

@@ -187,28 +187,25 @@ class ModelRouter:
 
     async def _first_found(self, scope: Message, receive: Receive, send: Send) -> None:
         """A request with no body to route by: the loaded models' apps, most recently used first, until one answers
-        other than 404 (the last one's answer goes as it is)."""
-        names = [n for n in reversed(self.loaded.names) if not self._running[n].closing]
-        if not names:
-            path = scope["path"]
-            raise ApiError(f"{scope['method']} {path}: not found (no model is loaded; this server has "
-                           f"{list(self.models)})", 404)  # fmt: skip
-        for i, name in enumerate(names):
-            if self._running.get(name) is None or self._running[name].closing:  # unloaded meanwhile: not loaded again
+        other than 404 (its answer, or the last 404, goes back)."""
+        answer: list[Message] = []
+        for name in reversed(self.loaded.names):
+            running = self._running.get(name)
+            if running is None or running.closing:  # unloaded meanwhile: not loaded again for this
                 continue
-            if i == len(names) - 1:
-                await self._serve(name, scope, receive, send)
-                return
-            held: list[Message] = []
+            answer = []
 
-            async def hold(message: Message, held: list[Message] = held) -> None:
-                held.append(message)
+            async def hold(message: Message, answer: list[Message] = answer) -> None:
+                answer.append(message)
 
             await self._serve(name, scope, receive, hold)
-            if held and held[0]["type"] == "http.response.start" and held[0]["status"] != 404:
-                for message in held:
-                    await send(message)
-                return
+            if answer and answer[0]["type"] == "http.response.start" and answer[0]["status"] != 404:
+                break
+        if not answer:
+            raise ApiError(f"{scope['method']} {scope['path']}: not found (no model is loaded; this server has "
+                           f"{list(self.models)})", 404)  # fmt: skip
+        for message in answer:
+            await send(message)
 
     # -- loading and unloading -------------------------------------------------------------------------------------
 
