@@ -438,9 +438,13 @@ def say(text: str) -> None:
 
 
 def release_memory() -> None:
-    """Collect what an unloaded model left (reference cycles) and hand the freed heap back to the system: glibc keeps
-    freed memory for reuse, so without ``malloc_trim`` the server's RSS would not go down."""
+    """Collect what an unloaded model left (reference cycles) and hand the freed memory back: glibc keeps freed heap
+    for reuse, so without ``malloc_trim`` the server's RSS would not go down; torch's CUDA allocator keeps freed
+    device memory cached until ``empty_cache``."""
     gc.collect()
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):  # not glibc (musl): nothing to trim with
             ctypes.CDLL("libc.so.6").malloc_trim(0)
+    torch = sys.modules.get("torch")  # loaded by then (the models are torch's); never imported here
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
