@@ -1,0 +1,172 @@
+"""``gqa serve --tp 2``: the embedded SmolLM2 over two tensor-parallel ranks (gloo, one thread each), talked to with
+the official ``openai`` client, answering as one process does (the engine in this process at tp 1 is the
+reference); and a rank killed mid-stream ends the server with 503s, a bounded exit and no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from gqa import kernels  # noqa: E402
+from gqa.cli.serve_tp import LOSS_GRACE_S  # noqa: E402
+from tests.helpers.server_process import MODEL, Server, post  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernels.vectorized(), reason="native SIMD kernels not built on this machine")
+
+PROMPTS = ["Name three planets of the solar system.", "What is the capital of France?", "Say hello in Spanish.",
+           "Count from one to five."]  # fmt: skip
+TOKENS = 12
+POOL = "64"  # MiB: the same token slots at tp 1 and tp 2 (tp_start.agree_on_start)
+
+
+def _server(*flags: str) -> Server:
+    """``gqa serve --tp 2`` in float32 (a rank's partial sums of o_proj / down_proj round differently from one
+    process's whole sums; in float32 the greedy text is the same, as these tests check); collectives time out in
+    20 s."""
+    saved = os.environ.get("GQA_DIST_TIMEOUT")
+    os.environ["GQA_DIST_TIMEOUT"] = "20"
+    try:
+        return Server("--tp", "2", "--dtype", "fp32", "--max-running", "8", *flags, kv_cache_mib=POOL)
+    finally:
+        if saved is None:
+            del os.environ["GQA_DIST_TIMEOUT"]
+        else:
+            os.environ["GQA_DIST_TIMEOUT"] = saved
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """The engine in this process (tp 1) on the same float32 weights and pool size."""
+    from gqa.serve import LLM
+
+    return LLM(dtype="fp32", kv_cache_mib=float(POOL))
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Each prompt's greedy chat answer, served alone at tp 1."""
+    from gqa.serve import SamplingParams
+
+    params = SamplingParams(max_tokens=TOKENS, temperature=0)
+    return {p: llm.generate(p, params, chat=True)[0].text for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = _server()
+    yield s
+    assert s.stop() == 0  # SIGTERM: a graceful stop of every rank
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def _ask(client, prompt: str, **kw):
+    kw = {"max_tokens": TOKENS, "temperature": 0} | kw
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], **kw)
+
+
+def test_tp2_greedy_text_equals_tp1(client, reference):
+    for prompt in PROMPTS[:2]:
+        assert _ask(client, prompt).choices[0].message.content == reference[prompt]
+
+
+def test_tp2_streams_the_same_text(client, reference):
+    stream = _ask(client, PROMPTS[2], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reference[PROMPTS[2]]
+
+
+def test_tp2_concurrent_requests_each_answer_as_alone(client, reference):
+    """Eight requests at once (batched together, prompt chunks beside decode rows): each one's text is its text
+    alone."""
+    answers: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        answers[i] = _ask(client, PROMPTS[i % len(PROMPTS)]).choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert answers == {i: reference[PROMPTS[i % len(PROMPTS)]] for i in range(8)}
+
+
+def test_tp2_client_that_leaves_mid_stream_does_not_break_the_next(client, reference):
+    stream = _ask(client, PROMPTS[3], stream=True, max_tokens=200, extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream.close()  # the client disconnects: rank 0 aborts the request, every rank serves on
+    assert _ask(client, PROMPTS[3]).choices[0].message.content == reference[PROMPTS[3]]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    """The ids of ``pid``'s child processes (/proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def test_q8_0_cache_then_a_killed_rank_ends_the_server_with_503s(llm):
+    """With ``--kv-cache-dtype q8_0`` each rank stores its KV heads as q8_0 blocks and the answer is one process's;
+    then rank 1 is killed mid-stream: the stream ends with an error event, a request waiting gets 503 in OpenAI's
+    shape, the server exits 1 within ``LOSS_GRACE_S`` (plus the shutdown) and no rank is left running."""
+    from gqa.serve import LLM, SamplingParams
+
+    one = LLM(llm.model, kv_cache_mib=float(POOL), kv_cache_dtype="q8_0")
+    expected = one.generate(PROMPTS[0], SamplingParams(max_tokens=TOKENS, temperature=0), chat=True)[0].text
+    server = _server("--kv-cache-dtype", "q8_0")
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        assert _ask(client, PROMPTS[0]).choices[0].message.content == expected
+        ranks = [p for p in _children(server.proc.pid) if _alive(p)]
+        assert len(ranks) >= 1  # rank 1 (and multiprocessing's resource tracker)
+        stream = _ask(client, PROMPTS[1], stream=True, max_tokens=2000, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        waiting: dict = {}
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+        thread = threading.Thread(target=lambda: waiting.update(r=post(server.url + "/v1/completions", body)))
+        thread.start()
+        time.sleep(0.5)
+        killed = time.monotonic()
+        for pid in ranks:
+            with open(f"/proc/{pid}/cmdline") as f:
+                if "resource_tracker" not in f.read():
+                    os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError) as failure:
+            for _ in stream:
+                pass
+        assert "engine is not running" in str(failure.value)
+        thread.join(60)
+        status, answer, _ = waiting["r"]
+        assert status == 503 and answer["error"]["message"] and "type" in answer["error"]
+        assert server.proc.wait(LOSS_GRACE_S + 30) == 1
+        assert time.monotonic() - killed < LOSS_GRACE_S + 30
+        assert not [p for p in ranks if _alive(p)]
+    finally:
+        server.stop()
