@@ -170,3 +170,19 @@ def test_q8_0_cache_then_a_killed_rank_ends_the_server_with_503s(llm):
         assert not [p for p in ranks if _alive(p)]
     finally:
         server.stop()
+
+
+def test_a_rank_with_another_model_or_kv_cache_is_refused_at_start(monkeypatch):
+    """Two ranks whose models differ in depth and whose KV caches differ in kind: the start fails at once, naming
+    both differences (rank 0's values first)."""
+    from gqa.parallel.distributed import DistributedError, launch_local
+    from tests.helpers import tp_workers
+
+    monkeypatch.setenv("GQA_DIST_TIMEOUT", "30")
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as refused:
+        launch_local(2, tp_workers.start_serving_shards, [2, 3], ["auto", "q8_0"])
+    message = str(refused.value)
+    assert "rank 1 was started with another model or settings than rank 0" in message
+    assert "model.num_layers: 2 (rank 0) vs 3" in message and "kv_cache_dtype: fp32 (rank 0) vs q8_0" in message
+    assert time.monotonic() - start < 30

@@ -34,8 +34,9 @@ def fingerprint(model: torch.nn.Module, config: EngineConfig, kinds: tuple[KVDty
     for t in replicated:
         digest.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
     out: dict[str, object] = {f"model.{k}": repr(v) for k, v in dataclasses.asdict(whole).items()}
-    out |= {"dtype": str(model.dtype).removeprefix("torch."), "kv_cache_dtype": "/".join(k.name for k in kinds),
-            "block_size": config.block_size, "ranks": model.shard.tp,
+    kv = "/".join(dict.fromkeys(k.name for k in kinds))  # K's/V's, once when the same
+    out |= {"dtype": str(model.dtype).removeprefix("torch."), "kv_cache_dtype": kv, "block_size": config.block_size,
+            "ranks": model.shard.tp,
             "weights checksum (norms, embeddings)": digest.hexdigest()}  # fmt: skip
     return out
 
