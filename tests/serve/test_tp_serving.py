@@ -186,3 +186,66 @@ def test_a_rank_with_another_model_or_kv_cache_is_refused_at_start(monkeypatch):
     assert "rank 1 was started with another model or settings than rank 0" in message
     assert "model.num_layers: 2 (rank 0) vs 3" in message and "kv_cache_dtype: fp32 (rank 0) vs q8_0" in message
     assert time.monotonic() - start < 30
+
+
+@pytest.fixture
+def one_rank_world():
+    """A gloo process group of this process alone (a sharded model of one rank is the whole model)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+def test_sharded_step_is_the_one_call_step_bit_for_bit_and_batch_invariant(one_rank_world):
+    """The sharded step's op-by-op layers at one rank give ``gqa::decode_paged``'s logits bit for bit (bfloat16: a
+    prompt chunk of two sequences beside each other, then a decode row each), and a row's logits do not depend on the
+    rows beside it (20 rows: past the few rows ``Linear`` gives the native kernel, where MKL's GEMM would sum
+    otherwise)."""
+    import torch
+
+    from gqa.decoding import native_step
+    from gqa.kernels import ops
+    from gqa.models import ModelConfig
+    from gqa.models.llama import CausalLM
+    from gqa.parallel.tensor_parallel import shard_model
+    from gqa.serve.config import EngineConfig
+    from gqa.serve.paged_cache import table_tensor
+    from gqa.serve.runner import ModelRunner
+    from gqa.serve.tp_runner import ShardStep, encode_plan
+
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=2,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        max_position_embeddings=256,
+    )  # SmolLM2's widths, 2 layers
+    torch.manual_seed(0)
+    state = {k: v.bfloat16() for k, v in CausalLM(cfg).state_dict().items()}
+    config = EngineConfig(kv_cache_mib=1, block_size=8)
+    step = ShardStep(shard_model(cfg, state).bfloat16(), config)
+    whole = CausalLM.from_state(cfg, state).bfloat16()
+    runner = ModelRunner(whole, config)
+
+    @torch.inference_mode()
+    def one_call(ids: list[int], positions: list[int], tables: list[list[int]], wanted: list[int]):
+        P = torch.tensor(positions)
+        (cos, sin), local = native_step.rope_rows(whole, P.view(-1, 1))
+        x = whole.model.embed(torch.tensor(ids).view(-1, 1)).view(len(ids), -1)
+        return ops.decode_paged(x, runner.weights, cos, sin, runner.cache.key, runner.cache.value, table_tensor(tables),
+                                P, None, torch.tensor(wanted), local_rope=local)  # fmt: skip
+
+    a, b = list(range(5, 19)), [7, 3, 9, 11, 2, 40]  # 14 + 6 prompt rows
+    rows = (a + b, list(range(14)) + list(range(6)), [[3, 4]] * 14 + [[6]] * 6, [13, 19])
+    sharded, _ = step.run(encode_plan(*rows), logits=True)
+    assert torch.equal(sharded, one_call(*rows))
+    rows = ([1, 2], [14, 6], [[3, 4], [6]], [0, 1])
+    batched, _ = step.run(encode_plan(*rows), logits=True)
+    assert torch.equal(batched, one_call(*rows))
+    alone, _ = step.run(encode_plan([2], [6], [[6]], [0]), logits=True)  # the second row again, alone
+    assert torch.equal(alone[0], batched[1])

@@ -119,6 +119,7 @@ def _lead(settings, name: str, ranks: LocalRanks | None, load: Callable, http: C
 
     code = http(settings.ns, loaded.app, watch)
     served.stop()
+    print(f"gqa serve: rank 0 ran {runner.shard.summary()}", file=sys.stderr)
     if not lost and not served._thread.is_alive():  # (a thread stuck in a step must not meet a second collective)
         runner.close()  # the other ranks stop
     return 1 if lost else code

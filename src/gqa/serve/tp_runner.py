@@ -30,7 +30,8 @@ import torch.distributed as dist
 from .. import kernels
 from ..decoding import native_step
 from ..kernels import ops
-from ..models.linear import Linear, linears
+from ..models.linear import Linear, linears, uses_kernel
+from ..parallel.tensor_parallel import ReducingLinear
 from .config import EngineConfig
 from .paged_cache import PagedKVCache
 from .request import EngineError, Request
@@ -80,7 +81,7 @@ class ShardStep:
         for i, layer in enumerate(backbone.layers):
             attn, mlp, eps = layer.self_attn, layer.mlp, layer.input_layernorm.eps
             h = ops.rms_norm(x, layer.input_layernorm.weight, eps)
-            q, k, v = linears(h, (attn.q_proj, attn.k_proj, attn.v_proj))  # (B, H_q * D), (B, H_kv * D) x2
+            q, k, v = _rows(h, (attn.q_proj, attn.k_proj, attn.v_proj))  # (B, H_q * D), (B, H_kv * D) x2
             q, k, v = q.view(B, -1, D), k.view(B, -1, D), v.view(B, k.shape[1] // D, -1)
             if attn.q_norm is not None:  # Qwen3: each head's q and k normalised before RoPE
                 q = ops.rms_norm(q.reshape(-1, D), attn.q_norm.weight, attn.q_norm.eps).view(B, -1, D)
@@ -88,14 +89,14 @@ class ShardStep:
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             cache.write_slots(i, *slots, k, v)  # every row's K/V before any row reads
             a = self._attend(i, q, table, lengths, attn.scale or D**-0.5)  # (B, H_q * D_v)
-            x = x + self._reduce(Linear.forward(attn.o_proj, a))
+            x = x + self._reduce(_rows(a, (attn.o_proj,))[0])
             h = ops.rms_norm(x, layer.post_attention_layernorm.weight, eps)
-            gate, up = linears(h, (mlp.gate_proj, mlp.up_proj))  # (B, F) each
-            x = x + self._reduce(Linear.forward(mlp.down_proj, ops.silu_mul(gate, up)))
+            gate, up = _rows(h, (mlp.gate_proj, mlp.up_proj))  # (B, F) each
+            x = x + self._reduce(_rows(ops.silu_mul(gate, up), (mlp.down_proj,))[0])
         out = None
         if logits:
             x = ops.rms_norm(x[wanted], backbone.norm.weight, backbone.norm.eps)  # (N, E)
-            scores = model.lm_head(x)
+            scores = _rows(x, (model.lm_head,))[0]
             out = scores, scores.float().argmax(-1)
         self.steps += 1
         self.step_seconds += time.perf_counter() - start
@@ -141,6 +142,16 @@ class ShardStep:
         """The steps run and the all-reduces' share of their time (waiting for the slowest rank included)."""
         share = self.reduce_seconds / self.step_seconds if self.step_seconds else 0.0
         return f"{self.steps} steps, all-reduces {100 * share:.0f}% of the step time"
+
+
+def _rows(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> list[torch.Tensor]:
+    """``[layer(x) for layer in layers]`` for ``x (N, in)``, by the native kernel for any ``N`` where it takes the
+    layers (float weights in x's dtype, as the sharded loader makes them): each row's product then does not depend on
+    how many rows the call has — ``Linear`` hands more than a few rows to MKL's GEMM, whose sums do — so an answer
+    does not depend on what else is served. Bias-free partial products (``o_proj``, ``down_proj``) included."""
+    if all(type(m) in (Linear, ReducingLinear) and uses_kernel(x[:1], m.weight, m.bias) for m in layers):
+        return ops.linear_rows_n(x.contiguous(), [m.weight for m in layers], [m.bias for m in layers])
+    return linears(x, layers) if len(layers) > 1 else [Linear.forward(layers[0], x)]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
