@@ -85,9 +85,9 @@ def test_tp2_streams_the_same_text(client, reference):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reference[PROMPTS[2]]
 
 
-def test_tp2_concurrent_requests_each_answer_as_alone(client, reference):
+def test_tp2_concurrent_requests_each_answer_as_alone(client, server, reference):
     """Eight requests at once (batched together, prompt chunks beside decode rows): each one's text is its text
-    alone."""
+    alone, the repeated prompts' blocks found in the prefix cache (rank 0's) and read from every rank's pool."""
     answers: dict[int, str] = {}
 
     def ask(i: int) -> None:
@@ -99,6 +99,7 @@ def test_tp2_concurrent_requests_each_answer_as_alone(client, reference):
     for t in threads:
         t.join(120)
     assert answers == {i: reference[PROMPTS[i % len(PROMPTS)]] for i in range(8)}
+    assert server.metrics()["gqa_prefix_cache_hits_total"] > 0
 
 
 def test_tp2_client_that_leaves_mid_stream_does_not_break_the_next(client, reference):
