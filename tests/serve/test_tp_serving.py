@@ -250,3 +250,19 @@ def test_sharded_step_is_the_one_call_step_bit_for_bit_and_batch_invariant(one_r
     assert torch.equal(batched, one_call(*rows))
     alone, _ = step.run(encode_plan([2], [6], [[6]], [0]), logits=True)  # the second row again, alone
     assert torch.equal(alone[0], batched[1])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tp", "4"], "H_q=9 query heads and H_kv=3 KV heads over tp=4 ranks"),  # SmolLM2: 1, 3 or 9 work
+        (["--tp", "0"], "--tp must be >= 1"),
+    ],
+)
+def test_bad_tp_flags_are_refused_before_any_rank_starts(monkeypatch, capsys, flags, message):
+    from gqa.cli import main as cli
+    from gqa.cli import serve_tp
+
+    monkeypatch.setattr(serve_tp, "start_local_ranks", lambda *a, **k: pytest.fail("a rank was started"))
+    assert cli(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
