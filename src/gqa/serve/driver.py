@@ -16,17 +16,25 @@ import secrets
 from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse as StarletteJSONResponse
 
 from .async_engine import AsyncEngine, EngineStopped, QueueFull
 from .grammar_compiles import CompileBusy, GrammarCompiles
-from .openai_api import ApiError, ParsedRequest
+from .openai_api import ApiError, ParsedRequest, to_json
 from .request import EngineError, RequestOutput
 
-__all__ = ["ClientLeft", "Driver"]
+__all__ = ["ClientLeft", "Driver", "JSONResponse"]
 
 
 class ClientLeft(Exception):
     """The client disconnected before its response began."""
+
+
+class JSONResponse(StarletteJSONResponse):
+    """A JSON response written by ``to_json``: ``ValueError`` (when made) for a body holding NaN or an infinity."""
+
+    def render(self, content: object) -> bytes:
+        return to_json(content).encode("utf-8")
 
 
 def not_json(constant: str) -> float:

@@ -20,12 +20,13 @@ from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse as StarletteJSONResponse
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .async_engine import AsyncEngine
-from .driver import ClientLeft, Driver, close, engine_failure, merged
+from .driver import ClientLeft, Driver, JSONResponse, close, engine_failure, merged
+from .messages_routes import MessagesRoutes
+from .messages_routes import fail as anthropic_fail
 from .openai_api import (
     ApiError,
     ParsedRequest,
@@ -48,13 +49,6 @@ __all__ = ["build_app"]
 
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this gets 413 (--max-body-mib)
-
-
-class JSONResponse(StarletteJSONResponse):
-    """A JSON response written by ``to_json``: ``ValueError`` (when made) for a body holding NaN or an infinity."""
-
-    def render(self, content: object) -> bytes:
-        return to_json(content).encode("utf-8")
 
 
 def whole(body: dict) -> JSONResponse:
@@ -300,15 +294,21 @@ def build_app(
         Route("/v1/models", models),
         Route("/v1/completions", completion, methods=["POST"]),
         Route("/v1/chat/completions", chat_completion, methods=["POST"]),
+        *MessagesRoutes(driver).routes,
     ]
 
+    def failed(request: Request, e: ApiError) -> Response:
+        """An error no route answered, in the shape of the API the path belongs to."""
+        return (anthropic_fail if request.url.path.startswith("/v1/messages") else fail)(e)
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        return fail(ApiError(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code))
+        return failed(request, ApiError(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code))
 
     async def unexpected(request: Request, exc: Exception) -> Response:
-        # the last net under every route: a bug still answers in OpenAI's error shape (the client's library reads it),
+        # the last net under every route: a bug still answers in the API's error shape (the client's library reads it),
         # never starlette's plain-text 500; starlette re-raises it afterwards, so the server's log keeps the traceback
-        return fail(ApiError(f"{request.method} {request.url.path} failed: {type(exc).__name__}: {exc}", 500))
+        message = f"{request.method} {request.url.path} failed: {type(exc).__name__}: {exc}"
+        return failed(request, ApiError(message, 500))
 
     handlers = {HTTPException: http_error, Exception: unexpected}
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
