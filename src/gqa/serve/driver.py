@@ -20,10 +20,10 @@ from starlette.responses import JSONResponse as StarletteJSONResponse
 
 from .async_engine import AsyncEngine, EngineStopped, QueueFull
 from .grammar_compiles import CompileBusy, GrammarCompiles
-from .openai_api import ApiError, ParsedRequest, to_json
+from .openai_api import ApiError, ParsedRequest, error_body, to_json
 from .request import EngineError, RequestOutput
 
-__all__ = ["ClientLeft", "Driver", "JSONResponse"]
+__all__ = ["ClientLeft", "Driver", "JSONResponse", "fail"]
 
 
 class ClientLeft(Exception):
@@ -35,6 +35,12 @@ class JSONResponse(StarletteJSONResponse):
 
     def render(self, content: object) -> bytes:
         return to_json(content).encode("utf-8")
+
+
+def fail(e: ApiError) -> JSONResponse:
+    """``e`` answered in OpenAI's error shape; ``Retry-After`` where retrying later helps."""
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    return JSONResponse(error_body(e), status_code=e.status, headers=headers)
 
 
 def not_json(constant: str) -> float:

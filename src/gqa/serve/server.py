@@ -24,7 +24,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .async_engine import AsyncEngine
-from .driver import ClientLeft, Driver, JSONResponse, close, engine_failure, merged
+from .driver import ClientLeft, Driver, JSONResponse, close, engine_failure, fail, merged
 from .messages_routes import MessagesRoutes
 from .messages_routes import fail as anthropic_fail
 from .openai_api import (
@@ -42,6 +42,7 @@ from .openai_api import (
 )
 from .prompt_logprobs import prompt_logprobs
 from .request import RequestOutput
+from .responses_routes import ResponsesRoutes
 from .tool_stream import ToolCallStream
 from .tools import finish_reason, tool_calls_in
 
@@ -74,10 +75,6 @@ def build_app(
     """The ASGI app serving ``engine`` (started and stopped with the app's lifespan) as model ``model_name``."""
     driver = Driver(engine, tokenizer, model_name, api_key, max_body_bytes)
     started = int(time.time())
-
-    def fail(e: ApiError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-        return JSONResponse(error_body(e), status_code=e.status, headers=headers)
 
     async def health(request: Request) -> Response:
         if not engine.alive:
@@ -295,6 +292,7 @@ def build_app(
         Route("/v1/completions", completion, methods=["POST"]),
         Route("/v1/chat/completions", chat_completion, methods=["POST"]),
         *MessagesRoutes(driver).routes,
+        *ResponsesRoutes(driver).routes,
     ]
 
     def failed(request: Request, e: ApiError) -> Response:
