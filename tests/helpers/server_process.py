@@ -14,6 +14,31 @@ import urllib.request
 from contextlib import closing
 
 MODEL = "SmolLM2-135M-Instruct"  # the embedded model's name in the API
+# A Hermes-style template (as Qwen2.5's, shortened): tools in the system turn, calls as <tool_call> JSON
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+You may call these functions:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.tool_calls %}<|im_start|>assistant
+{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 
 
 def free_port() -> int:
@@ -59,6 +84,13 @@ class Server:
     def metrics(self) -> dict[str, float]:
         text = get(self.url + "/metrics")[1]
         return {k: float(v) for k, v in (line.split() for line in text.splitlines() if not line.startswith("#"))}
+
+
+def hermes_server(folder, *flags: str) -> Server:
+    """``gqa serve --chat-template`` with ``HERMES_TEMPLATE`` (written to ``folder``): the embedded model with tools."""
+    template = folder / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
+    return Server("--chat-template", str(template), *flags)
 
 
 def get(url: str, headers: dict | None = None) -> tuple[int, str]:
