@@ -1,12 +1,18 @@
 """``gqa serve``'s HTTP side: an OpenAI-compatible API on starlette, served by uvicorn.
 
     POST /v1/chat/completions, POST /v1/completions   (``"stream": true``: server-sent events, ``data: [DONE]`` last)
+    POST /v1/messages, POST /v1/messages/count_tokens (Anthropic's Messages API: ``messages_routes``)
+    POST /v1/responses, GET|DELETE /v1/responses/{id} (OpenAI's Responses API: ``responses_routes``)
     GET  /v1/models, GET /health, GET /metrics          (Prometheus text)
 
-Errors come in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status: malformed
-JSON, a missing or wrongly typed field, an unknown model, a prompt that does not fit (before any work); 429 with
-``Retry-After`` when the queue is full; 401 without the ``--api-key`` bearer token; 503 while the engine thread is not
-running (never a request that waits on a thread that is gone). A client that disconnects
+What every API does with the engine (the body, the key, grammars, starting, reading and aborting answers) is
+``driver.Driver``'s; this module holds the OpenAI chat and completions routes and puts the app together.
+
+Errors come in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``; the Messages API's in Anthropic's,
+``{"type": "error", "error": {"type", "message"}}``) with a 4xx status: malformed JSON, a missing or wrongly typed
+field, an unknown model, a prompt that does not fit (before any work); 429 with ``Retry-After`` when the queue is
+full; 401 without the ``--api-key`` bearer token (or, for the Messages API, ``x-api-key``); 503 while the engine
+thread is not running (never a request that waits on a thread that is gone). A client that disconnects
 mid-stream has its request aborted. On SIGTERM uvicorn stops accepting connections and lets running responses
 finish (up to ``graceful_seconds``; what is left is cancelled), then the engine thread stops.
 """
