@@ -20,7 +20,7 @@ import uuid
 from typing import Any
 
 from .answers import Answer, CallStarted, MoreArguments, Text
-from .openai_api import JSON_TYPES, ApiError, ParsedRequest, chat_prompt, json_type, parse_chat, to_json
+from .openai_api import ApiError, ParsedRequest, _get, chat_prompt, parse_chat, to_json
 
 __all__ = ["MessageEvents", "count_tokens", "error_body", "message_body", "parse_messages"]
 
@@ -38,17 +38,6 @@ def error_body(e: ApiError) -> dict[str, Any]:
     """``e`` in Anthropic's error shape (its ``type`` by the status, as Anthropic's API types its errors)."""
     kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": e.message}}
-
-
-def _field(value: Any, name: str, kind: str, required: bool = False) -> Any:
-    """``value`` if it is ``kind`` (``openai_api.JSON_TYPES``; ``None`` when absent and not ``required``)."""
-    if value is None:
-        if required:
-            raise ApiError(f"{name}: field required", param=name)
-        return None
-    if not JSON_TYPES[kind](value):
-        raise ApiError(f"{name}: must be {kind}, got {json_type(value)}", param=name)
-    return value
 
 
 def _blocks(content: Any, name: str) -> list[dict[str, Any]]:
@@ -118,7 +107,7 @@ def _messages(messages: list, system: Any) -> tuple[list[dict[str, Any]], str]:
 
 def _tools(body: dict) -> dict[str, Any]:
     """``tools`` and ``tool_choice`` as the chat request's fields."""
-    tools = _field(body.get("tools"), "tools", "an array")
+    tools = _get(body, "tools", "an array")
     out: dict[str, Any] = {}
     if tools:
         functions = []
@@ -127,13 +116,15 @@ def _tools(body: dict) -> dict[str, Any]:
                 raise ApiError(f"tools[{i}]: must be an object with a 'name'", param="tools")
             if t.get("type") not in (None, "custom"):
                 raise ApiError(f"tools[{i}]: server tools ({str(t['type'])[:40]!r}) are not supported", param="tools")
-            schema = _field(t.get("input_schema"), f"tools[{i}].input_schema", "an object", required=True)
+            schema = t.get("input_schema")
+            if not isinstance(schema, dict):
+                raise ApiError(f"tools[{i}].input_schema: must be an object (a JSON schema)", param="tools")
             f = {"name": t["name"], "parameters": schema}
             if t.get("description") is not None:
                 f["description"] = t["description"]
             functions.append({"type": "function", "function": f})
         out["tools"] = functions
-    choice = _field(body.get("tool_choice"), "tool_choice", "an object")
+    choice = _get(body, "tool_choice", "an object")
     if choice is not None:
         kind = choice.get("type")
         if kind == "tool":
@@ -150,7 +141,7 @@ def _chat(body: object) -> tuple[dict[str, Any], str]:
     """The chat request (OpenAI's fields) a messages request is, and its prefill."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
-    messages = _field(body.get("messages"), "messages", "an array", required=True)
+    messages = _get(body, "messages", "an array", required=True)
     if not messages:
         raise ApiError("messages: at least one message is required", param="messages")
     chat_messages, prefill = _messages(messages, body.get("system"))
@@ -160,7 +151,7 @@ def _chat(body: object) -> tuple[dict[str, Any], str]:
     for name in ("model", "temperature", "top_p", "top_k", "stream"):
         if body.get(name) is not None:
             chat[name] = body[name]
-    _field(body.get("metadata"), "metadata", "an object")
+    _get(body, "metadata", "an object")
     return chat, prefill
 
 
@@ -173,10 +164,10 @@ def _renamed(e: ApiError) -> ApiError:
 def parse_messages(body: object, tokenizer, models: list[str], context: int, pool: int | None = None) -> ParsedRequest:
     """``POST /v1/messages`` as the engine's request (the module docstring's translation)."""
     chat, prefill = _chat(body)
-    max_tokens = _field(body.get("max_tokens"), "max_tokens", "an integer", required=True)
+    max_tokens = _get(body, "max_tokens", "an integer", required=True)
     if max_tokens < 1:
         raise ApiError(f"max_tokens: must be >= 1, got {max_tokens}", param="max_tokens")
-    stops = _field(body.get("stop_sequences"), "stop_sequences", "an array") or []
+    stops = _get(body, "stop_sequences", "an array") or []
     if len(stops) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(f"stop_sequences: must be up to {MAX_STOP_SEQUENCES} non-empty strings", param="stop_sequences")
     try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .answers import Answer, CallStarted, MoreArguments, Text
-from .openai_api import JSON_TYPES, ApiError, ParsedRequest, json_type, parse_chat, to_json
+from .openai_api import ApiError, ParsedRequest, _get, json_type, parse_chat, to_json
 
 __all__ = ["ResponseEvents", "Translated", "assistant_turn", "output_items", "parse", "response_body", "translate"]
 
@@ -34,15 +34,6 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _field(body: dict, name: str, kind: str, default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not JSON_TYPES[kind](value):
-        raise ApiError(f"'{name}' must be {kind}, got {json_type(value)}", param=name)
-    return value
 
 
 @dataclass
@@ -115,7 +106,7 @@ def _messages(items: Any) -> list[dict[str, Any]]:
 def _tools(body: dict) -> dict[str, Any]:
     """``tools`` (flat function tools) and ``tool_choice`` as chat's fields."""
     out: dict[str, Any] = {}
-    tools = _field(body, "tools", "an array")
+    tools = _get(body, "tools", "an array")
     if tools:
         functions = []
         for i, t in enumerate(tools):
@@ -138,7 +129,7 @@ def _tools(body: dict) -> dict[str, Any]:
 
 def _format(body: dict) -> dict[str, Any] | None:
     """``text.format`` as chat's ``response_format`` (``None``: plain text)."""
-    text = _field(body, "text", "an object", {})
+    text = _get(body, "text", "an object", {})
     spec = text.get("format")
     if spec is None:
         return None
@@ -160,7 +151,7 @@ def translate(body: object, history: list[dict[str, Any]] | None = None) -> Tran
     if body.get("background"):
         raise ApiError("'background' responses are not supported", param="background")
     conversation = [*(history or []), *_messages(body["input"])]
-    instructions = _field(body, "instructions", "a string")
+    instructions = _get(body, "instructions", "a string")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
     chat = {"messages": messages, **_tools(body)}
     response_format = _format(body)
@@ -169,14 +160,14 @@ def translate(body: object, history: list[dict[str, Any]] | None = None) -> Tran
     for name in ("model", "temperature", "top_p", "stream"):
         if body.get(name) is not None:
             chat[name] = body[name]
-    max_tokens = _field(body, "max_output_tokens", "an integer")
+    max_tokens = _get(body, "max_output_tokens", "an integer")
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(f"'max_output_tokens' must be >= 1, got {max_tokens}", param="max_output_tokens")
-    store = _field(body, "store", "a boolean", True)
+    store = _get(body, "store", "a boolean", True)
     echo = {
         "instructions": instructions, "max_output_tokens": max_tokens,
-        "metadata": _field(body, "metadata", "an object", {}),
-        "parallel_tool_calls": _field(body, "parallel_tool_calls", "a boolean", True),
+        "metadata": _get(body, "metadata", "an object", {}),
+        "parallel_tool_calls": _get(body, "parallel_tool_calls", "a boolean", True),
         "previous_response_id": body.get("previous_response_id"), "store": store,
         "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
         "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
