@@ -14,7 +14,7 @@ from gqa.loaders import load_tokenizer
 from gqa.serve.answers import Answer, CallStarted, MoreArguments, Text
 from gqa.serve.anthropic_api import MessageEvents, count_tokens, error_body, parse_messages
 from gqa.serve.openai_api import ApiError
-from tests.helpers.server_process import HERMES_TEMPLATE, MODEL
+from tests.helpers.server_process import HERMES_TEMPLATE, MODEL, get
 
 pytest.importorskip("starlette")
 
@@ -235,6 +235,8 @@ def test_errors_are_anthropics_shape_and_status(client, server):
         assert message in e.value.message
     with pytest.raises(anthropic.NotFoundError, match="does not exist"):
         client.messages.create(model="nope", max_tokens=5, messages=ASK)
+    status, text = get(server.url + "/v1/messages", {"x-api-key": KEY})  # a route's own refusal, in the same shape
+    assert status == 405 and json.loads(text)["error"]["type"] == "invalid_request_error"
     stranger = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0, timeout=60)
     with pytest.raises(anthropic.AuthenticationError) as e:
         stranger.messages.create(model=MODEL, max_tokens=5, messages=ASK)
