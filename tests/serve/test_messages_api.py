@@ -41,7 +41,8 @@ def test_messages_render_as_the_chat_they_translate_to(tokenizer):
         "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
         "messages": [*ASK, {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
                      {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C"},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                   "content": [{"type": "text", "text": "21 C"}]},
                                                   {"type": "text", "text": "And so?"}]}],
     }  # fmt: skip
     chat = [{"role": "system", "content": "Be brief."}, *ASK,

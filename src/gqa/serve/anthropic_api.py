@@ -25,9 +25,6 @@ from .openai_api import ApiError, ParsedRequest, _get, chat_prompt, parse_chat, 
 __all__ = ["MessageEvents", "count_tokens", "error_body", "message_body", "parse_messages"]
 
 MAX_STOP_SEQUENCES = 64  # each is looked for in the text after every token
-# the chat request's fields that the messages' fields became, for errors that name them
-FIELDS = {"messages": "messages", "max_tokens": "max_tokens", "stop": "stop_sequences", "tools": "tools",
-          "tool_choice": "tool_choice"}  # fmt: skip
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                529: "overloaded_error"}  # fmt: skip
@@ -75,14 +72,18 @@ def _messages(messages: list, system: Any) -> tuple[list[dict[str, Any]], str]:
                            param="messages")  # fmt: skip
         blocks = _blocks(m.get("content"), f"{name}.content")
         if role == "user":
-            results = [b for b in blocks if b.get("type") == "tool_result"]
-            for j, b in enumerate(results):
+            results = 0
+            for j, b in enumerate(blocks):
+                if b.get("type") != "tool_result":
+                    continue
                 if not isinstance(b.get("tool_use_id"), str):
-                    raise ApiError(f"{name}.content: a tool_result needs a 'tool_use_id' string", param="messages")
+                    raise ApiError(f"{name}.content[{j}]: a tool_result needs a 'tool_use_id' string", param="messages")
                 output = b.get("content", "")
                 if not isinstance(output, str):
-                    output = _text(_blocks(output, f"{name}.content"), f"{name}.content[{j}].content")
+                    where = f"{name}.content[{j}].content"
+                    output = _text(_blocks(output, where), where)
                 chat.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": output})
+                results += 1
             rest = [b for b in blocks if b.get("type") != "tool_result"]
             if rest or not results:
                 chat.append({"role": "user", "content": _text(rest, f"{name}.content")})
@@ -96,8 +97,8 @@ def _messages(messages: list, system: Any) -> tuple[list[dict[str, Any]], str]:
                                param="messages")  # fmt: skip
             arguments = json.dumps(b["input"], ensure_ascii=False)
             calls.append({"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": arguments}})
-        thinking = ("tool_use", "thinking", "redacted_thinking")  # the model's own reasoning is not shown to it again
-        text = _text([b for b in blocks if b.get("type") not in thinking], f"{name}.content")
+        skipped = ("tool_use", "thinking", "redacted_thinking")  # the model's own reasoning is not shown to it again
+        text = _text([b for b in blocks if b.get("type") not in skipped], f"{name}.content")
         if i == len(messages) - 1 and not calls:
             prefill = text
             continue
@@ -155,12 +156,6 @@ def _chat(body: object) -> tuple[dict[str, Any], str]:
     return chat, prefill
 
 
-def _renamed(e: ApiError) -> ApiError:
-    """An error of the chat request's parser, naming the messages request's field."""
-    e.param = FIELDS.get(e.param, e.param)
-    return e
-
-
 def parse_messages(body: object, tokenizer, models: list[str], context: int, pool: int | None = None) -> ParsedRequest:
     """``POST /v1/messages`` as the engine's request (the module docstring's translation)."""
     chat, prefill = _chat(body)
@@ -170,10 +165,7 @@ def parse_messages(body: object, tokenizer, models: list[str], context: int, poo
     stops = _get(body, "stop_sequences", "an array") or []
     if len(stops) > MAX_STOP_SEQUENCES or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(f"stop_sequences: must be up to {MAX_STOP_SEQUENCES} non-empty strings", param="stop_sequences")
-    try:
-        parsed = parse_chat(chat, tokenizer, models, context, pool, prefill)  # max_tokens: what is left
-    except ApiError as e:
-        raise _renamed(e) from e
+    parsed = parse_chat(chat, tokenizer, models, context, pool, prefill)  # max_tokens: what is left
     params = parsed.params
     forced = parsed.tools is not None and parsed.tools.structured() is not None  # its JSON is not cut (tools)
     parsed.params = dataclasses.replace(params, max_tokens=min(max_tokens, params.max_tokens),
@@ -187,10 +179,7 @@ def count_tokens(body: object, tokenizer, models: list[str]) -> int:
     model = chat.get("model", models[0] if len(models) == 1 else None)
     if model not in models:
         raise ApiError(f"model: '{model}' does not exist; this server has {models}", 404, "model")
-    try:
-        return len(chat_prompt(chat, tokenizer, prefill)[0])
-    except ApiError as e:
-        raise _renamed(e) from e
+    return len(chat_prompt(chat, tokenizer, prefill)[0])
 
 
 def new_id(prefix: str) -> str:
