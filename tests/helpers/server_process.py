@@ -14,6 +14,7 @@ import urllib.request
 from contextlib import closing
 
 MODEL = "SmolLM2-135M-Instruct"  # the embedded model's name in the API
+HERMES_KEY = "sk-test-hermes"  # the API key of tests/serve's shared Hermes server (conftest.hermes_server)
 # A Hermes-style template (as Qwen2.5's, shortened): tools in the system turn, calls as <tool_call> JSON
 HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
 You may call these functions:
@@ -84,13 +85,6 @@ class Server:
     def metrics(self) -> dict[str, float]:
         text = get(self.url + "/metrics")[1]
         return {k: float(v) for k, v in (line.split() for line in text.splitlines() if not line.startswith("#"))}
-
-
-def hermes_server(folder, *flags: str) -> Server:
-    """``gqa serve --chat-template`` with ``HERMES_TEMPLATE`` (written to ``folder``): the embedded model with tools."""
-    template = folder / "hermes.jinja"
-    template.write_text(HERMES_TEMPLATE)
-    return Server("--chat-template", str(template), *flags)
 
 
 def get(url: str, headers: dict | None = None) -> tuple[int, str]:

@@ -1,7 +1,8 @@
-"""Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``): the translation to a chat prompt and
-the stream's events without a server, then ``gqa serve`` (the Hermes template, an API key) through the official
-``anthropic`` client: greedy answers equal to ``/v1/chat/completions``' for the same conversation, streams that
-reassemble to the whole answer, a tool use round trip, stop sequences, and errors in Anthropic's shape."""
+"""Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``): the translation to a chat prompt and the
+stream's events without a server, then ``gqa serve`` (the Hermes template, an API key) through the official
+``anthropic`` client (the shared server of conftest): greedy answers equal to ``/v1/chat/completions``' for the same
+conversation, streams that reassemble to the whole answer, a tool use round trip, stop sequences, and errors in
+Anthropic's shape."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from gqa.loaders import load_tokenizer
 from gqa.serve.answers import Answer, CallStarted, MoreArguments, Text
 from gqa.serve.anthropic_api import MessageEvents, count_tokens, error_body, parse_messages
 from gqa.serve.openai_api import ApiError
+from tests.helpers.server_process import HERMES_KEY as KEY
 from tests.helpers.server_process import HERMES_TEMPLATE, MODEL, get
 
 pytest.importorskip("starlette")
 
-KEY = "sk-test-72"
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                             "required": ["city"]}}  # fmt: skip
@@ -119,16 +120,12 @@ def test_stream_events_open_and_close_a_block_per_text_run_and_tool_use():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    pytest.importorskip("uvicorn")
+def server(hermes_server):
     from gqa import kernels
-    from tests.helpers.server_process import hermes_server
 
     if not kernels.vectorized():
         pytest.skip("native SIMD kernels not built on this machine")
-    s = hermes_server(tmp_path_factory.mktemp("messages"), "--api-key", KEY)
-    yield s
-    assert s.stop() == 0
+    return hermes_server
 
 
 @pytest.fixture(scope="module")

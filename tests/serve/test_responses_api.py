@@ -1,8 +1,8 @@
 """OpenAI's Responses API (``/v1/responses``): the translation to a chat prompt, the store's bounds and the stream's
-events without a server, then ``gqa serve`` (the Hermes template) through the official ``openai`` client: greedy
-answers equal to ``/v1/chat/completions``' for the same conversation, streams that reassemble to the whole
-response, a function call round trip over ``previous_response_id``, json_schema output that validates, retrieve and
-delete, and a 404 for an unknown response."""
+events without a server, then ``gqa serve`` (the Hermes template: the shared server of conftest) through the
+official ``openai`` client: greedy answers equal to ``/v1/chat/completions``' for the same conversation, streams
+that reassemble to the whole response, a function call round trip over ``previous_response_id``, json_schema output
+that validates, retrieve and delete, and a 404 for an unknown response."""
 
 from __future__ import annotations
 
@@ -110,17 +110,14 @@ def test_stream_events_are_numbered_and_end_with_the_response_of_the_items_strea
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def client(hermes_server):
     openai = pytest.importorskip("openai")
-    pytest.importorskip("uvicorn")
     from gqa import kernels
-    from tests.helpers.server_process import hermes_server
+    from tests.helpers.server_process import HERMES_KEY
 
     if not kernels.vectorized():
         pytest.skip("native SIMD kernels not built on this machine")
-    s = hermes_server(tmp_path_factory.mktemp("responses"))
-    yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    assert s.stop() == 0
+    return openai.OpenAI(base_url=hermes_server.url + "/v1", api_key=HERMES_KEY, max_retries=0, timeout=60)
 
 
 def greedy(**request) -> dict:

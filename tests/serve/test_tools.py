@@ -88,17 +88,13 @@ def test_calls_are_read_back_from_answers():
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    """The openai client of a ``gqa serve --chat-template`` with the Hermes template (one server for the module)."""
+def client(hermes_server):
+    """The openai client of tests/serve's ``gqa serve --chat-template`` with the Hermes template (conftest)."""
     pytest.importorskip("xgrammar")
     openai = pytest.importorskip("openai")
-    from tests.helpers.server_process import hermes_server
+    from tests.helpers.server_process import HERMES_KEY
 
-    s = hermes_server(tmp_path_factory.mktemp("tools"))
-    try:
-        yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    finally:
-        assert s.stop() == 0
+    return openai.OpenAI(base_url=hermes_server.url + "/v1", api_key=HERMES_KEY, max_retries=0, timeout=60)
 
 
 def test_tool_calls_through_gqa_serve_and_the_openai_client(client):

@@ -27,7 +27,7 @@ from .openai_api import ApiError, ParsedRequest, _get, json_type, parse_chat, to
 __all__ = ["ResponseEvents", "Translated", "assistant_turn", "output_items", "parse", "response_body", "translate"]
 
 # the chat request's fields that the response request's fields became, for errors that name them
-FIELDS = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens"}
+FIELDS = {"messages": "input", "response_format": "text.format"}
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 
