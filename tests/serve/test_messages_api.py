@@ -16,7 +16,7 @@ from gqa.serve.answers import Answer, CallStarted, MoreArguments, Text
 from gqa.serve.anthropic_api import MessageEvents, count_tokens, error_body, parse_messages
 from gqa.serve.openai_api import ApiError
 from tests.helpers.server_process import HERMES_KEY as KEY
-from tests.helpers.server_process import HERMES_TEMPLATE, MODEL, get
+from tests.helpers.server_process import HERMES_TEMPLATE, MODEL, get, post
 
 pytest.importorskip("starlette")
 
@@ -235,6 +235,8 @@ def test_errors_are_anthropics_shape_and_status(client, server):
         client.messages.create(model="nope", max_tokens=5, messages=ASK)
     status, text = get(server.url + "/v1/messages", {"x-api-key": KEY})  # a route's own refusal, in the same shape
     assert status == 405 and json.loads(text)["error"]["type"] == "invalid_request_error"
+    counted = post(server.url + "/v1/messages/count_tokens", {"messages": ASK}, {"Authorization": f"Bearer {KEY}"})
+    assert counted[0] == 200 and counted[1]["input_tokens"] > 0  # a bearer key serves as well as x-api-key
     stranger = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0, timeout=60)
     with pytest.raises(anthropic.AuthenticationError) as e:
         stranger.messages.create(model=MODEL, max_tokens=5, messages=ASK)
