@@ -16,6 +16,7 @@ recently freed first) when fresh blocks run out.
     manager.append(table, next_id)            # one more token; a new block when the last one is full
     manager.release_before(table, position)   # a sliding window moved past its first blocks: they go back early
     manager.free(table)                       # blocks go back (full ones stay cached until reclaimed)
+    manager.hold(block); manager.release(block)  # one more reference while a block is read elsewhere (to disk)
 """
 
 from __future__ import annotations
@@ -142,6 +143,17 @@ class BlockManager:
             self._drop(table.blocks[i])
         table.released = max(first, end)
         return table.released - first
+
+    def hold(self, block: int) -> None:
+        """One more reference to ``block``, a block in use: it is not reused until ``release`` (a block being
+        written to disk, ``prefix_disk``)."""
+        if self.refs[block] < 1:
+            raise RuntimeError(f"block {block} is not in use")
+        self._take(block)
+
+    def release(self, block: int) -> None:
+        """Give back a reference ``hold`` took."""
+        self._drop(block)
 
     def _drop(self, block: int) -> None:
         self.refs[block] -= 1
