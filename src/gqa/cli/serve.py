@@ -63,6 +63,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(exactly greedy's output; pays off where answers copy their context; 0: off)",
     )  # fmt: skip
     parser.add_argument(
+        "--prefix-cache-dir", type=Path, default=None, metavar="DIR",
+        help="keep prompts' full KV blocks in DIR (a file per block, keyed by the model's weights, dtypes, KV cache "
+        "type and block size), so a prompt prefix seen before — also before a restart — is read, not prefilled "
+        "(default: off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-cache-gib", type=float, default=4.0, metavar="N",
+        help="at most N GiB of files in --prefix-cache-dir, the least recently used deleted first",
+    )  # fmt: skip
+    parser.add_argument(
         "--api-key", default=None,
         help="require 'Authorization: Bearer KEY'; also read from $GQA_API_KEY, which keeps it out of ps "
         "(default: open)",
@@ -124,6 +134,10 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         raise ValueError(f"--kv-cache-mib must be > 0, got {ns.kv_cache_mib}")
     if not 0 <= ns.speculate <= MAX_DRAFT:
         raise ValueError(f"--speculate must be in [0, {MAX_DRAFT}], got {ns.speculate}")
+    if not (math.isfinite(ns.prefix_cache_gib) and ns.prefix_cache_gib > 0):
+        raise ValueError(f"--prefix-cache-gib must be > 0, got {ns.prefix_cache_gib}")
+    if ns.prefix_cache_dir is not None and ns.prefix_cache_dir.exists() and not ns.prefix_cache_dir.is_dir():
+        raise ValueError(f"--prefix-cache-dir {ns.prefix_cache_dir}: not a directory")
     if not ns.max_body_mib > 0:
         raise ValueError(f"--max-body-mib must be > 0, got {ns.max_body_mib}")
     api_key = api_key_of(ns)
@@ -151,7 +165,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             raise ValueError(f"--chat-template {ns.chat_template}: {e}") from None
     try:
         config = EngineConfig(kv_cache_mib=ns.kv_cache_mib, block_size=ns.block_size, max_running=ns.max_running,
-                              prefill_chunk=ns.prefill_chunk, speculate=ns.speculate)  # fmt: skip
+                              prefill_chunk=ns.prefill_chunk, speculate=ns.speculate,
+                              prefix_cache_dir=ns.prefix_cache_dir, prefix_cache_gib=ns.prefix_cache_gib)  # fmt: skip
         engine = Engine(model, model.tokenizer, config)
     except EngineError as e:
         raise ValueError(f"this model cannot be served: {e}") from e
@@ -166,6 +181,10 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         f"{cfg.max_position_embeddings}-token contexts; {engine.runner.pool_size.reason})",
         file=sys.stderr,
     )
+    if engine.disk is not None:
+        store = engine.disk.store
+        print(f"gqa serve: prefix cache on disk: {store.directory} ({len(store)} blocks, "
+              f"{store.total_bytes / 2**30:.2f} of {ns.prefix_cache_gib:g} GiB)", file=sys.stderr)  # fmt: skip
     if slots < cfg.max_position_embeddings:  # say it once, at start, not as a refusal per request
         full = full_context_bytes(model, config) / 2**20
         print(f"gqa serve: note: the KV cache holds {slots} tokens, fewer than the model's context of "

@@ -1,13 +1,15 @@
 """The engine's prefix cache on disk: full prompt blocks written to a ``PrefixStore`` once computed, read back into
 fresh pool blocks when a later prompt — in this process or after a restart — starts with them.
 
-    save(table, n)   after a prompt's prefill: its full blocks go to disk on a writer thread (held until written)
+    save(table, n)   after a prompt's prefill: its full blocks are queued for the writer thread
     restore(table)   at admission, after the in-memory prefix cache: the longest run of the blocks that follow it
                      found on disk is read into the table's fresh blocks and counts as computed
-    collect()        each step: the blocks whose files are written go back
+    collect()        each step: the blocks whose files are written go back, the next queued ones go to the writer
 
 The writer reads the pool where the blocks lie (nothing is copied on the engine thread; a block is held — its
-reference count up — until its file is written, so nobody overwrites it meanwhile); a read happens on the engine
+reference count up — until its file is written, so nobody overwrites it meanwhile; at most ``HELD_SHARE`` of the pool
+at once, the next queued blocks found by their hash in the in-memory prefix cache, where a finished request's blocks
+stay until reclaimed); a read happens on the engine
 thread at admission, in place of the prefill it saves. A block's bytes are exactly what the pool stores (float or
 quantized rows), so a restored block is the block a prefill would have written (runner.py: a token's K/V do not
 depend on the batch or on how the prompt was cut), and the greedy text is the same.
@@ -48,7 +50,9 @@ class DiskPrefixCache:
         self.max_held = max(1, int(blocks.num_blocks * HELD_SHARE))
         self.hits = 0  # blocks read from disk instead of computed
         self.writes = 0  # block files written
-        self._queued: set[bytes] = set()  # hashes of blocks held for the writer
+        self._queued: set[bytes] = set()  # hashes of the blocks queued for writing, held or pending
+        self._pending: deque[bytes] = deque()  # queued, not held yet (max_held are)
+        self._held = 0
         self._jobs: deque[list[tuple[bytes, int]]] = deque()
         self._written: deque[tuple[bytes, int]] = deque()  # (hash, block) written (or given up): to give back
         self._lock = threading.Lock()
@@ -89,18 +93,38 @@ class DiskPrefixCache:
 
     def save(self, table: BlockTable, num_tokens: int) -> int:
         """Queue the full blocks among ``table``'s first ``num_tokens`` tokens (computed: their hashes are known) that
-        are not on disk yet for writing; each is held until written. Returns how many were queued."""
+        are not on disk yet for writing. Returns how many were queued."""
         end = min(num_tokens // self.blocks.block_size, len(table.hashes))
+        queued = 0
+        for h in table.hashes[table.released : end]:  # blocks before `released` went back (a sliding window)
+            if h not in self._queued and h not in self.store:
+                self._queued.add(h)
+                self._pending.append(h)
+                queued += 1
+        self._hand_over()
+        return queued
+
+    def collect(self) -> None:
+        """Give back the blocks whose files are written; hand the writer more."""
+        while self._written:
+            h, block = self._written.popleft()
+            self._queued.discard(h)
+            self._held -= 1
+            self.blocks.release(block)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Hold queued blocks (at most ``max_held`` at once) and give them to the writer thread. A block reclaimed
+        for another sequence before its turn (it is still cached when its request ends) is not written."""
         job = []
-        for i in range(table.released, end):  # blocks before `released` went back to the pool (a sliding window)
-            h = table.hashes[i]
-            if h in self._queued or h in self.store:
+        while self._pending and self._held < self.max_held:
+            h = self._pending.popleft()
+            block = self.blocks.hold(h)
+            if block is None:
+                self._queued.discard(h)
                 continue
-            if len(self._queued) >= self.max_held:
-                break
-            self.blocks.hold(table.blocks[i])
-            self._queued.add(h)
-            job.append((h, table.blocks[i]))
+            self._held += 1
+            job.append((h, block))
         if job:
             with self._lock:
                 self._jobs.append(job)
@@ -108,21 +132,17 @@ class DiskPrefixCache:
                     # not a daemon: the interpreter waits for the files being written when the process ends
                     self._writer = threading.Thread(target=self._write_jobs, name="gqa-prefix-writer")
                     self._writer.start()
-        return len(job)
-
-    def collect(self) -> None:
-        """Give back the blocks whose files are written."""
-        while self._written:
-            h, block = self._written.popleft()
-            self._queued.discard(h)
-            self.blocks.release(block)
 
     def flush(self) -> None:
-        """Wait until every queued block is written, and give the blocks back."""
-        writer = self._writer
-        if writer is not None:
-            writer.join()
-        self.collect()
+        """Wait until every queued block is written (or given up: reclaimed before its turn), the blocks given
+        back."""
+        while True:
+            writer = self._writer
+            if writer is not None:
+                writer.join()
+            self.collect()
+            if not self._pending and self._writer is None and not self._held:
+                return
 
     def _fill(self, block: int, payload: bytearray) -> None:
         """Copy ``payload`` (every layer's K block, then every layer's V block, as stored) into pool block
