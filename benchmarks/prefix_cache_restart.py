@@ -133,6 +133,7 @@ def stall(args: argparse.Namespace) -> None:
         engine.add(long_prompt, SamplingParams(max_tokens=1))
         while engine.stats().waiting or any(len(r.outputs) == 0 for r in engine.requests.values()):
             engine.step()  # admitted and prefilled: its blocks are queued for writing now
+        queued = time.perf_counter()
         for _ in range(args.stall_steps):
             busy = engine.disk is not None and engine.disk._writer is not None
             start = time.perf_counter()
@@ -144,7 +145,10 @@ def stall(args: argparse.Namespace) -> None:
         print(f"stall: {label:15s} decode step median {statistics.median(sample) * 1e3:6.2f} ms, worst "
               f"{max(sample) * 1e3:6.2f} ms over {len(sample)} steps")  # fmt: skip
         if directory is not None:
-            print(f"stall: {'after it':15s} decode step median {statistics.median(steps) * 1e3:6.2f} ms")
+            print(
+                f"stall: {engine.disk.writes} blocks written in {time.perf_counter() - queued:.2f} s"
+                + (f"; after: decode step median {statistics.median(steps) * 1e3:6.2f} ms" if steps else "")
+            )
 
 
 def main() -> None:
@@ -155,9 +159,11 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a GGUF file or HF folder (default: the embedded SmolLM2)")
     parser.add_argument("--stall-steps", type=int, default=60, help="decode steps timed in the stall measurement")
     parser.add_argument("--no-stall", action="store_true", help="skip the in-process stall measurement")
+    parser.add_argument("--no-restart", action="store_true", help="skip the servers (the stall measurement only)")
     parser.add_argument("serve_flags", nargs="*", help="more flags for gqa serve (after --)")
     args = parser.parse_args()
-    restart_rounds(args)
+    if not args.no_restart:
+        restart_rounds(args)
     if not args.no_stall:
         stall(args)
 

@@ -68,12 +68,15 @@ def block_bytes(cache: PagedKVCache, block: int) -> list[bytes]:
     return [pool[block].view(torch.uint8).numpy().tobytes() for pool in cache.key + cache.value]
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "q8_0"])
-def test_blocks_round_trip_the_pools_bytes(tmp_path, kv_dtype):
+@pytest.mark.parametrize(("kv_dtype", "host"), [(None, True), ("q8_0", True), (None, False), ("q8_0", False)])
+def test_blocks_round_trip_the_pools_bytes(tmp_path, kv_dtype, host):
     """Three full blocks saved from one pool and restored into a fresh one (another block manager: a restart) hold
-    the same bytes, float or quantized; the prompt's last block is left to compute; held blocks go back."""
+    the same bytes, float or quantized, through the host pool's numpy views or torch's ops (a device pool's way);
+    the prompt's last block is left to compute; held blocks go back."""
     tokens = list(range(100, 113))  # 13 tokens: 3 full blocks before the last token
     a = disk_cache(tmp_path, pool(kv_dtype))
+    if not host:
+        a._host = None
     table = filled(a, tokens)
     free = a.blocks.num_free
     assert a.save(table, len(tokens)) == 3
@@ -81,6 +84,8 @@ def test_blocks_round_trip_the_pools_bytes(tmp_path, kv_dtype):
     a.flush()
     assert a.writes == 3 and len(os.listdir(tmp_path)) == 3 and a.blocks.num_free == free  # given back
     b = disk_cache(tmp_path, pool(kv_dtype))
+    if not host:
+        b._host = None
     restored = b.blocks.allocate(tokens)
     assert b.restore(restored) == 3 and restored.cached_tokens == 12 and b.hits == 3
     for i in range(3):

@@ -6,13 +6,14 @@ fresh pool blocks when a later prompt — in this process or after a restart —
                      found on disk is read into the table's fresh blocks and counts as computed
     collect()        each step: the blocks whose files are written go back, the next queued ones go to the writer
 
-The writer reads the pool where the blocks lie (nothing is copied on the engine thread; a block is held — its
-reference count up — until its file is written, so nobody overwrites it meanwhile; at most ``HELD_SHARE`` of the pool
-at once, the next queued blocks found by their hash in the in-memory prefix cache, where a finished request's blocks
-stay until reclaimed); a read happens on the engine
-thread at admission, in place of the prefill it saves. A block's bytes are exactly what the pool stores (float or
-quantized rows), so a restored block is the block a prefill would have written (runner.py: a token's K/V do not
-depend on the batch or on how the prompt was cut), and the greedy text is the same.
+The writer thread reads the pool where the blocks lie: nothing is copied on the engine thread. A block is held (its
+reference count up) until its file is written, so nobody overwrites it meanwhile; at most ``HELD_SHARE`` of the pool
+at once, the next queued blocks then found by their hash in the in-memory prefix cache, where a finished request's
+blocks stay until reclaimed. While it writes, decode steps take ~1.3x as long on 2 cores (it takes CPU from the
+native step: benchmarks/prefix_cache_restart.py). A read happens on the engine thread at admission, in place of the
+prefill it saves. A block's bytes are exactly what the pool stores (float or quantized rows), so a restored block is
+the block a prefill would have written (runner.py: a token's K/V do not depend on the batch or on how the prompt was
+cut), and the greedy text is the same.
 
 What makes a file valid for a pool is its key (``pool_fields``): a fingerprint of the weights (a sample of every
 tensor's bytes, its name, shape and dtype), the model config, the activation dtype and device type, the K and V
@@ -28,6 +29,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .blocks import BlockManager, BlockTable, block_hash
@@ -57,6 +59,10 @@ class DiskPrefixCache:
         self._written: deque[tuple[bytes, int]] = deque()  # (hash, block) written (or given up): to give back
         self._lock = threading.Lock()
         self._writer: threading.Thread | None = None
+        # the pool's tensors as numpy arrays of bytes on the host (sharing its memory): a block's bytes are moved by
+        # one numpy call, not a torch op per layer
+        tensors = cache.key + cache.value
+        self._host = [t.view(torch.uint8).numpy() for t in tensors] if tensors[0].device.type == "cpu" else None
 
     @classmethod
     def open(
@@ -129,8 +135,9 @@ class DiskPrefixCache:
             with self._lock:
                 self._jobs.append(job)
                 if self._writer is None:
-                    # not a daemon: the interpreter waits for the files being written when the process ends
-                    self._writer = threading.Thread(target=self._write_jobs, name="gqa-prefix-writer")
+                    # not a daemon (the engine thread is one, and a thread inherits it): the interpreter waits for
+                    # the files being written when the process ends
+                    self._writer = threading.Thread(target=self._write_jobs, name="gqa-prefix-writer", daemon=False)
                     self._writer.start()
 
     def flush(self) -> None:
@@ -145,18 +152,28 @@ class DiskPrefixCache:
                 return
 
     def _fill(self, block: int, payload: bytearray) -> None:
-        """Copy ``payload`` (every layer's K block, then every layer's V block, as stored) into pool block
-        ``block``."""
-        data = torch.frombuffer(payload, dtype=torch.uint8)
+        """Copy ``payload`` (``_payload``'s layout) into pool block ``block``."""
         offset = 0
-        for t in self._parts(block):
-            n = t.nbytes
-            t.view(torch.uint8).view(-1).copy_(data[offset : offset + n])
+        if self._host is not None:
+            data = np.frombuffer(payload, dtype=np.uint8)
+            for a in self._host:
+                n = a[0].size
+                a[block] = data[offset : offset + n].reshape(a.shape[1:])
+                offset += n
+            return
+        data = torch.frombuffer(payload, dtype=torch.uint8).to(self.cache.key[0].device)  # one host-to-device copy
+        for t in self.cache.key + self.cache.value:
+            n = t[0].nbytes
+            t[block].view(torch.uint8).view(-1).copy_(data[offset : offset + n])
             offset += n
 
-    def _parts(self, block: int) -> list[torch.Tensor]:
-        """Pool block ``block``'s tensors, ``(H_kv, block_size, D | row bytes)`` each: K of every layer, then V."""
-        return [pool[block] for pool in self.cache.key] + [pool[block] for pool in self.cache.value]
+    def _payload(self, block: int) -> np.ndarray:
+        """Pool block ``block``'s bytes as stored: K of every layer, then V, each ``(H_kv, block_size, D | row
+        bytes)`` — one copy, made by one call (a thread beside the engine's holds the GIL as little as it can)."""
+        if self._host is not None:
+            return np.concatenate([a[block].reshape(-1) for a in self._host])
+        parts = [t[block].reshape(-1).view(torch.uint8) for t in self.cache.key + self.cache.value]
+        return torch.cat(parts).cpu().numpy()
 
     # -- the writer thread ------------------------------------------------------------------------------------------
 
@@ -169,8 +186,7 @@ class DiskPrefixCache:
                 job = self._jobs.popleft()
             for h, block in job:
                 try:
-                    parts = [t.cpu().view(torch.uint8).numpy() for t in self._parts(block)]
-                    self.writes += self.store.write(h, parts)
+                    self.writes += self.store.write(h, [self._payload(block)])
                 except Exception:  # a fault writing one block must not keep the others held
                     log.exception("prefix cache: writing a block failed")
                 self._written.append((h, block))
