@@ -281,3 +281,24 @@ def test_a_restarted_engine_prefills_only_what_follows_the_stored_blocks(smollm2
     assert c.stats().prefix_cache_disk_hits == 4 and prefilled == len(prompt) - 4 * size
     assert text_c == text_a and caplog.text.count("checksum mismatch") == 1
     assert c.stats().prefix_cache_disk_writes == 1  # the damaged block, computed again
+
+
+def test_a_restarted_server_reads_the_prompt_from_disk_and_answers_the_same(tmp_path):
+    """``gqa serve --prefix-cache-dir``, stopped and started again: the second server's first request reads the
+    prompt's full blocks from disk (``/metrics``) and its greedy answer (the openai client) is the first one's."""
+    openai = pytest.importorskip("openai")
+    from tests.helpers.server_process import MODEL, Server
+
+    prompt = "".join(f"Note {i}: the archive keeps record {i} about the river and the mill. " for i in range(24))
+    answers, hits = [], []
+    for _ in range(2):
+        s = Server("--prefix-cache-dir", str(tmp_path), "--max-running", "2")
+        try:
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+            answers.append(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0))
+            hits.append(s.metrics()["gqa_prefix_cache_disk_hits_total"])
+        finally:
+            assert s.stop() == 0  # a clean stop: the blocks still queued are written first
+    full = (answers[0].usage.prompt_tokens - 1) // 16
+    assert hits == [0, full] and len(os.listdir(tmp_path)) == full > 10
+    assert answers[1].choices[0].text == answers[0].choices[0].text
