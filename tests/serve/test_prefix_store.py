@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 
 import numpy as np
@@ -17,6 +18,7 @@ import gqa
 from gqa import kernels
 from gqa.serve import prefix_store
 from gqa.serve.blocks import BlockManager, block_hash
+from gqa.serve.config import EngineConfig
 from gqa.serve.engine import Engine
 from gqa.serve.paged_cache import PagedKVCache
 from gqa.serve.prefix_disk import DiskPrefixCache, pool_fields, weights_fingerprint
@@ -236,6 +238,25 @@ def test_a_write_that_fails_midway_leaves_no_file(tmp_path, monkeypatch, caplog)
     assert not s.write(H1, payload(1))
     assert "No space left on device" in caplog.text
     assert os.listdir(tmp_path) == [] and len(s) == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"prefix_cache_gib": 0}, "prefix_cache_gib must be a positive number, got 0"),
+     ({"prefix_cache_gib": float("inf")}, "prefix_cache_gib must be a positive number"),
+     ({"prefix_cache_dir": 5}, "prefix_cache_dir must be a path, got 5")],
+)  # fmt: skip
+def test_engine_config_names_a_bad_prefix_cache_setting(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**options)
+
+
+def test_a_directory_that_cannot_be_one_is_refused_by_name(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"prefix_cache_dir .*file: not a directory"):
+        store(tmp_path / "file")
+    with pytest.raises(ValueError, match=r"prefix_cache_dir .*file/sub: Not a directory"):
+        store(tmp_path / "file" / "sub")
 
 
 # -- the engine, with the real model ---------------------------------------------------------------------------------

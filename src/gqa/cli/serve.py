@@ -122,6 +122,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from ..serve.config import MAX_DRAFT, EngineConfig
     from ..serve.engine import Engine, EngineError
     from ..serve.http_protocol import with_header_timeout
+    from ..serve.prefix_store import writable_directory
     from ..serve.runner import full_context_bytes
     from ..serve.server import build_app
 
@@ -136,8 +137,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         raise ValueError(f"--speculate must be in [0, {MAX_DRAFT}], got {ns.speculate}")
     if not (math.isfinite(ns.prefix_cache_gib) and ns.prefix_cache_gib > 0):
         raise ValueError(f"--prefix-cache-gib must be > 0, got {ns.prefix_cache_gib}")
-    if ns.prefix_cache_dir is not None and ns.prefix_cache_dir.exists() and not ns.prefix_cache_dir.is_dir():
-        raise ValueError(f"--prefix-cache-dir {ns.prefix_cache_dir}: not a directory")
+    if ns.prefix_cache_dir is not None:
+        writable_directory(ns.prefix_cache_dir, "--prefix-cache-dir")  # before the model is loaded
     if not ns.max_body_mib > 0:
         raise ValueError(f"--max-body-mib must be > 0, got {ns.max_body_mib}")
     api_key = api_key_of(ns)
@@ -182,9 +183,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if engine.disk is not None:
-        store = engine.disk.store
-        print(f"gqa serve: prefix cache on disk: {store.directory} ({len(store)} blocks, "
-              f"{store.total_bytes / 2**30:.2f} of {ns.prefix_cache_gib:g} GiB)", file=sys.stderr)  # fmt: skip
+        print(f"gqa serve: prefix cache on disk: {engine.disk.store}", file=sys.stderr)
     if slots < cfg.max_position_embeddings:  # say it once, at start, not as a refusal per request
         full = full_context_bytes(model, config) / 2**20
         print(f"gqa serve: note: the KV cache holds {slots} tokens, fewer than the model's context of "

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .._atomic import atomic_path
 
-__all__ = ["MAGIC", "SUFFIX", "VERSION", "PrefixStore"]
+__all__ = ["MAGIC", "SUFFIX", "VERSION", "PrefixStore", "writable_directory"]
 
 MAGIC = b"GQAKVBLK"
 VERSION = 1  # of the file format and of what the key covers: a change makes every older file foreign
@@ -65,11 +65,15 @@ class PrefixStore:
         self._files: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
         self._bad: set[str] = set()  # files found unusable and not deletable: warned about once, not read again
         self.total_bytes = 0
-        self.directory.mkdir(parents=True, exist_ok=True)
+        writable_directory(self.directory, "prefix_cache_dir")
         self._scan()
 
     def __len__(self) -> int:
         return len(self._files)
+
+    def __str__(self) -> str:
+        return (f"{self.directory} ({len(self)} blocks, {self.total_bytes / 2**30:.2f} of "
+                f"{self.max_bytes / 2**30:.2f} GiB)")  # fmt: skip
 
     def name(self, block_hash: bytes) -> str:
         """The file name of the block with chained hash ``block_hash``."""
@@ -213,6 +217,18 @@ class PrefixStore:
         self._forget(name)
         if not _unlink(self.directory / name):
             self._bad.add(name)
+
+
+def writable_directory(path: Path, name: str) -> None:
+    """Make ``path`` a directory this process can write (made if missing), else ``ValueError`` naming ``name``."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name} {path}: not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{name} {path}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} {path}: not writable")
 
 
 def _unlink(path: Path) -> bool:
