@@ -38,7 +38,7 @@ from .prefix_store import PrefixStore
 
 __all__ = ["DiskPrefixCache", "pool_fields", "weights_fingerprint"]
 
-HELD_SHARE = 0.25  # the most of the pool held for writing at once: a slow disk costs saved blocks, never capacity
+HELD_SHARE = 0.25  # the most of the pool held for writing at once: a slow disk never takes the pool's capacity
 _SAMPLES, _SAMPLE_BYTES = 16, 256  # per weight tensor: contiguous runs (a few pages of a memory-mapped file each)
 
 log = logging.getLogger(__name__)
@@ -144,14 +144,17 @@ class DiskPrefixCache:
         """Wait until every queued block is written (or given up: reclaimed before its turn), the blocks given
         back."""
         while True:
-            writer = self._writer
-            if writer is not None:
-                writer.join()
             self.collect()
-            if not self._pending and self._writer is None and not self._held:
+            if not (self._held or self._pending):
                 return
+            writer = self._writer
+            if writer is None:
+                if self._written:  # it ended since: take up what it wrote last
+                    continue
+                return  # blocks held and no writer: one that died (they stay held)
+            writer.join()
 
-    def _fill(self, block: int, payload: bytearray) -> None:
+    def _fill(self, block: int, payload: memoryview) -> None:
         """Copy ``payload`` (``_payload``'s layout) into pool block ``block``."""
         offset = 0
         if self._host is not None:

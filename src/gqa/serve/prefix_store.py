@@ -15,7 +15,7 @@ directory is kept under ``max_bytes`` by deleting the least recently used files 
 
     store = PrefixStore(directory, max_bytes, fields, block_bytes)
     store.write(block_hash, parts)   # parts: buffers (numpy arrays, bytes) of block_bytes bytes in all
-    payload = store.read(block_hash) # the payload (a writable bytearray), or None: missing or not usable
+    payload = store.read(block_hash) # the payload (a writable memoryview), or None: missing or not usable
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class PrefixStore:
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
         self._bad: set[str] = set()  # files found unusable and not deletable: warned about once, not read again
+        self._write_failed = False
         self.total_bytes = 0
         writable_directory(self.directory, "prefix_cache_dir")
         self._scan()
@@ -102,15 +103,17 @@ class PrefixStore:
                     crc = zlib.crc32(piece, crc)
                     f.write(piece)
                 f.write(struct.pack("<I", crc))
-        except OSError as e:
-            log.warning("prefix cache: cannot write %s: %s", self.directory / name, e)
+        except OSError as e:  # said once (a full disk would say it for every block), then at debug level
+            log.log(logging.DEBUG if self._write_failed else logging.WARNING, "prefix cache: cannot write %s: %s",
+                    self.directory / name, e)  # fmt: skip
+            self._write_failed = True
             return False
         with self._lock:
             self._add(name, total)
             self._evict()
         return True
 
-    def read(self, block_hash: bytes) -> bytearray | None:
+    def read(self, block_hash: bytes) -> memoryview | None:
         """The payload stored for ``block_hash`` (and its file touched: recently used), or None where there is none
         or it is not usable (truncated, tampered, foreign: warned about once and deleted)."""
         name = self.name(block_hash)
@@ -136,16 +139,16 @@ class PrefixStore:
             return None
         problem = "the file changed while read" if got != len(data) else self._problem(data, block_hash)
         if problem is not None:
-            log.warning("prefix cache: ignoring %s (%s); deleted", path, problem)
-            self._delete(name)
+            gone = self._delete(name)
+            log.warning("prefix cache: ignoring %s (%s); %s", path, problem, "deleted" if gone else "cannot delete it")
             return None
         with self._lock:
             if name in self._files:
                 self._files.move_to_end(name)
         with contextlib.suppress(OSError):
             os.utime(path)  # recently used, for the next process's order too
-        start = len(data) - _DIGEST - self.block_bytes
-        return data[start : len(data) - _DIGEST]
+        end = len(data) - _DIGEST
+        return memoryview(data)[end - self.block_bytes : end]  # writable, not copied
 
     # -- files ------------------------------------------------------------------------------------------------------
 
@@ -213,10 +216,13 @@ class PrefixStore:
         with self._lock:
             self.total_bytes -= self._files.pop(name, 0)
 
-    def _delete(self, name: str) -> None:
+    def _delete(self, name: str) -> bool:
+        """Delete the file ``name`` (or, where that fails, never read it again); whether it is gone."""
         self._forget(name)
-        if not _unlink(self.directory / name):
+        gone = _unlink(self.directory / name)
+        if not gone:
             self._bad.add(name)
+        return gone
 
 
 def writable_directory(path: Path, name: str) -> None:
