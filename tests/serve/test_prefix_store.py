@@ -1,7 +1,7 @@
 """The prefix cache on disk: block files round-trip the pool's exact bytes (float and q8_0 pools), their key follows
 what the bytes depend on, a damaged or foreign file is never used, the directory stays under its bound (least
 recently used out first), a failed write leaves nothing; and with the real SmolLM2, a second engine on the same
-directory prefills only what follows the stored blocks and answers the same text."""
+directory prefills only what follows the stored blocks and answers the same text, as does a restarted gqa serve."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ fresh pool blocks when a later prompt — in this process or after a restart —
 The writer thread reads the pool where the blocks lie: nothing is copied on the engine thread. A block is held (its
 reference count up) until its file is written, so nobody overwrites it meanwhile; at most ``HELD_SHARE`` of the pool
 at once, the next queued blocks then found by their hash in the in-memory prefix cache, where a finished request's
-blocks stay until reclaimed. While it writes, decode steps take 1.3-1.6x as long on 2 cores (it takes CPU from the
+blocks stay until reclaimed. While it writes, decode steps take 1.3-2.4x as long on 2 cores (it takes CPU from the
 native step: benchmarks/prefix_cache_restart.py). A read happens on the engine thread at admission, in place of the
 prefill it saves. A block's bytes are exactly what the pool stores (float or quantized rows), so a restored block is
 the block a prefill would have written (runner.py: a token's K/V do not depend on the batch or on how the prompt was
