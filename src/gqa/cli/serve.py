@@ -67,6 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(exactly greedy's output; pays off where answers copy their context; 0: off)",
     )  # fmt: skip
     parser.add_argument(
+        "--prefix-cache-dir", type=Path, default=None, metavar="DIR",
+        help="keep prompts' full KV blocks in DIR (a file per block, keyed by the model's weights, dtypes, KV cache "
+        "type and block size), so a prompt prefix seen before — also before a restart — is read, not prefilled "
+        "(default: off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-cache-gib", type=float, default=4.0, metavar="N",
+        help="at most N GiB of files in --prefix-cache-dir, the least recently used deleted first",
+    )  # fmt: skip
+    parser.add_argument(
         "--api-key", default=None,
         help="require 'Authorization: Bearer KEY'; also read from $GQA_API_KEY, which keeps it out of ps "
         "(default: open)",
@@ -186,6 +196,7 @@ def serving_app(ns: argparse.Namespace):
     from ..hardware import auto_dtype
     from ..options.dtypes import DTYPES
     from ..serve.config import MAX_DRAFT
+    from ..serve.prefix_store import writable_directory
 
     for flag, value, low in (("--port", ns.port, 0), ("--block-size", ns.block_size, 1),
                              ("--max-running", ns.max_running, 1), ("--max-queue", ns.max_queue, 0),
@@ -196,6 +207,10 @@ def serving_app(ns: argparse.Namespace):
         raise ValueError(f"--kv-cache-mib must be > 0, got {ns.kv_cache_mib}")
     if not 0 <= ns.speculate <= MAX_DRAFT:
         raise ValueError(f"--speculate must be in [0, {MAX_DRAFT}], got {ns.speculate}")
+    if not (math.isfinite(ns.prefix_cache_gib) and ns.prefix_cache_gib > 0):
+        raise ValueError(f"--prefix-cache-gib must be > 0, got {ns.prefix_cache_gib}")
+    if ns.prefix_cache_dir is not None:
+        writable_directory(ns.prefix_cache_dir, "--prefix-cache-dir")  # before the model is loaded
     if not ns.max_body_mib > 0:
         raise ValueError(f"--max-body-mib must be > 0, got {ns.max_body_mib}")
     if ns.max_loaded is not None and ns.max_loaded < 1:
@@ -256,7 +271,8 @@ def load_served(settings: Settings, path: str | None, name: str):
             raise ValueError(f"--chat-template {ns.chat_template}: {e}") from None
     try:
         config = EngineConfig(kv_cache_mib=ns.kv_cache_mib, block_size=ns.block_size, max_running=ns.max_running,
-                              prefill_chunk=ns.prefill_chunk, speculate=ns.speculate)  # fmt: skip
+                              prefill_chunk=ns.prefill_chunk, speculate=ns.speculate,
+                              prefix_cache_dir=ns.prefix_cache_dir, prefix_cache_gib=ns.prefix_cache_gib)  # fmt: skip
         engine = Engine(model, model.tokenizer, config)
     except EngineError as e:
         raise ValueError(f"this model cannot be served: {e}") from e
@@ -270,6 +286,8 @@ def load_served(settings: Settings, path: str | None, name: str):
         f"{cfg.max_position_embeddings}-token contexts; {engine.runner.pool_size.reason})",
         file=sys.stderr,
     )
+    if engine.disk is not None:
+        print(f"gqa serve: prefix cache on disk: {engine.disk.store}", file=sys.stderr)
     if slots < cfg.max_position_embeddings:  # say it once, at start, not as a refusal per request
         full = full_context_bytes(model, config) / 2**20
         print(f"gqa serve: note: the KV cache holds {slots} tokens, fewer than the model's context of "
