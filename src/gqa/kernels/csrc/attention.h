@@ -72,6 +72,37 @@ inline void chunk_scores(const float* q, const float* k, int64_t sk, int64_t n, 
   }
 }
 
+// chunk_scores over rows packed D apart (a chunk's keys dequantized into scratch), D a constant: the 16 keys' rows are
+// then fixed offsets from one pointer, not 16 pointers the compiler runs out of registers for. The same operations in
+// the same order as chunk_scores, so the same bits.
+template <int64_t D>
+inline void chunk_scores_packed(const float* q, const float* k, int64_t n, float* s) {
+  int64_t c = 0;
+#if GQA_SIMD > 1
+  for (; c + LANES <= n; c += LANES) {
+    const float* kc = k + c * D;
+    vec acc[LANES];
+    for (int i = 0; i < LANES; ++i) acc[i] = vzero();
+    for (int64_t d = 0; d < D; d += LANES) {
+      const vec qd = vload(q + d);
+      for (int i = 0; i < LANES; ++i) acc[i] = vfma(qd, vload(kc + i * D + d), acc[i]);
+    }
+    vstore(s + c, reduce_lanes(acc));
+  }
+#endif
+  if (c < n) chunk_scores(q, k + c * D, D, n - c, D, s + c);
+}
+
+// chunk_scores of packed rows, the common head dims as constants.
+inline void packed_scores(const float* q, const float* k, int64_t n, int64_t D, float* s) {
+  switch (D) {
+    case 64: return chunk_scores_packed<64>(q, k, n, s);
+    case 128: return chunk_scores_packed<128>(q, k, n, s);
+    case 256: return chunk_scores_packed<256>(q, k, n, s);
+    default: return chunk_scores(q, k, D, n, D, s);
+  }
+}
+
 #if defined(__AVX512BF16__)
 // bfloat16 keys and query: s[c] = scale * (q . k[c]) with vdpbf16ps (32 products per instruction, exact products,
 // float32 sums), straight from the cache's bf16 rows. Needs D % 32 == 0.
@@ -157,30 +188,34 @@ inline void accumulate_values(float* acc, int64_t lda, const float* alpha, const
 // accumulate_values over quantized value rows (kv_blocks.h; rows[c] is key c's row of blocks): each block dequantized
 // in registers to the floats dequantize_kv_row writes and summed in the same order, so the same bits, without the
 // round trip through a scratch buffer. Dv % 32 == 0.
+template <int RT, int NB>  // NB blocks (2 NB vectors) of columns at `d`, held in registers for the chunk
+inline void accumulate_quantized_span(float* acc, int64_t lda, const float* alpha, const float* p, int64_t ldp,
+                                      const uint8_t* const* rows, int64_t format, int64_t n, int64_t d) {
+  const int64_t bb = kv_block_bytes(format), off = d / KV_BLOCK * bb;
+  __m512 a[RT][2 * NB];
+  for (int r = 0; r < RT; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    for (int j = 0; j < 2 * NB; ++j) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * lda + d + 16 * j), al);
+  }
+  for (int64_t c = 0; c < n; ++c) {
+    __m512 vv[2 * NB];
+    for (int b = 0; b < NB; ++b) kv_block_values(rows[c] + off + b * bb, format, vv[2 * b], vv[2 * b + 1]);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 pc = _mm512_set1_ps(p[r * ldp + c]);
+      for (int j = 0; j < 2 * NB; ++j) a[r][j] = _mm512_fmadd_ps(pc, vv[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int j = 0; j < 2 * NB; ++j) _mm512_storeu_ps(acc + r * lda + d + 16 * j, a[r][j]);
+}
+
 template <int RT>
 inline void accumulate_quantized_values(float* acc, int64_t lda, const float* alpha, const float* p, int64_t ldp,
                                         const uint8_t* const* rows, int64_t format, int64_t n, int64_t Dv) {
-  const int64_t bb = kv_block_bytes(format);
-  for (int64_t d = 0; d < Dv;) {
-    const int nb = Dv - d >= 2 * KV_BLOCK ? 2 : 1;  // blocks (2 vectors each) in registers at once
-    const int64_t off = d / KV_BLOCK * bb;
-    __m512 a[RT][4];
-    for (int r = 0; r < RT; ++r) {
-      const __m512 al = _mm512_set1_ps(alpha[r]);
-      for (int j = 0; j < 2 * nb; ++j) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * lda + d + 16 * j), al);
-    }
-    for (int64_t c = 0; c < n; ++c) {
-      __m512 vv[4];
-      for (int b = 0; b < nb; ++b) kv_block_values(rows[c] + off + b * bb, format, vv[2 * b], vv[2 * b + 1]);
-      for (int r = 0; r < RT; ++r) {
-        const __m512 pc = _mm512_set1_ps(p[r * ldp + c]);
-        for (int j = 0; j < 2 * nb; ++j) a[r][j] = _mm512_fmadd_ps(pc, vv[j], a[r][j]);
-      }
-    }
-    for (int r = 0; r < RT; ++r)
-      for (int j = 0; j < 2 * nb; ++j) _mm512_storeu_ps(acc + r * lda + d + 16 * j, a[r][j]);
-    d += nb * KV_BLOCK;
-  }
+  int64_t d = 0;
+  for (; d + 2 * KV_BLOCK <= Dv; d += 2 * KV_BLOCK)
+    accumulate_quantized_span<RT, 2>(acc, lda, alpha, p, ldp, rows, format, n, d);
+  if (d < Dv) accumulate_quantized_span<RT, 1>(acc, lda, alpha, p, ldp, rows, format, n, d);
 }
 #endif
 
@@ -467,12 +502,12 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
       if (causal) visible = std::max<int64_t>(0, std::min(n, S - L + lr + 1 - c0));
       float* s = sc.scores.data() + r * CHUNK;
       if (k_quantized) {
-        chunk_scores(qf + r * D, sc.kbuf.data(), D, visible, D, s);
+        packed_scores(qf + r * D, sc.kbuf.data(), visible, D, s);
       } else if constexpr (std::is_same_v<T, float>) {
         for (int64_t a = c0, len; a < c0 + visible; a += len)
           len = seg_len(a, c0 + visible), chunk_scores(qf + r * D, key_row(a), sk, len, D, s + (a - c0));
       } else if (!use_dpbf16) {
-        chunk_scores(qf + r * D, sc.kbuf.data(), D, visible, D, s);
+        packed_scores(qf + r * D, sc.kbuf.data(), visible, D, s);
       }
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, BFloat16>) {
