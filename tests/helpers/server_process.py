@@ -14,6 +14,32 @@ import urllib.request
 from contextlib import closing
 
 MODEL = "SmolLM2-135M-Instruct"  # the embedded model's name in the API
+HERMES_KEY = "sk-test-hermes"  # the API key of tests/serve's shared Hermes server (conftest.hermes_server)
+# A Hermes-style template (as Qwen2.5's, shortened): tools in the system turn, calls as <tool_call> JSON
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+You may call these functions:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.tool_calls %}<|im_start|>assistant
+{% for call in message.tool_calls %}<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 
 
 def free_port() -> int:

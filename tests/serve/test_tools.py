@@ -10,6 +10,7 @@ import json
 import pytest
 
 from gqa.serve.tools import ToolError, ToolRequest, assistant_message, parse_tools, tool_calls_in
+from tests.helpers.server_process import HERMES_TEMPLATE
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -22,31 +23,7 @@ WEATHER = {
 TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
                                            "required": ["zone"]}}  # fmt: skip
 TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
-# A Hermes-style template (as Qwen2.5's, shortened): tools in the system turn, calls as <tool_call> JSON
-TEMPLATE = """{%- if tools %}<|im_start|>system
-You may call these functions:
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == "tool" %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% elif message.tool_calls %}<|im_start|>assistant
-{% for call in message.tool_calls %}<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+TEMPLATE = HERMES_TEMPLATE
 
 
 @pytest.mark.parametrize(
@@ -111,19 +88,13 @@ def test_calls_are_read_back_from_answers():
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    """The openai client of a ``gqa serve --chat-template`` with the Hermes template (one server for the module)."""
+def client(hermes_server):
+    """The openai client of tests/serve's ``gqa serve --chat-template`` with the Hermes template (conftest)."""
     pytest.importorskip("xgrammar")
     openai = pytest.importorskip("openai")
-    from tests.helpers.server_process import Server
+    from tests.helpers.server_process import HERMES_KEY
 
-    template = tmp_path_factory.mktemp("tools") / "hermes.jinja"
-    template.write_text(TEMPLATE)
-    s = Server("--chat-template", str(template))
-    try:
-        yield openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    finally:
-        assert s.stop() == 0
+    return openai.OpenAI(base_url=hermes_server.url + "/v1", api_key=HERMES_KEY, max_retries=0, timeout=60)
 
 
 def test_tool_calls_through_gqa_serve_and_the_openai_client(client):

@@ -257,6 +257,7 @@ def test_sharded_step_is_the_one_call_step_bit_for_bit_and_batch_invariant(one_r
     [
         (["--tp", "4"], "H_q=9 query heads and H_kv=3 KV heads over tp=4 ranks"),  # SmolLM2: 1, 3 or 9 work
         (["--tp", "0"], "--tp must be >= 1"),
+        (["--tp", "2", "--prefix-cache-dir", "."], "--prefix-cache-dir does not work with --tp"),
     ],
 )
 def test_bad_tp_flags_are_refused_before_any_rank_starts(monkeypatch, capsys, flags, message):

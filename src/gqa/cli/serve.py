@@ -69,6 +69,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(exactly greedy's output; pays off where answers copy their context; 0: off)",
     )  # fmt: skip
     parser.add_argument(
+        "--prefix-cache-dir", type=Path, default=None, metavar="DIR",
+        help="keep prompts' full KV blocks in DIR (a file per block, keyed by the model's weights, dtypes, KV cache "
+        "type and block size), so a prompt prefix seen before — also before a restart — is read, not prefilled "
+        "(default: off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-cache-gib", type=float, default=4.0, metavar="N",
+        help="at most N GiB of files in --prefix-cache-dir, the least recently used deleted first",
+    )  # fmt: skip
+    parser.add_argument(
         "--api-key", default=None,
         help="require 'Authorization: Bearer KEY'; also read from $GQA_API_KEY, which keeps it out of ps "
         "(default: open)",
@@ -209,6 +219,7 @@ def serving_settings(ns: argparse.Namespace) -> tuple[Settings, list[tuple[str, 
     from ..hardware import auto_dtype
     from ..options.dtypes import DTYPES
     from ..serve.config import MAX_DRAFT
+    from ..serve.prefix_store import writable_directory
 
     for flag, value, low in (("--port", ns.port, 0), ("--block-size", ns.block_size, 1),
                              ("--max-running", ns.max_running, 1), ("--max-queue", ns.max_queue, 0),
@@ -219,6 +230,10 @@ def serving_settings(ns: argparse.Namespace) -> tuple[Settings, list[tuple[str, 
         raise ValueError(f"--kv-cache-mib must be > 0, got {ns.kv_cache_mib}")
     if not 0 <= ns.speculate <= MAX_DRAFT:
         raise ValueError(f"--speculate must be in [0, {MAX_DRAFT}], got {ns.speculate}")
+    if not (math.isfinite(ns.prefix_cache_gib) and ns.prefix_cache_gib > 0):
+        raise ValueError(f"--prefix-cache-gib must be > 0, got {ns.prefix_cache_gib}")
+    if ns.prefix_cache_dir is not None:
+        writable_directory(ns.prefix_cache_dir, "--prefix-cache-dir")  # before the model is loaded
     if not ns.max_body_mib > 0:
         raise ValueError(f"--max-body-mib must be > 0, got {ns.max_body_mib}")
     if ns.max_loaded is not None and ns.max_loaded < 1:
@@ -290,6 +305,8 @@ def load_served(settings: Settings, path: str | None, name: str):
         f"{cfg.max_position_embeddings}-token contexts; {engine.runner.pool_size.reason})",
         file=sys.stderr,
     )
+    if engine.disk is not None:
+        print(f"gqa serve: prefix cache on disk: {engine.disk.store}", file=sys.stderr)
     if slots < cfg.max_position_embeddings:  # say it once, at start, not as a refusal per request
         full = full_context_bytes(model, config) / 2**20
         print(f"gqa serve: note: the KV cache holds {slots} tokens, fewer than the model's context of "
@@ -306,7 +323,8 @@ def engine_config(ns: argparse.Namespace):
     from ..serve.config import EngineConfig
 
     return EngineConfig(kv_cache_mib=ns.kv_cache_mib, block_size=ns.block_size, max_running=ns.max_running,
-                        prefill_chunk=ns.prefill_chunk, speculate=ns.speculate)  # fmt: skip
+                        prefill_chunk=ns.prefill_chunk, speculate=ns.speculate,
+                        prefix_cache_dir=ns.prefix_cache_dir, prefix_cache_gib=ns.prefix_cache_gib)  # fmt: skip
 
 
 def model_router(settings: Settings, models: list[tuple[str, str | None]]):

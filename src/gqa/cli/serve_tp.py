@@ -47,6 +47,8 @@ def serve_tp(settings, models: list, tp: int, config: EngineConfig, load: Callab
         raise ValueError(f"--tp serves one model, got {len(models)} (--model / --models-dir)")
     if settings.device.type != "cpu":
         raise ValueError(f"--tp serves on CPU (gloo), not --device {ns.device}")
+    if ns.prefix_cache_dir is not None:  # its blocks would hold rank 0's KV heads alone
+        raise ValueError("--prefix-cache-dir does not work with --tp yet")
     path = models[0][1]
     cfg = read_config(path)
     check_tp(cfg.num_heads, cfg.num_kv_heads, tp)  # before any process or process group

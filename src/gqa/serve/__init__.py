@@ -13,7 +13,10 @@
 * ``engine`` — ``step = schedule -> run -> sample -> update``;
 * ``offline`` — ``LLM(...).generate(prompts)``, the engine without a server;
 * ``async_engine``, ``openai_api``, ``tools``, ``server``, ``http_protocol`` — the engine on its own thread, OpenAI's
-  shapes and function calling, the HTTP app, uvicorn's protocol with a deadline for headers.
+  shapes and function calling, the HTTP app, uvicorn's protocol with a deadline for headers;
+* ``driver`` — what every HTTP API does with the engine; ``answers`` — an answer's text, calls and end, whole or as
+  deltas; ``anthropic_api`` + ``messages_routes``, ``responses_api`` + ``responses_routes`` + ``response_store`` —
+  Anthropic's Messages API and OpenAI's Responses API over it;
 * ``model_router``, ``loaded_models``, ``asgi_calls`` — several models behind one server: the app that routes by a
   request's ``model`` and loads and unloads models, which ones stay loaded (LRU under a count and a budget), the ASGI
   plumbing it needs.

@@ -413,45 +413,13 @@ def _best_of(body: dict, fields: dict) -> dict[str, Any]:
     return {"best_of": n, "hide_logprobs": params.logprobs is None}
 
 
-def parse_chat(body: object, tokenizer, models: list[str], context: int, pool: int | None = None) -> ParsedRequest:
+def parse_chat(
+    body: object, tokenizer, models: list[str], context: int, pool: int | None = None, prefill: str = ""
+) -> ParsedRequest:
     """``/v1/chat/completions``: ``messages`` rendered with the model's chat template; ``max_tokens`` defaults to
-    what is left of the context and of the KV cache's ``pool`` token slots."""
-    ids: list[int] = []
-    tools = None
-    if isinstance(body, dict):
-        messages = _get(body, "messages", "an array", required=True)
-        if not messages:
-            raise ApiError("'messages' must not be empty", param="messages")
-        plain = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(f"messages[{i}] must be an object with a 'role'", param="messages")
-            if m["role"] == "assistant" and m.get("tool_calls"):
-                calls = m["tool_calls"]
-                objects = isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
-                if not (objects and all(isinstance(c.get("function") or {}, dict) for c in calls)):
-                    raise ApiError(f"messages[{i}].tool_calls must be an array of objects with a 'function' object",
-                                   param="messages")  # fmt: skip
-                plain.append(assistant_message(m))
-                continue
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: the text ones
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
-                content = "".join(str(p.get("text", "")) for p in content)
-            if not isinstance(content, str):
-                raise ApiError(f"messages[{i}].content must be a string", param="messages")
-            plain.append({"role": m["role"], "content": content})
-            if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
-                plain[-1]["tool_call_id"] = m["tool_call_id"]
-        try:
-            tools = parse_tools(body, tokenizer.chat_template)
-        except ToolError as e:
-            raise ApiError(str(e), param=e.param) from e
-        try:
-            ids = tokenizer.apply_chat(plain, tools=None if tools is None else tools.tools)
-        except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
-            raise ApiError(f"the chat template refused the messages: {e}", param="messages") from e
+    what is left of the context and of the KV cache's ``pool`` token slots. ``prefill``: text the answer begins with
+    (rendered after the template's assistant turn; the answer is what follows it)."""
+    ids, tools = chat_prompt(body, tokenizer, prefill) if isinstance(body, dict) else ([], None)
     try:
         forced = None if tools is None else tools.structured()
     except ValueError as e:  # parameters too deep to hold as JSON text
@@ -460,6 +428,45 @@ def parse_chat(body: object, tokenizer, models: list[str], context: int, pool: i
     if forced is not None:  # a forced call is the grammar's JSON to its end: a stop string could only cut it (tools)
         fields["params"] = dataclasses.replace(fields["params"], stop=())
     return ParsedRequest(ids, **fields, tools=tools)
+
+
+def chat_prompt(body: dict, tokenizer, prefill: str = "") -> tuple[list[int], ToolRequest | None]:
+    """A chat request's prompt: its ``messages`` (and ``tools``) rendered by the chat template and tokenized, then
+    ``prefill``; and its tools."""
+    messages = _get(body, "messages", "an array", required=True)
+    if not messages:
+        raise ApiError("'messages' must not be empty", param="messages")
+    plain = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(f"messages[{i}] must be an object with a 'role'", param="messages")
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = m["tool_calls"]
+            objects = isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+            if not (objects and all(isinstance(c.get("function") or {}, dict) for c in calls)):
+                raise ApiError(f"messages[{i}].tool_calls must be an array of objects with a 'function' object",
+                               param="messages")  # fmt: skip
+            plain.append(assistant_message(m))
+            continue
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: the text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise ApiError(f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise ApiError(f"messages[{i}].content must be a string", param="messages")
+        plain.append({"role": m["role"], "content": content})
+        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+            plain[-1]["tool_call_id"] = m["tool_call_id"]
+    try:
+        tools = parse_tools(body, tokenizer.chat_template)
+    except ToolError as e:
+        raise ApiError(str(e), param=e.param) from e
+    try:
+        text = tokenizer.render_chat(plain, tools=None if tools is None else tools.tools)
+    except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
+        raise ApiError(f"the chat template refused the messages: {e}", param="messages") from e
+    return tokenizer.encode(text + prefill, add_special_tokens=False), tools  # the template writes any BOS itself
 
 
 def new_id(prefix: str) -> str:

@@ -1,21 +1,24 @@
 """``gqa serve``'s HTTP side: an OpenAI-compatible API on starlette, served by uvicorn.
 
     POST /v1/chat/completions, POST /v1/completions   (``"stream": true``: server-sent events, ``data: [DONE]`` last)
+    POST /v1/messages, POST /v1/messages/count_tokens (Anthropic's Messages API: ``messages_routes``)
+    POST /v1/responses, GET|DELETE /v1/responses/{id} (OpenAI's Responses API: ``responses_routes``)
     GET  /v1/models, GET /health, GET /metrics          (Prometheus text)
 
-Errors come in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status: malformed
-JSON, a missing or wrongly typed field, an unknown model, a prompt that does not fit (before any work); 429 with
-``Retry-After`` when the queue is full; 401 without the ``--api-key`` bearer token; 503 while the engine thread is not
-running (never a request that waits on a thread that is gone). A client that disconnects
+What every API does with the engine (the body, the key, grammars, starting, reading and aborting answers) is
+``driver.Driver``'s; this module holds the OpenAI chat and completions routes and puts the app together.
+
+Errors come in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``; the Messages API's in Anthropic's,
+``{"type": "error", "error": {"type", "message"}}``) with a 4xx status: malformed JSON, a missing or wrongly typed
+field, an unknown model, a prompt that does not fit (before any work); 429 with ``Retry-After`` when the queue is
+full; 401 without the ``--api-key`` bearer token (or, for the Messages API, ``x-api-key``); 503 while the engine
+thread is not running (never a request that waits on a thread that is gone). A client that disconnects
 mid-stream has its request aborted. On SIGTERM uvicorn stops accepting connections and lets running responses
 finish (up to ``graceful_seconds``; what is left is cancelled), then the engine thread stops.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,12 +26,13 @@ from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse as StarletteJSONResponse
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .async_engine import AsyncEngine, EngineStopped, QueueFull
-from .grammar_compiles import CompileBusy, GrammarCompiles
+from .async_engine import AsyncEngine
+from .driver import ClientLeft, Driver, JSONResponse, close, engine_failure, fail, merged
+from .messages_routes import MessagesRoutes
+from .messages_routes import fail as anthropic_fail
 from .openai_api import (
     ApiError,
     ParsedRequest,
@@ -43,7 +47,8 @@ from .openai_api import (
     usage,
 )
 from .prompt_logprobs import prompt_logprobs
-from .request import EngineError, RequestOutput
+from .request import RequestOutput
+from .responses_routes import ResponsesRoutes
 from .tool_stream import ToolCallStream
 from .tools import finish_reason, tool_calls_in
 
@@ -51,13 +56,6 @@ __all__ = ["build_app"]
 
 
 MAX_BODY_BYTES = 16 * 2**20  # a request body larger than this gets 413 (--max-body-mib)
-
-
-class JSONResponse(StarletteJSONResponse):
-    """A JSON response written by ``to_json``: ``ValueError`` (when made) for a body holding NaN or an infinity."""
-
-    def render(self, content: object) -> bytes:
-        return to_json(content).encode("utf-8")
 
 
 def whole(body: dict) -> JSONResponse:
@@ -69,11 +67,6 @@ def whole(body: dict) -> JSONResponse:
         return JSONResponse(error_body(ApiError(f"the response cannot be written as JSON: {e}", 500)), 500)
 
 
-def not_json(constant: str) -> float:
-    """Python's JSON decoder reads ``NaN``, ``Infinity`` and ``-Infinity``; JSON has no such values."""
-    raise ValueError(f"{constant} is not a JSON value")
-
-
 def event(body: dict) -> str:
     """``body`` as a server-sent event; one holding a number JSON cannot carry is an error event instead."""
     try:
@@ -82,52 +75,12 @@ def event(body: dict) -> str:
         return f"data: {to_json(error_body(ApiError(f'the response cannot be written as JSON: {e}', 500)))}\n\n"
 
 
-class ClientLeft(Exception):
-    """The client disconnected before its response began."""
-
-
 def build_app(
     engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES
 ) -> Starlette:
     """The ASGI app serving ``engine`` (started and stopped with the app's lifespan) as model ``model_name``."""
-    context = engine.engine.config.max_position_embeddings
-    blocks = engine.engine.blocks
-    pool = blocks.num_blocks * blocks.block_size  # token slots of the KV cache: what one request can fill at most
+    driver = Driver(engine, tokenizer, model_name, api_key, max_body_bytes)
     started = int(time.time())
-    grammars = engine.engine.grammars
-    compiles = None if grammars is None else GrammarCompiles(grammars)  # structured output's, off the parsing threads
-
-    def fail(e: ApiError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-        return JSONResponse(error_body(e), status_code=e.status, headers=headers)
-
-    def authorized(request: Request) -> bool:
-        if api_key is None:
-            return True
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), api_key.encode())
-
-    async def read_json(request: Request) -> object:
-        """The body as JSON: 415 unless its Content-Type is JSON (a plain-text POST is a request any web page can
-        send cross-origin), 413 past ``max_body_bytes`` (checked on the declared length, then while reading)."""
-        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media != "application/json" and not media.endswith("+json"):
-            raise ApiError(f"Content-Type must be application/json, got {media or 'none'!r}", 415)
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            raise ApiError(f"the request body ({int(declared)} bytes) exceeds the limit of {max_body_bytes}", 413)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise ApiError(f"the request body exceeds the limit of {max_body_bytes} bytes", 413)
-            chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks), parse_constant=not_json)
-        except RecursionError:
-            raise ApiError("the request body is nested too deeply") from None
-        except ValueError as e:  # the decoder's errors, bad UTF-8, an integer of over 4,300 digits, NaN
-            raise ApiError(f"the request body is not valid JSON: {e}") from e
 
     async def health(request: Request) -> Response:
         if not engine.alive:
@@ -135,7 +88,7 @@ def build_app(
         return JSONResponse({"status": "ok"})
 
     async def models(request: Request) -> Response:
-        if not authorized(request):
+        if not driver.authorized(request):
             return fail(ApiError("a valid API key is required (Authorization: Bearer KEY)", 401))
         card = {"id": model_name, "object": "model", "created": started, "owned_by": "gqa"}
         return JSONResponse({"object": "list", "data": [card]})
@@ -153,6 +106,8 @@ def build_app(
             ("gqa_prefix_cache_hits_total", "counter", "prompt blocks served from the prefix cache",
              s.prefix_cache_hits),
             ("gqa_prefix_cache_queries_total", "counter", "full prompt blocks looked up", s.prefix_cache_queries),
+            ("gqa_prefix_cache_disk_hits_total", "counter", "prompt blocks read from --prefix-cache-dir",
+             s.prefix_cache_disk_hits),
             ("gqa_prompt_tokens_total", "counter", "prompt tokens prefilled", s.prompt_tokens),
             ("gqa_generation_tokens_total", "counter", "tokens generated", s.generation_tokens),
             ("gqa_preemptions_total", "counter", "requests preempted for blocks", s.preemptions),
@@ -165,104 +120,42 @@ def build_app(
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    def prepare(body: object, chat: bool) -> ParsedRequest:
-        """The request parsed and checked, its grammar's spec (if any) too: what is refused before compiling."""
-        parsed = (parse_chat if chat else parse_completion)(body, tokenizer, [model_name], context, pool)
-        structured = parsed.params.structured
-        if structured is not None:
-            if grammars is None:
-                raise ApiError("structured output needs the engine's tokenizer", param=parsed.structured_field)
-            try:
-                grammars.check(structured)
-            except ValueError as e:
-                raise ApiError(str(e), param=parsed.structured_field) from e
-        return parsed
-
-    async def compiled(parsed: ParsedRequest, request: Request) -> object | None:
-        """The request's grammar compiled (``GrammarCompiles``: bounded in time, never on the parsing threads), or
-        ``None`` without one; ``ClientLeft`` when the client disconnects first (the compile is left behind)."""
-        if parsed.params.structured is None:
-            return None
-        job = asyncio.ensure_future(compiles.compile(parsed.params.structured))
-        left = asyncio.ensure_future(client_left(request))
-        try:
-            await asyncio.wait({job, left}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            left.cancel()
-            if not job.done():  # the client left first (or this request was cancelled): the compile is left behind
-                job.cancel()
-        if not job.done() or job.cancelled():  # cancel() only asks: the job is done on a later turn of the loop
-            raise ClientLeft
-        try:
-            return job.result()
-        except ValueError as e:
-            raise ApiError(str(e), param=parsed.structured_field) from e
-        except CompileBusy as e:
-            raise ApiError(f"the server is busy compiling grammars ({e})", 429) from e
-
-    async def client_left(request: Request) -> None:
-        """Returns when the client disconnects (to be awaited once the body is read: the next message)."""
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
     async def completions(request: Request, chat: bool) -> Response:
-        if not authorized(request):
+        if not driver.authorized(request):
             return fail(ApiError("a valid API key is required (Authorization: Bearer KEY)", 401))
         created = int(time.time())
+        parse = parse_chat if chat else parse_completion
         outputs: list[AsyncIterator[RequestOutput]] = []  # one per answer (``n``)
         try:
-            body = await read_json(request)
-            # tokenizing and the chat template off the event loop: a huge prompt must not stall /health
-            parsed = await asyncio.to_thread(prepare, body, chat)
-            grammar = await compiled(parsed, request)  # held until the answers hold it: the engine finds it
+            body = await driver.read_json(request)
+            parsed = await driver.parse(body, lambda b: parse(b, tokenizer, [model_name], driver.context, driver.pool))
+            grammar = await driver.compiled(parsed, request)  # held until the answers hold it: the engine finds it
             if parsed.prompt_logprobs is not None or parsed.score_only:  # the model reads the prompt before start():
                 engine.engine.check(parsed.prompt_ids, parsed.params)  # check it now (vocabulary, context)
             prompt_entries = await scored(parsed)
             if parsed.score_only:
                 return score_response(new_id("cmpl"), parsed, prompt_entries, created)
-            firsts = await start(parsed, outputs)  # raises here, before any response, for a request the engine refuses
+            firsts = await driver.start(parsed, outputs)  # raises here, before any response, for a request refused
             del grammar  # each answer's grammar state holds it now
         except ClientLeft:
             return Response(status_code=499)
         except ApiError as e:
             return fail(e)
-        except EngineError as e:
-            return fail(ApiError(str(e), param="messages" if chat else "prompt"))
-        except QueueFull as e:
-            return fail(ApiError(f"the server is busy ({e}); retry later", 429))
-        except Exception as e:  # EngineStopped: 503; anything else the engine raised: 500 — never a hang
-            return fail(engine_failure(e))
+        except Exception as e:  # the engine refusing the request (400), a full queue (429), a stopped engine (503)
+            return fail(driver.refusal(e, "messages" if chat else "prompt"))
         rid = new_id("chatcmpl" if chat else "cmpl")
         if parsed.stream:
             return StreamingResponse(
                 stream(rid, parsed, firsts, outputs, chat, created, prompt_entries),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )  # fmt: skip
-        ends = [[first] for first in firsts]
-
-        async def collect(i: int) -> None:
-            async for out in outputs[i]:
-                ends[i].append(out)
-
-        tasks = [asyncio.ensure_future(collect(i)) for i in range(parsed.n)]
-        task, left = asyncio.gather(*tasks), asyncio.ensure_future(client_left(request))
         try:
-            await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():  # a client that leaves before its whole response: the request is aborted
-                return Response(status_code=499)
-            task.result()
-        except Exception as e:  # an answer's stream raised (the engine stopped): the other answers stop too
-            return fail(engine_failure(e))
-        finally:
-            left.cancel()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await close(outputs)  # the unfinished answers' requests are aborted, their blocks freed
+            ends = await driver.collect(request, firsts, outputs)
+        except ClientLeft:
+            return Response(status_code=499)
+        except ApiError as e:
+            return fail(e)
         choices = []
-        for got in ends:
-            if got[-1].finish_reason == "error":
-                return fail(ApiError(f"the request failed in the engine: {got[-1].error}", 500))
         kept = ends if parsed.best_of is None else best(ends, parsed.best_of)
         for got in kept:
             last = got[-1]
@@ -314,59 +207,6 @@ def build_app(
             events.append(event(tail))
         events.append("data: [DONE]\n\n")
         return StreamingResponse(iter(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    async def start(parsed: ParsedRequest, outputs: list) -> list[RequestOutput]:
-        """Submit the request's ``n`` answers (into ``outputs``) and wait for their first outputs. The first answer
-        goes alone: once its prompt is read, the others find the prompt's full blocks in the prefix cache."""
-        try:
-            outputs.append(engine.generate(parsed.prompt_ids, parsed.params))
-            firsts = [await anext(outputs[0])]
-            rest = [engine.generate(parsed.prompt_ids, parsed.params.for_choice(i)) for i in range(1, parsed.n)]
-            outputs += rest
-            got = await asyncio.gather(*(anext(o) for o in rest), return_exceptions=True)
-        except BaseException:
-            await close(outputs)
-            raise
-        for item in got:
-            if isinstance(item, BaseException):
-                await close(outputs)
-                raise item
-        return firsts + got
-
-    async def close(outputs: list) -> None:
-        """Close answers' output streams (an unfinished one's request is aborted, its blocks freed)."""
-        for o in outputs:
-            await o.aclose()
-
-    async def merged(firsts: list[RequestOutput], outputs: list) -> AsyncIterator[tuple[int, object]]:
-        """``(answer index, output or the exception its stream raised)`` as they come; one answer is read directly."""
-        if len(outputs) == 1:
-            yield 0, firsts[0]
-            try:
-                async for out in outputs[0]:
-                    yield 0, out
-            except Exception as e:
-                yield 0, e
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                async for out in outputs[i]:
-                    queue.put_nowait((i, out))
-            except Exception as e:
-                queue.put_nowait((i, e))
-
-        for i, first in enumerate(firsts):
-            queue.put_nowait((i, first))
-        tasks = [asyncio.ensure_future(pump(i)) for i, first in enumerate(firsts) if not first.finished]
-        try:
-            while True:
-                yield await queue.get()
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stream(
         rid: str, parsed: ParsedRequest, firsts: list[RequestOutput], outputs: list, chat: bool, created: int,
@@ -453,26 +293,28 @@ def build_app(
     async def chat_completion(request: Request) -> Response:
         return await completions(request, chat=True)
 
-    def engine_failure(e: Exception) -> ApiError:
-        if isinstance(e, EngineStopped):
-            return ApiError(f"the engine is not running ({e}); retry later", 503)
-        return ApiError(f"the request failed in the engine: {type(e).__name__}: {e}", 500)
-
     routes = [
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/v1/models", models),
         Route("/v1/completions", completion, methods=["POST"]),
         Route("/v1/chat/completions", chat_completion, methods=["POST"]),
+        *MessagesRoutes(driver).routes,
+        *ResponsesRoutes(driver).routes,
     ]
 
+    def failed(request: Request, e: ApiError) -> Response:
+        """An error no route answered, in the shape of the API the path belongs to."""
+        return (anthropic_fail if request.url.path.startswith("/v1/messages") else fail)(e)
+
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        return fail(ApiError(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code))
+        return failed(request, ApiError(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code))
 
     async def unexpected(request: Request, exc: Exception) -> Response:
-        # the last net under every route: a bug still answers in OpenAI's error shape (the client's library reads it),
+        # the last net under every route: a bug still answers in the API's error shape (the client's library reads it),
         # never starlette's plain-text 500; starlette re-raises it afterwards, so the server's log keeps the traceback
-        return fail(ApiError(f"{request.method} {request.url.path} failed: {type(exc).__name__}: {exc}", 500))
+        message = f"{request.method} {request.url.path} failed: {type(exc).__name__}: {exc}"
+        return failed(request, ApiError(message, 500))
 
     handlers = {HTTPException: http_error, Exception: unexpected}
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
