@@ -72,37 +72,6 @@ inline void chunk_scores(const float* q, const float* k, int64_t sk, int64_t n, 
   }
 }
 
-// chunk_scores over rows packed D apart (a chunk's keys dequantized into scratch), D a constant: the 16 keys' rows are
-// then fixed offsets from one pointer, not 16 pointers the compiler runs out of registers for. The same operations in
-// the same order as chunk_scores, so the same bits.
-template <int64_t D>
-inline void chunk_scores_packed(const float* q, const float* k, int64_t n, float* s) {
-  int64_t c = 0;
-#if GQA_SIMD > 1
-  for (; c + LANES <= n; c += LANES) {
-    const float* kc = k + c * D;
-    vec acc[LANES];
-    for (int i = 0; i < LANES; ++i) acc[i] = vzero();
-    for (int64_t d = 0; d < D; d += LANES) {
-      const vec qd = vload(q + d);
-      for (int i = 0; i < LANES; ++i) acc[i] = vfma(qd, vload(kc + i * D + d), acc[i]);
-    }
-    vstore(s + c, reduce_lanes(acc));
-  }
-#endif
-  if (c < n) chunk_scores(q, k + c * D, D, n - c, D, s + c);
-}
-
-// chunk_scores of packed rows, the common head dims as constants.
-inline void packed_scores(const float* q, const float* k, int64_t n, int64_t D, float* s) {
-  switch (D) {
-    case 64: return chunk_scores_packed<64>(q, k, n, s);
-    case 128: return chunk_scores_packed<128>(q, k, n, s);
-    case 256: return chunk_scores_packed<256>(q, k, n, s);
-    default: return chunk_scores(q, k, D, n, D, s);
-  }
-}
-
 #if defined(__AVX512BF16__)
 // bfloat16 keys and query: s[c] = scale * (q . k[c]) with vdpbf16ps (32 products per instruction, exact products,
 // float32 sums), straight from the cache's bf16 rows. Needs D % 32 == 0.
@@ -502,12 +471,12 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
       if (causal) visible = std::max<int64_t>(0, std::min(n, S - L + lr + 1 - c0));
       float* s = sc.scores.data() + r * CHUNK;
       if (k_quantized) {
-        packed_scores(qf + r * D, sc.kbuf.data(), visible, D, s);
+        chunk_scores(qf + r * D, sc.kbuf.data(), D, visible, D, s);
       } else if constexpr (std::is_same_v<T, float>) {
         for (int64_t a = c0, len; a < c0 + visible; a += len)
           len = seg_len(a, c0 + visible), chunk_scores(qf + r * D, key_row(a), sk, len, D, s + (a - c0));
       } else if (!use_dpbf16) {
-        packed_scores(qf + r * D, sc.kbuf.data(), visible, D, s);
+        chunk_scores(qf + r * D, sc.kbuf.data(), D, visible, D, s);
       }
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, BFloat16>) {
