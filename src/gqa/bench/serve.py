@@ -91,6 +91,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1], metavar="N",
                         help="serve gqa's loads at each of these tensor-parallel sizes (gqa serve --tp N; one thread "
                         "per rank on 2 cores), responses compared with the first's")  # fmt: skip
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1], metavar="N",
+                        help="serve gqa's loads at each of these replica counts too (gqa serve --replicas N, cores/N "
+                        "threads each), responses compared with the first's")  # fmt: skip
+    parser.add_argument(
+        "--routing", nargs="*", default=None, choices=("prefix", "least-loaded", "round-robin"), metavar="POLICY",
+        help="also run the shared-prefix workload (bench.replica_workload: 4 long system prompts, the largest "
+        "--clients) on one engine and on --replicas' largest count with each of these routings (default: prefix "
+        "round-robin): the prefix cache's hit rate and tok/s of each",
+    )  # fmt: skip
     parser.add_argument("--structured", action="store_true",
                         help="also serve gqa's loads with a JSON schema as response_format")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-serve"), help="folder for results.json and .md")
@@ -128,19 +137,28 @@ class ServerProcess:
         raise RuntimeError(f"{argv[:4]} did not answer in 300 s; see {log}")
 
     def peak_rss_mib(self) -> float:
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return float("nan")
+        """The server's peak resident memory, summed over its process and every process under it (replicas, ranks):
+        each one's own peak, so an upper bound of the tree's."""
+        pids, total = [self.proc.pid], 0.0
+        while pids:
+            pid = pids.pop()
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        total += int(line.split()[1]) / 1024
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    pids += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+        return total or float("nan")
 
     def metrics(self) -> dict[str, float]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()
-        return {k: float(v) for k, v in (ln.split() for ln in text.splitlines() if ln and not ln.startswith("#"))}
+        values = {k: float(v) for k, v in (ln.split() for ln in text.splitlines() if ln and not ln.startswith("#"))}
+        # behind gqa serve --replicas: the replicas' totals under the plain names
+        return values | {k.replace('{replica="all"}', ""): v for k, v in values.items() if '{replica="all"}' in k}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -152,10 +170,13 @@ class ServerProcess:
                 self.proc.wait(10)
 
 
-def stream_chat(port: int, model: str, prompt: str, max_tokens: int, schema: dict | None = None) -> dict:
-    """One streamed greedy chat request (``schema``: its answer held to that JSON schema): its text, token count
-    (chunks with content) and arrival times."""
-    request = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+def stream_chat(
+    port: int, model: str, prompt: str, max_tokens: int, schema: dict | None = None, system: str | None = None
+) -> dict:
+    """One streamed greedy chat request (``schema``: its answer held to that JSON schema; ``system``: a system
+    message first): its text, token count (chunks with content) and arrival times."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    request = {"model": model, "messages": messages, "max_tokens": max_tokens,
                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if schema is not None:
         request["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
@@ -185,12 +206,16 @@ def stream_chat(port: int, model: str, prompt: str, max_tokens: int, schema: dic
     return {"text": "".join(text), "times": times, "start": start, "tokens": tokens or len(times)}
 
 
-def load(port: int, model: str, texts: list[str], clients: int, max_tokens: int, schema: dict | None = None) -> dict:
-    """``texts`` sent by ``clients`` concurrent clients; the load's summary and each response's text (``schema``: held
-    to it, and counted where they parse and validate)."""
+def load(
+    port: int, model: str, texts: list[str], clients: int, max_tokens: int, schema: dict | None = None,
+    systems: list[str] | None = None,
+) -> dict:  # fmt: skip
+    """``texts`` sent by ``clients`` concurrent clients (``systems``: each with that system message); the load's
+    summary and each response's text (``schema``: held to it, and counted where they parse and validate)."""
     start = time.perf_counter()
+    systems = systems or [None] * len(texts)
     with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda p: stream_chat(port, model, p, max_tokens, schema), texts))
+        results = list(pool.map(lambda p, s: stream_chat(port, model, p, max_tokens, schema, s), texts, systems))
     wall = time.perf_counter() - start
     ttft = [r["times"][0] - r["start"] for r in results if r["times"]]
     itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:], strict=False)]
@@ -230,6 +255,8 @@ def server_argv(engine: str, model_path: str | None, ns: argparse.Namespace, por
             argv += ["--device", ns.device]
         if getattr(ns, "gqa_tp", 1) > 1:
             argv += ["--tp", str(ns.gqa_tp)]
+        if getattr(ns, "gqa_replicas", 1) > 1:
+            argv += ["--replicas", str(ns.gqa_replicas), "--replica-routing", getattr(ns, "gqa_routing", "prefix")]
         if getattr(ns, "gqa_speculate", 0):
             argv += ["--speculate", str(ns.gqa_speculate)]
         return argv + (["--model", model_path] if model_path else [])
@@ -353,6 +380,17 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         share = [ln for ln in (ns.out / f"gqa, --tp {tp}.log").read_text().splitlines() if "all-reduces" in ln]
         print(f"[bench serve] --tp {tp}: {rows[-1]['differ_from_plain']} responses differ from tp 1's; "
               f"{share[-1] if share else ''}", file=sys.stderr)  # fmt: skip
+    for replicas in [r for r in dict.fromkeys(ns.replicas) if r != 1] if "gqa" in engines else []:
+        spread = argparse.Namespace(**{**vars(ns), "gqa_replicas": replicas})
+        rows.append(bench_engine("gqa", ns.model, spread, ns.kv_cache_mib / replicas, f"gqa, --replicas {replicas}"))
+        plain = next(r for r in rows if r["tag"] == "gqa")
+        rows[-1]["differ_from_plain"] = sum(a != b for a, b in zip(plain["texts"], rows[-1]["texts"], strict=True))
+        print(f"[bench serve] --replicas {replicas}: {rows[-1]['differ_from_plain']} responses differ from one "
+              "engine's", file=sys.stderr)  # fmt: skip
+    if ns.routing is not None and "gqa" in engines:
+        from .replica_workload import routing_rows
+
+        rows += routing_rows(ns, max(max(ns.replicas), 2), ns.routing or ["prefix", "round-robin"])
     if ns.speculate and "gqa" in engines:
         drafting = argparse.Namespace(**{**vars(ns), "gqa_speculate": ns.speculate})
         rows.append(bench_engine("gqa", ns.model, drafting, ns.kv_cache_mib, f"gqa, --speculate {ns.speculate}"))

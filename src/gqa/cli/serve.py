@@ -41,6 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_kv_dtype_arguments(parser)
     add_tp_argument(parser)  # gqa serve --tp N: cli.serve_tp
     parser.add_argument(
+        "--replicas", type=int, default=1, metavar="N",
+        help="N engines (local processes, each with cores/N threads and --tp ranks; under torchrun one per process) "
+        "behind one HTTP front that sends a request to the replica most likely to hold its prompt's prefix, else "
+        "the least loaded (default: 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--replica-routing", default="prefix", choices=("prefix", "least-loaded", "round-robin"),
+        help="how --replicas' front picks a replica (default: prefix, then least loaded)",
+    )  # fmt: skip
+    parser.add_argument(
         "--device", default="cpu", metavar="DEV",
         help="cpu (the native kernels) or cuda / cuda:N (the paged Triton kernel, KV pool in device memory; auto "
         "dtype is bf16 there, quantized weights are dequantized)",
@@ -173,9 +183,14 @@ def served_models(ns: argparse.Namespace) -> list[tuple[str, str | None]]:
     return models
 
 
-def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+def run(parser: argparse.ArgumentParser | None, ns: argparse.Namespace) -> int:
     from .parallel import tp_size
 
+    if ns.replicas != 1:
+        from .serve_replicas import serve_replicas
+
+        serving_settings(ns)  # every flag checked here, before a replica starts
+        return serve_replicas(ns, ns.replicas, serve_replica, serve_http)
     if tp_size(ns) > 1:  # --tp N, or under torchrun: serve_tp starts (or joins) the ranks
         from .serve_tp import serve_tp
 
@@ -183,9 +198,17 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     return serve_http(ns, serving_app(ns))
 
 
+def serve_replica(ns: argparse.Namespace) -> int:
+    """One replica of ``gqa serve --replicas`` (in a child process): ``gqa serve`` with its flags."""
+    return run(None, ns)
+
+
 def serve_http(ns: argparse.Namespace, app, watch=None) -> int:
-    """Serve ``app`` on ``--host``/``--port`` until SIGTERM / Ctrl-C; 0 after a graceful stop, 1 if it never started.
-    ``watch(server)``, when given, is called with the ``uvicorn.Server`` before it runs."""
+    """Serve ``app`` on ``--host``/``--port`` (or on the listening socket ``ns.listen_fd``, a replica's) until
+    SIGTERM / Ctrl-C; 0 after a graceful stop, 1 if it never started. ``watch(server)``, when given, is called with
+    the ``uvicorn.Server`` before it runs."""
+    import socket
+
     import uvicorn
 
     from ..serve.http_protocol import with_header_timeout
@@ -200,7 +223,8 @@ def serve_http(ns: argparse.Namespace, app, watch=None) -> int:
         signal.signal(sig, lambda number, frame: None)
     if watch is not None:
         watch(server)
-    server.run()
+    fd = getattr(ns, "listen_fd", None)
+    server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
     return 0 if server.started else 1
 
 

@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "CORES_ENV",
     "DEFAULT_TIMEOUT_S",
     "DistributedError",
+    "available_cores",
     "in_launched_world",
     "init_process_group",
     "launch_local",
@@ -60,6 +62,15 @@ def timeout_seconds() -> float:
     return value
 
 
+CORES_ENV = "GQA_CPU_CORES"  # the cores this process and the ranks it starts may use (a replica's share); default: all
+
+
+def available_cores() -> int:
+    """The cores this process may use: ``$GQA_CPU_CORES`` (set for a replica of ``gqa serve --replicas``), else
+    every core of the machine."""
+    return int(os.environ.get(CORES_ENV, "0")) or os.cpu_count() or 1
+
+
 def in_launched_world() -> bool:
     """Whether this process is one of several started by torchrun (or ``launch_local``)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -74,7 +85,7 @@ def init_process_group(device: str | torch.device = "cpu") -> tuple[int, int]:
     device = torch.device(device)
     if not dist.is_initialized():
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local_world, 1)))
+        torch.set_num_threads(max(1, available_cores() // max(local_world, 1)))
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

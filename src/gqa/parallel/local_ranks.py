@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .distributed import init_process_group
 
-__all__ = ["LocalRanks", "start_local_ranks"]
+__all__ = ["LocalRanks", "die_with_parent", "start_local_ranks"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -68,7 +68,7 @@ def _world_env(rank: int, world: int, port: int) -> dict[str, str]:
             "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}  # fmt: skip
 
 
-def _die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int) -> None:
     """Have the kernel kill this process when its parent dies (Linux; elsewhere nothing is asked)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -77,7 +77,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _rank_main(env: dict[str, str], parent: int, device: str, fn: Callable[..., Any], args: tuple) -> None:
-    _die_with_parent(parent)
+    die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
     init_process_group(device)

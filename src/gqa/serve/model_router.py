@@ -411,12 +411,12 @@ def label(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def merged_metrics(texts: dict[str, str]) -> str:
-    """Prometheus texts, one per model, as one: every sample labelled ``model="name"``, each metric's ``# HELP`` and
-    ``# TYPE`` once, its samples together."""
+def merged_metrics(texts: dict[str, str], key: str = "model") -> str:
+    """Prometheus texts, one per model (or replica: ``key``), as one: every sample labelled ``model="name"``, each
+    metric's ``# HELP`` and ``# TYPE`` once, its samples together."""
     heads: dict[str, list[str]] = {}
     samples: dict[str, list[str]] = {}
-    for model, text in texts.items():
+    for source, text in texts.items():
         family = None
         for line in text.splitlines():
             if line.startswith(("# HELP ", "# TYPE ")):
@@ -428,7 +428,7 @@ def merged_metrics(texts: dict[str, str]) -> str:
             elif line.strip() and not line.startswith("#") and family is not None:
                 metric, _, value = line.rpartition(" ")
                 name, brace, rest = metric.partition("{")
-                labels = f"model={label(model)}" + ("," + rest[:-1] if brace and rest != "}" else "")
+                labels = f"{key}={label(source)}" + ("," + rest[:-1] if brace and rest != "}" else "")
                 samples[family].append(f"{name}{{{labels}}} {value}")
     return "".join("\n".join(heads[f] + samples[f]) + "\n" for f in heads)
 
