@@ -368,4 +368,3 @@ def summed_metrics(texts: list[str]) -> str:
 
 def say(text: str) -> None:
     print(f"gqa serve: {text}", file=sys.stderr, flush=True)
-
