@@ -209,14 +209,15 @@ def test_unpermute_qk_inverts_llamacpp_permute_in_place():
     assert llamacpp_permute(np.arange(4), 1).tolist() == [0, 2, 1, 3]  # rotate-half pairs (0, 2), (1, 3) interleaved
     assert unpermute_qk_(torch.tensor([0, 2, 1, 3]), 1).tolist() == [0, 1, 2, 3]
     torch.manual_seed(0)
-    for n_heads, D, rest in [(3, 8, (5,)), (2, 4, ()), (6, 2, (3,))]:
-        w = torch.randn(n_heads * D, *rest)
-        permuted = torch.from_numpy(llamacpp_permute(w.numpy(), n_heads))
-        expected = torch.from_numpy(unpermute_by_index(permuted.numpy(), n_heads))
-        out = unpermute_qk_(permuted, n_heads)
-        assert out.data_ptr() == permuted.data_ptr()  # in place: no second copy of the rows
-        assert torch.equal(out, w)
-        assert torch.equal(out, expected)
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):  # float weights and biases, and rows of blocks
+        for n_heads, D, rest in [(3, 8, (5,)), (2, 4, ()), (6, 2, (3,))]:
+            w = torch.randint(0, 256, (n_heads * D, *rest)).to(dtype)
+            permuted = torch.from_numpy(llamacpp_permute(w.float().numpy(), n_heads)).to(dtype)
+            expected = torch.from_numpy(unpermute_by_index(permuted.float().numpy(), n_heads)).to(dtype)
+            out = unpermute_qk_(permuted, n_heads)
+            assert out.data_ptr() == permuted.data_ptr() and out.dtype == dtype  # in place: no second copy
+            assert torch.equal(out, w)
+            assert torch.equal(out, expected)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
