@@ -32,6 +32,7 @@ from ..._paths import cache_root
 from .llama_bench import llama_bench, llama_first_token_cmd
 from .processes import cached_bytes, drop_page_cache, timed_process
 from .random_files import LLAMA_SHAPES, find_llama_tool, model_file
+from .report import ceiling_share
 
 __all__ = ["default_model_dir", "run_shapes", "shapes_table"]
 
@@ -127,10 +128,8 @@ def shapes_table(payload: dict, read_gbps: float | None) -> str:
                  "| measurement | gqa | llama.cpp | gqa vs llama.cpp |", "|---|---:|---:|---:|"]  # fmt: skip
         row0 = ours["rows"][0]
         their_tg = theirs["decode"] if theirs else None
-        ceiling = ""
-        if read_gbps:
-            read = (row0["weight_bytes"] + row0["kv_bytes"]) * row0["decode_tok_s"] / 1e9
-            ceiling = f" ({read / read_gbps:.0%} of the {read_gbps:.0f} GB/s ceiling)"
+        share = ceiling_share(row0, read_gbps)
+        ceiling = "" if share is None else f" ({share:.0%} of the {read_gbps:.0f} GB/s ceiling)"
         lines.append(
             f"| decode tok/s (gqa after {row0['context']} tokens; llama.cpp tg{ours['rows'][0]['new_tokens']}) | "
             f"{row0['decode_tok_s']:.2f}{ceiling} | {_fmt(their_tg)} | "
