@@ -228,6 +228,19 @@ def test_unknown_or_unsupported_dtypes_are_errors(capsys, args, message):
 
 
 @pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--prefix-cache-gib", "0"), "--prefix-cache-gib must be > 0, got 0.0"),
+        (("--prefix-cache-gib", "nan"), "--prefix-cache-gib must be > 0, got nan"),
+        (("--prefix-cache-dir", "/dev/null"), "--prefix-cache-dir /dev/null: not a directory"),
+    ],
+)
+def test_prefix_cache_flags_name_themselves_in_errors(capsys, args, message):
+    code, _, err = run_cli(capsys, "serve", *args)  # refused before a model is loaded
+    assert code == 2 and message in err
+
+
+@pytest.mark.parametrize(
     ("flags", "warning"),
     [
         (["--top-k", "5"], "--top-k has no effect at --temperature 0 (greedy decoding)"),

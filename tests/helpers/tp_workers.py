@@ -126,3 +126,20 @@ def generate_checking_kv(ns: object, expected: tuple[str, str]) -> int:
     finally:
         loader.load_model = load
     return code if kinds == [expected] else 3
+
+
+def start_serving_shards(layers: list[int], kv: list[str]) -> int:
+    """Rank ``r`` builds a small random float32 model of ``layers[r]`` layers, shards it and starts a serving shard
+    storing K/V as ``kv[r]`` (``serve.tp_runner.ShardStep``: the ranks compare their fingerprints): its pool's
+    blocks."""
+    from gqa.models import ModelConfig
+    from gqa.models.llama import CausalLM
+    from gqa.serve.config import EngineConfig
+    from gqa.serve.tp_runner import ShardStep
+
+    rank = dist.get_rank()
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=layers[rank], num_heads=4,
+                      num_kv_heads=2, head_dim=32, max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    model = shard_model(cfg, CausalLM(cfg).state_dict())
+    return ShardStep(model, EngineConfig(kv_cache_mib=1, kv_cache_dtype=kv[rank])).cache.num_blocks

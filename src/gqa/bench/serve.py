@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--speculate", type=int, default=0, metavar="K",
                         help="also serve gqa's loads with gqa serve --speculate K (prompt-lookup drafts)")  # fmt: skip
+    parser.add_argument("--tp", type=int, nargs="+", default=[1], metavar="N",
+                        help="serve gqa's loads at each of these tensor-parallel sizes (gqa serve --tp N; one thread "
+                        "per rank on 2 cores), responses compared with the first's")  # fmt: skip
     parser.add_argument("--structured", action="store_true",
                         help="also serve gqa's loads with a JSON schema as response_format")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-serve"), help="folder for results.json and .md")
@@ -225,6 +228,8 @@ def server_argv(engine: str, model_path: str | None, ns: argparse.Namespace, por
             argv += ["--kv-cache-dtype", kv]
         if getattr(ns, "device", "cpu") != "cpu":
             argv += ["--device", ns.device]
+        if getattr(ns, "gqa_tp", 1) > 1:
+            argv += ["--tp", str(ns.gqa_tp)]
         if getattr(ns, "gqa_speculate", 0):
             argv += ["--speculate", str(ns.gqa_speculate)]
         return argv + (["--model", model_path] if model_path else [])
@@ -340,6 +345,14 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             engines.remove("llama.cpp")
     os.environ["OMP_NUM_THREADS"] = str(ns.threads)
     rows = [bench_engine(e, ns.model, ns, ns.kv_cache_mib, e) for e in engines]
+    for tp in [t for t in dict.fromkeys(ns.tp) if t != 1] if "gqa" in engines else []:
+        sharded = argparse.Namespace(**{**vars(ns), "gqa_tp": tp})
+        rows.append(bench_engine("gqa", ns.model, sharded, ns.kv_cache_mib, f"gqa, --tp {tp}"))
+        plain = next(r for r in rows if r["tag"] == "gqa")
+        rows[-1]["differ_from_plain"] = sum(a != b for a, b in zip(plain["texts"], rows[-1]["texts"], strict=True))
+        share = [ln for ln in (ns.out / f"gqa, --tp {tp}.log").read_text().splitlines() if "all-reduces" in ln]
+        print(f"[bench serve] --tp {tp}: {rows[-1]['differ_from_plain']} responses differ from tp 1's; "
+              f"{share[-1] if share else ''}", file=sys.stderr)  # fmt: skip
     if ns.speculate and "gqa" in engines:
         drafting = argparse.Namespace(**{**vars(ns), "gqa_speculate": ns.speculate})
         rows.append(bench_engine("gqa", ns.model, drafting, ns.kv_cache_mib, f"gqa, --speculate {ns.speculate}"))

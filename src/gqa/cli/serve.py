@@ -15,6 +15,7 @@ from ..options.common import (
     EMBEDDED_MODEL,
     add_kv_dtype_arguments,
     add_model_arguments,
+    add_tp_argument,
     kv_dtype_choice,
     kv_flag_errors,
     loading,
@@ -38,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(a request's 'model' picks one; default: embedded SmolLM2-135M)",
     )
     add_kv_dtype_arguments(parser)
+    add_tp_argument(parser)  # gqa serve --tp N: cli.serve_tp
     parser.add_argument(
         "--device", default="cpu", metavar="DEV",
         help="cpu (the native kernels) or cuda / cuda:N (the paged Triton kernel, KV pool in device memory; auto "
@@ -65,6 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculate", type=int, default=0, metavar="K",
         help="verify up to K draft tokens per step for greedy requests, looked up in their own prompt and output "
         "(exactly greedy's output; pays off where answers copy their context; 0: off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-cache-dir", type=Path, default=None, metavar="DIR",
+        help="keep prompts' full KV blocks in DIR (a file per block, keyed by the model's weights, dtypes, KV cache "
+        "type and block size), so a prompt prefix seen before — also before a restart — is read, not prefilled "
+        "(default: off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-cache-gib", type=float, default=4.0, metavar="N",
+        help="at most N GiB of files in --prefix-cache-dir, the least recently used deleted first",
     )  # fmt: skip
     parser.add_argument(
         "--api-key", default=None,
@@ -162,12 +174,23 @@ def served_models(ns: argparse.Namespace) -> list[tuple[str, str | None]]:
 
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from .parallel import tp_size
+
+    if tp_size(ns) > 1:  # --tp N, or under torchrun: serve_tp starts (or joins) the ranks
+        from .serve_tp import serve_tp
+
+        return serve_tp(*serving_settings(ns), tp_size(ns), engine_config(ns), load_served, serve_http)
+    return serve_http(ns, serving_app(ns))
+
+
+def serve_http(ns: argparse.Namespace, app, watch=None) -> int:
+    """Serve ``app`` on ``--host``/``--port`` until SIGTERM / Ctrl-C; 0 after a graceful stop, 1 if it never started.
+    ``watch(server)``, when given, is called with the ``uvicorn.Server`` before it runs."""
     import uvicorn
 
     from ..serve.http_protocol import with_header_timeout
 
     protocol = with_header_timeout(ns.header_timeout)
-    app = serving_app(ns)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=30, http=protocol)  # fmt: skip
     server = uvicorn.Server(config)
@@ -175,6 +198,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     # one that does nothing makes a graceful stop exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda number, frame: None)
+    if watch is not None:
+        watch(server)
     server.run()
     return 0 if server.started else 1
 
@@ -183,9 +208,18 @@ def serving_app(ns: argparse.Namespace):
     """The ASGI app ``gqa serve`` serves, the flags checked (``ValueError`` naming one): one model's app
     (``server.build_app``), loaded now; or, for several, the router (``model_router``) that loads each on its first
     request."""
+    settings, models = serving_settings(ns)
+    if len(models) == 1:  # loaded now and served directly: no router in the way
+        return load_served(settings, models[0][1], models[0][0]).app
+    return model_router(settings, models)
+
+
+def serving_settings(ns: argparse.Namespace) -> tuple[Settings, list[tuple[str, str | None]]]:
+    """The flags read and checked (``ValueError`` naming one), and the models to serve (``served_models``)."""
     from ..hardware import auto_dtype
     from ..options.dtypes import DTYPES
     from ..serve.config import MAX_DRAFT
+    from ..serve.prefix_store import writable_directory
 
     for flag, value, low in (("--port", ns.port, 0), ("--block-size", ns.block_size, 1),
                              ("--max-running", ns.max_running, 1), ("--max-queue", ns.max_queue, 0),
@@ -196,6 +230,10 @@ def serving_app(ns: argparse.Namespace):
         raise ValueError(f"--kv-cache-mib must be > 0, got {ns.kv_cache_mib}")
     if not 0 <= ns.speculate <= MAX_DRAFT:
         raise ValueError(f"--speculate must be in [0, {MAX_DRAFT}], got {ns.speculate}")
+    if not (math.isfinite(ns.prefix_cache_gib) and ns.prefix_cache_gib > 0):
+        raise ValueError(f"--prefix-cache-gib must be > 0, got {ns.prefix_cache_gib}")
+    if ns.prefix_cache_dir is not None:
+        writable_directory(ns.prefix_cache_dir, "--prefix-cache-dir")  # before the model is loaded
     if not ns.max_body_mib > 0:
         raise ValueError(f"--max-body-mib must be > 0, got {ns.max_body_mib}")
     if ns.max_loaded is not None and ns.max_loaded < 1:
@@ -215,10 +253,7 @@ def serving_app(ns: argparse.Namespace):
         dtype = DTYPES["bf16"] if ns.dtype == "auto" else DTYPES[ns.dtype]
     else:
         dtype = auto_dtype() if ns.dtype == "auto" else DTYPES[ns.dtype]
-    settings = Settings(ns, device, dtype, template, api_key)
-    if len(models) == 1:  # loaded now and served directly: no router in the way
-        return load_served(settings, models[0][1], models[0][0]).app
-    return model_router(settings, models)
+    return Settings(ns, device, dtype, template, api_key), models
 
 
 @dataclass(frozen=True)
@@ -237,16 +272,17 @@ def load_served(settings: Settings, path: str | None, name: str):
     ``model_router.Loaded`` (the app's lifespan starts its engine thread)."""
     from ..loaders.model import load_model
     from ..serve.async_engine import AsyncEngine
-    from ..serve.config import EngineConfig
     from ..serve.engine import Engine, EngineError
     from ..serve.model_router import Loaded
     from ..serve.runner import full_context_bytes
     from ..serve.server import build_app
+    from ..serve.tp_runner import ShardedRunner
 
     ns, device, dtype, template = settings.ns, settings.device, settings.dtype, settings.template
+    sharded = getattr(ns, "sharded", False)  # rank 0 of a tensor-parallel server (serve_tp)
     with kv_flag_errors(), loading(f"{model_label(path)} as {ns.dtype} on {device}"):
         model = load_model(path, dtype="auto" if ns.dtype == "auto" and device.type == "cpu" else dtype,
-                           device=device, kv_dtype=kv_dtype_choice(ns))  # fmt: skip
+                           device=device, kv_dtype=kv_dtype_choice(ns), tensor_parallel=sharded)  # fmt: skip
     if template is not None:
         if model.tokenizer is None:
             raise ValueError("--chat-template: this model has no tokenizer")
@@ -255,9 +291,8 @@ def load_served(settings: Settings, path: str | None, name: str):
         except ValueError as e:
             raise ValueError(f"--chat-template {ns.chat_template}: {e}") from None
     try:
-        config = EngineConfig(kv_cache_mib=ns.kv_cache_mib, block_size=ns.block_size, max_running=ns.max_running,
-                              prefill_chunk=ns.prefill_chunk, speculate=ns.speculate)  # fmt: skip
-        engine = Engine(model, model.tokenizer, config)
+        config = engine_config(ns)
+        engine = Engine(model, model.tokenizer, config, runner=ShardedRunner if sharded else None)
     except EngineError as e:
         raise ValueError(f"this model cannot be served: {e}") from e
     cfg, blocks = model.config, engine.blocks
@@ -270,6 +305,8 @@ def load_served(settings: Settings, path: str | None, name: str):
         f"{cfg.max_position_embeddings}-token contexts; {engine.runner.pool_size.reason})",
         file=sys.stderr,
     )
+    if engine.disk is not None:
+        print(f"gqa serve: prefix cache on disk: {engine.disk.store}", file=sys.stderr)
     if slots < cfg.max_position_embeddings:  # say it once, at start, not as a refusal per request
         full = full_context_bytes(model, config) / 2**20
         print(f"gqa serve: note: the KV cache holds {slots} tokens, fewer than the model's context of "
@@ -279,6 +316,15 @@ def load_served(settings: Settings, path: str | None, name: str):
     app = build_app(served, model.tokenizer, name, settings.api_key, max_body_bytes=int(ns.max_body_mib * 2**20))
     weights = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
     return Loaded(app, served, weights + engine.cache.nbytes)
+
+
+def engine_config(ns: argparse.Namespace):
+    """The ``EngineConfig`` the flags ask for."""
+    from ..serve.config import EngineConfig
+
+    return EngineConfig(kv_cache_mib=ns.kv_cache_mib, block_size=ns.block_size, max_running=ns.max_running,
+                        prefill_chunk=ns.prefill_chunk, speculate=ns.speculate,
+                        prefix_cache_dir=ns.prefix_cache_dir, prefix_cache_gib=ns.prefix_cache_gib)  # fmt: skip
 
 
 def model_router(settings: Settings, models: list[tuple[str, str | None]]):

@@ -218,8 +218,8 @@ class ReducingLinear(Linear):
 
 def shard_model(cfg: ModelConfig, state: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None) -> CausalLM:
     """This process's part of the model in ``group`` (default: the whole world), ready to run in step with the other
-    ranks: a ``CausalLM`` with the local config, ``o_proj``/``down_proj`` all-reducing, and ``model.shard`` (a
-    ``RankShard``) saying what part of the whole it holds."""
+    ranks: a ``CausalLM`` with the local config, ``o_proj``/``down_proj`` all-reducing, ``model.shard`` (a
+    ``RankShard``) saying what part of the whole it holds and ``model.whole_config`` the whole model's config."""
     from ..models.llama import CausalLM
 
     if not dist.is_initialized():
@@ -234,5 +234,5 @@ def shard_model(cfg: ModelConfig, state: dict[str, torch.Tensor], group: dist.Pr
             reducing = ReducingLinear(linear.in_features, linear.out_features, bias=False, device="meta")
             reducing.weight, reducing.group = linear.weight, group  # the same parameter, under the same name
             setattr(parent, name, reducing)
-    model.shard = shard
+    model.shard, model.whole_config = shard, cfg
     return model

@@ -175,6 +175,7 @@ class AsyncEngine:
         finally:  # however the thread ends: nobody waits for it
             for request_id in list(self._queues):
                 self._post(request_id, EngineStopped("the engine stopped"))
+            self.engine.close()  # the prefix cache's blocks still queued go to disk
 
     def _serve(self) -> bool:
         """One turn of the engine thread: the queued commands, then a step (or a wait for work); False to end."""

@@ -16,6 +16,8 @@ recently freed first) when fresh blocks run out.
     manager.append(table, next_id)            # one more token; a new block when the last one is full
     manager.release_before(table, position)   # a sliding window moved past its first blocks: they go back early
     manager.free(table)                       # blocks go back (full ones stay cached until reclaimed)
+    block = manager.hold(block_hash)          # one more reference to a cached block while it is read elsewhere
+    manager.release(block)                    # (written to disk)
 """
 
 from __future__ import annotations
@@ -142,6 +144,19 @@ class BlockManager:
             self._drop(table.blocks[i])
         table.released = max(first, end)
         return table.released - first
+
+    def hold(self, block_hash: bytes) -> int | None:
+        """One more reference to the cached block with ``block_hash``, in use or idle: it is not reused until
+        ``release`` (a block being written to disk, ``prefix_disk``). Its id, or None where no block has that hash
+        (never cached, or reclaimed since)."""
+        block = self._cached.get(block_hash)
+        if block is not None:
+            self._take(block)
+        return block
+
+    def release(self, block: int) -> None:
+        """Give back a reference ``hold`` took."""
+        self._drop(block)
 
     def _drop(self, block: int) -> None:
         self.refs[block] -= 1

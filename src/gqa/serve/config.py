@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 __all__ = ["MAX_DRAFT", "EngineConfig"]
@@ -18,7 +19,9 @@ class EngineConfig:
     ``max_running``: requests decoded together at most; ``prefill_chunk``: prompt tokens per step while others decode
     (four times as many while none does); ``speculate``: draft tokens per step at most for greedy requests, looked up
     in their own tokens (speculation.py; 0: off); ``kv_cache_dtype``: what the pool stores K/V as
-    (``cache.kv.kv_kinds``: ``"q8_0"``, ``"q4_0"``, a ``(K, V)`` pair; ``None``: the model's ``kv_dtype``)."""
+    (``cache.kv.kv_kinds``: ``"q8_0"``, ``"q4_0"``, a ``(K, V)`` pair; ``None``: the model's ``kv_dtype``);
+    ``prefix_cache_dir``: a directory that keeps prompts' full KV blocks across restarts (``prefix_disk``; ``None``:
+    off), at most ``prefix_cache_gib`` GiB of files, the least recently used deleted first."""
 
     kv_cache_mib: float | None = None
     kv_cache_dtype: object = None
@@ -26,6 +29,8 @@ class EngineConfig:
     max_running: int = 64
     prefill_chunk: int = 64
     speculate: int = 0
+    prefix_cache_dir: str | os.PathLike | None = None
+    prefix_cache_gib: float = 4.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_running", "prefill_chunk"):
@@ -40,3 +45,8 @@ class EngineConfig:
         k = self.speculate
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_DRAFT:
             raise ValueError(f"speculate must be an integer in [0, {MAX_DRAFT}], got {k!r}")
+        gib = self.prefix_cache_gib
+        if not (isinstance(gib, (int, float)) and not isinstance(gib, bool) and math.isfinite(gib) and gib > 0):
+            raise ValueError(f"prefix_cache_gib must be a positive number, got {gib!r}")
+        if self.prefix_cache_dir is not None and not isinstance(self.prefix_cache_dir, (str, os.PathLike)):
+            raise ValueError(f"prefix_cache_dir must be a path, got {self.prefix_cache_dir!r}")

@@ -23,6 +23,7 @@ from ..models.quantized import QuantizedLinear
 from .blocks import BlockManager
 from .config import EngineConfig
 from .detokenizer import TextStream
+from .prefix_disk import DiskPrefixCache
 from .request import EngineError, Request, RequestOutput, RequestState
 from .runner import ModelRunner, default_kv_cache_mib
 from .sampler import adjusted, sample_rows, token_logprob
@@ -51,6 +52,8 @@ class EngineStats:
     steps: int
     draft_tokens: int  # proposed by prompt lookup and verified
     draft_tokens_accepted: int
+    prefix_cache_disk_hits: int = 0  # prompt blocks read from the prefix cache on disk instead of computed
+    prefix_cache_disk_writes: int = 0  # block files written to it
 
 
 class Engine:
@@ -77,11 +80,15 @@ class Engine:
         self.model, self.tokenizer, self.config, self.engine_config = model, tokenizer, model.config, config
         self.cache = self.runner.cache
         self.blocks = BlockManager(self.cache.num_blocks, config.block_size)
+        self.disk = None  # the prefix cache on disk (prefix_disk.py), with config.prefix_cache_dir
+        if config.prefix_cache_dir is not None:
+            self.disk = DiskPrefixCache.open(config.prefix_cache_dir, config.prefix_cache_gib, model, self.cache,
+                                             self.blocks)  # fmt: skip
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_id
         self.scheduler = Scheduler(self.blocks, config.max_running, config.prefill_chunk,
                                    {int(t) for t in eos_token_ids or []}, window=self.runner.window,
-                                   speculate=config.speculate,
+                                   speculate=config.speculate, restore=None if self.disk is None else self.disk.restore,
                                    draft_lengths=draft_lengths(any(isinstance(m, QuantizedLinear)
                                                                    for m in model.modules())))  # fmt: skip
         # structured output's grammars, compiled against this tokenizer and the model's logits (needs a tokenizer)
@@ -110,9 +117,15 @@ class Engine:
         return self.scheduler.has_work
 
     def stats(self) -> EngineStats:
-        s, b = self.scheduler, self.blocks
+        s, b, d = self.scheduler, self.blocks, self.disk
         return EngineStats(len(s.waiting), len(s.running), b.num_blocks, b.num_free, b.block_size, b.prefix_hits,
-                           b.prefix_queries, **s.counts)  # fmt: skip
+                           b.prefix_queries, **s.counts, prefix_cache_disk_hits=d.hits if d else 0,
+                           prefix_cache_disk_writes=d.writes if d else 0)  # fmt: skip
+
+    def close(self) -> None:
+        """Finish the engine's background work: the prefix cache's files being written."""
+        if self.disk is not None:
+            self.disk.flush()
 
     # -- requests --------------------------------------------------------------------------------------------------
 
@@ -191,6 +204,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration — schedule, run, sample, update; the outputs it produced. If the batch's call raises, each
         request runs alone, and the ones that still raise fail alone."""
+        if self.disk is not None:
+            self.disk.collect()  # blocks written to disk since the last step go back before admission
         batch = self.scheduler.schedule()
         outputs, self.scheduler.failed = self.scheduler.failed, []  # admissions that failed
         if not batch:
@@ -215,6 +230,8 @@ class Engine:
         for items, (logits, greedy) in groups:
             row = 0  # a request's first logits row: it has one, and one more per draft token
             for r in self.scheduler.fed(items):
+                if self.disk is not None and not r.outputs:  # its prompt is read: its full blocks go to disk
+                    self.disk.save(r.table, len(r.prompt))
                 if r.draft:
                     picked.append((r, accepted(r.draft, greedy[row : row + len(r.draft) + 1].tolist()), None))
                 elif r.grammar is not None and self._grammar_keeps_greedy(r, int(greedy[row])):

@@ -1,13 +1,14 @@
 """Who runs in a step, and what happens to each request after it: admission, prompt chunks, finishing, preemption.
 
 ``schedule()`` admits waiting requests while blocks and batch slots last (each gets a block table that shares the
-cached blocks of its longest cached prefix) and returns a ``ScheduledBatch``: the token range to feed per request —
-the newest token of every decoding request, and the next rows of the prompts still being read (at most
-``prefill_chunk`` prompt tokens per step while others decode, four times that while none does). After the model ran
-the batch, ``fed(batch)`` records what is in the pool now and names the requests that want a token; ``update(requests,
-tokens)`` appends their tokens, finishes the ones that are done (their blocks go back) and reserves the next slot of
-the rest — preempting the most recently admitted request while no block is free: its blocks are freed and it waits at
-the front of the queue, to be recomputed from its prompt and the tokens it already produced.
+cached blocks of its longest cached prefix; ``restore`` may fill the blocks after them, from disk) and returns a
+``ScheduledBatch``: the token range to feed per request — the newest token of every decoding request, and the next
+rows of the prompts still being read (at most ``prefill_chunk`` prompt tokens per step while others decode, four
+times that while none does). After the model ran the batch, ``fed(batch)`` records what is in the pool now and names
+the requests that want a token; ``update(requests, tokens)`` appends their tokens, finishes the ones that are done
+(their blocks go back) and reserves the next slot of the rest — preempting the most recently admitted request while
+no block is free: its blocks are freed and it waits at the front of the queue, to be recomputed from its prompt and
+the tokens it already produced.
 
 No tensors and no model here: the scheduler is tested on its own (tests/serve/test_serve_scheduler.py).
 """
@@ -15,9 +16,10 @@ No tensors and no model here: the scheduler is tested on its own (tests/serve/te
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .blocks import BlockManager, OutOfBlocks
+from .blocks import BlockManager, BlockTable, OutOfBlocks
 from .request import EngineError, Request, RequestOutput, RequestState
 from .speculation import LENGTHS, MAX_DRAFTING, MIN_DRAFT, DraftLengths
 
@@ -44,11 +46,13 @@ class Scheduler:
     def __init__(
         self, blocks: BlockManager, max_running: int, prefill_chunk: int, eos: set[int], window: int | None = None,
         speculate: int = 0, draft_lengths: DraftLengths = LENGTHS,
+        restore: Callable[[BlockTable], object] | None = None,
     ) -> None:  # fmt: skip
         self.blocks, self.max_running, self.prefill_chunk, self.eos = blocks, max_running, prefill_chunk, eos
         self.window = window  # every layer's query sees at most this many keys to its left: older blocks go back
         self.speculate = speculate  # draft tokens per greedy request and step at most (speculation.py)
         self.draft_lengths = draft_lengths  # a draft's lengths (speculation.draft_lengths)
+        self.restore = restore  # fills more of an admitted table's leading blocks (from disk: prefix_disk)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -99,8 +103,11 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             r.table.tokens = r.tokens  # one list: the table hashes the tokens its full blocks hold
-            r.state, r.computed = PREFILL, r.table.cached_tokens
+            r.state = PREFILL
             self.running.append(r)
+            if self.restore is not None:  # running first: should it raise, the step's failure frees the blocks
+                self.restore(r.table)
+            r.computed = r.table.cached_tokens
 
     def _draft(self, r: Request) -> list[int]:
         """Tokens to verify after ``r``'s newest one this step (prompt lookup), their slots reserved; none unless

@@ -106,6 +106,8 @@ def build_app(
             ("gqa_prefix_cache_hits_total", "counter", "prompt blocks served from the prefix cache",
              s.prefix_cache_hits),
             ("gqa_prefix_cache_queries_total", "counter", "full prompt blocks looked up", s.prefix_cache_queries),
+            ("gqa_prefix_cache_disk_hits_total", "counter", "prompt blocks read from --prefix-cache-dir",
+             s.prefix_cache_disk_hits),
             ("gqa_prompt_tokens_total", "counter", "prompt tokens prefilled", s.prompt_tokens),
             ("gqa_generation_tokens_total", "counter", "tokens generated", s.generation_tokens),
             ("gqa_preemptions_total", "counter", "requests preempted for blocks", s.preemptions),

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "blocks.h"
 #include "simd.h"
 
 namespace gqa_cpu {
@@ -51,11 +52,7 @@ inline bool kv_format_known(int64_t format) { return format == KV_Q8_0 || format
 // Bytes of one head's row of D values (D a multiple of 32).
 inline int64_t kv_row_bytes(int64_t format, int64_t D) { return D / KV_BLOCK * kv_block_bytes(format); }
 
-inline float kv_half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-}
+inline float kv_half(const uint8_t* p) { return gqa_blocks::half_at(p); }  // F16C where there is one
 inline void kv_store_half(uint8_t* p, float x) {
   const uint16_t h = c10::detail::fp16_ieee_from_fp32_value(x);
   std::memcpy(p, &h, 2);
@@ -90,31 +87,45 @@ inline void quantize_kv_row(const float* x, int64_t D, int64_t format, uint8_t* 
   }
 }
 
+#if GQA_SIMD == 16
+// The 32 values of one block (at `blk`) as two vectors of floats d * q: exact (an fp16 scale times an integer of at
+// most 8 bits fits a float's 24-bit significand), so every reader of a row gets the same floats.
+inline void kv_block_values(const uint8_t* blk, int64_t format, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(kv_half(blk));
+  const uint8_t* qs = blk + 2;
+  if (format == KV_Q8_0) {
+    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)))));
+    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)))));
+    return;
+  }
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m = _mm_set1_epi8(0x0F);
+  const __m512i eight = _mm512_set1_epi32(8);
+  lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(q, m)), eight)));
+  hi = _mm512_mul_ps(
+      d, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), m)), eight)));
+}
+
+inline void kv_block_values(const uint8_t* blk, int64_t format, float* out, float* out_hi) {
+  __m512 lo, hi;
+  kv_block_values(blk, format, lo, hi);
+  _mm512_storeu_ps(out, lo);
+  _mm512_storeu_ps(out_hi, hi);
+}
+#endif
+
 // Row `row` (kv_row_bytes(format, D) bytes) as D floats.
 inline void dequantize_kv_row(const uint8_t* row, int64_t D, int64_t format, float* out) {
   using namespace gqa_simd;
   const int64_t bb = kv_block_bytes(format);
   for (int64_t b = 0; b < D / KV_BLOCK; ++b, out += KV_BLOCK) {
     const uint8_t* blk = row + b * bb;
+#if GQA_SIMD == 16
+    kv_block_values(blk, format, out, out + 16);
+#else
     const float d = kv_half(blk);
     const uint8_t* qs = blk + 2;
-#if GQA_SIMD == 16
-    const __m512 vd = _mm512_set1_ps(d);
-    if (format == KV_Q8_0) {
-      for (int i = 0; i < 2; ++i) {
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * i));
-        _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
-      }
-    } else {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m = _mm_set1_epi8(0x0F);
-      const __m512i eight = _mm512_set1_epi32(8);
-      const __m128i halves[2] = {_mm_and_si128(q, m), _mm_and_si128(_mm_srli_epi16(q, 4), m)};
-      for (int i = 0; i < 2; ++i) {
-        const __m512i v = _mm512_sub_epi32(_mm512_cvtepu8_epi32(halves[i]), eight);
-        _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(v)));
-      }
-    }
-#elif GQA_SIMD == 8
+#endif
+#if GQA_SIMD == 8
     const __m256 vd = _mm256_set1_ps(d);
     if (format == KV_Q8_0) {
       for (int i = 0; i < 4; ++i) {
@@ -132,7 +143,7 @@ inline void dequantize_kv_row(const uint8_t* row, int64_t D, int64_t format, flo
           _mm256_storeu_ps(out + 16 * i + 8 * j, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(v)));
         }
     }
-#else
+#elif GQA_SIMD == 1
     if (format == KV_Q8_0) {
       for (int64_t j = 0; j < KV_BLOCK; ++j) out[j] = d * static_cast<float>(static_cast<int8_t>(qs[j]));
     } else {
