@@ -52,7 +52,7 @@ def main() -> None:
     path = resolve_model_path(None)
     cfg, state = read_model(path)
     teacher = CausalLM.from_state(cfg, state, assign=True)
-    ref = load_model(None)
+    ref = load_model(None, dtype="fp32")
     chats = self_generated_conversations(
         ref, ref.tokenizer, model_content_hash(path), GenerationSettings(count=HEALING_CONVERSATIONS)
     )  # as gqa convert heals

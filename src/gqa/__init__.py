@@ -21,9 +21,18 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from typing import TYPE_CHECKING, Any
 
 from ._lazy import lazy_names
+
+# OpenMP threads that wait passively (sleep) between torch's parallel regions, not spinning first (libgomp's default):
+# on a machine whose cores other work shares, a spinning thread holds a core while its descheduled peer waits for one,
+# and every small op of a prompt costs a scheduler slice. Read when torch loads libgomp, so only where gqa is imported
+# first (the gqa command, its benchmarks' processes); the user's own setting wins. A 3B Q4_K_M on 2 shared cores
+# (load ~4): a 16-token prompt's first token 0.7 s instead of 4-6 s, prefill at 128 tokens +40%, decode +13%
+# (docs/bench/models-3b-8b.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 if TYPE_CHECKING:
     from .attention.backends import BACKENDS

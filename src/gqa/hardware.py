@@ -3,6 +3,8 @@ and how much memory it has free."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -16,6 +18,13 @@ def fast_bf16(device: torch.device | str = "cpu") -> bool:
         return False
     cpu = torch.cpu
     return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+@functools.cache
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (Intel Sapphire Rapids on): oneDNN's bfloat16 GEMM runs on them, and only there
+    does it beat gqa's quantized kernels on long prompts (AVX512-BF16 alone, e.g. AMD Zen 4, it does not)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def auto_dtype(device: torch.device | str = "cpu") -> torch.dtype:

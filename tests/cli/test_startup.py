@@ -33,6 +33,18 @@ def test_import_gqa_is_light():
     assert loaded_after("import gqa") == set()
 
 
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_import_gqa_first_makes_openmp_wait_passively_unless_set(preset):
+    """``import gqa`` before torch sets ``OMP_WAIT_POLICY=PASSIVE`` (libgomp reads it when torch loads it); a value
+    the user set is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | (
+        {"OMP_WAIT_POLICY": preset} if preset else {}
+    )
+    code = "import os, gqa, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == (preset or "PASSIVE")
+
+
 def test_load_and_generate_stay_light():
     code = "import gqa; m = gqa.load_model(dtype='auto'); m.generate([m.tokenizer.apply_chat('Hi')], max_new_tokens=2)"
     assert loaded_after(code) == {"jinja2"}  # the chat template; nothing else

@@ -269,7 +269,7 @@ def smol(tmp_path_factory):
 
 
 def test_smollm2_expansion_is_exact_in_gqa_and_transformers(smol):
-    wide = gqa.load_model(smol["wide"])
+    wide = gqa.load_model(smol["wide"], dtype=torch.float32)
     assert wide.config.num_kv_heads == 9 and wide.tokenizer.apply_chat("hi")  # tokenizer and chat template came along
     ids = torch.tensor([wide.tokenizer.encode("Grouped-query attention shares keys and values between heads.")])
     with torch.inference_mode():

@@ -147,7 +147,7 @@ def test_sharded_output_loads_in_gqa_and_transformers_with_the_same_logits(mha, 
     assert len(list(dst.glob("model-*-of-*.safetensors"))) > 1
     ids = torch.tensor([[1, 5, 3, 9, 4, 7, 2, 8, 6, 3], [4, 4, 7, 1, 9, 3, 5, 2, 2, 6]])
     with torch.inference_mode():
-        ours = gqa.load_model(dst, tokenizer=False)(ids)
+        ours = gqa.load_model(dst, tokenizer=False, dtype=torch.float32)(ids)
     torch.testing.assert_close(logits_hf(dst, ids), ours, atol=1e-4, rtol=0)
     hf = transformers.AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
     assert hf.config.num_key_value_heads == 4 and hf.model.layers[0].self_attn.k_proj.weight.shape == (24, 24)

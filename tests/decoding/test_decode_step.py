@@ -184,7 +184,7 @@ def test_the_step_sees_replaced_modules_and_weights(tmp_path):
     from gqa.models.quantized import quantize_model
 
     hf_model(tmp_path, "llama", 4, 2, 16)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     prompts, steps = [[5, 6, 7]], [[9]]
 
     def check():
@@ -208,7 +208,7 @@ def test_a_generation_gathers_the_one_calls_weights_once_not_at_every_token(tmp_
     """``generate``'s step gathers what the one native call reads when it is chosen (a generation's life), not at every
     token (checking every module for a replacement cost ~0.45 ms a token); the tokens are the eager path's."""
     hf_model(tmp_path, "llama", 4, 2, 16)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     eager = model.generate([5, 6, 7], max_new_tokens=12, eos_token_ids=[], step_fn=lambda t, c: model(t, caches=c))
     calls = []
     real = decode_step.decode_weights
@@ -252,7 +252,7 @@ def test_cases_left_to_the_eager_path(tmp_path, counted):
     from gqa.decoding.steps import select_step
 
     hf_model(tmp_path, "llama", 4, 2, 16)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     with torch.inference_mode():
         rows = decode_step.MAX_ROWS + 1
         caches = model.new_caches(rows, 4)
@@ -302,7 +302,7 @@ def test_decode_mode_evaluation_scores_through_the_step_and_matches_hf(tmp_path,
     from gqa.evaluation.perplexity import _score
 
     ref = hf_model(tmp_path, "qwen2", 6, 2, 16)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     ids = torch.randint(4, 128, (40,), generator=torch.Generator().manual_seed(3))
     nll, _, count = _score(model, ids, window=16, stride=8, decode=True)
     assert count == 39 and len(counted) > 30  # windows of 16, every scored position a native step

@@ -101,7 +101,7 @@ def test_fused_step_takes_every_family_past_its_window(tmp_path, arch):
     window's first key on), Gemma 2's attention and final soft-caps, Gemma's sandwich norms and scaled embeddings:
     the fused step's logits are transformers' for 8 steps past 9- and 5-token prompts."""
     hf = family_model(arch, tmp_path)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     assert fused_applies(model) is None
     g = torch.Generator().manual_seed(5)
     rows = [torch.randint(3, 96, (17,), generator=g).tolist() for _ in range(2)]
@@ -120,7 +120,7 @@ def test_fused_step_over_quantized_caches_equals_the_eager_model(tmp_path, arch,
     kernel reads the blocks (Gemma 2: windows and soft-caps too); the eager model over the same kind of caches
     (the native CPU attention over the blocks, another implementation) gives the same logits."""
     family_model(arch, tmp_path, head_dim=32)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     g = torch.Generator().manual_seed(7)
     rows = [torch.randint(3, 96, (16,), generator=g).tolist() for _ in range(2)]
     weights = step_weights(model)
@@ -137,7 +137,7 @@ def test_static_step_over_quantized_caches_equals_the_eager_model(tmp_path):
     from gqa.decoding.cuda_graphs import static_step
 
     family_model("llama", tmp_path, head_dim=32)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     model.model.rope.cos_sin(torch.tensor([63]))  # the table static_step looks positions up in
     rows = [torch.randint(3, 96, (12,), generator=torch.Generator().manual_seed(8)).tolist() for _ in range(2)]
     kv = ("q4_0", "q8_0")
@@ -191,7 +191,7 @@ def test_fused_step_refuses_hooked_projections():
 def test_compiled_fused_step_takes_a_gemma2(tmp_path):
     """The compiled step (one graph) on Gemma 2's layers: windows, both soft-caps, the sandwich, GELU."""
     hf = family_model("gemma2", tmp_path)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     rows = [torch.randint(3, 96, (16,), generator=torch.Generator().manual_seed(6)).tolist() for _ in range(2)]
     weights = step_weights(model)
     compiled = torch.compile(fused_step, dynamic=False, fullgraph=True)

@@ -75,7 +75,7 @@ def chat_pair(tmp_path_factory):
 
 def test_answer_kl_of_a_model_with_itself_is_zero_and_matches_a_direct_sum(chat_pair):
     src, mqa = chat_pair
-    a, b = gqa.load_model(src), gqa.load_model(mqa)
+    a, b = gqa.load_model(src, dtype=torch.float32), gqa.load_model(mqa, dtype=torch.float32)
     convs = [Conversation("q", "a", [1, 5, 6, 7], [8, 9, 2]), Conversation("r", "b", [1, 4], [3])]
     assert answer_kl(a, a, convs) == 0.0
     kl = answer_kl(b, a, convs)

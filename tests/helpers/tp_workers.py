@@ -42,7 +42,7 @@ def smollm2_greedy(prompt: str, tokens: int) -> str:
     """SmolLM2's greedy answer to a chat prompt, sharded over the world."""
     from gqa import load_model
 
-    model = load_model(tensor_parallel=True)
+    model = load_model(tensor_parallel=True, dtype=torch.float32)
     ids = model.tokenizer.apply_chat([{"role": "user", "content": prompt}])
     return model.tokenizer.decode(model.generate(ids, max_new_tokens=tokens))
 
@@ -88,7 +88,9 @@ def quantized_cache_runs(cases: list[tuple[str, object]]) -> list[dict]:
 
     out = []
     for path, kv in cases:
-        model = load_model(path, tokenizer=False, tensor_parallel=dist.is_initialized(), kv_dtype=kv)
+        model = load_model(
+            path, tokenizer=False, tensor_parallel=dist.is_initialized(), kv_dtype=kv, dtype=torch.float32
+        )
         steps: list = []
         tokens = model.generate([[5, 6, 7, 8, 9, 4], [9, 4]], max_new_tokens=12, eos_token_ids=[], on_step=steps.append)
         caches = model.new_caches(2, 24)

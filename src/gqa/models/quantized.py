@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..hardware import amx_tiles
 from ..kernels import ops
 
 BLOCK = 32
@@ -145,8 +146,10 @@ def quantize(weight: torch.Tensor, fmt: Format | str) -> QuantizedTensor:
 
 # Up to this many rows of x the kernel streams the blocks once for all of them; more rows go through F.linear, except
 # where the kernel puts the rows in SIMD lanes (``kernels.lane_rows``: AVX-512 VNNI) — there it takes any number of
-# float32 rows (2-4x faster than F.linear even on a kept float32 copy of the weight) and up to LANE_MAX_BF16_ROWS of
-# bfloat16 ones (beyond, oneDNN's bf16 GEMM on the dequantized weight catches up: docs/performance.md).
+# float32 rows (2-4x faster than F.linear even on a kept float32 copy of the weight) and of bfloat16 ones, but on a CPU
+# with AMX tiles only up to LANE_MAX_BF16_ROWS: beyond, oneDNN's bf16 GEMM on the dequantized weight catches up there
+# (docs/performance.md). Without AMX (AVX512-BF16 alone: AMD Zen 4) that GEMM is the slow one: dequantize + F.linear
+# took a 3B Q4_K_M model's 128-token prefill at 1/6 the lanes' speed (docs/bench/models-3b-8b.md).
 KERNEL_MAX_ROWS = 8
 LANE_MAX_BF16_ROWS = 64
 # F.linear on more rows takes the weight dequantized about this many values at a time (a 1B model's 2048 x 8192
@@ -167,7 +170,7 @@ def uses_kernel(x: torch.Tensor) -> bool:
     rows = x.numel() // x.shape[-1]
     if rows <= KERNEL_MAX_ROWS:
         return True
-    return kernels.lane_rows() > 0 and (x.dtype == torch.float32 or rows <= LANE_MAX_BF16_ROWS)
+    return kernels.lane_rows() > 0 and (x.dtype == torch.float32 or rows <= LANE_MAX_BF16_ROWS or not amx_tiles())
 
 
 class QuantizedLinear(nn.Module):

@@ -11,7 +11,9 @@ from ...options.defaults import QUANT_FORMATS
 from ...options.dtypes import dtype_type
 
 __all__ = [
+    "CPU_CONTEXTS",
     "CPU_ENGINES",
+    "CUDA_SHAPES",
     "DESCRIPTION",
     "ENGINES",
     "FILE_BLOCKS",
@@ -32,7 +34,9 @@ FILE_BLOCKS = "gguf"  # a GGUF file's own tensors as they are (a Q4_K_M file: Q4
 QUANTIZED = (*QUANT_FORMATS, FILE_BLOCKS)  # the block formats
 ENGINES = ("gqa", "gqa-compile", "hf", "hf-static-compile", "llama.cpp")
 CPU_ENGINES = ("gqa", "hf", "llama.cpp")  # --engines' default on CPU
-SHAPES = ("smollm2", "llama-1b")  # --device cuda: the model shapes run with random weights
+SHAPES = ("smollm2", "llama-1b", "llama-3b", "llama-8b")  # the model shapes run with random weights
+CUDA_SHAPES = ("smollm2", "llama-1b")  # --device cuda's default
+CPU_CONTEXTS = (128, 512, 2048)  # --shapes on the CPU: the prompt lengths
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,8 +74,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "unless given), gqa (CUDA graphs; gqa-compile: the Inductor-compiled step) vs HF eager and static cache + "
         "compile, with the bytes per step read as GB/s",
     )  # fmt: skip
-    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES),
-                        help="--device cuda: the model shapes (SmolLM2-135M's, Llama-3.2-1B's)")  # fmt: skip
+    parser.add_argument(
+        "--shapes", nargs="+", choices=SHAPES, default=None,
+        help="random models of these shapes (SmolLM2-135M's, Llama-3.2-1B/3B's, Llama-3.1-8B's). --device cuda: bf16 "
+        "weights, gqa vs HF, smollm2 and llama-1b unless given. On the CPU (llama-*): Q4_K_M GGUF files made once in "
+        "--model-dir (F16 written tensor by tensor, quantized by llama.cpp's llama-quantize) and run by gqa and by "
+        "llama.cpp's llama-bench on the same file and threads: decode, prompt processing at --contexts (128 512 2048 "
+        "unless given), load to first token with a cold and a warm page cache, peak RSS",
+    )  # fmt: skip
+    parser.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
+                        help="--shapes on the CPU: where the model files are made and kept (default: "
+                        "GQA_CACHE_DIR/bench-models; 1.7 GiB for llama-3b, 4.6 GiB for llama-8b, and the F16 file "
+                        "while it is quantized: 6 / 16 GB)")  # fmt: skip
+    parser.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR",
+                        help="--shapes on the CPU: the folder of llama.cpp's llama-bench and llama-quantize (default: "
+                        "found on PATH)")  # fmt: skip
     parser.add_argument(
         "--batch", type=int, nargs="+", default=None, metavar="B",
         help="instead: decode throughput of B sequences at once (gqa engine; caches filled to each context)",
@@ -87,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(--contexts 4096 16384 unless given; one float --dtypes, fp32 unless given)",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1, metavar="N",
-                        help="--window-caches: runs of each, the median reported")  # fmt: skip
+                        help="--window-caches: runs of each, the median reported; --shapes: prompt-processing runs "
+                        "of each length after a warm-up (llama-bench -r)")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=32, metavar="N", help="tokens generated per context")
     parser.add_argument("--quick", action="store_true", help="contexts 64 and 256, 8 new tokens, fp32, no compile")
     parser.add_argument(

@@ -30,7 +30,7 @@ from ...models.config import ModelConfig
 from ...options.common import model_label
 from .. import write_json_atomic, write_text_atomic
 from ..attention.report import machine_description
-from .arguments import CPU_ENGINES, DESCRIPTION, FILE_BLOCKS, add_arguments
+from .arguments import CPU_CONTEXTS, CPU_ENGINES, DESCRIPTION, FILE_BLOCKS, add_arguments
 from .kv_caches import check_kv_dtypes, kv_runs
 from .report import check_plotting, plot_model, skipped_note, table
 from .worker import DTYPES, gguf_format
@@ -109,6 +109,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         from .cuda import run as run_cuda
 
         return run_cuda(parser, ns)
+    if ns.shapes is not None:
+        return _run_shapes(parser, ns)
     if ns.engines is None:
         ns.engines = list(CPU_ENGINES)
     if "hf-static-compile" in ns.engines:
@@ -253,6 +255,32 @@ def _run_throughput(ns: argparse.Namespace, cfg: ModelConfig, counts: list[int],
     _report(ns, payload, header + "\n\n" + throughput_table(payload))
     if ns.plot:
         plot_throughput(payload, ns.plot)
+    return 0
+
+
+def _run_shapes(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from .random_files import LLAMA_SHAPES
+    from .shapes import run_shapes, shapes_table
+
+    if ns.model is not None or ns.tp or ns.batch or ns.window_caches or ns.kv_heads or ns.engines:
+        parser.error("--shapes on the CPU runs its own files with gqa and llama.cpp: no --model, --tp, --batch, "
+                     "--window-caches, --kv-heads, --engines")  # fmt: skip
+    if not set(ns.shapes) <= set(LLAMA_SHAPES):
+        parser.error(f"--shapes on the CPU: {', '.join(s for s in LLAMA_SHAPES if s != 'tiny')} (smollm2 is the "
+                     "default --model)")  # fmt: skip
+    ns.contexts = ns.contexts or list(CPU_CONTEXTS)
+    if min(ns.contexts) < 1 or ns.new_tokens < 2 or ns.repeats < 1:
+        parser.error("--contexts must be positive, --new-tokens >= 2, --repeats >= 1")
+    started = time.perf_counter()
+    read_gbps = read_bandwidth()
+    ns.shapes = list(dict.fromkeys(ns.shapes))
+    out = run_shapes(ns)
+    args = {"shapes": ns.shapes, "contexts": ns.contexts, "new_tokens": ns.new_tokens, "repeats": ns.repeats}
+    ns.model = ", ".join(f"random {s}" for s in ns.shapes)
+    payload = _payload("model-shapes", ns, started, args, out["results"], read_gbps=read_gbps)
+    header = (f"Random Llama-shaped Q4_K_M files, gqa vs llama.cpp on the same file, batch 1, {out['threads']} "
+              f"threads, {ns.new_tokens} new tokens; torch {torch.__version__}")  # fmt: skip
+    _report(ns, payload, header + "\n\n" + shapes_table(payload, read_gbps))
     return 0
 
 

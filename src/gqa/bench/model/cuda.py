@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from .arguments import CUDA_SHAPES
+
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
                max_position_embeddings=8192, rms_norm_eps=1e-5)  # fmt: skip
@@ -27,7 +29,11 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
 TINY = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
             vocab_size=256, tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=512,
             rms_norm_eps=1e-5)  # fmt: skip
+LLAMA_3B = LLAMA_1B | dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24)  # Llama-3.2-3B's shapes
+LLAMA_8B = LLAMA_1B | dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                           tie_word_embeddings=False)  # Llama-3.1-8B's shapes  # fmt: skip
 SHAPES = {"smollm2": ("SmolLM2-135M shapes", SMOLLM2), "llama-1b": ("Llama-3.2-1B shapes", LLAMA_1B),
+          "llama-3b": ("Llama-3.2-3B shapes", LLAMA_3B), "llama-8b": ("Llama-3.1-8B shapes", LLAMA_8B),
           "tiny": ("tiny", TINY)}  # fmt: skip
 ENGINES = ("gqa", "gqa-compile", "hf", "hf-static-compile")
 
@@ -228,7 +234,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     batches = ns.batch or [1, 8, 64]
     if min(batches) < 1 or ns.new_tokens < 2:
         parser.error("--batch must be positive and --new-tokens >= 2")
-    rows = cuda_rows(device, list(dict.fromkeys(ns.shapes)), batches, engines, new_tokens=ns.new_tokens)
+    shapes = list(dict.fromkeys(ns.shapes or CUDA_SHAPES))
+    rows = cuda_rows(device, shapes, batches, engines, new_tokens=ns.new_tokens)
     copy = copy_gbs(device)
     text = "\n".join(table(rows, copy))
     print(text)

@@ -13,7 +13,16 @@ from pathlib import Path
 from ...cache.kv_dtypes import KV_DTYPES
 from ..attention.plots import _pyplot, _save, check_plotting
 
-__all__ = ["agreement", "check_plotting", "kind", "plot_model", "plot_throughput", "table", "throughput_table"]
+__all__ = [
+    "agreement",
+    "ceiling_share",
+    "check_plotting",
+    "kind",
+    "plot_model",
+    "plot_throughput",
+    "table",
+    "throughput_table",
+]
 
 QUANTIZED_KV = tuple(name for name, kind in KV_DTYPES.items() if kind.quantized)  # --kv-cache-dtypes' block types
 _STYLE = {"gqa": "-", "gqa-compile": ":", "hf": "--", "llama.cpp": "-."}
@@ -36,6 +45,14 @@ def _kv(r: dict) -> str:
 
 def _float_kv(r: dict) -> bool:
     return _kv(r) not in QUANTIZED_KV
+
+
+def ceiling_share(row: dict, read_gbps: float | None) -> float | None:
+    """A gqa row's decode as a share of the bandwidth ceiling: the bytes one token reads (weights + KV cache) times
+    tokens/s, over the measured read bandwidth; ``None`` where either is unknown."""
+    if not read_gbps or "weight_bytes" not in row:
+        return None
+    return (row["weight_bytes"] + row["kv_bytes"]) * row["decode_tok_s"] / 1e9 / read_gbps
 
 
 def table(payload: dict) -> str:
@@ -68,10 +85,8 @@ def table(payload: dict) -> str:
                         plain = floats.get((n, engine, dtype)) if not _float_kv(r) else None
                         vs_float = f"{row['decode_tok_s'] / plain['rows'][i]['decode_tok_s']:.2f}x" if plain else "-"
                         cache = r["kv_bytes_per_token"] * context / 2**20
-                        ceiling = "-"
-                        if read_gbps and "weight_bytes" in row:  # bytes read per token x tokens/s over the bandwidth
-                            read = (row["weight_bytes"] + row["kv_bytes"]) * row["decode_tok_s"] / 1e9
-                            ceiling = f"{read / read_gbps:.0%}"
+                        share = ceiling_share(row, read_gbps)
+                        ceiling = "-" if share is None else f"{share:.0%}"
                         lines.append(
                             f"| {dtype} | {r.get('kv_dtype', kv)} | {_label(n, payload)} | {context} | {cache:.1f} | "
                             f"{engine} | {row['prefill_tok_s']:.0f} | {row['decode_tok_s']:.1f} | {ratio} | "

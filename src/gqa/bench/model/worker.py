@@ -90,7 +90,11 @@ def cache_bytes_per_token(caches: list) -> int:
     return sum(c.nbytes // (c.key.shape[0] * c.key.shape[2]) for c in caches)
 
 
-def run_gqa(model: torch.nn.Module, contexts: list[int], new: int, compiled: bool) -> tuple[int, list]:
+def run_gqa(
+    model: torch.nn.Module, contexts: list[int], new: int, compiled: bool, repeats: int = 1
+) -> tuple[int, list]:
+    """Prefill and decode rows per context; ``repeats > 1``: the prefill's median over that many runs after an
+    untimed one at the same length (warm, as llama-bench measures), else one run."""
     from gqa.decoding.generate import generate_stream
     from gqa.models.quantized import weight_bytes
 
@@ -101,10 +105,13 @@ def run_gqa(model: torch.nn.Module, contexts: list[int], new: int, compiled: boo
             ids = prompt(context, model.config.vocab_size)
             if compiled:  # compile (or re-specialise) for this cache bucket outside the timing
                 model.generate(ids, max_new_tokens=new, eos_token_ids=[], compile=True)
-            caches = model.new_caches(1, context + new)
-            start = time.perf_counter()
-            model(torch.tensor([ids]), caches=caches, last_only=True)
-            prefill = time.perf_counter() - start
+            times = []
+            for _ in range(repeats + (repeats > 1)):
+                caches = model.new_caches(1, context + new)
+                start = time.perf_counter()
+                model(torch.tensor([ids]), caches=caches, last_only=True)
+                times.append(time.perf_counter() - start)
+            prefill = statistics.median(times[-repeats:])
             stamps = []
             for _ in generate_stream(model, [ids], max_new_tokens=new, eos_token_ids=[], compile=compiled):
                 stamps.append(time.perf_counter())
@@ -299,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, required=True)
     parser.add_argument("--batch", type=int, nargs="+", default=None, help="decode throughput at these batch sizes")
     parser.add_argument("--greedy", action="store_true", help="also greedy tokens of GREEDY_PROMPTS")
+    parser.add_argument("--prefill-repeats", type=int, default=1, help="gqa: timed prefills per context (median)")
     ns = parser.parse_args(argv)
     torch.manual_seed(0)
     kv = ns.kv_cache_dtype
@@ -315,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         compiled = ns.engine == "gqa-compile"
         model = load_gqa(ns.model, ns.dtype, kv)
-        kv_heads, rows = run_gqa(model, ns.contexts, ns.new_tokens, compiled=compiled)
+        kv_heads, rows = run_gqa(model, ns.contexts, ns.new_tokens, compiled=compiled, repeats=ns.prefill_repeats)
         measured = {"kv_bytes_per_token": cache_bytes_per_token(model.new_caches(1, 1))}
         if ns.greedy:
             greedy = greedy_tokens(ns.model, lambda ids: model.generate(ids, max_new_tokens=32, compile=compiled))
