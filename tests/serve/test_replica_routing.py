@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gqa.serve.replica_front import summed_metrics
-from gqa.serve.replica_routing import CHUNK_CHARS, ReplicaRouter, chunk_keys, prompt_text
+from gqa.serve.replica_front import pool_tokens, summed_metrics
+from gqa.serve.replica_routing import CHARS_PER_TOKEN, CHUNK_CHARS, ReplicaRouter, chunk_keys, prompt_text
 
 SYSTEM = "You are a terse assistant for a shipping company. " * 12  # ~600 characters: ~9 chunks
 
@@ -48,18 +48,21 @@ def test_a_repeated_prefix_stays_on_one_replica_and_new_prompts_spread():
     assert router.by_prefix == [4, 4, 4]
 
 
-def test_a_swamped_holder_is_passed_over():
+def test_a_busy_holder_is_passed_over():
+    """The holder keeps its prefix's requests until its load exceeds both twice the other's and the other's plus
+    ``balance_slack``."""
     router = ReplicaRouter(2, balance_slack=2)
     keys = chunk_keys(prompt_text(_chat(SYSTEM, "q")))
     home = router.pick(keys)  # held from here, never done: the holder's load grows
     picks = [router.pick(keys) for _ in range(4)]
-    assert picks[:2] == [home, home]  # within the slack of 2
-    assert picks[2] != home  # then the other, which learns the prefix
-    assert router.load[home] == 3
+    assert picks[:2] == [home, home]  # loads 1, 2: within 0 + 2
+    assert picks[2] != home  # 3 > max(2 * 0, 0 + 2): the other, which learns the prefix
+    assert router.load[home] == 3 and router.by_prefix[home] == 2
 
 
 def test_a_small_shared_start_is_not_a_prefix_hit():
-    """Below ``min_share`` of the prompt's chunks the match does not count: least loaded wins."""
+    """A short shared start weighs little against a replica's load, and below ``min_share`` it is not counted as a
+    prefix hit."""
     router = ReplicaRouter(2, min_share=0.5)
     short = "s" * CHUNK_CHARS
     home = router.pick(chunk_keys(short + "a" * 10 * CHUNK_CHARS))
@@ -103,3 +106,21 @@ def test_summed_metrics_add_up_each_sample():
     assert text.count("# HELP x_total") == 1
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
     assert samples == {"x_total": "7", 'y{kind="a"}': "3.5", 'y{kind="b"}': "1"}
+
+
+def test_a_replica_forgets_past_what_its_pool_holds():
+    """With a pool of ~2 prefixes' text, a third prefix pushes out the least recently used, as the replica's own
+    prefix cache does: the router stops sending that prefix there for a hit it would not get."""
+    router = ReplicaRouter(1)
+    prompts = [f"Prefix {i}: " + SYSTEM for i in range(3)]
+    keys = [chunk_keys(prompt_text(_chat(p, "q"))) for p in prompts]
+    router.set_capacity(0, tokens=int(2.2 * len(keys[0]) * CHUNK_CHARS / CHARS_PER_TOKEN))
+    for k in keys:
+        router.done(router.pick(k))
+    assert router.matched(0, keys[0]) == 0 and router.matched(0, keys[2]) == len(keys[2])
+
+
+def test_pool_tokens_from_a_replicas_metrics():
+    text = "# HELP gqa_kv_blocks_free x\ngqa_kv_blocks_free 90\ngqa_kv_blocks_used 10\ngqa_kv_block_size 16\n"
+    assert pool_tokens(text) == 1600
+    assert pool_tokens("gqa_kv_blocks_free 90\n") == 0

@@ -105,7 +105,7 @@ def test_distinct_prompts_spread(server, client):
         client.completions.create(model=MODEL, prompt=question, max_tokens=2, temperature=0)
     sent = _by_replica(server, "gqa_replica_requests_total")
     assert abs(sent["0"] - sent["1"]) <= 2, sent  # (a request may be picked before the one before it is counted done)
-    assert min(sent[k] - before[k] for k in ("0", "1")) >= 2, (before, sent)
+    assert sent["0"] > before["0"] and sent["1"] > before["1"], (before, sent)
     assert _by_replica(server, "gqa_replica_prefix_routed_total") == routed
 
 

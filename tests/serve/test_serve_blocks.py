@@ -53,6 +53,7 @@ def test_a_common_prefix_is_shared_once_computed():
     c = m.allocate([*system, 6])
     assert c.cached_tokens == 8 and c.blocks[:2] == a.blocks[:2] and c.blocks[2] not in a.blocks
     assert [m.refs[x] for x in a.blocks[:2]] == [2, 2] and m.prefix_hits == 2
+    assert m.prefix_queries == 2 + 2 + 2  # each sequence's full blocks before its last token, hit or not
     d = m.allocate([*system[:4], 9, 9, 9, 9, 1])  # same first block, different second
     assert d.cached_tokens == 4 and d.blocks[0] == a.blocks[0] and d.blocks[1] != a.blocks[1]
     for t in (a, b, c, d):
@@ -94,9 +95,11 @@ def a_first(m: BlockManager, tokens: list[int]) -> int:
 def test_out_of_blocks_takes_nothing():
     m = BlockManager(num_blocks=3, block_size=4)
     a = m.allocate(list(range(9)))  # 3 blocks
+    queries = m.prefix_queries
     with pytest.raises(OutOfBlocks):
-        m.allocate([1])
+        m.allocate(list(range(9)))
     assert m.num_free == 0 and m.refs == [1, 1, 1]
+    assert m.prefix_queries == queries  # waiting for room is not a lookup
     for tok in range(3):
         m.append(a, tok)  # fills the third block
     with pytest.raises(OutOfBlocks):

@@ -1,17 +1,18 @@
 """The shared-prefix workload of ``gqa bench serve --routing``: what routing by prefix buys a server of replicas.
 
-Four long system prompts (``SYSTEMS``, about 600 words each, a help desk's instructions for four products), and
-``--prompts`` requests, each one of them with a question of its own, sent by the largest ``--clients`` count at once:
-the traffic of an API whose few applications each send their own instructions first. Served by one engine with
-``--kv-cache-mib``, then by ``--replicas`` engines of ``--kv-cache-mib / N`` each (the same memory) under each
-``--routing`` policy. Per run: the prefix cache's hit rate (prompt blocks read rather than computed, over the full
-blocks looked up, from the server's ``/metrics``), output tok/s, time to first token, and every response compared
-with the one engine's.
+Four long system prompts (``SYSTEMS``, about 300 words, ~410 tokens each, a help desk's instructions for four
+products), and ``--prompts`` requests, each one of them (drawn at random, seeded) with a question of its own, sent by
+the largest ``--clients`` count at once: the traffic of an API whose few applications each send their own
+instructions first. Served by one engine with ``--kv-cache-mib``, then by ``--replicas`` engines of ``--kv-cache-mib /
+N`` each (the same memory) under each ``--routing`` policy. Per run: the prefix cache's hit rate (prompt blocks read
+rather than computed, over the full prompt blocks of the requests admitted, from the server's ``/metrics``), output
+tok/s, time to first token, and every response compared with the one engine's.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 
 from .serve import TOPICS, ServerProcess, free_port, load, server_argv
@@ -44,13 +45,14 @@ def system_prompts(words: int) -> list[str]:
     return out
 
 
-SYSTEMS = system_prompts(600)
+SYSTEMS = system_prompts(300)  # ~410 tokens each
 
 
 def routing_rows(ns: argparse.Namespace, replicas: int, policies: list[str]) -> list[dict]:
     """One engine, then ``replicas`` replicas under each of ``policies``, on the shared-prefix workload."""
     clients = max(ns.clients)
-    systems = [SYSTEMS[i % len(SYSTEMS)] for i in range(ns.prompts)]
+    order = random.Random(0)  # the applications' requests interleave at random: no routing gets them sorted by chance
+    systems = [SYSTEMS[order.randrange(len(SYSTEMS))] for _ in range(ns.prompts)]
     questions = [f"Question {i}: what should I know about {TOPICS[i % len(TOPICS)]} with it?" for i in
                  range(ns.prompts)]  # fmt: skip
     rows, reference = [], None

@@ -70,7 +70,7 @@ class BlockManager:
         self._hash_of: dict[int, bytes] = {}  # block id -> its hash, for blocks in _cached
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody uses, least recently freed first
         self.prefix_hits = 0  # blocks shared from the prefix cache since creation
-        self.prefix_queries = 0  # full prompt blocks looked up
+        self.prefix_queries = 0  # full prompt blocks of the sequences allocated (each hit or computed)
 
     @property
     def num_free(self) -> int:
@@ -90,9 +90,9 @@ class BlockManager:
         size = self.block_size
         table = BlockTable(tokens=list(tokens))
         parent, shared = b"", []
-        for start in range(0, len(tokens) - 1 - (len(tokens) - 1) % size, size):  # full blocks before the last token
+        full = (len(tokens) - 1) // size  # full blocks before the last token
+        for start in range(0, full * size, size):
             h = block_hash(parent, tokens[start : start + size])
-            self.prefix_queries += 1
             block = self._cached.get(h)
             if block is None:
                 break
@@ -107,6 +107,7 @@ class BlockManager:
             table.blocks.append(block)
             table.hashes.append(h)
         self.prefix_hits += len(shared)
+        self.prefix_queries += full  # counted once a sequence gets its blocks: a wait for room is not a lookup
         table.cached_tokens = len(shared) * size
         for _ in range(needed):
             table.blocks.append(self._new_block())

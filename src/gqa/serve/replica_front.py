@@ -37,7 +37,7 @@ from .model_router import MAX_BODY_BYTES, fail, merged_metrics
 from .openai_api import ApiError, error_body
 from .replica_routing import ReplicaRouter, chunk_keys, prompt_text
 
-__all__ = ["Replica", "ReplicaFront", "summed_metrics"]
+__all__ = ["Replica", "ReplicaFront", "pool_tokens", "summed_metrics"]
 
 HEALTH_INTERVAL_S = 1.0
 HANG_SECONDS = 30.0  # a replica whose /health has not answered this long is down
@@ -53,6 +53,7 @@ class Replica:
     url: str
     exit_code: Callable[[], int | None] = lambda: None
     pid: int | None = None  # a local replica's process
+    sized: bool = False  # whether the router knows its KV pool's size
     state: str = "up"  # up | down
     reason: str = ""
     last_answer: float = field(default_factory=time.monotonic)
@@ -269,6 +270,12 @@ class ReplicaFront:
         if reason:
             self._mark_down(index, reason)
             return
+        if not replica.sized:  # how much its prefix cache holds: the router forgets past it, as the replica does
+            with contextlib.suppress(httpx2.HTTPError, ValueError):
+                tokens = pool_tokens((await self._client.get(replica.url + "/metrics", timeout=10)).text)
+                if tokens:
+                    self.router.set_capacity(index, tokens)
+                    replica.sized = True
         try:
             r = await self._client.get(replica.url + "/health", timeout=self.hang_seconds)
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as e:
@@ -330,6 +337,7 @@ class ReplicaFront:
                 limits = httpx2.Limits(max_connections=None, max_keepalive_connections=64)
                 timeout = httpx2.Timeout(connect=5.0, read=None, write=60.0, pool=None)
                 self._client = httpx2.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+                await asyncio.gather(*(self._check(i) for i in range(len(self.replicas))), return_exceptions=True)
                 self._watch = asyncio.ensure_future(self._watch_loop())
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
@@ -340,6 +348,18 @@ class ReplicaFront:
                     await self._client.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def pool_tokens(text: str) -> int:
+    """The token slots of a replica's KV pool, from its Prometheus ``text`` (0 when it does not say)."""
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("gqa_kv_blocks_free", "gqa_kv_blocks_used", "gqa_kv_block_size"):
+            values[name] = float(value)
+    if len(values) < 3:
+        return 0
+    return int((values["gqa_kv_blocks_free"] + values["gqa_kv_blocks_used"]) * values["gqa_kv_block_size"])
 
 
 def summed_metrics(texts: list[str]) -> str:

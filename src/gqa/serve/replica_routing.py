@@ -4,18 +4,23 @@ loaded (what SGLang's cache-aware router and vLLM's production router do), or pl
 The front has no tokenizer and no model: a request's prompt is taken as text (``prompt_text``: the request body's
 prompt-defining fields, serialized in order, so a conversation that grows keeps the earlier turns' text as a prefix),
 cut into ``CHUNK_CHARS``-character chunks, each chunk's key a hash chained over the chunks before it (as the engine's
-block hashes are chained over the blocks before). Each replica remembers the chunk keys of the prompts sent to it (the
-newest ``max_keys``); a request's match on a replica is the number of its leading chunk keys that replica holds.
+block hashes are chained over the blocks before). Each replica remembers the chunk keys of the prompts sent to it, the
+least recently used forgotten past what its KV pool holds (``set_capacity``: its token slots at ``CHARS_PER_TOKEN``),
+as its own prefix cache forgets them; a request's match on a replica is the number of its leading chunk keys that
+replica holds.
 
     router = ReplicaRouter(2, policy="prefix")
     i = router.pick(chunk_keys(prompt_text(path, body)))   # replica index; router.sent(i, keys) is done by pick
     ...                                                     # the request runs on replica i
     router.done(i)
 
-Prefix routing goes to the replica with the longest match when the match covers at least ``min_share`` of the
-prompt's chunks and that replica's load (requests sent and not yet done) is within ``balance_slack`` of the least
-loaded one's; otherwise (a new prefix, or the holder swamped) to the least loaded, ties to the one sent fewest
-requests so far. Replicas marked down are never picked.
+Prefix routing (SGLang's cache-aware policy, simplified): a prompt whose longest match covers at least ``min_share``
+of its chunks goes to the replica holding that match, unless that replica is overloaded — its load (requests sent and
+not yet done) above both twice the least loaded one's and the least plus ``balance_slack`` — and then to the least
+loaded. A prompt no replica holds goes to the least loaded, ties to the one holding the fewest chunk keys (new
+prefixes spread the cached text, not only the load; a prompt shorter than a chunk goes to the one sent fewer
+requests). Keeping a prefix's requests together lets one replica's pool hold it while the other holds others; the
+balance bound keeps a popular prefix from swamping its replica. Replicas marked down are never picked.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 
-__all__ = ["CHUNK_CHARS", "POLICIES", "ReplicaRouter", "chunk_keys", "prompt_text"]
+__all__ = ["CHARS_PER_TOKEN", "CHUNK_CHARS", "POLICIES", "ReplicaRouter", "chunk_keys", "prompt_text"]
 
 CHUNK_CHARS = 64  # ~16 tokens of English: about one KV block of the default --block-size
 POLICIES = ("prefix", "least-loaded", "round-robin")
-MAX_KEYS = 1 << 16  # chunk keys remembered per replica (~4 MiB of text's worth)
+MAX_KEYS = 1 << 16  # chunk keys remembered per replica until its capacity is known (~4 MiB of text's worth)
+CHARS_PER_TOKEN = 4.0  # English text in a BPE vocabulary: what a pool of N token slots holds is ~4N characters
 
 # the body fields that make a prompt, in the order they are rendered into it (tools and system first, as chat
 # templates put them; then the turns)
@@ -64,17 +70,18 @@ class ReplicaRouter:
     """Picks a replica for each request (module docstring) and counts why."""
 
     def __init__(
-        self, replicas: int, policy: str = "prefix", *, min_share: float = 0.25, balance_slack: int = 4,
+        self, replicas: int, policy: str = "prefix", *, min_share: float = 0.5, balance_slack: int = 2,
         max_keys: int = MAX_KEYS,
     ) -> None:  # fmt: skip
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.policy, self.min_share, self.balance_slack, self.max_keys = policy, min_share, balance_slack, max_keys
+        self.policy, self.min_share, self.balance_slack = policy, min_share, balance_slack
+        self.max_keys = [max_keys] * replicas
         self.load = [0] * replicas  # requests sent and not done
         self.sent_total = [0] * replicas
-        self.by_prefix = [0] * replicas  # requests sent because the replica held their prefix
+        self.by_prefix = [0] * replicas  # requests sent there because it held at least min_share of their prompt
         self.up = [True] * replicas
         self._keys: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(replicas)]
         self._next = 0
@@ -94,11 +101,14 @@ class ReplicaRouter:
             best = max(live, key=lambda i: (self.matched(i, keys), -self.load[i]))
             matched = self.matched(best, keys)
             lightest = min(self.load[i] for i in live)
-            if matched and matched >= self.min_share * len(keys) and self.load[best] <= lightest + self.balance_slack:
+            overloaded = self.load[best] > max(2 * lightest, lightest + self.balance_slack)
+            if matched >= self.min_share * len(keys) and not overloaded:
                 choice = best
-        if choice is None:
-            choice = min(live, key=lambda i: (self.load[i], self.sent_total[i], i))
-            matched = 0
+            else:
+                matched = 0
+        if choice is None:  # a new long prompt: where the least text is cached; a short one: where fewest were sent
+            spread = (lambda i: len(self._keys[i])) if keys else (lambda i: self.sent_total[i])
+            choice = min(live, key=lambda i: (self.load[i], spread(i), self.sent_total[i], i))
         self.load[choice] += 1
         self.sent_total[choice] += 1
         self.by_prefix[choice] += bool(matched)
@@ -114,6 +124,11 @@ class ReplicaRouter:
         self.up[replica] = False
         self._keys[replica].clear()
 
+    def set_capacity(self, replica: int, tokens: int) -> None:
+        """``replica``'s KV pool holds ``tokens`` token slots: remember as many chunk keys as that much text makes."""
+        self.max_keys[replica] = max(1, int(tokens * CHARS_PER_TOKEN / CHUNK_CHARS))
+        self._remember(replica, ())
+
     def matched(self, replica: int, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, ``replica`` holds."""
         held, n = self._keys[replica], 0
@@ -128,5 +143,5 @@ class ReplicaRouter:
         for key in keys:
             held[key] = None
             held.move_to_end(key)
-        while len(held) > self.max_keys:
+        while len(held) > self.max_keys[replica]:
             held.popitem(last=False)
