@@ -102,10 +102,10 @@ def test_bad_router_arguments():
 def test_summed_metrics_add_up_each_sample():
     a = '# HELP x_total things\n# TYPE x_total counter\nx_total 3\ny{kind="a"} 1.5\n'
     b = '# HELP x_total things\n# TYPE x_total counter\nx_total 4\ny{kind="a"} 2\ny{kind="b"} 1\n'
-    text = summed_metrics([a, b])
+    text = summed_metrics([a + "gqa_kv_block_size 16\n", b + "gqa_kv_block_size 16\n"])
     assert text.count("# HELP x_total") == 1
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
-    assert samples == {"x_total": "7", 'y{kind="a"}': "3.5", 'y{kind="b"}': "1"}
+    assert samples == {"x_total": "7", 'y{kind="a"}': "3.5", 'y{kind="b"}': "1", "gqa_kv_block_size": "16"}
 
 
 def test_a_replica_forgets_past_what_its_pool_holds():

@@ -43,6 +43,7 @@ HEALTH_INTERVAL_S = 1.0
 HANG_SECONDS = 30.0  # a replica whose /health has not answered this long is down
 _PASSED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "anthropic-version", "anthropic-beta",
                    "openai-organization", "openai-project", "user-agent")  # fmt: skip
+SHARED_SETTINGS = ("gqa_kv_block_size",)  # gauges that are a setting, the same on every replica: not summed
 _DROPPED_ANSWER_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
 
 
@@ -364,8 +365,9 @@ def pool_tokens(text: str) -> int:
 
 def summed_metrics(texts: list[str]) -> str:
     """One Prometheus text whose samples are the sums of ``texts``' same samples (metric name and labels): a total
-    over the replicas (counters, gauges and histogram buckets alike add up); each family's ``# HELP`` / ``# TYPE`` as
-    the first text that has it says."""
+    over the replicas (counters, gauges and histogram buckets alike add up; a setting every replica shares, as
+    ``SHARED_SETTINGS``, is the first one's); each family's ``# HELP`` / ``# TYPE`` as the first text that has it
+    says."""
     lines: list[str] = []
     totals: dict[str, float] = {}
     for text in texts:
@@ -382,6 +384,8 @@ def summed_metrics(texts: list[str]) -> str:
                 if metric not in totals:
                     lines.append(metric)
                     totals[metric] = 0.0
+                elif metric.partition("{")[0] in SHARED_SETTINGS:
+                    continue
                 totals[metric] += number
     return "".join(f"{line} {totals[line]:.17g}\n" if line in totals else line + "\n" for line in lines)
 
