@@ -116,3 +116,19 @@ def test_every_server_runs_the_kv_cache_type(tmp_path):
     assert "--kv-cache-dtype" not in bench_serve.server_argv("gqa", None, ns, 8123, 64)
     assert "--type_k" not in bench_serve.server_argv("llama.cpp", "m.gguf", ns, 8123, 64)
     assert "-ctk" not in bench_serve.server_argv("llama-server", "m.gguf", ns, 8123, 64)
+
+
+def test_replicas_and_the_shared_prefix_workload(tmp_path, capsys):
+    """``--replicas 2 --routing prefix``: the replicas' row (their pools half the engine's, summed back to its token
+    slots) answers as one engine, and the shared-prefix rows report a hit rate from the servers' metrics."""
+    code = main(["bench", "serve", "--engines", "gqa", "--clients", "2", "--prompts", "4", "--max-tokens", "4",
+                 "--kv-cache-mib", "64", "--replicas", "1", "2", "--routing", "prefix",
+                 "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    rows = {r["tag"]: r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
+    one, two = rows["gqa"], rows["gqa, --replicas 2"]
+    assert two["differ_from_plain"] == 0 and abs(two["kv_slots"] - one["kv_slots"]) <= 2 * 16
+    shared = [r for tag, r in rows.items() if tag.startswith("shared prefixes")]
+    assert [r["tag"] for r in shared] == ["shared prefixes: one engine", "shared prefixes: 2 replicas, prefix routing"]
+    for r in shared:
+        assert 0 <= r["prefix_hit_rate"] <= 1 and r["differ_from_one_engine"] == 0 and r["loads"][0]["errors"] == []
