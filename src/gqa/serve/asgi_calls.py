@@ -14,7 +14,9 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-__all__ = ["ASGIApp", "Lifespan", "get", "replay"]
+from .openai_api import ApiError
+
+__all__ = ["ASGIApp", "Lifespan", "get", "read_body", "replay"]
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -59,6 +61,21 @@ class Lifespan:
         message = answer.result()
         if message["type"] != f"lifespan.{phase}.complete":
             raise RuntimeError(f"the app's lifespan {phase} failed: {message.get('message', '')}")
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    """A request's whole body from ``receive``; ``ApiError`` 413 past ``limit`` bytes, 499 if the client left."""
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError("the client disconnected", 499)
+        chunk, more = message.get("body", b""), message.get("more_body", False)
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(f"the request body exceeds the limit of {limit} bytes", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def replay(body: bytes, receive: Receive) -> Receive:

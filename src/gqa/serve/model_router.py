@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from .asgi_calls import ASGIApp, Lifespan, Message, Receive, Send, get, replay
+from .asgi_calls import ASGIApp, Lifespan, Message, Receive, Send, get, read_body, replay
 from .loaded_models import LoadedModels
 from .openai_api import ApiError, error_body
 
@@ -125,7 +125,7 @@ class ModelRouter:
                 answer = {"/health": self._health, "/metrics": self._metrics, "/v1/models": self._models}[path]
                 response = await answer()
             elif method == "POST":
-                body = await self._body(scope, receive)
+                body = await read_body(receive, self.max_body_bytes)
                 name = self._model_of(scope, body)
                 await self._serve(name, scope, replay(body, receive), send)
                 return
@@ -135,20 +135,6 @@ class ModelRouter:
         except ApiError as e:
             response = fail(e)
         await response(scope, receive, send)
-
-    async def _body(self, scope: Message, receive: Receive) -> bytes:
-        """The request's whole body (413 past ``max_body_bytes``)."""
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ApiError("the client disconnected", 499)
-            chunk, more = message.get("body", b""), message.get("more_body", False)
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise ApiError(f"the request body exceeds the limit of {self.max_body_bytes} bytes", 413)
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def _model_of(self, scope: Message, body: bytes) -> str:
         """The served model the body's ``model`` names; 401 before any word about the models to a client without the

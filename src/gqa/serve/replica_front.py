@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import httpx2
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from .asgi_calls import Message, Receive, Send
+from .asgi_calls import Message, Receive, Send, read_body
 from .model_router import MAX_BODY_BYTES, fail, merged_metrics
 from .openai_api import ApiError, error_body
 from .replica_routing import ReplicaRouter, chunk_keys, prompt_text
@@ -94,7 +94,7 @@ class ReplicaFront:
             response = await (self._health() if path == "/health" else self._metrics())
             await response(scope, receive, send)
         elif method == "POST":
-            body = await self._body(receive)
+            body = await read_body(receive, self.max_body_bytes)
             await self._routed(scope, body, receive, send)
         elif method in ("GET", "HEAD") and path == "/v1/models":
             await self._forward(self._serving()[0], scope, b"", receive, send)
@@ -176,7 +176,11 @@ class ReplicaFront:
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as e:
             self._mark_down(index, self._exit_reason(index) or f"cannot be reached ({type(e).__name__})")
             return False
-        except httpx2.HTTPError as e:  # sent, and then the replica failed: the request may have run
+        except httpx2.HTTPError as e:  # sent, and then the replica failed
+            reason = await self._exited(index)
+            if reason:  # it is gone and answered nothing: another replica takes the request
+                self._mark_down(index, reason)
+                return False
             self.failed[index] += 1
             self._check_soon(index)
             await fail(ApiError(f"replica {index} failed: {type(e).__name__}", 503))(scope, receive, send)
@@ -200,7 +204,11 @@ class ReplicaFront:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except httpx2.HTTPError as e:  # the replica failed mid-answer
                 self.failed[index] += 1
-                self._check_soon(index)
+                reason = await self._exited(index)
+                if reason:  # marked down before the client hears: its next request goes elsewhere
+                    self._mark_down(index, reason)
+                else:
+                    self._check_soon(index)
                 if events:
                     error = error_body(ApiError(f"replica {index} failed: {type(e).__name__}", 503))
                     await send({"type": "http.response.body", "more_body": True,
@@ -226,20 +234,6 @@ class ReplicaFront:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         return {k: v for k, v in headers.items() if k in _PASSED_HEADERS}
 
-    async def _body(self, receive: Receive) -> bytes:
-        """The request's whole body (413 past ``max_body_bytes``)."""
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ApiError("the client disconnected", 499)
-            chunk, more = message.get("body", b""), message.get("more_body", False)
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise ApiError(f"the request body exceeds the limit of {self.max_body_bytes} bytes", 413)
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     # -- health ------------------------------------------------------------------------------------------------------
 
     def _mark_down(self, index: int, reason: str) -> None:
@@ -256,6 +250,16 @@ class ReplicaFront:
     def _exit_reason(self, index: int) -> str:
         code = self.replicas[index].exit_code()
         return "" if code is None else f"its process exited with code {code}"
+
+    async def _exited(self, index: int, wait: float = 0.5) -> str:
+        """Why replica ``index``'s process ended, waiting ``wait`` seconds at most for a process whose connection
+        just broke to be seen ended ("" if it runs, or is not a local one)."""
+        deadline = time.monotonic() + wait
+        while not (reason := self._exit_reason(index)) and self.replicas[index].pid is not None:
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.02)
+        return reason
 
     def _check_soon(self, index: int) -> None:
         task = asyncio.ensure_future(self._check(index))
