@@ -136,8 +136,8 @@ def test_convert_refit_flag(tmp_path, capsys):
 
 def test_refit_beats_the_plain_merge_on_smollm2():
     """``pca`` < ``pca`` + ``o_proj`` refit < ``pca`` + ``v_proj``/``o_proj`` refit, in perplexity on a short text
-    that calibration never reads. The joint refit runs 6 of the default 24 value solves (each costs ~10 s of float64
-    conjugate gradients here; 6 already beat the ``o_proj`` refit by 14%)."""
+    that calibration never reads. The joint refit runs 2 of the default 24 value solves (each costs ~10 s of float64
+    conjugate gradients here; 2 already beat the ``o_proj`` refit by 9%, 6 by 14%)."""
     from gqa.convert import _calibration_activations
     from gqa.convert.calibration import module_docstrings
     from gqa.loaders import load_tokenizer, read_model
@@ -156,6 +156,6 @@ def test_refit_beats_the_plain_merge_on_smollm2():
 
     plain = ppl(*convert_state(cfg, state, 1, "pca", _calibration_activations(cfg, state, tok, text)))
     o_only = ppl(*refit_convert_state(cfg, state, 1, "pca", calib, value_steps=0))
-    refit = ppl(*refit_convert_state(cfg, state, 1, "pca", calib, value_steps=6))
+    refit = ppl(*refit_convert_state(cfg, state, 1, "pca", calib, value_steps=2))
     assert o_only < 0.8 * plain, (o_only, plain)
     assert refit < 0.95 * o_only, (refit, o_only)
