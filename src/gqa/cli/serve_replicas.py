@@ -148,7 +148,11 @@ def _torchrun(ns: argparse.Namespace, replicas: int, serve: Callable, http: Call
             host, port = listener.getsockname()[:2]
             mine = (f"http://{host if ':' not in host else f'[{host}]'}:{port}", None)
         everyone: list = [None] * replicas
-        dist.all_gather_object(everyone, mine)
+        dist.all_gather_object(everyone, mine)  # a rank that never joins: an error after GQA_DIST_TIMEOUT
+    except RuntimeError as e:  # torch.distributed's errors are RuntimeErrors
+        print(f"gqa serve: replica {rank}: the replicas did not all start: {e}", file=sys.stderr)
+        stop_replicas(local, 0.0)
+        return 1
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -157,7 +161,11 @@ def _torchrun(ns: argparse.Namespace, replicas: int, serve: Callable, http: Call
     try:
         codes = [local[0].exit_code] + [lambda: None] * (replicas - 1)
         urls = [url for url, _ in everyone]
-        _wait_ready(urls, codes)
+        try:
+            _wait_ready(urls, codes)
+        except RuntimeError as e:
+            print(f"gqa serve: {e}", file=sys.stderr)
+            return 1
         return _front(ns, [Replica(url, code) for url, code in zip(urls, codes, strict=True)], http)
     finally:
         store.set(_STOP_KEY, "1")
