@@ -9,9 +9,8 @@ streamed, back.
     GET  /health              the replicas' states; 200 while one serves, else 503
     GET  /metrics             each replica's metrics labelled ``replica="i"``, their sums as ``replica="all"``, and
                               the front's: requests sent to each replica, and why, and whether it is up
-    GET  /v1/models           the first serving replica's answer
-    other requests            (``GET`` / ``DELETE /v1/responses/{id}``) each serving replica in turn until one answers
-                              other than 404
+    other requests            (``GET /v1/models``, ``GET`` / ``DELETE /v1/responses/{id}``) each serving replica in
+                              turn until one answers other than 404
 
 A client that disconnects closes its request to the replica (which then cancels it). Every ``health_interval``
 seconds each replica's ``/health`` is asked (and its process, when it is a local one): a replica whose process ended,
@@ -41,6 +40,7 @@ __all__ = ["Replica", "ReplicaFront", "pool_tokens", "summed_metrics"]
 
 HEALTH_INTERVAL_S = 1.0
 HANG_SECONDS = 30.0  # a replica whose /health has not answered this long is down
+LOOKUP_TIMEOUT_S = 10.0  # a stored response looked up, a replica's metrics read
 _PASSED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "anthropic-version", "anthropic-beta",
                    "openai-organization", "openai-project", "user-agent")  # fmt: skip
 SHARED_SETTINGS = ("gqa_kv_block_size",)  # gauges that are a setting, the same on every replica: not summed
@@ -96,9 +96,7 @@ class ReplicaFront:
         elif method == "POST":
             body = await read_body(receive, self.max_body_bytes)
             await self._routed(scope, body, receive, send)
-        elif method in ("GET", "HEAD") and path == "/v1/models":
-            await self._forward(self._serving()[0], scope, b"", receive, send)
-        else:
+        else:  # GET /v1/models: the first replica that answers
             await self._first_found(scope, receive, send)
 
     async def _routed(self, scope: Message, body: bytes, receive: Receive, send: Send) -> None:
@@ -132,7 +130,8 @@ class ReplicaFront:
         headers = self._headers(scope)
         for index in self._serving():
             with contextlib.suppress(httpx2.HTTPError):
-                r = await self._client.get(f"{self.replicas[index].url}/v1/responses/{response_id}", headers=headers)
+                r = await self._client.get(f"{self.replicas[index].url}/v1/responses/{response_id}", headers=headers,
+                                           timeout=LOOKUP_TIMEOUT_S)  # fmt: skip
                 if r.status_code == 200:
                     return index
         return None
@@ -325,7 +324,7 @@ class ReplicaFront:
         texts = {}
         for index in [i for i, r in enumerate(self.replicas) if r.state == "up"]:
             with contextlib.suppress(httpx2.HTTPError):
-                r = await self._client.get(self.replicas[index].url + "/metrics")
+                r = await self._client.get(self.replicas[index].url + "/metrics", timeout=LOOKUP_TIMEOUT_S)
                 if r.status_code == 200:
                     texts[str(index)] = r.text
         if texts:
