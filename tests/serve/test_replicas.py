@@ -97,16 +97,24 @@ def test_a_shared_system_prompt_stays_on_one_replica_and_hits_its_prefix_cache(s
     assert _by_replica(server, "gqa_replica_prefix_routed_total")[home] >= len(QUESTIONS) - 1
 
 
-def test_distinct_prompts_spread(server, client):
-    """New prompts go to the least loaded replica, ties to the one sent fewer: the totals even out."""
+def test_new_prompts_go_to_the_least_loaded_replica_holding_the_least_text(server, client):
+    """After the shared system prompt's requests, its replica holds more text: new prompts, one at a time (both
+    replicas idle), go to the other one; short prompts (under a chunk) to the one sent fewer."""
     routed = _by_replica(server, "gqa_replica_prefix_routed_total")
     before = _by_replica(server, "gqa_replica_requests_total")
-    for question in DISTINCT + [q + " Answer briefly." for q in DISTINCT]:
-        client.completions.create(model=MODEL, prompt=question, max_tokens=2, temperature=0)
-    sent = _by_replica(server, "gqa_replica_requests_total")
-    assert abs(sent["0"] - sent["1"]) <= 2, sent  # (a request may be picked before the one before it is counted done)
-    assert sent["0"] > before["0"] and sent["1"] > before["1"], (before, sent)
+    for question in DISTINCT:
+        client.completions.create(model=MODEL, prompt=f"{question} Answer in one short sentence, please.",
+                                  max_tokens=2, temperature=0)  # fmt: skip
+    sent = {k: v - before[k] for k, v in _by_replica(server, "gqa_replica_requests_total").items() if k != "all"}
+    home = max(before, key=before.get)  # the shared prompt's replica
+    assert sent[home] == 0 and sum(sent.values()) == len(DISTINCT), (before, sent)
     assert _by_replica(server, "gqa_replica_prefix_routed_total") == routed
+    totals = _by_replica(server, "gqa_replica_requests_total")
+    for question in DISTINCT * 2:  # short: alternating toward equal totals
+        client.completions.create(model=MODEL, prompt=question[:10], max_tokens=1, temperature=0)
+    after = _by_replica(server, "gqa_replica_requests_total")
+    gap = abs(after["0"] - after["1"])
+    assert gap <= max(1, abs(totals["0"] - totals["1"]) - 2 * len(DISTINCT)), (totals, after)
 
 
 def test_previous_response_id_finds_the_replica_holding_it(client):

@@ -116,11 +116,21 @@ class ReplicaFront:
                 self.router.sent_total[index] += 1
             else:
                 index = self.router.pick(keys)
+            ended = False
+
+            async def counted(message: Message, index: int = index) -> None:
+                nonlocal ended  # done before the answer's end goes out: the client's next request sees the load
+                if message["type"] == "http.response.body" and not message.get("more_body") and not ended:
+                    ended = True
+                    self.router.done(index)
+                await send(message)
+
             try:
-                if await self._forward(index, scope, body, receive, send):
+                if await self._forward(index, scope, body, receive, counted):
                     return
             finally:
-                self.router.done(index)
+                if not ended:
+                    self.router.done(index)
             holder = None
 
     async def _holder(self, scope: Message, response_id: object) -> int | None:
