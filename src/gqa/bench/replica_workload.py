@@ -15,7 +15,7 @@ import argparse
 import random
 import sys
 
-from .serve import TOPICS, ServerProcess, free_port, load, server_argv
+from .serve_clients import TOPICS, ServerProcess, free_port, load, server_argv
 
 __all__ = ["SYSTEMS", "routing_rows", "system_prompts"]
 

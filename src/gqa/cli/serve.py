@@ -190,7 +190,7 @@ def run(parser: argparse.ArgumentParser | None, ns: argparse.Namespace) -> int:
         from .serve_replicas import serve_replicas
 
         serving_settings(ns)  # every flag checked here, before a replica starts
-        return serve_replicas(ns, ns.replicas, serve_replica, serve_http)
+        return serve_replicas(ns, ns.replicas, serve_replica, serve_http, serving_app)
     if tp_size(ns) > 1:  # --tp N, or under torchrun: serve_tp starts (or joins) the ranks
         from .serve_tp import serve_tp
 

@@ -39,14 +39,15 @@ _STOP_KEY = "gqa/replicas/stop"
 
 
 def serve_replicas(ns: argparse.Namespace, replicas: int, serve: Callable[[argparse.Namespace], int],
-                   http: Callable) -> int:  # fmt: skip
-    """Serve ``replicas`` replicas of ``serve(ns)`` (``cli.serve.run``, a module-level function) behind one front
-    served by ``http`` (``cli.serve.serve_http``); this process's exit code."""
+                   http: Callable, app_of: Callable) -> int:  # fmt: skip
+    """Serve ``replicas`` replicas of ``serve(ns)`` (``cli.serve.serve_replica``, a module-level function) behind one
+    front served by ``http`` (``cli.serve.serve_http``); ``app_of(ns)`` (``cli.serve.serving_app``) is a torchrun
+    rank's own replica's app. This process's exit code."""
     from ..parallel.distributed import in_launched_world
 
     check_replica_flags(ns, replicas)
     if in_launched_world():
-        return _torchrun(ns, replicas, serve, http)
+        return _torchrun(ns, replicas, serve, http, app_of)
     from ..serve.replica_processes import start_local_replicas, stop_replicas
 
     local = []
@@ -130,7 +131,7 @@ def _wait_ready(urls: list[str], exit_codes: list[Callable], timeout: float = RE
 # -- under torchrun --------------------------------------------------------------------------------------------------
 
 
-def _torchrun(ns: argparse.Namespace, replicas: int, serve: Callable, http: Callable) -> int:
+def _torchrun(ns: argparse.Namespace, replicas: int, serve: Callable, http: Callable, app_of: Callable) -> int:
     import torch.distributed as dist
 
     from ..parallel.distributed import init_process_group
@@ -157,7 +158,7 @@ def _torchrun(ns: argparse.Namespace, replicas: int, serve: Callable, http: Call
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     if rank > 0:
-        return _remote_replica(ns, rank, replicas, listener, everyone[0][1], http)
+        return _remote_replica(ns, rank, replicas, listener, everyone[0][1], http, app_of)
     try:
         codes = [local[0].exit_code] + [lambda: None] * (replicas - 1)
         urls = [url for url, _ in everyone]
@@ -174,12 +175,11 @@ def _torchrun(ns: argparse.Namespace, replicas: int, serve: Callable, http: Call
 
 
 def _remote_replica(ns: argparse.Namespace, rank: int, replicas: int, listener: socket.socket, store_port: int,
-                    http: Callable) -> int:  # fmt: skip
+                    http: Callable, app_of: Callable) -> int:  # fmt: skip
     """Rank ``r > 0`` under torchrun: its replica served on ``listener`` until rank 0 says stop or is gone."""
     import torch.distributed as dist
 
     from ..serve.replica_processes import leave_world
-    from .serve import serving_app
 
     master = os.environ["MASTER_ADDR"]
     leave_world()  # this process is a world of its own from here
@@ -201,7 +201,7 @@ def _remote_replica(ns: argparse.Namespace, rank: int, replicas: int, listener: 
 
         threading.Thread(target=loop, name="gqa-replica-watch", daemon=True).start()
 
-    return http(own, serving_app(own), watch)
+    return http(own, app_of(own), watch)
 
 
 def _store_host():
