@@ -123,5 +123,8 @@ def _lead(settings, name: str, ranks: LocalRanks | None, load: Callable, http: C
     served.stop()
     print(f"gqa serve: rank 0 ran {runner.shard.summary()}", file=sys.stderr)
     if not lost and not served._thread.is_alive():  # (a thread stuck in a step must not meet a second collective)
-        runner.close()  # the other ranks stop
+        # the other ranks stop; a RuntimeError: they have already (a SIGTERM to the whole process group: systemd,
+        # timeout, kill -PGID)
+        with contextlib.suppress(RuntimeError):
+            runner.close()
     return 1 if lost else code
