@@ -168,6 +168,9 @@ def test_q8_0_cache_then_a_killed_rank_ends_the_server_with_503s(llm):
         assert status == 503 and answer["error"]["message"] and "type" in answer["error"]
         assert server.proc.wait(LOSS_GRACE_S + 30) == 1
         assert time.monotonic() - killed < LOSS_GRACE_S + 30
+        deadline = time.monotonic() + 10  # multiprocessing's resource tracker ends once its last user has: soon after
+        while [p for p in ranks if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert not [p for p in ranks if _alive(p)]
     finally:
         server.stop()
