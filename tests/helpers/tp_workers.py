@@ -143,3 +143,21 @@ def start_serving_shards(layers: list[int], kv: list[str]) -> int:
     torch.manual_seed(0)
     model = shard_model(cfg, CausalLM(cfg).state_dict())
     return ShardStep(model, EngineConfig(kv_cache_mib=1, kv_cache_dtype=kv[rank])).cache.num_blocks
+
+
+def smollm2_quantized(ids: list[int], tokens: int) -> dict:
+    """The embedded SmolLM2 as ``load_model(dtype="auto")`` keeps it (Q4_1 blocks; sharded over the world when there
+    is one), its activations in float32: logits of ``ids``, greedy tokens, the weights' bytes by format and the module
+    types of layer 0's projections."""
+    from gqa import load_model
+    from gqa.models.quantized import weight_bytes
+
+    model = load_model(tensor_parallel=dist.is_initialized(), tokenizer=False).float()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    layer_bytes = sum(m.blocks.nbytes for layer in model.model.layers for m in layer.modules() if hasattr(m, "blocks"))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0]
+    return {
+        "logits": logits, "tokens": model.generate(ids, max_new_tokens=tokens), "bytes": weight_bytes(model),
+        "layer_bytes": layer_bytes, "types": [type(m).__name__ for m in (attn.q_proj, attn.o_proj, mlp.down_proj)],
+    }  # fmt: skip

@@ -101,6 +101,35 @@ def test_views_of_the_file_are_copy_on_write(tmp_path):
     assert path.read_bytes() == before
 
 
+def test_released_pages_read_the_file_again_and_leave_the_rest(tmp_path):
+    """``release`` drops the process's (copy-on-write) pages under a view: a rewritten tensor reads the file's bytes
+    again and leaves ``reordered``; bytes outside its whole pages and other tensors keep what was written; a tensor
+    that is not a view of the map is ignored."""
+    import mmap
+
+    import torch
+
+    path = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    big = np.arange(5 * mmap.PAGESIZE // 4, dtype=np.float32)
+    w.add_tensor("a", big)
+    w.add_tensor("b", np.ones(16, dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    g = GGUFFile(path)
+    a, b = (g.data(g.tensor(n)) for n in ("a", "b"))
+    a[:], b[:] = 7, 7
+    g.reordered |= {"a", "b"}
+    assert g.release([torch.zeros(4096, dtype=torch.uint8)]) == 0
+    dropped = g.release([torch.from_numpy(a)])
+    assert dropped % mmap.PAGESIZE == 0 and 4 * mmap.PAGESIZE <= dropped <= 5 * mmap.PAGESIZE
+    values = g.data(g.tensor("a")).view(np.float32)
+    whole = np.flatnonzero(values == big)  # the whole pages: the file's numbers again
+    assert len(whole) * 4 == dropped and (np.diff(whole) == 1).all()
+    assert (g.data(g.tensor("a")).reshape(-1)[: whole[0] * 4] == 7).all()  # the part page before them: kept
+    assert (b == 7).all() and g.reordered == {"b"}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Small valid files, and the fuzz test over them
 

@@ -202,18 +202,21 @@ def one_rank_world():
     dist.destroy_process_group()
 
 
-def test_sharded_step_is_the_one_call_step_bit_for_bit_and_batch_invariant(one_rank_world):
+@pytest.mark.parametrize("weights", ["bf16", "q4_0"])
+def test_sharded_step_is_the_one_call_step_bit_for_bit_and_batch_invariant(one_rank_world, weights):
     """The sharded step's op-by-op layers at one rank give ``gqa::decode_paged``'s logits bit for bit (bfloat16: a
     prompt chunk of two sequences beside each other, then a decode row each), and a row's logits do not depend on the
     rows beside it (20 rows: past the few rows ``Linear`` gives the native kernel, where MKL's GEMM would sum
-    otherwise)."""
+    otherwise) — with float weights and with the layers' weights as q4_0 blocks (``shard_model`` keeps them blocks,
+    the projections run the quantized kernel, ``o_proj`` / ``down_proj`` all-reduce)."""
     import torch
 
     from gqa.decoding import native_step
     from gqa.kernels import ops
     from gqa.models import ModelConfig
     from gqa.models.llama import CausalLM
-    from gqa.parallel.tensor_parallel import shard_model
+    from gqa.models.quantized import QuantizedLinear, install_quantized, quantize
+    from gqa.parallel.tensor_parallel import ReducingQuantizedLinear, shard_model
     from gqa.serve.config import EngineConfig
     from gqa.serve.paged_cache import table_tensor
     from gqa.serve.runner import ModelRunner
@@ -232,8 +235,16 @@ def test_sharded_step_is_the_one_call_step_bit_for_bit_and_batch_invariant(one_r
     torch.manual_seed(0)
     state = {k: v.bfloat16() for k, v in CausalLM(cfg).state_dict().items()}
     config = EngineConfig(kv_cache_mib=1, block_size=8)
-    step = ShardStep(shard_model(cfg, state).bfloat16(), config)
     whole = CausalLM.from_state(cfg, state).bfloat16()
+    if weights != "bf16":
+        blocks = {k: quantize(v, weights) for k, v in state.items() if k.startswith("model.layers.") and v.ndim == 2}
+        state |= blocks
+        install_quantized(whole, blocks, torch.bfloat16)
+    sharded_model = shard_model(cfg, state, dtype=torch.bfloat16).bfloat16()
+    if weights != "bf16":
+        layer = sharded_model.model.layers[0]
+        assert type(layer.self_attn.q_proj) is QuantizedLinear and type(layer.mlp.down_proj) is ReducingQuantizedLinear
+    step = ShardStep(sharded_model, config)
     runner = ModelRunner(whole, config)
 
     @torch.inference_mode()

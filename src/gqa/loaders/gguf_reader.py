@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GGML_TYPES", "GGMLType", "GGUFFile", "GGUFTensorInfo"]
 
@@ -321,6 +325,25 @@ class GGUFFile:
     def data(self, t: GGUFTensorInfo) -> np.ndarray:
         """Tensor ``t``'s bytes: a writable ``uint8`` view of the (copy-on-write) map, ``(nbytes,)``."""
         return np.frombuffer(self._map, np.uint8, t.nbytes, t.offset)
+
+    def release(self, views: Iterable[torch.Tensor]) -> int:
+        """Drop this process's pages of the map under ``views`` (contiguous tensors made by ``data``; others are
+        ignored), e.g. once a tensor-parallel rank has copied its shard out of them: the pages it touched stop counting
+        in its resident memory, and a later read finds the file's bytes again (a rewritten tensor loses its place
+        in ``reordered``). Only whole pages inside a view are dropped. Returns the bytes dropped."""
+        base = np.frombuffer(self._map, np.uint8, 1).ctypes.data
+        page, dropped = mmap.PAGESIZE, 0
+        for v in views:
+            start = v.data_ptr() - base
+            if not v.is_contiguous() or not 0 <= start < len(self._map):
+                continue
+            end = start + v.numel() * v.element_size()
+            first, last = -(-start // page) * page, end // page * page
+            if last > first:
+                self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+                dropped += last - first
+            self.reordered -= {t.name for t in self.tensors if t.offset < end and start < t.offset + t.nbytes}
+        return dropped
 
     def tensor(self, name: str) -> GGUFTensorInfo:
         for t in self.tensors:

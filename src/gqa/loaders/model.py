@@ -10,6 +10,7 @@ from .. import kernels
 from ..hardware import auto_dtype
 from ..models import CausalLM, use_input_major_weights
 from ..options.dtypes import SPELLINGS, dtype_name, torch_dtype
+from .gguf_reader import GGUFFile
 
 
 def load_model(
@@ -40,8 +41,9 @@ def load_model(
     tokenizer : also load the tokenizer into ``model.tokenizer``.
     tensor_parallel : load this process's shard of the model for tensor parallelism over the initialised
         ``torch.distributed`` world (``gqa.parallel.distributed.init_process_group``;
-        ``gqa.parallel.tensor_parallel``). Every
-        rank must call ``load_model`` with the same arguments, then run the model in step with the others.
+        ``gqa.parallel.tensor_parallel``): with ``dtype="auto"`` a GGUF's quantized weights stay blocks, each rank
+        holding its shard of them. Every rank must call ``load_model`` with the same arguments, then run the model in
+        step with the others.
     quantize : ``"q8_0"``, ``"q4_0"`` or ``"q4_1"``: quantize the decoder's linear weights to that block format (the
         embeddings and ``lm_head`` to q8_0) after loading, e.g. for an HF folder or a float GGUF.
     kv_dtype : what the model's KV caches store (``model.kv_dtype``, the default of ``new_caches``, ``generate``,
@@ -72,14 +74,18 @@ def load_model(
     from ..cache.kv import kv_kinds
 
     kv_kinds(kv_dtype, dtype, "kv_dtype")  # a bad choice fails before anything is read, too
-    keep = auto and quantize is None and not tensor_parallel and torch.device(device).type == "cpu"
+    keep = auto and quantize is None and torch.device(device).type == "cpu"
     source = open_model(path)  # a GGUF file's header is read once, for the weights and the tokenizer
     cfg, state = read_model(source, keep_quantized=keep and kernels.vectorized())
     quantized = {name: t for name, t in state.items() if isinstance(t, QuantizedTensor)}
     if tensor_parallel:
         from ..parallel.tensor_parallel import shard_model
 
-        model = shard_model(cfg, state).to(device=device, dtype=dtype)
+        def copied(t: torch.Tensor | QuantizedTensor) -> None:  # the file's pages a shard was copied from: dropped
+            if isinstance(source, GGUFFile):
+                source.release([t.blocks if isinstance(t, QuantizedTensor) else t])
+
+        model = shard_model(cfg, state, dtype=dtype, copied=copied).to(device=device, dtype=dtype)
     else:
         for name, t in quantized.items():  # placeholders: these modules are replaced below
             state[name] = torch.empty(t.shape, device="meta")

@@ -118,6 +118,26 @@ class QuantizedTensor:
         """The float weight ``(M, K)`` (exactly ``d * q (+ m)``, rounded to ``dtype``)."""
         return dequantize(self.blocks, self.format, self.shape[1], dtype)
 
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
+        """Rows (``dim=0``) or columns (``dim=1``) ``[start, start + length)`` as a ``QuantizedTensor`` of their own
+        blocks, copied (a tensor-parallel rank's shard: the rest of the file's pages are never kept). Columns must
+        begin and end on a block boundary (``block_values`` apart); ``ValueError`` otherwise."""
+        M, K = self.shape
+        if dim not in (0, 1):
+            raise ValueError(f"dim must be 0 (rows) or 1 (columns), got {dim}")
+        if start < 0 or length < 0 or start + length > self.shape[dim]:
+            raise ValueError(f"[{start}, {start + length}) is outside the {self.shape[dim]} of dim {dim}")
+        if dim == 0:
+            return QuantizedTensor(self.blocks.narrow(0, start, length).clone(), self.format, (length, K))
+        values, size = self.format.block_values, self.format.block_bytes
+        if start % values or length % values:
+            raise ValueError(
+                f"columns [{start}, {start + length}) of a {self.format.name} weight do not fall on its blocks of "
+                f"{values} values"
+            )
+        blocks = self.blocks.narrow(1, start // values * size, length // values * size).contiguous()
+        return QuantizedTensor(blocks, self.format, (M, length))
+
 
 def dequantize(blocks: torch.Tensor, fmt: Format, K: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows of blocks ``(M, K / block_values * block_bytes)`` -> float ``(M, K)`` of ``dtype``."""

@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
 from ..models.config import ModelConfig
 from ..models.linear import Linear
+from ..models.quantized import QuantizedLinear, QuantizedTensor
 
 if TYPE_CHECKING:
     from ..models.llama import CausalLM
@@ -37,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RankShard",
     "ReducingLinear",
+    "ReducingQuantizedLinear",
     "check_tp",
     "head_layout",
     "rank_shard",
@@ -145,40 +150,64 @@ def rank_shard(cfg: ModelConfig, tp: int, rank: int) -> RankShard:
     return RankShard(rank, tp, q, kv, replicas, _split(cfg.intermediate_size, tp, rank))
 
 
-def _rows(t: torch.Tensor, heads: range, per_head: int, dim: int = 0) -> torch.Tensor:
-    return t.narrow(dim, heads.start * per_head, len(heads) * per_head).contiguous()
+Weight = torch.Tensor | QuantizedTensor
 
 
-def shard_tensor(name: str, t: torch.Tensor, shard: RankShard, head_dim: int) -> torch.Tensor:
+def _narrow(name: str, t: Weight, dim: int, start: int, length: int) -> Weight:
+    """A contiguous copy of ``t``'s ``[start, start + length)`` along ``dim``; block-quantized weights stay blocks
+    (``QuantizedTensor.narrow``) unless the columns cut through their blocks: then that one weight is dequantized
+    (float32), with a warning naming it."""
+    if not isinstance(t, QuantizedTensor):
+        return t.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)  # a copy even of rows
+    try:
+        return t.narrow(dim, start, length)
+    except ValueError as why:
+        warnings.warn(f"{name}: {why}; this rank holds its part in float32", stacklevel=3)
+        return t.dequantize(torch.float32).narrow(dim, start, length).contiguous()
+
+
+def _rows(name: str, t: Weight, heads: range, per_head: int, dim: int = 0) -> Weight:
+    return _narrow(name, t, dim, heads.start * per_head, len(heads) * per_head)
+
+
+def shard_tensor(name: str, t: Weight, shard: RankShard, head_dim: int) -> Weight:
     """The shard's part of the whole model's tensor ``name`` (HF name): ``q/k/v_proj`` weights ``(heads * D, E)``
     and biases keep the shard's heads' rows, ``o_proj.weight (E, H_q * D)`` the matching columns,
-    ``gate_proj``/``up_proj`` ``(I, E)`` the shard's rows and ``down_proj (E, I)`` its columns (contiguous copies);
-    anything else is replicated and returned as it is. Works on meta tensors (sizes without data)."""
+    ``gate_proj``/``up_proj`` ``(I, E)`` the shard's rows and ``down_proj (E, I)`` its columns (contiguous copies;
+    a ``QuantizedTensor`` keeps its blocks, see ``_narrow``); anything else is replicated and returned as it is.
+    Works on meta tensors (sizes without data)."""
     rows = shard.mlp_rows
     if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-        return _rows(t, shard.q_heads, head_dim)
+        return _rows(name, t, shard.q_heads, head_dim)
     if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
                       "self_attn.v_proj.bias")):  # fmt: skip
-        return _rows(t, shard.kv_heads, head_dim)
+        return _rows(name, t, shard.kv_heads, head_dim)
     if name.endswith("self_attn.o_proj.weight"):
-        return _rows(t, shard.q_heads, head_dim, dim=1)
+        return _rows(name, t, shard.q_heads, head_dim, dim=1)
     if name.endswith("self_attn.o_proj.bias"):
         raise ValueError(f"{name}: an o_proj bias is not supported under tensor parallelism")
     if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
-        return t.narrow(0, rows.start, len(rows)).contiguous()
+        return _narrow(name, t, 0, rows.start, len(rows))
     if name.endswith("mlp.down_proj.weight"):
-        return t.narrow(1, rows.start, len(rows)).contiguous()
+        return _narrow(name, t, 1, rows.start, len(rows))
     return t
 
 
 def shard_state(
-    cfg: ModelConfig, state: dict[str, torch.Tensor], shard: RankShard
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The rank's config (its head counts and MLP width) and tensors (``shard_tensor``), from the whole model's."""
+    cfg: ModelConfig, state: dict[str, Weight], shard: RankShard, copied: Callable[[Weight], object] | None = None
+) -> tuple[ModelConfig, dict[str, Weight]]:
+    """The rank's config (its head counts and MLP width) and tensors (``shard_tensor``), from the whole model's.
+    ``copied(t)`` is called with each whole tensor right after its shard was copied out of it (e.g. to drop the
+    file's pages under it before the next is read)."""
     local = dataclasses.replace(
         cfg, num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads), intermediate_size=len(shard.mlp_rows)
     )
-    return local, {name: shard_tensor(name, t, shard, cfg.head_dim) for name, t in state.items()}
+    tensors = {}
+    for name, t in state.items():
+        tensors[name] = shard_tensor(name, t, shard, cfg.head_dim)
+        if copied is not None and tensors[name] is not t:
+            copied(t)
+    return local, tensors
 
 
 def rank_weight_bytes(cfg: ModelConfig, state: dict[str, torch.Tensor], shard: RankShard, dtype: torch.dtype) -> int:
@@ -203,36 +232,72 @@ class ReducingLinear(Linear):
     seconds: float = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = super().forward(x)
-        group = self.group or dist.group.WORLD
-        if torch.compiler.is_compiling():
-            return funcol.all_reduce(partial, "sum", group)
-        ReducingLinear.calls += 1
-        if not ReducingLinear.timed:
-            return funcol.all_reduce(partial, "sum", group)
-        start = time.perf_counter()
-        out = funcol.wait_tensor(funcol.all_reduce(partial, "sum", group))
-        ReducingLinear.seconds += time.perf_counter() - start
-        return out
+        return _all_reduce(super().forward(x), self.group)
 
 
-def shard_model(cfg: ModelConfig, state: dict[str, torch.Tensor], group: dist.ProcessGroup | None = None) -> CausalLM:
+class ReducingQuantizedLinear(QuantizedLinear):
+    """``ReducingLinear`` over block-quantized weights (``QuantizedLinear``): the same all-reduce, counted and timed
+    in ``ReducingLinear``'s class attributes."""
+
+    group: dist.ProcessGroup | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(super().forward(x), self.group)
+
+
+def _all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The sum of ``partial`` over ``group``'s ranks (default: the world), counted in ``ReducingLinear.calls`` and,
+    with ``ReducingLinear.timed``, waited for and timed in ``ReducingLinear.seconds``."""
+    group = group or dist.group.WORLD
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(partial, "sum", group)
+    ReducingLinear.calls += 1
+    if not ReducingLinear.timed:
+        return funcol.all_reduce(partial, "sum", group)
+    start = time.perf_counter()
+    out = funcol.wait_tensor(funcol.all_reduce(partial, "sum", group))
+    ReducingLinear.seconds += time.perf_counter() - start
+    return out
+
+
+def shard_model(
+    cfg: ModelConfig,
+    state: dict[str, Weight],
+    group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype | None = None,
+    copied: Callable[[Weight], object] | None = None,
+) -> CausalLM:
     """This process's part of the model in ``group`` (default: the whole world), ready to run in step with the other
     ranks: a ``CausalLM`` with the local config, ``o_proj``/``down_proj`` all-reducing, ``model.shard`` (a
-    ``RankShard``) saying what part of the whole it holds and ``model.whole_config`` the whole model's config."""
+    ``RankShard``) saying what part of the whole it holds and ``model.whole_config`` the whole model's config.
+    ``QuantizedTensor`` weights (``read_model(..., keep_quantized=True)``) are sharded as blocks and held by
+    ``QuantizedLinear`` / ``QuantizedEmbedding`` modules (embeddings giving rows in ``dtype``, default float32), so a
+    rank holds its share of a quantized file's bytes, not the whole model in float. ``copied``: as ``shard_state``'s."""
     from ..models.llama import CausalLM
+    from ..models.quantized import install_quantized
 
     if not dist.is_initialized():
         raise RuntimeError("tensor parallelism needs an initialised torch.distributed process group")
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     shard = rank_shard(cfg, tp, rank)
-    local_cfg, local_state = shard_state(cfg, state, shard)
+    local_cfg, local_state = shard_state(cfg, state, shard, copied)
+    quantized = {name: t for name, t in local_state.items() if isinstance(t, QuantizedTensor)}
+    for name, t in quantized.items():  # placeholders: these modules are replaced below
+        local_state[name] = torch.empty(t.shape, device="meta")
     model = CausalLM.from_state(local_cfg, local_state, assign=True)
+    if quantized:
+        if cfg.tie_word_embeddings and "model.embed_tokens.weight" in quantized:
+            quantized["lm_head.weight"] = quantized["model.embed_tokens.weight"]
+        install_quantized(model, quantized, dtype or torch.float32)
     for layer in model.model.layers:
         for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
             linear = getattr(parent, name)
-            reducing = ReducingLinear(linear.in_features, linear.out_features, bias=False, device="meta")
-            reducing.weight, reducing.group = linear.weight, group  # the same parameter, under the same name
+            if isinstance(linear, QuantizedLinear):
+                reducing: nn.Module = ReducingQuantizedLinear(linear.quantized())
+            else:
+                reducing = ReducingLinear(linear.in_features, linear.out_features, bias=False, device="meta")
+                reducing.weight = linear.weight  # the same parameter, under the same name
+            reducing.group = group
             setattr(parent, name, reducing)
     model.shard, model.whole_config = shard, cfg
     return model

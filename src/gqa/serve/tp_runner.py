@@ -31,6 +31,7 @@ from .. import kernels
 from ..decoding import native_step
 from ..kernels import ops
 from ..models.linear import Linear, linears, uses_kernel
+from ..models.quantized import QuantizedLinear
 from ..parallel.tensor_parallel import ReducingLinear
 from .config import EngineConfig
 from .paged_cache import PagedKVCache
@@ -148,10 +149,13 @@ def _rows(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> list[torch.Te
     """``[layer(x) for layer in layers]`` for ``x (N, in)``, by the native kernel for any ``N`` where it takes the
     layers (float weights in x's dtype, as the sharded loader makes them): each row's product then does not depend on
     how many rows the call has — ``Linear`` hands more than a few rows to MKL's GEMM, whose sums do — so an answer
-    does not depend on what else is served. Bias-free partial products (``o_proj``, ``down_proj``) included."""
+    does not depend on what else is served; block-quantized layers through the quantized kernel. Bias-free partial
+    products (``o_proj``, ``down_proj``) included: their all-reduce is the caller's."""
     if all(type(m) in (Linear, ReducingLinear) and uses_kernel(x[:1], m.weight, m.bias) for m in layers):
         return ops.linear_rows_n(x.contiguous(), [m.weight for m in layers], [m.bias for m in layers])
-    return linears(x, layers) if len(layers) > 1 else [Linear.forward(layers[0], x)]
+    if len(layers) > 1:
+        return linears(x, layers)
+    return [(QuantizedLinear.forward if isinstance(layers[0], QuantizedLinear) else Linear.forward)(layers[0], x)]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ __all__ = ["agree_on_start", "differences", "fingerprint"]
 def fingerprint(model: torch.nn.Module, config: EngineConfig, kinds: tuple[KVDtype, KVDtype]) -> dict[str, object]:
     """What must be the same on every rank: flat ``{name: value}`` of plain values."""
     whole = model.whole_config
-    replicated = [model.model.embed_tokens.weight, model.model.norm.weight]
+    embed = model.model.embed_tokens  # its blocks where it is quantized (QuantizedEmbedding)
+    replicated = [embed.blocks if hasattr(embed, "blocks") else embed.weight, model.model.norm.weight]
     replicated += [t for layer in model.model.layers for t in (layer.input_layernorm.weight,
                                                                 layer.post_attention_layernorm.weight)]  # fmt: skip
     digest = hashlib.blake2b(digest_size=8)
