@@ -107,6 +107,15 @@ def test_out_of_blocks_takes_nothing():
     assert len(a.tokens) == 12 and len(a.blocks) == 3
 
 
+def test_keep_free_leaves_that_many_blocks_or_takes_nothing():
+    m = BlockManager(num_blocks=5, block_size=4)
+    with pytest.raises(OutOfBlocks, match=r"3 blocks needed \(3 to keep free\), 5 free"):
+        m.allocate(list(range(9)), keep_free=3)
+    assert m.num_free == 5 and m.refs == [0] * 5
+    m.allocate(list(range(9)), keep_free=2)
+    assert m.num_free == 2
+
+
 @pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 4), (4, 0), (True, 4), (4, 2.0), (-1, 1)])
 def test_bad_sizes_are_value_errors_naming_the_argument(num_blocks, block_size):
     with pytest.raises(ValueError, match="num_blocks" if num_blocks in (0, True, -1) else "block_size"):

@@ -353,10 +353,10 @@ def test_a_step_that_raises_while_admitting_fails_that_request_alone(async_engin
     blocks = async_engine.engine.blocks
     real = blocks.allocate
 
-    def allocate(tokens):
+    def allocate(tokens, **kw):
         if tokens[:2] == [99, 98]:
             raise IndexError("bad table")
-        return real(tokens)
+        return real(tokens, **kw)
 
     monkeypatch.setattr(blocks, "allocate", allocate)
     params = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -69,30 +69,50 @@ def test_finishing_by_eos_length_and_abort_frees_every_block():
     assert not s.has_work and s.blocks.num_free == free
 
 
-def test_preemption_takes_the_latest_admitted_and_recomputes_it_from_its_tokens():
-    """Three requests in 6 blocks of 2 slots: when a block runs out the latest admitted one is preempted (blocks
-    freed, front of the queue), then readmitted and recomputed from its prompt and the tokens it already had."""
+def test_admission_keeps_a_block_free_for_each_running_request():
+    """Three requests in 6 blocks of 2 slots (2 blocks each): a alone takes its 2; b leaves 2 free for a's and its own
+    next block; c would leave none, so it waits rather than be preempted at the next block boundary."""
     s = scheduler(num_blocks=6, block_size=2, max_running=3)
-    for name, first in zip("abc", (5, 8, 11), strict=True):  # no prefix in common: 2 blocks each, all 6 taken
+    for name, first in zip("abc", (5, 8, 11), strict=True):  # no prefix in common
+        s.add(request(name, [first, first + 1, first + 2], max_tokens=2, ignore_eos=True))
+    work, _ = run_step(s)
+    assert [w[0] for w in work] == ["a", "b"] and [r.request_id for r in s.waiting] == ["c"]
+    for _ in range(20):
+        if not s.has_work:
+            break
+        run_step(s)
+    assert not s.has_work and s.counts["preemptions"] == 0 and s.blocks.num_free == 6
+
+
+def test_preemption_takes_the_latest_admitted_and_recomputes_it_from_its_tokens():
+    """Two requests in 6 blocks of 2 slots (a third waits): when their growth runs out of blocks the latest admitted
+    one is preempted (blocks freed, front of the queue), then readmitted and recomputed from its prompt and the
+    tokens it already had."""
+    s = scheduler(num_blocks=6, block_size=2, max_running=3)
+    for name, first in zip("abc", (5, 8, 11), strict=True):
         s.add(request(name, [first, first + 1, first + 2], max_tokens=6, ignore_eos=True))
-    run_step(s)
-    assert s.blocks.num_free == 0
-    work, outputs = run_step(s)  # a's 5th token needs a new block: c, the latest admitted, goes back to the queue
-    assert [r.request_id for r in s.waiting] == ["c"] and s.counts["preemptions"] >= 1
-    c = s.waiting[0]
-    assert c.state is RequestState.WAITING and c.table is None and c.computed == 0 and c.preemptions == 1
+    for _ in range(10):
+        run_step(s)
+        if s.counts["preemptions"]:
+            break
+    assert [r.request_id for r in s.waiting] == ["b", "c"] and s.counts["preemptions"] == 1
+    b = s.waiting[0]
+    assert b.state is RequestState.WAITING and b.table is None and b.computed == 0 and b.preemptions == 1
+    had = len(b.tokens)  # its prompt and the tokens it produced
     done = {}
     for _ in range(100):
         if not s.has_work:
             break
         work, outputs = run_step(s)
         for rid, start, end in work:
-            if rid == "c" and start == 0:  # readmitted: its prompt and its outputs so far are read again
-                done.setdefault("recomputed_to", end)
+            if rid == "b":  # readmitted: what it had is read again (from its cached full blocks on), then it decodes
+                done.setdefault("recomputed", (start, end))
         for o in outputs:
             if o.finished:
                 done[o.request_id] = o.completion_tokens
-    assert done["a"] == done["b"] == done["c"] == 6 and done["recomputed_to"] >= 4  # prompt + its outputs
+    assert done["a"] == done["b"] == done["c"] == 6 and had >= 5
+    start, end = done["recomputed"]
+    assert start < had - 1 and end == had  # its last token's row (at least) computed again, then new ones
     assert s.blocks.num_free == 6
 
 

@@ -80,11 +80,11 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, tokens: list[int]) -> BlockTable:
+    def allocate(self, tokens: list[int], keep_free: int = 0) -> BlockTable:
         """A table for a new sequence holding ``tokens`` (its prompt), sharing the cached blocks of its longest cached
         prefix of full blocks. At least the last prompt token is left uncached (its logits are needed), so a prompt of
         whole cached blocks recomputes its last block. Raises ``OutOfBlocks`` (and takes nothing) if the rest does not
-        fit."""
+        fit with ``keep_free`` blocks still free after it."""
         if not tokens:
             raise ValueError("a sequence needs at least one token")
         size = self.block_size
@@ -100,8 +100,9 @@ class BlockManager:
             parent = h
         needed = self.blocks_needed(len(tokens)) - len(shared)
         reclaimable = len(self._idle) - sum(1 for block, _ in shared if block in self._idle)
-        if needed > len(self._fresh) + reclaimable:
-            raise OutOfBlocks(f"{needed} blocks needed, {len(self._fresh) + reclaimable} free")
+        if needed + keep_free > len(self._fresh) + reclaimable:
+            kept = f" ({keep_free} to keep free)" if keep_free else ""
+            raise OutOfBlocks(f"{needed} blocks needed{kept}, {len(self._fresh) + reclaimable} free")
         for block, h in shared:
             self._take(block)
             table.blocks.append(block)

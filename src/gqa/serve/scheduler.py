@@ -92,10 +92,13 @@ class Scheduler:
         return ScheduledBatch(work)
 
     def _admit(self) -> None:
+        """Admit waiting requests in order while they fit. Beside running requests a new one must leave a block free
+        for each of them and itself (its next slot may need one): admitting into the last free blocks would preempt
+        a request at the next step's boundary and throw its prompt's work away. Alone, a request takes what there is."""
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting[0]
             try:
-                r.table = self.blocks.allocate(r.tokens)
+                r.table = self.blocks.allocate(r.tokens, keep_free=len(self.running) + 1 if self.running else 0)
             except OutOfBlocks:
                 return  # blocks come back as running requests finish
             except Exception as e:  # a fault admitting this request: it fails alone (its output at the next step)
