@@ -2,10 +2,11 @@
 
     python benchmarks/tp_memory.py [FILE.gguf] [--tp 1 2] [--kv-cache-mib 256] [--requests 4]
 
-For each ``--tp``, ``gqa serve --model FILE --tp N`` (default: the embedded SmolLM2) (dtype auto: a GGUF's quantized weights stay blocks, each rank holding
-its shard of them; the KV pool of ``--kv-cache-mib`` split over the ranks by KV heads) answers ``--requests`` greedy
-completions, then each process's peak resident memory (``VmHWM``: weights + KV pool + runtime) is read: the server
-process (rank 0) and every rank under it. Prints a markdown table and one JSON line per ``--tp``.
+For each ``--tp``, ``gqa serve --model FILE --tp N`` (default: the embedded SmolLM2; dtype auto: a GGUF's quantized
+weights stay blocks, each rank holding its shard of them; the KV pool of ``--kv-cache-mib`` split over the ranks by KV
+heads) answers ``--requests`` greedy completions, then each process's peak resident memory (``VmHWM``: weights + KV
+pool + runtime) is read: the server process (rank 0) and every rank under it. Prints a markdown table and one JSON
+line per ``--tp``.
 """
 
 from __future__ import annotations
