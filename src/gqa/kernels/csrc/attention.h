@@ -103,6 +103,109 @@ inline void chunk_scores_bf16(const BFloat16* q, const BFloat16* k, int64_t sk, 
 }
 #endif
 
+#if GQA_SIMD == 16 && defined(__AVX512VNNI__)
+// Quantized keys as integer dot products (vpdpwssd: 32 int16 x int16 products a instruction, summed exactly in int32):
+// a bf16/fp16 query row is held as int16 per 32-value block with its own scale (amax / 32767: 2^-16 of the block's
+// largest off at most, below the half-precision rounding the query already carries), a key block's int8 values (q8_0 q, q4_0 q - 8)
+// are widened to int16, and q . k = sum_b dq_b dk_b sum_j q16_j k_j — the float path dequantized and multiplied every
+// value instead (int8 -> int32 -> float, times the scale, then an FMA). Needs D % 32 == 0 (every quantized row is).
+constexpr bool INT_KEYS = true;
+
+// q[0:D] (finite) -> q16[0:D], dq[0:D / 32] with q[j] ~ dq[j / 32] * q16[j].
+inline void quantize_query_int16(const float* q, int64_t D, int16_t* q16, float* dq) {
+  for (int64_t b = 0; b < D / KV_BLOCK; ++b) {
+    const __m512 lo = _mm512_loadu_ps(q + b * KV_BLOCK), hi = _mm512_loadu_ps(q + b * KV_BLOCK + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    const __m512 vid = _mm512_set1_ps(id);
+    const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vid)), c = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vid));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + b * KV_BLOCK), _mm512_cvtsepi32_epi16(a));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + b * KV_BLOCK + 16), _mm512_cvtsepi32_epi16(c));
+    dq[b] = d;
+  }
+}
+
+// One key block's 32 values as int16 (q8_0: q; q4_0: q - 8) and its scale.
+inline __m512i kv_block_int16(const uint8_t* blk, int64_t format) {
+  const uint8_t* qs = blk + 2;
+  if (format == KV_Q8_0) return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m = _mm_set1_epi8(0x0F);
+  const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+  return _mm512_cvtepi8_epi16(_mm256_sub_epi8(both, _mm256_set1_epi8(8)));
+}
+
+// r[i] lane j -> r[j] lane i: a 16 x 16 transpose of int32 (unpacks of 32 and 64 bits, then of 128-bit lanes).
+inline void transpose16_epi32(__m512i* r) {
+  __m512i t[16], u[16], v[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm512_shuffle_i32x4(u[i], u[i + 4], 0x88);
+    v[i + 4] = _mm512_shuffle_i32x4(u[i], u[i + 4], 0xDD);
+    v[i + 8] = _mm512_shuffle_i32x4(u[i + 8], u[i + 12], 0x88);
+    v[i + 12] = _mm512_shuffle_i32x4(u[i + 8], u[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(v[i], v[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(v[i], v[i + 8], 0xDD);
+  }
+}
+
+// The n (<= CHUNK) keys of a chunk, rows[c] key c's row of blocks, as int16 tiles for chunk_scores_int16: per group
+// of 16 keys and block b, 16 vectors whose lane i holds key i's pair p of values (two int16) — keys along the lanes,
+// so that a score needs no sum across lanes — at kt + ((g * nb + b) * 16 + p) * 16 int32; dk[b * CHUNK + c] the
+// blocks' scales. Keys past n are zeros.
+inline void key_tiles_int16(const uint8_t* const* rows, int64_t format, int64_t nb, int64_t n, int32_t* kt, float* dk) {
+  const int64_t bb = kv_block_bytes(format);
+  for (int64_t g = 0; g * 16 < n; ++g) {
+    const int64_t m = std::min<int64_t>(16, n - g * 16);
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512i r[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i >= m) {
+          r[i] = _mm512_setzero_si512();
+          continue;
+        }
+        const uint8_t* blk = rows[g * 16 + i] + b * bb;
+        dk[b * CHUNK + g * 16 + i] = kv_half(blk);
+        r[i] = kv_block_int16(blk, format);
+      }
+      transpose16_epi32(r);
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kt + ((g * nb + b) * 16 + p) * 16, r[p]);
+    }
+  }
+}
+
+// s[c] = sum_b dq[b] * dk[b * CHUNK + c] * (q16_b . k16[c]_b) for the n keys of key_tiles_int16's tiles `kt`.
+inline void chunk_scores_int16(const int16_t* q16, const float* dq, const int32_t* kt, const float* dk, int64_t nb,
+                               int64_t n, float* s) {
+  const int32_t* qpairs = reinterpret_cast<const int32_t*>(q16);  // the query's values two by two, as the tiles'
+  for (int64_t g = 0; g * 16 < n; ++g) {
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int32_t* tile = kt + (g * nb + b) * 256;
+      __m512i acc = _mm512_setzero_si512();
+      for (int p = 0; p < 16; ++p)
+        acc = _mm512_dpwssd_epi32(acc, _mm512_loadu_si512(tile + p * 16), _mm512_set1_epi32(qpairs[b * 16 + p]));
+      const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(dk + b * CHUNK + g * 16));
+      total = _mm512_fmadd_ps(scaled, _mm512_set1_ps(dq[b]), total);
+    }
+    const int64_t m = std::min<int64_t>(16, n - g * 16);
+    _mm512_mask_storeu_ps(s + g * 16, static_cast<__mmask16>((1u << m) - 1u), total);
+  }
+}
+#else
+constexpr bool INT_KEYS = false;
+#endif
+
 #if GQA_SIMD > 1
 // Value columns held in registers per row: RT x VALUE_VECS accumulators fit the register file (32 with AVX-512, 16
 // with AVX2) next to the loaded value vectors.
@@ -347,7 +450,8 @@ struct GroupedAttention {
 
   // Per-thread buffers of `task`.
   struct Scratch {
-    std::vector<float> qf, scores, alpha, ones, kbuf, vbuf;
+    std::vector<float> qf, scores, alpha, ones, kbuf, vbuf, dq, dk;
+    std::vector<int16_t> q16;
   };
 
   // Task `task` = (head, split): the partial result of head `task / splits` over its split of the keys.
@@ -413,7 +517,7 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
   auto key_row = [&](int64_t j) { return row_of(k, ks, j); };
   auto value_row = [&](int64_t j) { return row_of(v, vs, j); };
   // A quantized cache's rows of blocks, its strides in bytes.
-  auto block_row = [&](const uint8_t* base, const int64_t* st, int64_t j) -> const uint8_t* {
+  auto block_row = [&](const uint8_t* base, const int64_t* st, int64_t j) __attribute__((always_inline)) -> const uint8_t* {
     if (blocks) return base + blocks[j / block] * st[0] + h * st[1] + (j % block) * st[2];
     return base + b * st[0] + h * st[1] + j * st[2];
   };
@@ -426,6 +530,23 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
       for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(qh[r * qs[2] + d]) * scale;
       if (k_quantized) rotate_kv_row(qf + r * D, D);  // quantized keys are stored rotated (kv_blocks.h)
     }
+  // quantized keys under bf16/fp16 queries: the queries as int16 blocks (INT_KEYS), unless one is not finite (then
+  // the float path's NaN). float32 queries keep the float path: attention over the cache's values to float32's
+  // rounding, as the tests hold it.
+  bool int_keys = INT_KEYS && k_quantized && !std::is_same_v<T, float>;
+  const int64_t nb = D / KV_BLOCK;
+#if GQA_SIMD == 16 && defined(__AVX512VNNI__)
+  if (int_keys) {
+    for (int64_t i = 0; i < R * D; ++i) int_keys = int_keys && std::isfinite(qf[i]);
+    if (int_keys) {
+      sc.q16.resize(R * D);
+      sc.dq.resize(R * nb);
+      sc.dk.assign(nb * CHUNK, 0.0f);
+      for (int64_t r = 0; r < R; ++r) quantize_query_int16(qf + r * D, D, sc.q16.data() + r * D, sc.dq.data() + r * nb);
+    }
+  }
+#endif
+  int32_t* kt = reinterpret_cast<int32_t*>(sc.kbuf.data());  // int_keys: the chunk's keys as key_tiles_int16's tiles
   float* m = part_m + task * R;
   float* l = part_l + task * R;
   float* acc = part_acc + task * R * Dv;
@@ -459,7 +580,16 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
 #endif
     // bf16 and fp16 keys as float32 rows in kbuf (float32 keys are read in place, bf16 ones with vdpbf16ps), and
     // quantized ones dequantized there
-    if (k_quantized) {
+    if (int_keys) {  // the chunk's keys as tiles, then every row's scores of the chunk
+#if GQA_SIMD == 16 && defined(__AVX512VNNI__)
+      const uint8_t* rows[CHUNK];
+      for (int64_t c = 0; c < n; ++c) rows[c] = block_row(k_blocks, ks, c0 + c);
+      key_tiles_int16(rows, k_format, nb, n, kt, sc.dk.data());
+      for (int64_t r = 0; r < R; ++r)
+        chunk_scores_int16(sc.q16.data() + r * D, sc.dq.data() + r * nb, kt, sc.dk.data(), nb, n,
+                           sc.scores.data() + r * CHUNK);
+#endif
+    } else if (k_quantized) {
       for (int64_t c = 0; c < n; ++c) dequantize_kv_row(block_row(k_blocks, ks, c0 + c), D, k_format, sc.kbuf.data() + c * D);
     } else if (!use_dpbf16 && !std::is_same_v<T, float>) {
       for (int64_t c = 0; c < n; ++c) to_float_row(key_row(c0 + c), sc.kbuf.data() + c * D, D);
@@ -470,7 +600,9 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
       int64_t visible = n;
       if (causal) visible = std::max<int64_t>(0, std::min(n, S - L + lr + 1 - c0));
       float* s = sc.scores.data() + r * CHUNK;
-      if (k_quantized) {
+      if (int_keys) {
+        // computed for the whole chunk above; the keys past `visible` are masked below
+      } else if (k_quantized) {
         chunk_scores(qf + r * D, sc.kbuf.data(), D, visible, D, s);
       } else if constexpr (std::is_same_v<T, float>) {
         for (int64_t a = c0, len; a < c0 + visible; a += len)

@@ -52,7 +52,7 @@ inline bool kv_format_known(int64_t format) { return format == KV_Q8_0 || format
 // Bytes of one head's row of D values (D a multiple of 32).
 inline int64_t kv_row_bytes(int64_t format, int64_t D) { return D / KV_BLOCK * kv_block_bytes(format); }
 
-inline float kv_half(const uint8_t* p) { return gqa_blocks::half_at(p); }  // F16C where there is one
+__attribute__((always_inline)) inline float kv_half(const uint8_t* p) { return gqa_blocks::half_at(p); }  // F16C where there is one
 inline void kv_store_half(uint8_t* p, float x) {
   const uint16_t h = c10::detail::fp16_ieee_from_fp32_value(x);
   std::memcpy(p, &h, 2);
@@ -90,7 +90,8 @@ inline void quantize_kv_row(const float* x, int64_t D, int64_t format, uint8_t* 
 #if GQA_SIMD == 16
 // The 32 values of one block (at `blk`) as two vectors of floats d * q: exact (an fp16 scale times an integer of at
 // most 8 bits fits a float's 24-bit significand), so every reader of a row gets the same floats.
-inline void kv_block_values(const uint8_t* blk, int64_t format, __m512& lo, __m512& hi) {
+// (always inlined: a call per block of the value loop, through the PLT, cost the quantized-V step a third of its time)
+__attribute__((always_inline)) inline void kv_block_values(const uint8_t* blk, int64_t format, __m512& lo, __m512& hi) {
   const __m512 d = _mm512_set1_ps(kv_half(blk));
   const uint8_t* qs = blk + 2;
   if (format == KV_Q8_0) {
