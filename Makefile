@@ -33,7 +33,7 @@ demo: kernels
 test: kernels
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 # Optional: the kernel tests against an AddressSanitizer + UBSan build of the native kernels (built into a folder of
 # its own; the sanitizer runtimes are preloaded into Python, leak checks off: Python's own allocations are not ours).
