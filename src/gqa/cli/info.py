@@ -125,7 +125,7 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
 
         state = {name: torch.empty(shape, device="meta") for name, shape in lazy.shapes.items()}
         print()
-        print(tp_table(cfg, state, ns.tp, torch_dtype(ns.dtype)))
+        print(tp_table(cfg, state, ns.tp, torch_dtype(ns.dtype), lazy.block_bytes_per_value()))
     return 0
 
 
@@ -161,16 +161,20 @@ def native_kernels() -> str:
                                                          "attention only)")  # fmt: skip
 
 
-def tp_table(cfg: ModelConfig, state: dict[str, torch.Tensor], tp: int, dtype: torch.dtype) -> str:
-    """Markdown table: per rank of ``tp``, its query and KV heads, weight bytes and KV-cache bytes per token."""
+def tp_table(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], tp: int, dtype: torch.dtype, blocks: dict[str, float] | None = None
+) -> str:
+    """Markdown table: per rank of ``tp``, its query and KV heads, weight bytes and KV-cache bytes per token; with
+    ``blocks`` (bytes per value of a GGUF's quantized tensors) also its weights as ``dtype="auto"`` keeps them."""
     from ..cache.kv import kv_cache_bytes
     from ..parallel.tensor_parallel import rank_shard, rank_weight_bytes
 
     name = str(dtype).removeprefix("torch.")
+    kept = " weights kept as blocks (dtype auto) |" if blocks else ""
     lines = [
         f"tensor parallel over {tp} ranks ({name}):",
-        "| rank | query heads | KV heads | MLP rows | weights | KV cache per token |",
-        "|---:|---|---|---:|---:|---:|",
+        f"| rank | query heads | KV heads | MLP rows | weights |{kept} KV cache per token |",
+        "|---:|---|---|---:|---:|" + ("---:|" if blocks else "") + "---:|",
     ]
     for rank in range(tp):
         shard = rank_shard(cfg, tp, rank)
@@ -179,9 +183,10 @@ def tp_table(cfg: ModelConfig, state: dict[str, torch.Tensor], tp: int, dtype: t
         if shard.kv_replicas > 1:
             kv_text += f", on {shard.kv_replicas} ranks"
         per_token = kv_cache_bytes(cfg.num_layers, len(kv), cfg.head_dim, 1, dtype=dtype)
+        as_blocks = f" {_size(rank_weight_bytes(cfg, state, shard, dtype, blocks))} |" if blocks else ""
         lines.append(
             f"| {rank} | {len(q)} ({_span(q)}) | {kv_text} | {len(shard.mlp_rows)} | "
-            f"{_size(rank_weight_bytes(cfg, state, shard, dtype))} | {_size(per_token)} |"
+            f"{_size(rank_weight_bytes(cfg, state, shard, dtype))} |{as_blocks} {_size(per_token)} |"
         )
     return "\n".join(lines)
 

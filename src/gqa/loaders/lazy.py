@@ -86,6 +86,19 @@ class LazyModel:
                 sizes[t.type.name.lower()] += t.nbytes
         return dict(sizes.most_common())
 
+    def block_bytes_per_value(self) -> dict[str, float]:
+        """Bytes per value of the 2-D tensors a GGUF stores in a block format the native kernels keep (what
+        ``load_model(dtype="auto")`` holds as blocks), by HF name; empty for a folder."""
+        from ..models.quantized import FORMATS
+
+        if self.path.is_dir():
+            return {}
+        return {
+            name: t.nbytes / math.prod(t.dims)
+            for name, t in self._gguf.items()
+            if t.type.name.lower() in FORMATS and len(t.dims) == 2
+        }
+
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors ``names`` by HF name, each a fresh tensor of ``shapes[name]`` in ``dtypes[name]``.
 

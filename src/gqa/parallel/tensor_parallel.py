@@ -210,12 +210,21 @@ def shard_state(
     return local, tensors
 
 
-def rank_weight_bytes(cfg: ModelConfig, state: dict[str, torch.Tensor], shard: RankShard, dtype: torch.dtype) -> int:
-    """Bytes of the weights the shard holds in ``dtype`` (a tied ``lm_head`` counted once)."""
+def rank_weight_bytes(
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    shard: RankShard,
+    dtype: torch.dtype,
+    blocks: dict[str, float] | None = None,
+) -> int:
+    """Bytes of the weights the shard holds in ``dtype`` (a tied ``lm_head`` counted once); ``blocks``: bytes per
+    value of the tensors it keeps as quantized blocks (a GGUF's, loaded with dtype auto)."""
     size = torch.empty((), dtype=dtype).element_size()
+    blocks = blocks or {}
     names = [n for n in state if not (cfg.tie_word_embeddings and n == "lm_head.weight")]
     meta = {n: torch.empty(state[n].shape, device="meta") for n in names}
-    return sum(shard_tensor(n, t, shard, cfg.head_dim).numel() for n, t in meta.items()) * size
+    held = {n: shard_tensor(n, t, shard, cfg.head_dim).numel() for n, t in meta.items()}
+    return round(sum(numel * blocks.get(n, size) for n, numel in held.items()))
 
 
 class ReducingLinear(Linear):
