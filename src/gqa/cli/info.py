@@ -162,7 +162,11 @@ def native_kernels() -> str:
 
 
 def tp_table(
-    cfg: ModelConfig, state: dict[str, torch.Tensor], tp: int, dtype: torch.dtype, blocks: dict[str, float] | None = None
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    tp: int,
+    dtype: torch.dtype,
+    blocks: dict[str, float] | None = None,
 ) -> str:
     """Markdown table: per rank of ``tp``, its query and KV heads, weight bytes and KV-cache bytes per token; with
     ``blocks`` (bytes per value of a GGUF's quantized tensors) also its weights as ``dtype="auto"`` keeps them."""
