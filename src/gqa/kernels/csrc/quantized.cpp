@@ -23,7 +23,9 @@
 //       its outputs non-finite on the integer path; those are taken again in float, as gguf's dequantized weights give
 //       them in float math (redo_nonfinite_scales).
 //       With AVX-512 VNNI and 4 or more rows, the rows go through row_lanes.h (rows in SIMD lanes: 2-4x the
-//       products per second at 8-64 rows), with the same sums.
+//       products per second at 8-64 rows), with the same sums; the K formats from 16 rows (q6_k: 32) through
+//       k_tiles.h (weight rows unpacked once into lanes, input rows broadcast: 1.5-1.7x lanes_kdot's rate at 64-512
+//       rows), again with the same sums.
 //   gqa::lane_rows() -> int: the fewest rows that take row_lanes.h's kernels; 0 where the build has none.
 //   gqa::dequantize_rows(blocks (M, K / 32 * bytes), format, K, dtype) -> (M, K) of dtype
 //       the float weights (prefill, embedding rows), exactly gguf's (d * (q - offset), d * q + m, ...) rounded to dtype.
@@ -45,6 +47,7 @@
 
 #include "blocks.h"
 #include "k_quants.h"
+#include "k_tiles.h"
 #include "quantized.h"
 #include "row_lanes.h"
 
@@ -94,7 +97,9 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   std::vector<float> xf(QK);
 #endif
   // the lanes' integer sums of each block's q, and of its first 16
-  std::vector<int32_t> isum(lanes ? N * nb : 0), isum_lo(lanes ? N * nb : 0);
+  if (lanes) r.sum.assign(N * nb, 0), r.sum_lo.assign(N * nb, 0);
+  int32_t* isum = r.sum.data();
+  int32_t* isum_lo = r.sum_lo.data();
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       const T* xb = x + n * K + b * QK;
@@ -147,7 +152,7 @@ QuantizedRows quantize_rows(const T* x, int64_t N, int64_t K) {
   for (int64_t n = 0; n < n4; ++n)
     for (int64_t b = 0; b < nb; ++b) r.dt[b * n4 + n] = r.d[n * nb + b], r.dst[b * n4 + n] = r.ds[n * nb + b];
 #if defined(GQA_ROW_LANES)
-  if (lanes) pack_lanes(r, isum.data(), isum_lo.data(), N, K);
+  if (lanes) pack_lanes(r, isum, isum_lo, N, K);
 #endif
   return r;
 }
@@ -526,10 +531,38 @@ __attribute__((noinline)) void few_rows(const uint8_t* w, int64_t nb, const Quan
 constexpr int64_t ROW_BLOCK = 16;  // weight rows run against every group of x rows while they are in L1
 
 #if defined(GQA_ROW_LANES)
+// The K formats' product in tiles (k_tiles.h): 16 weight rows unpacked once, then every input row against them,
+// KTILE_X at a time; from 16 input rows (q6_k: 32, its unpacking costs more), where it is faster than lanes_kdot
+// (3B shapes, 2 threads: q4_k 8192 x 3072 at 16 rows 2.3 ms vs 2.6, q6_k 3072 x 8192 at 32 rows 5.3 vs 5.8).
+template <int F>
+constexpr int64_t ktile_min_rows = F == Q6_K ? 32 : 16;
+
+template <int F>
+void lanes_krows(const uint8_t* w, int64_t rows, int64_t row_bytes, const QuantizedRows& xr, int64_t nb, float* buf) {
+  const int64_t N = static_cast<int64_t>(xr.d.size()) / nb;
+  KTile t;
+  const std::vector<int32_t> offsets = F == Q6_K ? q6_offsets(xr) : std::vector<int32_t>();
+  for (int64_t i0 = 0; i0 < rows; i0 += 16) {
+    const int lanes = static_cast<int>(std::min<int64_t>(16, rows - i0));
+    unpack_ktile<F>(w + i0 * row_bytes, lanes, row_bytes, nb, t);
+    int64_t n = 0;
+    for (; n + KTILE_X <= N; n += KTILE_X)
+      ktile_dot<F, KTILE_X>(t, nb, xr, offsets.data(), n, lanes, buf + n * rows + i0, rows);
+    float* o = buf + n * rows + i0;
+    if (N - n == 3) ktile_dot<F, 3>(t, nb, xr, offsets.data(), n, lanes, o, rows);
+    if (N - n == 2) ktile_dot<F, 2>(t, nb, xr, offsets.data(), n, lanes, o, rows);
+    if (N - n == 1) ktile_dot<F, 1>(t, nb, xr, offsets.data(), n, lanes, o, rows);
+  }
+}
+
 // qdot_rows for x in lane groups (row_lanes.h), 16 groups (256 rows) at a time: those rows stay in L2 while a thread's
 // weight rows stream past them.
 template <int F>
 void lanes_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const QuantizedRows& xr, int64_t nb, float* buf) {
+  if constexpr (k_quant(F)) {
+    const int64_t N = static_cast<int64_t>(xr.d.size()) / nb;
+    if (N >= ktile_min_rows<F>) return lanes_krows<F>(w, rows, row_bytes, xr, nb, buf);
+  }
   constexpr size_t GROUPS = 16;
   for (size_t g0 = 0; g0 < xr.groups.size(); g0 += GROUPS)
     for (int64_t i0 = 0; i0 < rows; i0 += ROW_BLOCK)

@@ -52,6 +52,7 @@ struct QuantizedRows {
     int64_t n0, rows, lanes, q_at, s_at;
     int64_t twice = -1;  // an 8-lane group: its rows twice in 16 lanes at twice[this] (lanes r and 8 + r: row r)
   };
+  std::vector<int32_t> sum, sum_lo;  // (N, K / 32) with the lanes: the integer sums of each block's q, of its first 16
   std::vector<LaneGroup> groups;
   std::vector<LaneGroup> twice;  // for kernels taking two weight rows at once (row_lanes.h's lanes_pair_dot)
   LineVector<int8_t> lq;
