@@ -101,6 +101,44 @@ def test_a_file_is_made_once_by_the_quantizer_then_taken_from_the_cache(tmp_path
         model_file("llama-8b", tmp_path / "models", None)
 
 
+def test_a_file_for_servers_takes_the_embedded_models_tokenizer_and_chat_template(tmp_path, fake_llama):
+    """``tokenizer=``: every ``tokenizer.*`` key of SmolLM2's file copied (its 49,152 tokens, merges, ChatML
+    template), the embeddings and output sized to that vocabulary, and gqa loads it with a tokenizer that encodes
+    text and renders chats as SmolLM2's does; named ``-chat`` in the cache."""
+    from gqa import load_model
+    from gqa.loaders import default_model_path
+
+    source = gguf.GGUFReader(default_model_path())
+    path = write_random_f16(tmp_path / "chat.F16.gguf", TINY, tokenizer=default_model_path())
+    reader = gguf.GGUFReader(path)
+    keys = sorted(k for k in source.fields if k.startswith("tokenizer."))
+    assert keys and sorted(k for k in reader.fields if k.startswith("tokenizer.")) == keys
+    for key in keys:
+        assert reader.fields[key].contents() == source.fields[key].contents(), key
+    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+    dims = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    assert vocab == 49152 and dims["token_embd.weight"] == dims["output.weight"] == (vocab, TINY.hidden)
+    ours, smol = load_model(path).tokenizer, load_model(default_model_path()).tokenizer
+    text = "Grouped-query attention shares K/V across heads."
+    assert ours.encode(text) == smol.encode(text) and len(ours.encode(text)) > 5
+    chat = [{"role": "user", "content": "hi"}]
+    assert ours.render_chat(chat) == smol.render_chat(chat) and "<|im_start|>user" in ours.render_chat(chat)
+    made = model_file("tiny", tmp_path / "models", fake_llama[0] / "llama-quantize", tokenizer=default_model_path())
+    assert made.name == "random-tiny-chat.Q4_K_M.gguf" and os.listdir(tmp_path / "models") == [made.name]
+    with pytest.raises(ValueError, match=r"no tokenizer\.ggml\.tokens"):
+        write_random_f16(tmp_path / "x.gguf", TINY, tokenizer=_no_vocab(tmp_path))
+
+
+def _no_vocab(tmp_path):
+    """A GGUF file with no tokenizer keys."""
+    w = gguf.GGUFWriter(str(tmp_path / "empty.gguf"), "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    return tmp_path / "empty.gguf"
+
+
 def test_page_cache_drop_and_a_process_peak_of_its_own(tmp_path):
     path = write_random_f16(tmp_path / "m.gguf", TINY)
     path.read_bytes()

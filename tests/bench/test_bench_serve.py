@@ -38,7 +38,9 @@ def test_the_cli_serves_the_embedded_model_to_concurrent_clients(tmp_path, capsy
 def test_prompts_are_distinct_and_bad_flags_exit_2(tmp_path, capsys):
     assert len(set(bench_serve.prompts(48))) == 48
     for flags in (["--prompts", "0"], ["--clients", "0"], ["--max-tokens", "1"], ["--kv-max-tokens", "1"],
-                  ["--speculate", "17"], ["--model", str(tmp_path / "x")]):  # fmt: skip
+                  ["--speculate", "17"], ["--model", str(tmp_path / "x")],
+                  ["--shape", "llama-3b", "--model", str(tmp_path)],  # one or the other
+                  ["--shape", "llama-3b", "--model-dir", str(tmp_path), "--llama-cpp", str(tmp_path)]):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             main(["bench", "serve", *flags, "--out", str(tmp_path)])
         assert e.value.code == 2

@@ -43,6 +43,15 @@ SCHEMA = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a .gguf file or HF folder (default: embedded SmolLM2)")
+    parser.add_argument(
+        "--shape", choices=("llama-1b", "llama-3b", "llama-8b"), default=None,
+        help="instead of --model: a random Llama-shaped Q4_K_M file (gqa bench model --shapes) with the embedded "
+        "SmolLM2's tokenizer and chat template, made once in --model-dir by llama.cpp's llama-quantize",
+    )  # fmt: skip
+    parser.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
+                        help="--shape: where the file is made and kept (default: gqa bench model's)")  # fmt: skip
+    parser.add_argument("--llama-cpp", type=Path, default=None, metavar="DIR",
+                        help="--shape: the folder of llama-quantize (default: found on PATH)")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="gqa serve's --device: cpu, or cuda (the Triton runner)")
     parser.add_argument(
         "--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
@@ -132,6 +141,23 @@ def bench_engine(
     return row
 
 
+def shaped_model(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> str:
+    """``--shape``'s file: made (or taken from ``--model-dir``) with the embedded model's tokenizer."""
+    from ..loaders import default_model_path
+    from .model.random_files import find_llama_tool, model_file
+    from .model.shapes import default_model_dir
+
+    if ns.model is not None:
+        parser.error("--model and --shape exclude each other")
+    tool = find_llama_tool("llama-quantize", ns.llama_cpp)
+    try:
+        path = model_file(ns.shape, ns.model_dir or default_model_dir(), tool, threads=ns.threads,
+                          tokenizer=default_model_path())  # fmt: skip
+    except FileNotFoundError as e:
+        parser.error(f"--shape {ns.shape}: {e}")
+    return str(path)
+
+
 def converted(model_path: str | None, kv_heads: int, out: Path) -> str:
     """The model as ``kv_heads`` KV heads (``gqa convert --method mean``), written once under ``out``."""
     dst = out / f"kv{kv_heads}"
@@ -179,6 +205,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error("--kv-max-tokens must be >= 2")
     if ns.model is not None and not Path(ns.model).exists():
         parser.error(f"--model {ns.model}: no such file or folder (a .gguf file or an HF folder)")
+    if ns.shape is not None:
+        ns.model = shaped_model(parser, ns)
     engines = list(dict.fromkeys(ns.engines))
     if "llama-server" in engines and ns.llama_server is None:
         print("[bench serve] skipping llama-server: no --llama-server PATH", file=sys.stderr)

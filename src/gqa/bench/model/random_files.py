@@ -3,7 +3,9 @@ memory at a time, so an 8B model's 16 GB never is), quantized to Q4_K_M by llama
 cached by name in a folder, so that a second run reuses them.
 
 Weights ~ N(0, 0.02), norms 1, a placeholder vocabulary of ``<tN>`` tokens (SentencePiece "llama" model): speed does
-not depend on the values, and both engines read the very same file. Neither torch nor the model code is imported.
+not depend on the values, and both engines read the very same file. For servers (``gqa bench serve --shape``), whose
+chat requests need a real tokenizer and chat template, ``tokenizer=`` copies another GGUF's (the embedded SmolLM2's:
+GPT-2 BPE, 49,152 tokens, ChatML) and sizes the embeddings to it. Neither torch nor the model code is imported.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["LLAMA_SHAPES", "LlamaShape", "find_llama_tool", "model_file", "quantize", "write_random_f16"]
+__all__ = ["LLAMA_SHAPES", "LlamaShape", "find_llama_tool", "model_file", "quantize", "tokenizer_fields",
+           "write_random_f16"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -57,12 +61,32 @@ LLAMA_SHAPES = {  # the vocabulary of the 1B and 3B as the issue's earlier files
 }
 
 
-def write_random_f16(path: Path, shape: LlamaShape, seed: int = 0) -> Path:
+def tokenizer_fields(path: Path) -> list[tuple[str, Any, Any, Any]]:
+    """Every ``tokenizer.*`` key of the GGUF at ``path`` as ``(key, value, type, array element type or None)``, as
+    ``gguf.GGUFWriter.add_key_value`` takes them."""
+    import gguf
+
+    out = []
+    for name, field in gguf.GGUFReader(str(path)).fields.items():
+        if name.startswith("tokenizer."):
+            array = field.types[0] == gguf.GGUFValueType.ARRAY
+            out.append((name, field.contents(), field.types[0], field.types[-1] if array else None))
+    return out
+
+
+def write_random_f16(path: Path, shape: LlamaShape, seed: int = 0, tokenizer: Path | None = None) -> Path:
     """A random ``shape`` Llama as an F16 GGUF at ``path``: the tensor table first, then each tensor generated and
-    written in turn (norms F32, as llama.cpp's converter writes them)."""
+    written in turn (norms F32, as llama.cpp's converter writes them); with ``tokenizer`` (a GGUF file), its
+    tokenizer and chat template, the vocabulary its size."""
     import gguf
 
     rng = np.random.default_rng(seed)
+    fields = tokenizer_fields(tokenizer) if tokenizer is not None else []
+    tokens = next((value for key, value, _, _ in fields if key == "tokenizer.ggml.tokens"), None)
+    if tokenizer is not None and not tokens:
+        raise ValueError(f"tokenizer={tokenizer}: the file has no tokenizer.ggml.tokens")
+    if tokens:
+        shape = replace(shape, vocab=len(tokens))
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(131072)
     w.add_embedding_length(shape.hidden)
@@ -74,12 +98,16 @@ def write_random_f16(path: Path, shape: LlamaShape, seed: int = 0) -> Path:
     w.add_rope_dimension_count(shape.hidden // shape.heads)
     w.add_rope_freq_base(500000.0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"<t{i}>" for i in range(shape.vocab)])
-    w.add_token_scores([0.0] * shape.vocab)
-    w.add_token_types([1] * shape.vocab)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    if fields:
+        for key, value, vtype, sub in fields:
+            w.add_key_value(key, value, vtype, sub)
+    else:
+        w.add_tokenizer_model("llama")
+        w.add_token_list([f"<t{i}>" for i in range(shape.vocab)])
+        w.add_token_scores([0.0] * shape.vocab)
+        w.add_token_types([1] * shape.vocab)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
     tensors = shape.tensors()
     for name, dims in tensors:
         dtype = np.dtype(np.float32 if len(dims) == 1 else np.float16)
@@ -120,10 +148,13 @@ def quantize(src: Path, dst: Path, kind: str, tool: Path, threads: int) -> Path:
     return dst
 
 
-def model_file(name: str, folder: Path, tool: Path | None, kind: str = "Q4_K_M", threads: int = 2) -> Path:
+def model_file(
+    name: str, folder: Path, tool: Path | None, kind: str = "Q4_K_M", threads: int = 2, tokenizer: Path | None = None
+) -> Path:
     """The cached ``kind`` file of the random ``LLAMA_SHAPES[name]`` model in ``folder``: made the first time (F16,
-    then ``llama-quantize`` at ``tool``, then the F16 file deleted), reused afterwards."""
-    dst = Path(folder) / f"random-{name}.{kind}.gguf"
+    then ``llama-quantize`` at ``tool``, then the F16 file deleted), reused afterwards. With ``tokenizer`` (a GGUF
+    file): that file's tokenizer and chat template, named ``random-NAME-chat.KIND.gguf``."""
+    dst = Path(folder) / f"random-{name}{'-chat' if tokenizer is not None else ''}.{kind}.gguf"
     if dst.exists():
         return dst
     if tool is None:
@@ -132,10 +163,10 @@ def model_file(name: str, folder: Path, tool: Path | None, kind: str = "Q4_K_M",
             "PATH or pass --llama-cpp DIR"
         )
     dst.parent.mkdir(parents=True, exist_ok=True)
-    f16 = dst.with_name(f"random-{name}.F16.gguf.part")
+    f16 = dst.with_name(dst.name.replace(f".{kind}.", ".F16.") + ".part")
     print(f"[bench model] writing {f16.name} ({LLAMA_SHAPES[name].label}) ...", file=sys.stderr, flush=True)
     try:
-        write_random_f16(f16, LLAMA_SHAPES[name])
+        write_random_f16(f16, LLAMA_SHAPES[name], tokenizer=tokenizer)
         print(f"[bench model] quantizing to {dst.name} with {tool} ...", file=sys.stderr, flush=True)
         return quantize(f16, dst, kind, tool, threads)
     finally:
