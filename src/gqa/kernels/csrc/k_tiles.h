@@ -1,10 +1,12 @@
 // A prompt's product with a K-format matrix (q4_k, q5_k, q6_k) as a tiled GEMM: 16 weight rows are unpacked once into
 // SIMD lanes (KTile: each group of four values of a row in its lane, as vpdpbusd takes them), then multiplied against
-// the input rows KTILE_X at a time, each input row's four int8 values broadcast by the instruction itself from the
-// row as quantize_rows stores it. Per four values: one 64-byte load for KTILE_X vpdpbusd. row_lanes.h's lanes_kdot
-// (the input rows in lanes, a weight row's bytes spread to them) unpacks a weight row's super-blocks again for every
-// group of 16 input rows and loads the group's inputs again for every weight row: on a 3B Q4_K_M prompt (Zen 4) it
-// issued one vpdpbusd every ~5 cycles.
+// the input rows KTILE_X at a time, each input row's four int8 values broadcast to every lane by a load (vpbroadcastd
+// from the row as quantize_rows stores it: no shuffle). Per four values: one 64-byte load for KTILE_X vpdpbusd.
+// row_lanes.h's lanes_kdot (the input rows in lanes, a weight row's bytes spread to them) unpacks a weight row's
+// super-blocks again for every group of 16 input rows and loads the group's inputs again for every weight row: on a 3B
+// Q4_K_M prompt (Zen 4) it issued one vpdpbusd every ~5 cycles; this one reaches ~2/3 of the core's vpdpbusd rate
+// (docs/bench/models-3b-8b.md). Tried and dropped: 8 input rows a pass (the float chains no longer fit in registers:
+// half the speed), the broadcast folded into vpdpbusd's memory operand (the same speed).
 //
 // Each lane does what lanes_kdot's lane, and kdot1, do for its (input row, weight row): the same exact integer sums
 // (q6_k: (q + 32) . x less 32 * (the half's sum of x), times the half's scale), the same float chains in the same
