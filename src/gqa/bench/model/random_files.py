@@ -164,7 +164,10 @@ def model_file(
         )
     dst.parent.mkdir(parents=True, exist_ok=True)
     f16 = dst.with_name(dst.name.replace(f".{kind}.", ".F16.") + ".part")
-    print(f"[bench model] writing {f16.name} ({LLAMA_SHAPES[name].label}) ...", file=sys.stderr, flush=True)
+    label = LLAMA_SHAPES[name].label
+    if tokenizer is not None:
+        label = f"{label.split(',')[0]}, the vocabulary and tokenizer of {Path(tokenizer).name}"
+    print(f"[bench model] writing {f16.name} ({label}) ...", file=sys.stderr, flush=True)
     try:
         write_random_f16(f16, LLAMA_SHAPES[name], tokenizer=tokenizer)
         print(f"[bench model] quantizing to {dst.name} with {tool} ...", file=sys.stderr, flush=True)
