@@ -99,13 +99,13 @@ def test_quantized_gemv_in_bfloat16_and_several_matrices_at_once(fmt):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("steps", ["8+3", "8+4+2"])
-@pytest.mark.parametrize("N", [37, 21, 8, 7, 6, 3, 2])
+@pytest.mark.parametrize("N", [37, 21, 13, 8, 7, 6, 3, 2])
 def test_a_row_gives_the_same_bits_alone_in_a_batch_and_on_any_thread_count(fmt, dtype, steps, N):
     """Serving's batch invariance: each of N rows equals the same row computed alone (one row: the GEMV), whatever
     the number of threads (1-3) splitting the 75 weight rows (into 64 and 11). 21 rows are, with AVX-512 VNNI, a
     group of 16 lanes and one of 8 lanes holding 5 rows, 8 rows one of 8 lanes (the nibble formats: two weight rows
     at a time, the last one of an odd count alone); else groups of four. The K formats take 37 rows (and q4_k, q5_k
-    21) in tiles of 16 weight rows (the last of 11 or fewer) against four input rows at a time, then the last one.
+    21 and 13) in tiles of 16 weight rows (the last of 11 or fewer) against four input rows at a time, then the last.
     The last 1-3 rows go in one call (3 and 2 rows: the weights unpacked once for them; 7 and 6 rows: after a group
     of four). A row alone takes 32-value blocks eight at a time where it can (AVX-512), then four, then one by one
     (``steps``: 11 or 14 blocks; the K formats: 3 or 4 super-blocks)."""

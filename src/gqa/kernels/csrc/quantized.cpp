@@ -23,7 +23,7 @@
 //       its outputs non-finite on the integer path; those are taken again in float, as gguf's dequantized weights give
 //       them in float math (redo_nonfinite_scales).
 //       With AVX-512 VNNI and 4 or more rows, the rows go through row_lanes.h (rows in SIMD lanes: 2-4x the
-//       products per second at 8-64 rows), with the same sums; the K formats from 16 rows (q6_k: 32) through
+//       products per second at 8-64 rows), with the same sums; the K formats from 9 rows (q6_k: 32) through
 //       k_tiles.h (weight rows unpacked once into lanes, input rows broadcast: 1.5-1.7x lanes_kdot's rate at 64-512
 //       rows), again with the same sums.
 //   gqa::lane_rows() -> int: the fewest rows that take row_lanes.h's kernels; 0 where the build has none.
@@ -532,10 +532,11 @@ constexpr int64_t ROW_BLOCK = 16;  // weight rows run against every group of x r
 
 #if defined(GQA_ROW_LANES)
 // The K formats' product in tiles (k_tiles.h): 16 weight rows unpacked once, then every input row against them,
-// KTILE_X at a time; from 16 input rows (q6_k: 32, its unpacking costs more), where it is faster than lanes_kdot
-// (3B shapes, 2 threads: q4_k 8192 x 3072 at 16 rows 2.3 ms vs 2.6, q6_k 3072 x 8192 at 32 rows 5.3 vs 5.8).
+// KTILE_X at a time; from 9 input rows (more than one 8-lane group; q6_k from 32: its unpacking costs more), where it
+// is faster than lanes_kdot (3B shapes, 2 threads: q4_k 8192 x 3072 at 9-10 rows 1.9-2.3 ms vs 2.9-3.3, at 16 rows
+// 2.3 vs 2.6, at 8 the same; q6_k 3072 x 8192 at 32 rows 5.3 vs 5.8, at 16 rows 3.9 vs 3.0).
 template <int F>
-constexpr int64_t ktile_min_rows = F == Q6_K ? 32 : 16;
+constexpr int64_t ktile_min_rows = F == Q6_K ? 32 : 9;
 
 template <int F>
 void lanes_krows(const uint8_t* w, int64_t rows, int64_t row_bytes, const QuantizedRows& xr, int64_t nb, float* buf) {
