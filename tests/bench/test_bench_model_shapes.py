@@ -101,24 +101,25 @@ def test_a_file_is_made_once_by_the_quantizer_then_taken_from_the_cache(tmp_path
         model_file("llama-8b", tmp_path / "models", None)
 
 
-def test_a_file_for_servers_takes_the_embedded_models_tokenizer_and_chat_template(tmp_path, fake_llama):
+def test_a_file_for_servers_takes_the_embedded_models_tokenizer_and_chat_template(tmp_path, fake_llama, monkeypatch):
     """``tokenizer=``: every ``tokenizer.*`` key of SmolLM2's file copied (its 49,152 tokens, merges, ChatML
     template), the embeddings and output sized to that vocabulary, and gqa loads it with a tokenizer that encodes
     text and renders chats as SmolLM2's does; named ``-chat`` in the cache."""
     from gqa import load_model
-    from gqa.loaders import default_model_path
+    from gqa.loaders import default_model_path, load_tokenizer
 
-    source = gguf.GGUFReader(default_model_path())
-    path = write_random_f16(tmp_path / "chat.F16.gguf", TINY, tokenizer=default_model_path())
-    reader = gguf.GGUFReader(path)
-    keys = sorted(k for k in source.fields if k.startswith("tokenizer."))
-    assert keys and sorted(k for k in reader.fields if k.startswith("tokenizer.")) == keys
-    for key in keys:
-        assert reader.fields[key].contents() == source.fields[key].contents(), key
-    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+    small = LlamaShape("small", 64, 1, 2, 1, 128, 512)  # its 49,152-row embeddings and output: 6 MiB each in F16
+    monkeypatch.setitem(random_files.LLAMA_SHAPES, "tiny", small)
+    source = {key: value for key, value, _, _ in random_files.tokenizer_fields(default_model_path())}
+    path = write_random_f16(tmp_path / "chat.F16.gguf", small, tokenizer=default_model_path())
+    reader = gguf.GGUFReader(path)  # (each read of a 49k-token vocabulary: ~2 s)
+    assert len(source) > 5 and sorted(k for k in reader.fields if k.startswith("tokenizer.")) == sorted(source)
+    for key, value in source.items():
+        assert reader.fields[key].contents() == value, key
+    vocab = len(source["tokenizer.ggml.tokens"])
     dims = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
-    assert vocab == 49152 and dims["token_embd.weight"] == dims["output.weight"] == (vocab, TINY.hidden)
-    ours, smol = load_model(path).tokenizer, load_model(default_model_path()).tokenizer
+    assert vocab == 49152 and dims["token_embd.weight"] == dims["output.weight"] == (vocab, small.hidden)
+    ours, smol = load_model(path).tokenizer, load_tokenizer(default_model_path())
     text = "Grouped-query attention shares K/V across heads."
     assert ours.encode(text) == smol.encode(text) and len(ours.encode(text)) > 5
     chat = [{"role": "user", "content": "hi"}]
