@@ -539,8 +539,8 @@ template <int F>
 constexpr int64_t ktile_min_rows = F == Q6_K ? 32 : 9;
 
 template <int F>
-void lanes_krows(const uint8_t* w, int64_t rows, int64_t row_bytes, const QuantizedRows& xr, int64_t nb, float* buf) {
-  const int64_t N = static_cast<int64_t>(xr.d.size()) / nb;
+void lanes_krows(const uint8_t* w, int64_t rows, int64_t row_bytes, const QuantizedRows& xr, int64_t N, int64_t nb,
+                 float* buf) {
   KTile t;
   const std::vector<int32_t> offsets = F == Q6_K ? q6_offsets(xr) : std::vector<int32_t>();
   for (int64_t i0 = 0; i0 < rows; i0 += 16) {
@@ -562,7 +562,7 @@ template <int F>
 void lanes_rows(const uint8_t* w, int64_t rows, int64_t row_bytes, const QuantizedRows& xr, int64_t nb, float* buf) {
   if constexpr (k_quant(F)) {
     const int64_t N = static_cast<int64_t>(xr.d.size()) / nb;
-    if (N >= ktile_min_rows<F>) return lanes_krows<F>(w, rows, row_bytes, xr, nb, buf);
+    if (N >= ktile_min_rows<F>) return lanes_krows<F>(w, rows, row_bytes, xr, N, nb, buf);
   }
   constexpr size_t GROUPS = 16;
   for (size_t g0 = 0; g0 < xr.groups.size(); g0 += GROUPS)
