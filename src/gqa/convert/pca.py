@@ -99,6 +99,12 @@ def merge_values(X: Tensor, V: list[Tensor], outs: list[list[Tensor]]) -> tuple[
     return merged, [[o @ u for o in os_] for os_, u in zip(outs, U, strict=True)]
 
 
+def second_moment(X: Tensor) -> Tensor:
+    """``E[x x^T] (E', E')`` over the rows of ``X (T, E')``: ``E[(x . a)(x . b)] = a M b^T`` without a ``(T, n)``
+    product per weight."""
+    return X.T @ X / X.shape[0]
+
+
 def merge_keys(
     X: Tensor, K: list[Tensor], Q: list[list[Tensor]], slow: Tensor | None = None
 ) -> tuple[Tensor, list[list[Tensor]]]:
@@ -116,17 +122,17 @@ def merge_keys(
     -------
     ``(K' (D, E'), Q')`` with ``Q'`` shaped like ``Q``.
     """
-    merged, new_Q = _merge_keys_per_plane(X, K, Q)
+    M = second_moment(X)
+    merged, new_Q = _merge_keys_per_plane(X, K, Q, M)
     if slow is None or len(slow) == 0:
         return merged, new_Q
     half = K[0].shape[0] // 2
     rows = torch.cat([slow, slow + half])  # both coordinates of each slow plane
-    C = [sum((X @ q[rows].T).T @ (X @ q[rows].T) for q in qs) / X.shape[0] for qs in Q]  # E[q q^T] per old head
+    C = [sum(q[rows] @ M @ q[rows].T for q in qs) for qs in Q]  # E[q q^T] per old head
     pooled, U = _merge_in_metric(X, [k[rows] for k in K], C)
     pooled_Q = [[u.T @ q[rows] for q in qs] for qs, u in zip(Q, U, strict=True)]
     # pool only where it fits the slow scores better: never where the per-plane fit is already exact (copies), so
     # that an exact, RoPE-commuting answer is kept
-    M = X.T @ X / X.shape[0]  # (E', E') E[x x^T]
 
     def energy(L: Tensor, R: Tensor) -> Tensor:  # E[(x^T A y)^2] = tr(A^T M A M) for A = L^T R, x and y independent
         return ((L @ M @ L.T) * (R @ M @ R.T)).sum()  # tokens; = tr(L M L^T R M R^T): (rows, rows), not (E', E')
@@ -148,14 +154,16 @@ def merge_keys(
     return merged, new_Q
 
 
-def _merge_keys_per_plane(X: Tensor, K: list[Tensor], Q: list[list[Tensor]]) -> tuple[Tensor, list[list[Tensor]]]:
-    """``merge_keys`` without pooling: a rank-1 complex fit per plane."""
+def _merge_keys_per_plane(
+    X: Tensor, K: list[Tensor], Q: list[list[Tensor]], M: Tensor
+) -> tuple[Tensor, list[list[Tensor]]]:
+    """``merge_keys`` without pooling: a rank-1 complex fit per plane (``M``: ``second_moment(X)``)."""
     D = K[0].shape[0]
     half = D // 2
     keys = torch.stack([torch.complex(X @ k[:half].T, X @ k[half:].T) for k in K])  # (m, T, half)
-    energy = torch.stack([sum(((X @ q.T) ** 2).mean(0).view(2, half).sum(0) for q in qs) for qs in Q]).clamp_min(
+    energy = torch.stack([sum(((q @ M) * q).sum(-1).view(2, half).sum(0) for q in qs) for qs in Q]).clamp_min(
         1e-12
-    )  # (m, half): query energy per old head and plane
+    )  # (m, half): query energy E[(x . q_row)^2] per old head and plane
     weighted = keys * energy.sqrt()[:, None, :]
     cov = torch.einsum("atj,btj->jab", weighted, weighted.conj())  # (half, m, m) Hermitian
     v = torch.linalg.eigh(cov).eigenvectors[:, :, -1].T  # (m, half): top eigenvector per plane

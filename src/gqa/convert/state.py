@@ -72,7 +72,7 @@ def _calibration_activations(
     try:
         with torch.inference_mode():
             for window in windows:
-                model(window)
+                model(window, last_only=True)  # the layers see every token; the logits are not needed
     finally:
         for h in hooks:
             h.remove()
