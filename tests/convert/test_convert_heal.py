@@ -21,6 +21,7 @@ import gqa
 from gqa.cli import main as cli
 from gqa.convert import HealConfig, calibration, convert, heal, resolve_precision, save_loss_curve
 from gqa.convert import healing as healing_module
+from gqa.convert import layer_local
 from gqa.convert.calibration import _shingles, default_heal_text, held_out_text
 from gqa.evaluation.perplexity import default_eval_text, mean_kl
 
@@ -180,8 +181,10 @@ def test_steps_still_bound_a_time_budget(monkeypatch):
 
 
 def test_cli_heal_minutes(src, tmp_path, capsys, monkeypatch):
-    """``--heal-minutes`` alone: the time is the only limit (a fake clock ends it after a few steps)."""
+    """``--heal-minutes`` alone: the time is the only limit of both phases (fake clocks end each after a few steps;
+    the layer-local phase used to read the real clock and ran for its real 30 s)."""
     monkeypatch.setattr(healing_module, "_clock", FakeClock(10.0))
+    monkeypatch.setattr(layer_local, "_clock", FakeClock(0.5))  # the capture reads it once a window
     text = tmp_path / "heal.txt"
     text.write_text(HEAL_TEXT)
     dst = tmp_path / "out"
@@ -190,6 +193,7 @@ def test_cli_heal_minutes(src, tmp_path, capsys, monkeypatch):
     log = json.loads((dst / "heal_log.json").read_text())
     assert log["config"]["minutes"] == 1.0 and log["config"]["steps"] == 10**9
     assert 2 <= len(log["losses"]) <= 6, len(log["losses"])  # 10 s per clock reading against a 60 s budget
+    assert 5 <= len(log["local"]["losses"]) <= 60, len(log["local"]["losses"])  # ~15 s of 0.5 s readings left
     assert f"healed       {len(log['losses'])} steps x 16 tokens" in capsys.readouterr().out
 
 

@@ -45,6 +45,7 @@ CAPTURE_SHARE = 0.25  # of the phase's time budget the capture may take (then it
 MEMORY_SHARE = 0.5  # of the memory available when the phase starts the captured activations may take
 LOCAL_LR = 3e-4  # peak AdamW learning rate of the layer-local phase
 LOCAL_BATCH = 4  # windows per layer-local step
+_clock = time.perf_counter  # the wall clock of a ``minutes`` budget (tests replace it, as healing._clock)
 
 
 @dataclass
@@ -142,13 +143,13 @@ def capture(
     modules = _layers(teacher)
     handles = [modules[i].self_attn.register_forward_hook(keep(j), with_kwargs=True) for j, i in enumerate(layers)]
     device = next(teacher.parameters()).device
-    begin = time.perf_counter()
+    begin = _clock()
     try:
         for start in range(0, n, batch_size):
             rows = slice(start, min(start + batch_size, n))
             teacher(windows[rows].to(device))
             enough = seconds is not None and rows.stop >= min(MIN_WINDOWS, n)  # the same on every rank
-            if enough and slowest_seconds(time.perf_counter() - begin, device, distributed) >= seconds:
+            if enough and slowest_seconds(_clock() - begin, device, distributed) >= seconds:
                 break
     finally:
         for h in handles:
@@ -248,7 +249,7 @@ def train_blocks(
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     losses, lrs = [], []
-    start = time.perf_counter()
+    start = _clock()
     device = next(student.parameters()).device
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
@@ -256,7 +257,7 @@ def train_blocks(
     student.train()
     try:
         for step in range(steps):
-            elapsed = slowest_seconds(time.perf_counter() - start, device, distributed)
+            elapsed = slowest_seconds(_clock() - start, device, distributed)
             if elapsed >= budget:
                 break
             done = max(step / steps, elapsed / budget)
@@ -278,13 +279,13 @@ def train_blocks(
             losses.append(value)
             lrs.append(step_lr)
             if progress is not None:
-                seconds = time.perf_counter() - start  # left: whichever of the time and the steps ends first
+                seconds = _clock() - start  # left: whichever of the time and the steps ends first
                 progress(step, value, max(min(budget - seconds, seconds / (step + 1) * (steps - step - 1)), 0.0))
     finally:
         student.eval()
         for p in params:
             p.grad = None
-    return LocalResult(losses, lrs, time.perf_counter() - start)
+    return LocalResult(losses, lrs, _clock() - start)
 
 
 def heal_blocks(
@@ -314,7 +315,7 @@ def heal_blocks(
     ``distributed``: every rank of the default process group calls this with the same arguments; each captures and
     trains its own layers, then every layer's ``params`` are broadcast from the rank that trained it, so all ranks
     end with the same weights and result (errors of every layer)."""
-    start = time.perf_counter()
+    start = _clock()
     count = len(_layers(student))
     world = dist.get_world_size() if distributed else 1
     rank = dist.get_rank() if distributed else 0
@@ -333,13 +334,13 @@ def heal_blocks(
         targets = capture(teacher, windows, layers=mine, seconds=seconds, distributed=distributed)
     held = HELD_OUT_WINDOWS if targets.windows > 2 * HELD_OUT_WINDOWS else 0
     train, test = targets.split(held) if held else (targets, targets)
-    captured = time.perf_counter() - start
+    captured = _clock() - start
     layer_of = {id(p): i for i, layer in enumerate(_layers(student)) for p in layer.parameters()}
     trained = [p for p in params if layer_of.get(id(p)) in mine] if distributed else params
     before = _all_layers(block_errors(student, test), test.layers, count, device, distributed)
     left = None
     if minutes is not None:  # the same on every rank: what the slowest capture left
-        left = max(minutes - slowest_seconds(time.perf_counter() - start, device, distributed) / 60, 0.0)
+        left = max(minutes - slowest_seconds(_clock() - start, device, distributed) / 60, 0.0)
     bar = None
     if progress:
         from tqdm.auto import tqdm
