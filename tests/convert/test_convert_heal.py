@@ -19,9 +19,8 @@ from helpers.checkpoints import TRAIN_IDS, WORDS, digest, tensors, tiny_dir, tin
 
 import gqa
 from gqa.cli import main as cli
-from gqa.convert import HealConfig, calibration, convert, heal, resolve_precision, save_loss_curve
+from gqa.convert import HealConfig, calibration, convert, heal, layer_local, resolve_precision, save_loss_curve
 from gqa.convert import healing as healing_module
-from gqa.convert import layer_local
 from gqa.convert.calibration import _shingles, default_heal_text, held_out_text
 from gqa.evaluation.perplexity import default_eval_text, mean_kl
 
