@@ -55,11 +55,12 @@ def test_a_column_cut_through_blocks_is_held_in_float_with_a_warning():
 @pytest.mark.skipif(not kernels.vectorized(), reason="blocks are kept where the native kernels run")
 def test_smollm2_sharded_over_two_ranks_keeps_its_blocks_and_its_answers(capsys):
     """``load_model(tensor_parallel=True)`` (dtype auto) at tp=2: each rank holds its shard of the Q4_1 file's
-    blocks — the two ranks' layer bytes add up to the whole model's, each less than 0.7x of it — and gives the one
-    process's greedy tokens. Logits (float32 activations): the quantized kernels round each activation block to
-    8 bits, so a last-bit difference in a partial sum can move a block's rounding and the logits differ by as much as
-    the rounding itself does; both must then be as close to the float model (the file's blocks dequantized) as each
-    other. ``gqa info --tp 2`` says the bytes each rank holds."""
+    blocks — the two ranks' layer bytes add up to the whole model's, each less than 0.7x of it, and the embeddings'
+    blocks too (each rank its vocabulary rows) — and gives the one process's greedy tokens. Logits (float32
+    activations): the quantized kernels round each activation block to 8 bits, so a last-bit difference in a partial
+    sum can move a block's rounding and the logits differ by as much as the rounding itself does; both must then be
+    as close to the float model (the file's blocks dequantized) as each other. ``gqa info --tp 2`` says the bytes each
+    rank holds."""
     import gqa
     from gqa.parallel.distributed import launch_local
 
@@ -78,10 +79,12 @@ def test_smollm2_sharded_over_two_ranks_keeps_its_blocks_and_its_answers(capsys)
         assert error.max() < 1.5 * one_error.max() and error.mean() < 1.2 * one_error.mean()
         assert got["tokens"] == one["tokens"]
     assert sum(got["layer_bytes"] for got in ranks.values()) == one["layer_bytes"]
+    for fmt in set(one["bytes"]) - {"float32"}:  # every block once: the layers' and the embeddings' (vocabulary rows)
+        assert sum(got["bytes"][fmt] for got in ranks.values()) == one["bytes"][fmt], fmt
     # gqa info --tp 2 tells each rank's bytes kept as blocks before anything is loaded (float32 norms, as here)
     from gqa.cli import main as cli
 
     assert cli(["info", "--tp", "2"]) == 0
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
     for rank, row in enumerate(rows[-2:]):
-        assert row[6].strip() == f"{sum(ranks[rank]['bytes'].values()) / 2**20:.1f} MiB"
+        assert row[7].strip() == f"{sum(ranks[rank]['bytes'].values()) / 2**20:.1f} MiB"

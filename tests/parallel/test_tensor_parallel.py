@@ -106,10 +106,14 @@ def test_shard_state_slices_and_bytes():
     assert shards[1][1][name + "k_proj.weight"].shape == (D, cfg.hidden_size)
     mlp = "model.layers.0.mlp.down_proj.weight"
     torch.testing.assert_close(torch.cat([s[mlp] for _, s in shards], 1), state[mlp])
-    assert shards[0][1]["model.embed_tokens.weight"] is state["model.embed_tokens.weight"]  # replicated, not copied
+    for vocab in ("model.embed_tokens.weight", "lm_head.weight"):  # 61 rows: 31 + 30
+        assert [s[vocab].shape[0] for _, s in shards] == [31, 30]
+        torch.testing.assert_close(torch.cat([s[vocab] for _, s in shards]), state[vocab], rtol=0, atol=0)
+    norm = "model.norm.weight"
+    assert shards[0][1][norm] is state[norm] and shards[1][1][norm] is state[norm]  # replicated, not copied
     total = sum(t.numel() for t in state.values()) * 2
     per_rank = [rank_weight_bytes(cfg, state, rank_shard(cfg, 2, r), torch.bfloat16) for r in range(2)]
-    replicated = sum(t.numel() for n, t in state.items() if "layers" not in n or "norm" in n) * 2
+    replicated = sum(t.numel() for n, t in state.items() if "norm" in n) * 2
     assert sum(per_rank) == total + replicated  # the sharded parts add up; the replicated ones count on each rank
 
 
@@ -178,7 +182,7 @@ def test_sharded_model_matches_hf_and_one_process(tp, specs):
             assert got["heads"] == (len(shard.q_heads), len(shard.kv_heads))
             assert got["cache"] == [(2, len(shard.kv_heads), 16, cfg.head_dim)] * cfg.num_layers  # only its heads
             assert got["cache_bytes"] == 2 * 2 * len(shard.kv_heads) * 16 * cfg.head_dim * 4 * cfg.num_layers
-            assert got["allreduces_per_token"] == 2 * cfg.num_layers
+            assert got["allreduces_per_token"] == 2 * cfg.num_layers + 1  # o_proj, down_proj; the embedding
 
 
 @pytest.fixture(scope="module")
@@ -362,12 +366,15 @@ def test_info_tp_table(tmp_path, capsys):
     folder = tiny_dir(tmp_path / "m")  # 8 query, 2 KV heads of 4 dims, hidden 24, MLP 40, 2 layers, tied
     assert cli(["info", "--model", str(folder), "--tp", "4"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 |") or "| 0 |" in line]
-    # rank 0: q_proj 8x24, k/v 4x24, o 24x8, MLP 3 x 10x24, 2 norms of 24, per layer; embeddings 32x24 and final norm
+    # rank 0: q_proj 8x24, k/v 4x24, o 24x8, MLP 3 x 10x24, 2 norms of 24, per layer; 8 of the tied embeddings' 32
+    # rows, the final norm
     per_layer = 8 * 24 + 2 * 4 * 24 + 24 * 8 + 3 * 10 * 24 + 2 * 24
-    weights = 2 * per_layer + 32 * 24 + 24
+    weights = 2 * per_layer + 8 * 24 + 24
     kv_per_token = 2 * 2 * 1 * 4 * 4  # K and V, 2 layers, 1 KV head, 4 dims, fp32
-    assert rows[0] == f"| 0 | 2 (0-1) | 1 (0), on 2 ranks | 10 | {weights * 4 / 1024:.1f} KiB | {kv_per_token} B |"
-    assert rows[-1].startswith("| 3 | 2 (6-7) | 1 (1), on 2 ranks | 10 |")
+    assert (
+        rows[0] == f"| 0 | 2 (0-1) | 1 (0), on 2 ranks | 10 | 0-7 | {weights * 4 / 1024:.1f} KiB | {kv_per_token} B |"
+    )
+    assert rows[-1].startswith("| 3 | 2 (6-7) | 1 (1), on 2 ranks | 10 | 24-31 |")
     assert cli(["info", "--model", str(folder), "--tp", "3"]) == 2
     assert "tp values that work: 1, 2, 4, 8" in capsys.readouterr().err
 

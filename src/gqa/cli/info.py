@@ -168,7 +168,8 @@ def tp_table(
     dtype: torch.dtype,
     blocks: dict[str, float] | None = None,
 ) -> str:
-    """Markdown table: per rank of ``tp``, its query and KV heads, weight bytes and KV-cache bytes per token; with
+    """Markdown table: per rank of ``tp``, its query and KV heads, MLP and vocabulary rows, weight bytes and KV-cache
+    bytes per token; with
     ``blocks`` (bytes per value of a GGUF's quantized tensors) also its weights as ``dtype="auto"`` keeps them."""
     from ..cache.kv import kv_cache_bytes
     from ..parallel.tensor_parallel import rank_shard, rank_weight_bytes
@@ -177,8 +178,8 @@ def tp_table(
     kept = " weights kept as blocks (dtype auto) |" if blocks else ""
     lines = [
         f"tensor parallel over {tp} ranks ({name}):",
-        f"| rank | query heads | KV heads | MLP rows | weights |{kept} KV cache per token |",
-        "|---:|---|---|---:|---:|" + ("---:|" if blocks else "") + "---:|",
+        f"| rank | query heads | KV heads | MLP rows | vocabulary rows | weights |{kept} KV cache per token |",
+        "|---:|---|---|---:|---|---:|" + ("---:|" if blocks else "") + "---:|",
     ]
     for rank in range(tp):
         shard = rank_shard(cfg, tp, rank)
@@ -189,7 +190,7 @@ def tp_table(
         per_token = kv_cache_bytes(cfg.num_layers, len(kv), cfg.head_dim, 1, dtype=dtype)
         as_blocks = f" {_size(rank_weight_bytes(cfg, state, shard, dtype, blocks))} |" if blocks else ""
         lines.append(
-            f"| {rank} | {len(q)} ({_span(q)}) | {kv_text} | {len(shard.mlp_rows)} | "
+            f"| {rank} | {len(q)} ({_span(q)}) | {kv_text} | {len(shard.mlp_rows)} | {_span(shard.vocab_rows)} | "
             f"{_size(rank_weight_bytes(cfg, state, shard, dtype))} |{as_blocks} {_size(per_token)} |"
         )
     return "\n".join(lines)

@@ -11,15 +11,17 @@ A KV group is one KV head and the ``G = H_q / H_kv`` query heads that read it. `
 
 Per layer, ``q/k/v_proj`` (and their biases) keep the rank's heads' rows and ``o_proj`` the matching input columns;
 the MLP's ``gate_proj``/``up_proj`` keep a slice of rows and ``down_proj`` the same columns. ``o_proj`` and
-``down_proj`` then hold partial sums, which one all-reduce each completes: two all-reduces per layer. Embeddings,
-norms, RoPE and ``lm_head`` are replicated, so every rank computes the same logits. Each rank's model is an ordinary
-``CausalLM`` on plain local tensors with a local ``ModelConfig`` (its own head counts): native kernels, static caches
-holding only the rank's KV heads, compiled decode steps and batched generation work as in one process.
+``down_proj`` then hold partial sums, which one all-reduce each completes: two all-reduces per layer. The
+embeddings and ``lm_head`` keep a slice of the vocabulary's rows (``vocab_parallel``: one all-reduce after the lookup,
+one all-gather of the logits, so every rank gets the same logits); norms and RoPE are replicated. Each rank's model
+is an ordinary ``CausalLM`` on plain local tensors with a local ``ModelConfig`` (its own head counts): native kernels,
+static caches holding only the rank's KV heads, compiled decode steps and batched generation work as in one process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 import warnings
 from collections.abc import Callable
@@ -34,6 +36,7 @@ from torch.distributed import _functional_collectives as funcol
 from ..models.config import ModelConfig
 from ..models.linear import Linear
 from ..models.quantized import QuantizedLinear, QuantizedTensor
+from .vocab_parallel import EMBEDDING, HEAD, vocab_modules
 
 if TYPE_CHECKING:
     from ..models.llama import CausalLM
@@ -49,6 +52,7 @@ __all__ = [
     "shard_model",
     "shard_state",
     "shard_tensor",
+    "whole_digest",
     "working_tp",
 ]
 
@@ -63,6 +67,7 @@ class RankShard:
     q_heads, kv_heads : the query and KV heads it computes.
     kv_replicas : ranks holding each of its KV heads (1 unless ``tp > H_kv``).
     mlp_rows : its slice of the MLP's intermediate features.
+    vocab_rows : its slice of the vocabulary: rows of the embeddings and of ``lm_head`` (``vocab_parallel``).
     """
 
     rank: int
@@ -71,6 +76,7 @@ class RankShard:
     kv_heads: range
     kv_replicas: int
     mlp_rows: range
+    vocab_rows: range
 
 
 def _check_int(name: str, value: object, low: int = 1) -> int:
@@ -147,7 +153,8 @@ def rank_shard(cfg: ModelConfig, tp: int, rank: int) -> RankShard:
     q, kv, replicas = layout[rank]
     if tp > cfg.intermediate_size:
         raise ValueError(f"tp={tp} exceeds the MLP's {cfg.intermediate_size} intermediate features")
-    return RankShard(rank, tp, q, kv, replicas, _split(cfg.intermediate_size, tp, rank))
+    mlp, vocab = _split(cfg.intermediate_size, tp, rank), _split(cfg.vocab_size, tp, rank)
+    return RankShard(rank, tp, q, kv, replicas, mlp, vocab)
 
 
 Weight = torch.Tensor | QuantizedTensor
@@ -173,8 +180,10 @@ def _rows(name: str, t: Weight, heads: range, per_head: int, dim: int = 0) -> We
 def shard_tensor(name: str, t: Weight, shard: RankShard, head_dim: int) -> Weight:
     """The shard's part of the whole model's tensor ``name`` (HF name): ``q/k/v_proj`` weights ``(heads * D, E)``
     and biases keep the shard's heads' rows, ``o_proj.weight (E, H_q * D)`` the matching columns,
-    ``gate_proj``/``up_proj`` ``(I, E)`` the shard's rows and ``down_proj (E, I)`` its columns (contiguous copies;
-    a ``QuantizedTensor`` keeps its blocks, see ``_narrow``); anything else is replicated and returned as it is.
+    ``gate_proj``/``up_proj`` ``(I, E)`` the shard's rows and ``down_proj (E, I)`` its columns, the embeddings and
+    ``lm_head`` ``(vocab, E)`` its vocabulary rows (contiguous copies; a ``QuantizedTensor`` keeps its blocks, see
+    ``_narrow``, and its embedding rows are a view of them: a lookup reads only the rows it needs); anything else
+    (norms) is replicated and returned as it is.
     Works on meta tensors (sizes without data)."""
     rows = shard.mlp_rows
     if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
@@ -190,6 +199,14 @@ def shard_tensor(name: str, t: Weight, shard: RankShard, head_dim: int) -> Weigh
         return _narrow(name, t, 0, rows.start, len(rows))
     if name.endswith("mlp.down_proj.weight"):
         return _narrow(name, t, 1, rows.start, len(rows))
+    vocab = shard.vocab_rows
+    if name == EMBEDDING and isinstance(t, QuantizedTensor) and t.blocks.device.type != "meta":
+        # a view of the file's blocks (a GGUF's map): only the rows looked up are ever read into memory
+        return QuantizedTensor(t.blocks.narrow(0, vocab.start, len(vocab)), t.format, (len(vocab), t.shape[1]))
+    if name in (EMBEDDING, HEAD):
+        return _narrow(name, t, 0, vocab.start, len(vocab))
+    if name == "lm_head.bias":
+        raise ValueError(f"{name}: an lm_head bias is not supported under tensor parallelism")
     return t
 
 
@@ -281,7 +298,8 @@ def shard_model(
     ``RankShard``) saying what part of the whole it holds and ``model.whole_config`` the whole model's config.
     ``QuantizedTensor`` weights (``read_model(..., keep_quantized=True)``) are sharded as blocks and held by
     ``QuantizedLinear`` / ``QuantizedEmbedding`` modules (embeddings giving rows in ``dtype``, default float32), so a
-    rank holds its share of a quantized file's bytes, not the whole model in float. ``copied``: as ``shard_state``'s."""
+    rank holds its share of a quantized file's bytes, not the whole model in float; the embeddings and ``lm_head``
+    hold the rank's vocabulary rows (``vocab_parallel``). ``copied``: as ``shard_state``'s."""
     from ..models.llama import CausalLM
     from ..models.quantized import install_quantized
 
@@ -289,15 +307,19 @@ def shard_model(
         raise RuntimeError("tensor parallelism needs an initialised torch.distributed process group")
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     shard = rank_shard(cfg, tp, rank)
+    digest = whole_digest(state)
     local_cfg, local_state = shard_state(cfg, state, shard, copied)
+    vocab = {name: local_state.pop(name) for name in (EMBEDDING, HEAD) if name in local_state}  # this rank's rows
     quantized = {name: t for name, t in local_state.items() if isinstance(t, QuantizedTensor)}
-    for name, t in quantized.items():  # placeholders: these modules are replaced below
-        local_state[name] = torch.empty(t.shape, device="meta")
+    for name, t in [*quantized.items(), *vocab.items()]:  # placeholders: these modules are replaced below
+        local_state[name] = torch.empty(t.shape if name not in vocab else (cfg.vocab_size, t.shape[1]), device="meta")
     model = CausalLM.from_state(local_cfg, local_state, assign=True)
     if quantized:
-        if cfg.tie_word_embeddings and "model.embed_tokens.weight" in quantized:
-            quantized["lm_head.weight"] = quantized["model.embed_tokens.weight"]
         install_quantized(model, quantized, dtype or torch.float32)
+    head = None if cfg.tie_word_embeddings else vocab[HEAD]
+    embed, lm_head = vocab_modules(vocab[EMBEDDING], head, shard.vocab_rows, cfg.vocab_size, dtype or torch.float32,
+                                   group)  # fmt: skip
+    model.model.embed_tokens, model.lm_head = embed, lm_head
     for layer in model.model.layers:
         for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
             linear = getattr(parent, name)
@@ -308,5 +330,18 @@ def shard_model(
                 reducing.weight = linear.weight  # the same parameter, under the same name
             reducing.group = group
             setattr(parent, name, reducing)
-    model.shard, model.whole_config = shard, cfg
+    model.shard, model.whole_config, model.whole_digest = shard, cfg, digest
     return model
+
+
+def whole_digest(state: dict[str, Weight], samples: int = 64) -> str:
+    """A digest of the whole model's tensors, the same on every rank that loaded the same weights: each tensor's name,
+    shape and ``samples`` of its values (blocks) spread over it, so a few pages of each are read, not the model."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name in sorted(state):
+        t = state[name]
+        data = (t.blocks if isinstance(t, QuantizedTensor) else t).detach().reshape(-1)
+        picked = data[:: max(1, data.numel() // samples)][:samples].contiguous()
+        digest.update(f"{name}{tuple(t.shape)}".encode())
+        digest.update(picked.cpu().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

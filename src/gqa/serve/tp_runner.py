@@ -7,7 +7,8 @@ that want logits) to every rank, then runs its own shard of the step. The other 
 plan, run their shard, until rank 0 says stop. Every rank writes its KV heads' K/V to its pool at the blocks rank 0
 chose, so prefix caching, preemption, speculation and structured output — all decided on rank 0 — work as in one
 process. Per layer the projections and attention run as native calls on the rank's heads, and the two all-reduces
-of ``o_proj`` and ``down_proj`` complete the layer; only rank 0 computes the final norm and ``lm_head``.
+of ``o_proj`` and ``down_proj`` complete the layer; the embedding lookup takes one all-reduce more (each rank holds a
+slice of the vocabulary, ``parallel.vocab_parallel``) and each rank's slice of the logits is gathered on rank 0.
 
 The one-call native step (``gqa::decode_paged``) cannot run a sharded layer: it adds each layer's ``o_proj`` and
 MLP output to the residual inside the call, where the all-reduce must come between. So a sharded step runs a layer
@@ -33,6 +34,7 @@ from ..kernels import ops
 from ..models.linear import Linear, linears, uses_kernel
 from ..models.quantized import QuantizedLinear
 from ..parallel.tensor_parallel import ReducingLinear
+from ..parallel.vocab_parallel import gather_logits
 from .config import EngineConfig
 from .paged_cache import PagedKVCache
 from .request import EngineError, Request
@@ -76,7 +78,7 @@ class ShardStep:
         model, backbone, cache = self.model, self.model.model, self.cache
         B, D = ids.shape[0], model.config.head_dim
         (cos, sin), _ = native_step.rope_rows(model, positions.view(B, 1))  # (B, D) float32
-        x = backbone.embed(ids.view(B, 1)).view(B, -1)  # (B, E)
+        x = self._reduce(backbone.embed_tokens.partial(ids))  # (B, E): each rank its vocabulary rows
         slots = table.gather(1, (positions // cache.block_size).view(B, 1)).view(B), positions % cache.block_size
         lengths = positions + 1  # a row attends to its slots [0, position]: a prompt chunk's rows see the ones before
         for i, layer in enumerate(backbone.layers):
@@ -95,10 +97,13 @@ class ShardStep:
             gate, up = _rows(h, (mlp.gate_proj, mlp.up_proj))  # (B, F) each
             x = x + self._reduce(_rows(ops.silu_mul(gate, up), (mlp.down_proj,))[0])
         out = None
-        if logits:
+        if len(wanted):  # every rank its slice of the vocabulary's logits, gathered on rank 0
             x = ops.rms_norm(x[wanted], backbone.norm.weight, backbone.norm.eps)  # (N, E)
-            scores = _rows(x, (model.lm_head,))[0]
-            out = scores, scores.float().argmax(-1)
+            head = model.lm_head
+            scores = gather_logits(_rows(x, (head.part,))[0], head.vocab_size)  # (N, vocab) on rank 0, else None
+            out = None if scores is None else (scores, scores.float().argmax(-1))
+        elif logits:
+            out = x.new_empty(0, model.lm_head.vocab_size), torch.empty(0, dtype=torch.long)
         self.steps += 1
         self.step_seconds += time.perf_counter() - start
         return out

@@ -2,15 +2,15 @@
 and how many blocks the paged KV pool has (the block ids rank 0 hands out must exist on every rank).
 
 Each rank sends a fingerprint — the whole model's config, the dtype, the KV cache's kinds, the block size, the
-number of ranks and a checksum of the weights every rank holds whole (norms, embeddings) — and every rank compares
-the others' with rank 0's: a rank started with another model or other flags (under torchrun each machine loads its
-own files) is refused at once, with the difference named, instead of serving wrong text.
+number of ranks and a digest of the whole model's weights read at load (``tensor_parallel.whole_digest``: samples of
+every tensor, before each rank keeps its shard) — and every rank compares the others' with rank 0's: a rank started
+with another model or other flags (under torchrun each machine loads its own files) is refused at once, with the
+difference named, instead of serving wrong text.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import torch
 import torch.distributed as dist
@@ -27,18 +27,11 @@ __all__ = ["agree_on_start", "differences", "fingerprint"]
 def fingerprint(model: torch.nn.Module, config: EngineConfig, kinds: tuple[KVDtype, KVDtype]) -> dict[str, object]:
     """What must be the same on every rank: flat ``{name: value}`` of plain values."""
     whole = model.whole_config
-    embed = model.model.embed_tokens  # its blocks where it is quantized (QuantizedEmbedding)
-    replicated = [embed.blocks if hasattr(embed, "blocks") else embed.weight, model.model.norm.weight]
-    replicated += [t for layer in model.model.layers for t in (layer.input_layernorm.weight,
-                                                                layer.post_attention_layernorm.weight)]  # fmt: skip
-    digest = hashlib.blake2b(digest_size=8)
-    for t in replicated:
-        digest.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
     out: dict[str, object] = {f"model.{k}": repr(v) for k, v in dataclasses.asdict(whole).items()}
     kv = "/".join(dict.fromkeys(k.name for k in kinds))  # K's/V's, once when the same
     out |= {"dtype": str(model.dtype).removeprefix("torch."), "kv_cache_dtype": kv, "block_size": config.block_size,
             "ranks": model.shard.tp,
-            "weights checksum (norms, embeddings)": digest.hexdigest()}  # fmt: skip
+            "weights checksum (a sample of every tensor)": model.whole_digest}  # fmt: skip
     return out
 
 
