@@ -161,3 +161,36 @@ def smollm2_quantized(ids: list[int], tokens: int) -> dict:
         "logits": logits, "tokens": model.generate(ids, max_new_tokens=tokens), "bytes": weight_bytes(model),
         "layer_bytes": layer_bytes, "types": [type(m).__name__ for m in (attn.q_proj, attn.o_proj, mlp.down_proj)],
     }  # fmt: skip
+
+
+def sharded_step_both_ways(weights: str, kv: str) -> dict:
+    """A random bfloat16 model of SmolLM2's widths (2 layers, vocabulary 97: uneven slices), ``weights`` float or
+    blocks, sharded over the world and served by ``ShardStep`` over a ``kv`` pool: the logits of a prompt chunk of two
+    sequences, then a decode row each, by the one native call (the all-reduces inside it) and by the op-by-op layers
+    on a second pool; whether the one call was taken."""
+    from gqa.models import ModelConfig
+    from gqa.models.llama import CausalLM
+    from gqa.models.quantized import quantize
+    from gqa.serve.config import EngineConfig
+    from gqa.serve.tp_runner import ShardStep, encode_plan
+
+    cfg = ModelConfig(vocab_size=97, hidden_size=576, intermediate_size=1536, num_layers=2, num_heads=9,
+                      num_kv_heads=3, head_dim=64, max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    state = {k: v.bfloat16() for k, v in CausalLM(cfg).state_dict().items()}
+    if weights != "bf16":
+        state |= {k: quantize(v, weights) for k, v in state.items() if k.startswith("model.layers.") and v.ndim == 2}
+    model = shard_model(cfg, state, dtype=torch.bfloat16).bfloat16()
+    config = EngineConfig(kv_cache_mib=1, block_size=8, kv_cache_dtype=kv)
+    fused, by_ops = ShardStep(model, config), ShardStep(model, config)
+    took_one_call = fused.weights is not None
+    by_ops.weights = None
+    prompts = [*range(5, 19), 7, 3, 9, 11, 2, 40]  # 14 + 6 prompt rows
+    plans = [(prompts, [*range(14), *range(6)], [[3, 4]] * 14 + [[6]] * 6, [13, 19]),
+             ([1, 2], [14, 6], [[3, 4], [6]], [0, 1])]  # fmt: skip
+    out = {"one_call": took_one_call, "fused": [], "by_ops": []}
+    for plan in plans:
+        for name, step in (("fused", fused), ("by_ops", by_ops)):
+            got = step.run(encode_plan(*plan), logits=dist.get_rank() == 0)
+            out[name].append(None if got is None else got[0])
+    return out

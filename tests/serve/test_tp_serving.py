@@ -245,7 +245,6 @@ def test_sharded_step_is_the_one_call_step_bit_for_bit_and_batch_invariant(one_r
         layer = sharded_model.model.layers[0]
         assert type(layer.self_attn.q_proj) is QuantizedLinear and type(layer.mlp.down_proj) is ReducingQuantizedLinear
     step = ShardStep(sharded_model, config)
-    runner = ModelRunner(whole, config)
 
     @torch.inference_mode()
     def one_call(ids: list[int], positions: list[int], tables: list[list[int]], wanted: list[int]):
@@ -256,14 +255,40 @@ def test_sharded_step_is_the_one_call_step_bit_for_bit_and_batch_invariant(one_r
                                 P, None, torch.tensor(wanted), local_rope=local)  # fmt: skip
 
     a, b = list(range(5, 19)), [7, 3, 9, 11, 2, 40]  # 14 + 6 prompt rows
-    rows = (a + b, list(range(14)) + list(range(6)), [[3, 4]] * 14 + [[6]] * 6, [13, 19])
-    sharded, _ = step.run(encode_plan(*rows), logits=True)
-    assert torch.equal(sharded, one_call(*rows))
-    rows = ([1, 2], [14, 6], [[3, 4], [6]], [0, 1])
-    batched, _ = step.run(encode_plan(*rows), logits=True)
-    assert torch.equal(batched, one_call(*rows))
-    alone, _ = step.run(encode_plan([2], [6], [[6]], [0]), logits=True)  # the second row again, alone
-    assert torch.equal(alone[0], batched[1])
+    by_ops = ShardStep(sharded_model, config)
+    by_ops.weights = None  # the op-by-op layers, on a pool of their own
+    assert step.weights is not None  # the one call, reducing inside it
+    for shard in (step, by_ops):
+        runner = ModelRunner(whole, config)  # the reference on a fresh pool too
+        rows = (a + b, list(range(14)) + list(range(6)), [[3, 4]] * 14 + [[6]] * 6, [13, 19])
+        sharded, _ = shard.run(encode_plan(*rows), logits=True)
+        assert torch.equal(sharded, one_call(*rows))
+        rows = ([1, 2], [14, 6], [[3, 4], [6]], [0, 1])
+        batched, _ = shard.run(encode_plan(*rows), logits=True)
+        assert torch.equal(batched, one_call(*rows))
+        alone, _ = shard.run(encode_plan([2], [6], [[6]], [0]), logits=True)  # the second row again, alone
+        assert torch.equal(alone[0], batched[1])
+
+
+@pytest.mark.parametrize("weights, kv", [("bf16", "auto"), ("q4_0", "auto"), ("bf16", "q8_0")])
+def test_two_ranks_step_in_one_call_as_op_by_op(weights, kv):
+    """At tp 2 the one native call (each layer's two all-reduces inside it, torch.distributed's gloo) gives the
+    op-by-op sharded layers' logits bit for bit — float and block weights — over a vocabulary of 97 rows cut 49 + 48;
+    over a q8_0 pool within bfloat16's rounding (the op-by-op layers read the blocks with ``gqa::decode_attention``,
+    not the one call's reading)."""
+    import torch
+
+    from gqa.parallel.distributed import launch_local
+    from tests.helpers import tp_workers
+
+    ranks = launch_local(2, tp_workers.sharded_step_both_ways, weights, kv)
+    assert ranks[0]["one_call"] and ranks[1]["one_call"]
+    for fused, by_ops in zip(ranks[0]["fused"], ranks[0]["by_ops"], strict=True):
+        assert fused.shape == (2, 97) and torch.isfinite(fused).all()
+        if kv == "auto":
+            assert torch.equal(fused, by_ops)
+        else:
+            torch.testing.assert_close(fused.float(), by_ops.float(), rtol=0.02, atol=0.15)
 
 
 @pytest.mark.parametrize(

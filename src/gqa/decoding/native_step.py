@@ -169,17 +169,25 @@ def _step_modules(model: torch.nn.Module) -> tuple:
     return tuple(out)
 
 
-def _decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWeights | None:
+def sharded_decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWeights | None:
+    """``decode_weights`` of a tensor-parallel rank's model (``parallel.tensor_parallel.shard_model``'s): its shards
+    of the layers, ``o_proj``/``down_proj`` read as plain matrices (``gqa::decode_paged`` with ``reduce_group``
+    all-reduces their products), ``lm_head`` its vocabulary rows; ``None`` where the one call cannot take it."""
+    return _decode_weights(model, dtype, sharded=True)
+
+
+def _decode_weights(model: torch.nn.Module, dtype: torch.dtype, sharded: bool = False) -> ops.DecodeWeights | None:
     """``DecodeWeights`` of ``model``, or ``None`` when a layer cannot be fused (``_layer_weights``), the layers'
     norms differ in eps, lm_head is neither a float ``Linear`` in ``dtype`` nor a ``QuantizedLinear`` without
-    bias, or the attention has what the one call does not compute (``_layer_options``)."""
+    bias, or the attention has what the one call does not compute (``_layer_options``). ``sharded``: a
+    tensor-parallel rank's (``sharded_decode_weights``)."""
     backbone = model.model
     layers = backbone.layers
     options = _layer_options(model, dtype)
     if options is None:
         return None
     eps = layers[0].input_layernorm.eps
-    head = model.lm_head
+    head = model.lm_head.part if sharded else model.lm_head
     if type(head) is QuantizedLinear and head.bias is None:
         head_weight, head_format = head.blocks, head.format.code
     elif type(head) is Linear and head.bias is None and head.weight.dtype == dtype and head.weight.is_contiguous():
@@ -189,7 +197,7 @@ def _decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWei
     gemma = model.config.gemma
     norms1, norms2, post_norms, weights, formats, biases = [], [], [], [], [], []
     for layer in layers:
-        fused = _layer_weights(layer, dtype, qk_norm=True)
+        fused = _layer_weights(layer, dtype, qk_norm=True, sharded=sharded)
         if fused is None or layer.input_layernorm.eps != eps:
             return None
         norms1.append(layer.input_layernorm.weight)
@@ -251,21 +259,26 @@ def whole_model(model: torch.nn.Module) -> bool:
 
 
 def _layer_weights(
-    layer: torch.nn.Module, dtype: torch.dtype, qk_norm: bool = False
+    layer: torch.nn.Module, dtype: torch.dtype, qk_norm: bool = False, sharded: bool = False
 ) -> tuple[list, list[int], list] | None:
     """``(weights, formats, qkv_biases)`` for ``ops.decode_layer`` — q, k, v, o, gate, up, down as float matrices
     (format -1) or quantized blocks (their format's code) — or ``None`` when a part is something else (e.g. the
     all-reducing projections of tensor parallelism, output biases, norms with different eps): then the layer runs
-    op by op. ``qk_norm``: the caller computes q/k norms (the one call does, ``gqa::decode_layer`` does not)."""
+    op by op. ``qk_norm``: the caller computes q/k norms (the one call does, ``gqa::decode_layer`` does not).
+    ``sharded``: a tensor-parallel rank's layer, whose all-reducing ``o_proj``/``down_proj`` are read as their
+    matrices (the caller sums their products over the ranks)."""
     attn, mlp = layer.self_attn, layer.mlp
     if layer.input_layernorm.eps != layer.post_attention_layernorm.eps or (attn.q_norm is not None and not qk_norm):
         return None  # q/k norm: op by op (gqa::decode_layer knows no q/k norm)
     weights, formats = [], []
     for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-        if type(module) is QuantizedLinear:
+        reducing = sharded and module in (attn.o_proj, mlp.down_proj)  # ReducingLinear / ReducingQuantizedLinear
+        blocks = type(module) is QuantizedLinear or (reducing and isinstance(module, QuantizedLinear))
+        plain = type(module) is Linear or (reducing and isinstance(module, Linear))
+        if blocks:
             weights.append(module.blocks)
             formats.append(module.format.code)
-        elif type(module) is Linear and module.weight.dtype == dtype and module.weight.is_contiguous():
+        elif plain and module.weight.dtype == dtype and module.weight.is_contiguous():
             weights.append(module.weight)
             formats.append(-1)
         else:

@@ -32,6 +32,7 @@ __all__ = [
     "paged_attention",
     "qlinear_rows_n",
     "quantize_kv",
+    "reduce_seconds",
     "register_fakes",
     "rms_norm",
     "silu_mul",
@@ -92,6 +93,11 @@ class DecodeWeights:
         cos_local, sin_local = local_rope if local_rope is not None else (None, None)
         return (self.qk_norms, self.qk_eps, self.windows, self.rotates, self.post_norms, self.offset_norms, self.gelu,
                 self.softcaps, cos_local, sin_local)  # fmt: skip
+
+
+def reduce_seconds() -> float:
+    """Seconds this process's ``decode_paged`` calls with a ``reduce_group`` have spent in their all-reduces."""
+    return float(torch.ops.gqa.reduce_seconds())
 
 
 def simd_width() -> int:
@@ -237,16 +243,19 @@ def decode_paged(
     logit_rows: Tensor | None = None,
     local_rope: tuple[Tensor, Tensor] | None = None,
     kv_formats: Sequence[int] = (),
+    reduce_group: str | None = None,
 ) -> Tensor:
     """``decode_model`` over paged caches: per layer pools ``(blocks, H_kv, block_size, D | D_v)``, ``block_table
     (B, M)`` shared by the layers, ``positions (B,)``: row b's new K/V go to its slot ``positions[b]`` and it attends
     to slots ``[0, positions[b]]`` (rows of one sequence at consecutive positions see each other: a prompt chunk).
     ``logit_rows (N,)``: only those rows get logits -> ``(N, V)`` (else ``(B, V)``); ``kv_formats`` as in
-    ``decode_model``."""
+    ``decode_model``. ``reduce_group``: a tensor-parallel rank's step — the name of the torch.distributed group
+    (``ProcessGroup.group_name``) whose all-reduce sums each layer's ``o_proj`` and ``down_proj`` partial products
+    inside the call; ``w`` then holds the rank's shards (its ``lm_head`` rows: the logits are its slice)."""
     return torch.ops.gqa.decode_paged(
         x, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin, list(key_pools),
         list(value_pools), block_table, positions, w.scale, w.final_norm, w.final_eps, w.head, w.head_format, greedy,
-        logit_rows, *w.options(local_rope), list(kv_formats),
+        logit_rows, *w.options(local_rope), list(kv_formats), reduce_group,
     )  # fmt: skip
 
 
@@ -316,6 +325,6 @@ def register_fakes() -> None:
     def _(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_pools, value_pools, block_table,
           positions, scale, final_norm, final_eps, head, head_format, greedy=None, logit_rows=None, qk_norms=None,
           qk_eps=1e-6, windows=(), rotates=(), post_norms=None, offset_norms=False, gelu=False, softcaps=(),
-          cos_local=None, sin_local=None, kv_formats=()):  # fmt: skip
+          cos_local=None, sin_local=None, kv_formats=(), reduce_group=None):  # fmt: skip
         rows = x.shape[0] if logit_rows is None else logit_rows.shape[0]
         return x.new_empty(rows, head.shape[0])

@@ -10,9 +10,11 @@ process. Per layer the projections and attention run as native calls on the rank
 of ``o_proj`` and ``down_proj`` complete the layer; the embedding lookup takes one all-reduce more (each rank holds a
 slice of the vocabulary, ``parallel.vocab_parallel``) and each rank's slice of the logits is gathered on rank 0.
 
-The one-call native step (``gqa::decode_paged``) cannot run a sharded layer: it adds each layer's ``o_proj`` and
-MLP output to the residual inside the call, where the all-reduce must come between. So a sharded step runs a layer
-as ~8 native calls (``linear_rows_n``, ``paged_attention`` ...), the op-by-op path.
+The step is the one native call of one process (``gqa::decode_paged``) over the rank's shards: given the process
+group's name, the call sums each layer's ``o_proj`` and ``down_proj`` partial products with the group's all-reduce
+(torch.distributed's gloo, called from inside the call) before they join the residual. Shards it cannot take (a
+weight a rank holds in float32 because its columns cut through blocks) run op by op: ~8 native calls a layer
+(``linear_rows_n``, ``paged_attention`` ...), the same sums.
 
 A step that fails on any rank — a rank that died, hung past ``GQA_DIST_TIMEOUT``, or raised — leaves the ranks out
 of step for good: rank 0 raises ``RanksLost`` (a ``SystemExit``: it passes the engine's per-request recovery and
@@ -68,6 +70,9 @@ class ShardStep:
         # the plans' broadcasts wait as long as an idle server; the layers' all-reduces time out (GQA_DIST_TIMEOUT)
         self.plans = dist.new_group(backend=dist.get_backend(), timeout=PLAN_WAIT)
         self.reduce_seconds, self.step_seconds, self.steps = 0.0, 0.0, 0
+        # the whole step in one native call where it takes the shards (the layers' all-reduces inside it), else op by op
+        self.weights = native_step.sharded_decode_weights(model, model.dtype)
+        self.group = dist.group.WORLD.group_name if self.weights is not None else None
 
     @torch.inference_mode()
     def run(self, plan: torch.Tensor, logits: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -79,6 +84,12 @@ class ShardStep:
         B, D = ids.shape[0], model.config.head_dim
         (cos, sin), _ = native_step.rope_rows(model, positions.view(B, 1))  # (B, D) float32
         x = self._reduce(backbone.embed_tokens.partial(ids))  # (B, E): each rank its vocabulary rows
+        if self.weights is not None:  # every layer in one call, its two all-reduces inside; this rank's logit slice
+            reduced = ops.reduce_seconds()
+            part = ops.decode_paged(x, self.weights, cos, sin, cache.key, cache.value, table, positions, None, wanted,
+                                    kv_formats=cache.kv_formats, reduce_group=self.group)  # fmt: skip
+            self.reduce_seconds += ops.reduce_seconds() - reduced
+            return self._logits(part, wanted, logits, start)
         slots = table.gather(1, (positions // cache.block_size).view(B, 1)).view(B), positions % cache.block_size
         lengths = positions + 1  # a row attends to its slots [0, position]: a prompt chunk's rows see the ones before
         for i, layer in enumerate(backbone.layers):
@@ -96,14 +107,24 @@ class ShardStep:
             h = ops.rms_norm(x, layer.post_attention_layernorm.weight, eps)
             gate, up = _rows(h, (mlp.gate_proj, mlp.up_proj))  # (B, F) each
             x = x + self._reduce(_rows(ops.silu_mul(gate, up), (mlp.down_proj,))[0])
-        out = None
-        if len(wanted):  # every rank its slice of the vocabulary's logits, gathered on rank 0
+        part = x.new_empty(0, len(model.lm_head.rows))
+        if len(wanted):  # this rank's slice of the vocabulary's logits
             x = ops.rms_norm(x[wanted], backbone.norm.weight, backbone.norm.eps)  # (N, E)
-            head = model.lm_head
-            scores = gather_logits(_rows(x, (head.part,))[0], head.vocab_size)  # (N, vocab) on rank 0, else None
+            part = _rows(x, (model.lm_head.part,))[0]
+        return self._logits(part, wanted, logits, start)
+
+    def _logits(
+        self, part: torch.Tensor, wanted: torch.Tensor, logits: bool, start: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's end: every rank's logit slice ``part (N, V_r)`` gathered on rank 0 — with ``logits`` the whole
+        logits ``(N, vocab)`` and greedy tokens ``(N,)``, else ``None`` — and its time counted."""
+        vocab = self.model.lm_head.vocab_size
+        out = None
+        if len(wanted):
+            scores = gather_logits(part, vocab)  # (N, vocab) on rank 0, else None
             out = None if scores is None else (scores, scores.float().argmax(-1))
         elif logits:
-            out = x.new_empty(0, model.lm_head.vocab_size), torch.empty(0, dtype=torch.long)
+            out = part.new_empty(0, vocab), torch.empty(0, dtype=torch.long)
         self.steps += 1
         self.step_seconds += time.perf_counter() - start
         return out

@@ -31,6 +31,10 @@
 //                     layer: attention-logit soft-capping, 0 for none].
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <string>
 
 #include "attention.h"
 #include "gemv.h"
@@ -40,9 +44,20 @@
 #include "simd.h"
 #include "team.h"
 
+#if __has_include(<torch/csrc/distributed/c10d/GroupRegistry.hpp>)
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#define GQA_HAS_C10D 1
+#endif
+
 namespace {
 
 using namespace gqa_cpu;
+
+// Seconds this process's decode_paged calls spent in their all-reduces (waiting for the slowest rank included):
+// gqa::reduce_seconds() reads it, for the share of a tensor-parallel step they take.
+std::atomic<double> reduce_seconds_total{0.0};
+
+double reduce_seconds() { return reduce_seconds_total.load(); }
 
 // A weight matrix (M, K) as the step reads it: float rows of K values, or block-quantized rows.
 struct Matrix {
@@ -162,7 +177,9 @@ struct Step {
   int64_t B, E, Hq, Hkv, D, Dv, F, V;
   float eps, final_eps, qk_eps = 0.0f;
   bool offset_norms = false, gelu = false;  // Gemma: norms scale by 1 + w; the gate's activation is GELU-tanh
-  T* out = nullptr;  // (B, E) Gemma: o_proj's (then down_proj's) output, before its norm joins the residual
+  T* out = nullptr;  // (B, E) Gemma: o_proj's (then down_proj's) output, before its norm joins the residual;
+                     // tensor parallelism: this rank's partial sums of it, before the all-reduce
+  std::function<void()> reduce;  // tensor parallelism: sums `out` over the ranks in place (an all-reduce); or empty
   const float *cos_local = nullptr, *sin_local = nullptr;  // (B, D) RoPE of the layers with rope == 2
   T* x;           // (B, E) the residual stream, updated in place
   T* qr;          // (B, Hq * D) roped queries
@@ -183,10 +200,10 @@ struct Step {
       c.push_back(l.qkv_chunks(Hq, Hkv));
       c.push_back(l.attention.tasks());
       c.push_back(ceil_div(E, l.o_rows));
-      c.push_back(l.post_attn_norm ? B : 0);
+      c.push_back(l.post_attn_norm ? B : reduce ? 1 : 0);  // the all-reduce: one chunk, on one thread
       c.push_back(ceil_div(F, l.f_rows));
       c.push_back(ceil_div(E, l.down_rows));
-      c.push_back(l.post_ff_norm ? B : 0);
+      c.push_back(l.post_ff_norm ? B : reduce ? 1 : 0);
     }
     c.push_back(ceil_div(V, head_rows));
     return c;
@@ -302,6 +319,13 @@ struct Step {
       }
   }
 
+  // Tensor parallelism: `out` summed over the ranks, then x = T(x + out), as the op-by-op path adds the all-reduced
+  // partial product (the same bits).
+  void reduce_chunk() const {
+    reduce();
+    for (int64_t i = 0; i < B * E; ++i) x[i] = static_cast<T>(to_float(x[i]) + to_float(out[i]));
+  }
+
   // Batch row b of Gemma's sandwich: x = T(x + norm(out)).
   void post_chunk(ThreadState<T>& s, const T* w, int64_t b) const {
     s.rounded.resize(E);
@@ -357,14 +381,14 @@ struct Step {
           if (l.o.format >= 0) s.quantized = gqa::quantize_input(s.input, B, Hq * Dv);
         }
         const int64_t m0 = c * l.o_rows;
-        residual_chunk(s, l.o, m0, std::min(l.o_rows, E - m0), l.post_attn_norm != nullptr);
+        residual_chunk(s, l.o, m0, std::min(l.o_rows, E - m0), l.post_attn_norm != nullptr || reduce);
         break;
       }
       case POST_ATTENTION:
-        post_chunk(s, l.post_attn_norm, c);
+        reduce ? reduce_chunk() : post_chunk(s, l.post_attn_norm, c);
         break;
       case POST_MLP:
-        post_chunk(s, l.post_ff_norm, c);
+        reduce ? reduce_chunk() : post_chunk(s, l.post_ff_norm, c);
         break;
       case GATE_UP: {
         if (first) prepare_norm(s, l.norm2, eps, l.gate.format >= 0 || l.up.format >= 0);
@@ -378,7 +402,7 @@ struct Step {
           if (l.down.format >= 0) s.quantized = gqa::quantize_input(m, B, F);
         }
         const int64_t m0 = c * l.down_rows;
-        residual_chunk(s, l.down, m0, std::min(l.down_rows, E - m0), l.post_ff_norm != nullptr);
+        residual_chunk(s, l.down, m0, std::min(l.down_rows, E - m0), l.post_ff_norm != nullptr || reduce);
       }
     }
   }
@@ -428,6 +452,8 @@ struct LayerOptions {
   bool offset_norms = false, gelu = false;
   at::ArrayRef<double> softcaps;
   c10::optional<at::Tensor> cos_local, sin_local;
+  std::string reduce_group;  // tensor parallelism: the torch.distributed group summing o_proj's and down_proj's
+                             // partial products (its name); empty: none
 };
 
 template <typename T>
@@ -651,7 +677,27 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   at::Tensor h = x.clone();
   at::Tensor qr = at::empty({st.B, st.Hq * st.D}, x.options());
   at::Tensor m = at::empty({st.B, st.F}, x.options());
-  at::Tensor post_out = options.post_norms.has_value() ? at::empty({st.B, st.E}, x.options()) : at::Tensor();
+  const bool reducing = !options.reduce_group.empty();
+  TORCH_CHECK(!reducing || !options.post_norms.has_value(),
+              "gqa::decode_paged: reduce_group (tensor parallelism) takes Llama's layers, not Gemma's post norms");
+  at::Tensor post_out =
+      options.post_norms.has_value() || reducing ? at::empty({st.B, st.E}, x.options()) : at::Tensor();
+  if (reducing) {
+#ifdef GQA_HAS_C10D
+    auto group = c10d::resolve_process_group(options.reduce_group);  // raises for a group it does not know
+    st.reduce = [group, post_out] {
+      const auto start = std::chrono::steady_clock::now();
+      std::vector<at::Tensor> sums{post_out};
+      group->allreduce(sums)->wait();
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      double seen = reduce_seconds_total.load();
+      while (!reduce_seconds_total.compare_exchange_weak(seen, seen + seconds)) {
+      }
+    };
+#else
+    TORCH_CHECK(false, "gqa::decode_paged: reduce_group needs torch.distributed, which this torch was built without");
+#endif
+  }
   at::Tensor logits = at::empty({st.NL, st.V}, x.options());
   std::vector<float> parts(part_floats);
   st.x = h.mutable_data_ptr<T>(), st.qr = qr.mutable_data_ptr<T>(), st.m = m.mutable_data_ptr<T>();
@@ -733,7 +779,10 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
 // other rows. Rows may share a sequence (its block table row repeated) at consecutive positions — a prompt chunk:
 // every row's K/V are written before any row's attention reads them, so row b sees the rows before it (causal
 // prefill in the same call as decode rows). logit_rows (N,) int64, when given: only those rows get logits (and
-// greedy picks), in that order: the result is (N, V).
+// greedy picks), in that order: the result is (N, V). reduce_group, when given, names a torch.distributed process
+// group (a tensor-parallel rank's: its weights are the rank's shards, o_proj and down_proj give partial sums): each
+// layer's two partial products are summed over the group by its all-reduce, inside the call, before they join the
+// residual (two one-chunk phases a layer; the other threads wait), as the op-by-op sharded step adds them.
 at::Tensor decode_paged(const at::Tensor& x, at::TensorList norms1, at::TensorList norms2, double eps,
                         at::TensorList weights, at::IntArrayRef formats,
                         const c10::List<c10::optional<at::Tensor>>& qkv_biases, const at::Tensor& cos,
@@ -744,7 +793,8 @@ at::Tensor decode_paged(const at::Tensor& x, at::TensorList norms1, at::TensorLi
                         c10::optional<at::TensorList> qk_norms, double qk_eps, at::IntArrayRef windows,
                         at::IntArrayRef rotates, c10::optional<at::TensorList> post_norms, bool offset_norms,
                         bool gelu, at::ArrayRef<double> softcaps, const c10::optional<at::Tensor>& cos_local,
-                        const c10::optional<at::Tensor>& sin_local, at::IntArrayRef kv_formats) {
+                        const c10::optional<at::Tensor>& sin_local, at::IntArrayRef kv_formats,
+                        c10::optional<c10::string_view> reduce_group) {
   const size_t L = norms1.size();
   TORCH_CHECK(L >= 1 && norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
                   qkv_biases.size() == 3 * L && key_pools.size() == L && value_pools.size() == L,
@@ -755,7 +805,7 @@ at::Tensor decode_paged(const at::Tensor& x, at::TensorList norms1, at::TensorLi
   return dispatch(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale, final_norm,
                   final_eps, head, head_format, greedy, logit_rows,
                   LayerOptions{qk_norms, qk_eps, windows, rotates, post_norms, offset_norms, gelu, softcaps, cos_local,
-                               sin_local});
+                               sin_local, reduce_group.has_value() ? std::string(*reduce_group) : std::string()});
 }
 
 }  // namespace
@@ -774,8 +824,9 @@ TORCH_LIBRARY_FRAGMENT(gqa, m) {
       "Tensor block_table, Tensor positions, float scale, Tensor final_norm, float final_eps, Tensor head, "
       "int head_format, Tensor(d!)? greedy=None, Tensor? logit_rows=None, Tensor[]? qk_norms=None, "
       "float qk_eps=1e-6, int[] windows=[], int[] rotates=[], Tensor[]? post_norms=None, bool offset_norms=False, "
-      "bool gelu=False, float[] softcaps=[], Tensor? cos_local=None, Tensor? sin_local=None, int[] kv_formats=[]) "
-      "-> Tensor");
+      "bool gelu=False, float[] softcaps=[], Tensor? cos_local=None, Tensor? sin_local=None, int[] kv_formats=[], "
+      "str? reduce_group=None) -> Tensor");
+  m.def("reduce_seconds() -> float", &reduce_seconds);  // no tensor arguments: one kernel for every backend
 }
 
 TORCH_LIBRARY_IMPL(gqa, CPU, m) {
