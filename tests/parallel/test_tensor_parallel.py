@@ -200,9 +200,8 @@ def test_sharded_model_with_a_quantized_cache_decodes_as_one_process(kv32_folder
     """``load_model(tensor_parallel=True, kv_dtype=...)`` at tp=2: each rank's caches hold its KV heads as blocks,
     and the greedy tokens (batched, left-padded) and logits are the single process's with the same cache (float32:
     the two ranks' partial sums add up to the one process's within rounding, and the blocks they write are the same;
-    in bf16 the two-part all-reduce rounds differently, float cache or not). The ranks decode eagerly: the native call
-    per layer reads float caches only (the whole-model call, which reads blocks, does not take the all-reducing
-    projections)."""
+    in bf16 the two-part all-reduce rounds differently, float cache or not). The ranks decode in the one native call,
+    as one process does: it reads the blocks where they lie and all-reduces each layer's partial products inside."""
     from gqa.parallel.distributed import launch_local
 
     gqa_dir, mqa_dir = kv32_folders
@@ -219,8 +218,7 @@ def test_sharded_model_with_a_quantized_cache_decodes_as_one_process(kv32_folder
             assert got["key"] == (2, 1, 24, rows[k]) and got["value"] == (2, 1, 24, rows[v])  # its one KV head
             assert got["tokens"] == one[i]["tokens"]
             torch.testing.assert_close(got["logits"], one[i]["logits"], atol=1e-5, rtol=1e-5)
-            assert got["step"] == "eager"
-        assert one[i]["step"] == ("native" if kernels.vectorized() else "eager")  # the one call reads the blocks
+            assert got["step"] == one[i]["step"] == ("native" if kernels.vectorized() else "eager")
     # the blocks change the logits far beyond that tolerance: a rank holding a float cache would not pass
     assert (one[0]["logits"] - plain["logits"]).abs().max() > 1e-3
 

@@ -74,11 +74,16 @@ def decode_step(
     whole = weights if weights is not None else decode_weights(model, x.dtype)
     if whole is not None:  # every layer, the final norm and lm_head in one native call
         rows = [c.native_rows() if isinstance(c, WindowKVCache) else c for c in caches]  # window caches: their slots
-        logits = ops.decode_model(x, whole, cos, sin, rows, greedy, local_rope=local_rope,
-                                  kv_formats=caches[0].kv_formats)  # fmt: skip
+        group = reduce_group(model)
+        logits = ops.decode_model(x, whole, cos, sin, rows, greedy if group is None else None, local_rope=local_rope,
+                                  kv_formats=caches[0].kv_formats, reduce_group=group)  # fmt: skip
         for r in rows:
             if isinstance(r, SlotRows):
                 r.advance()
+        if group is not None:  # a tensor-parallel rank: its slice of the vocabulary's logits, joined
+            logits = model.lm_head.join(logits)
+            if greedy is not None:
+                greedy.copy_(logits.float().argmax(-1))
         return final_softcap(model, logits, greedy).view(B, 1, -1)
     if not model.runs_llama_layers():
         raise RuntimeError(f"the native step computes {model.config.arch}'s layers in one call only (whole_model)")
@@ -141,15 +146,27 @@ def decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWeig
     """What the one-call step reads of ``model`` in ``dtype`` (``None`` where a layer or lm_head is something it
     cannot take: ``_decode_weights``), rebuilt only when one of the modules it reads was replaced or the dtype
     changed (walking every layer's modules through ``nn.Module.__getattr__`` costs ~1.4 ms, a tenth of a quantized
-    step)."""
+    step). A tensor-parallel rank's model gives its shards: ``o_proj``/``down_proj`` read as plain matrices (the call
+    all-reduces their products over ``reduce_group(model)``), ``lm_head`` its vocabulary rows."""
     modules = _step_modules(model)
     cached = _WEIGHTS.get(model)
     same = cached is not None and cached[1] == dtype and len(cached[0]) == len(modules)
     if same and all(a is b for a, b in zip(cached[0], modules, strict=True)):  # identity: a tensor's == is per element
         return cached[2]
-    weights = _decode_weights(model, dtype)
+    weights = _decode_weights(model, dtype, sharded=reduce_group(model) is not None)
     _WEIGHTS[model] = (modules, dtype, weights)
     return weights
+
+
+def reduce_group(model: torch.nn.Module) -> str | None:
+    """The name of the process group a tensor-parallel rank's model (``shard_model``'s) all-reduces over, else
+    ``None``."""
+    group = getattr(model, "tp_group", False)
+    if group is False:
+        return None
+    import torch.distributed as dist
+
+    return (group or dist.group.WORLD).group_name
 
 
 def _step_modules(model: torch.nn.Module) -> tuple:
@@ -169,18 +186,11 @@ def _step_modules(model: torch.nn.Module) -> tuple:
     return tuple(out)
 
 
-def sharded_decode_weights(model: torch.nn.Module, dtype: torch.dtype) -> ops.DecodeWeights | None:
-    """``decode_weights`` of a tensor-parallel rank's model (``parallel.tensor_parallel.shard_model``'s): its shards
-    of the layers, ``o_proj``/``down_proj`` read as plain matrices (``gqa::decode_paged`` with ``reduce_group``
-    all-reduces their products), ``lm_head`` its vocabulary rows; ``None`` where the one call cannot take it."""
-    return _decode_weights(model, dtype, sharded=True)
-
-
 def _decode_weights(model: torch.nn.Module, dtype: torch.dtype, sharded: bool = False) -> ops.DecodeWeights | None:
     """``DecodeWeights`` of ``model``, or ``None`` when a layer cannot be fused (``_layer_weights``), the layers'
     norms differ in eps, lm_head is neither a float ``Linear`` in ``dtype`` nor a ``QuantizedLinear`` without
     bias, or the attention has what the one call does not compute (``_layer_options``). ``sharded``: a
-    tensor-parallel rank's (``sharded_decode_weights``)."""
+    tensor-parallel rank's (``decode_weights``)."""
     backbone = model.model
     layers = backbone.layers
     options = _layer_options(model, dtype)

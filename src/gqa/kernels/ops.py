@@ -217,16 +217,17 @@ def decode_model(
     greedy: Tensor | None = None,
     local_rope: tuple[Tensor, Tensor] | None = None,
     kv_formats: Sequence[int] = (),
+    reduce_group: str | None = None,
 ) -> Tensor:
     """The whole decode step in one call: ``x (B, E)`` (the new tokens' embeddings) through every layer, the final
     norm and lm_head -> logits ``(B, V)``, a cache per layer as in ``decode_attend``; ``greedy (B,)`` int64, when
     given, gets each row's argmax; ``local_rope``: ``(cos, sin)`` like ``cos``, ``sin`` for the layers whose
     ``w.rotates`` is 2; ``kv_formats``: ``(K's, V's)`` block format codes of quantized caches (uint8 rows of blocks),
-    ``()`` for float ones."""
+    ``()`` for float ones; ``reduce_group``: a tensor-parallel rank's step, as in ``decode_paged``."""
     return torch.ops.gqa.decode_model(
         x, w.norms1, w.norms2, w.eps, w.weights, w.formats, w.qkv_biases, cos, sin, [c.key for c in caches],
         [c.value for c in caches], [c.start for c in caches], [c.cursor for c in caches], w.scale, w.final_norm,
-        w.final_eps, w.head, w.head_format, greedy, *w.options(local_rope), list(kv_formats),
+        w.final_eps, w.head, w.head_format, greedy, *w.options(local_rope), list(kv_formats), reduce_group,
     )  # fmt: skip
 
 
@@ -318,7 +319,7 @@ def register_fakes() -> None:
     def _(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, key_caches, value_caches, starts, cursors,
           scale, final_norm, final_eps, head, head_format, greedy=None, qk_norms=None, qk_eps=1e-6, windows=(),
           rotates=(), post_norms=None, offset_norms=False, gelu=False, softcaps=(), cos_local=None,
-          sin_local=None, kv_formats=()) -> Tensor:  # fmt: skip
+          sin_local=None, kv_formats=(), reduce_group=None) -> Tensor:  # fmt: skip
         return x.new_empty(x.shape[0], head.shape[0])
 
     @register("gqa::decode_paged")

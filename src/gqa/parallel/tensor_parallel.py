@@ -295,7 +295,8 @@ def shard_model(
 ) -> CausalLM:
     """This process's part of the model in ``group`` (default: the whole world), ready to run in step with the other
     ranks: a ``CausalLM`` with the local config, ``o_proj``/``down_proj`` all-reducing, ``model.shard`` (a
-    ``RankShard``) saying what part of the whole it holds and ``model.whole_config`` the whole model's config.
+    ``RankShard``) saying what part of the whole it holds, ``model.whole_config`` the whole model's config and
+    ``model.tp_group`` the group (``None``: the world).
     ``QuantizedTensor`` weights (``read_model(..., keep_quantized=True)``) are sharded as blocks and held by
     ``QuantizedLinear`` / ``QuantizedEmbedding`` modules (embeddings giving rows in ``dtype``, default float32), so a
     rank holds its share of a quantized file's bytes, not the whole model in float; the embeddings and ``lm_head``
@@ -330,7 +331,7 @@ def shard_model(
                 reducing.weight = linear.weight  # the same parameter, under the same name
             reducing.group = group
             setattr(parent, name, reducing)
-    model.shard, model.whole_config, model.whole_digest = shard, cfg, digest
+    model.shard, model.whole_config, model.whole_digest, model.tp_group = shard, cfg, digest, group
     return model
 
 

@@ -65,9 +65,13 @@ class VocabParallelHead(nn.Module):
         return f"rows=[{self.rows.start}, {self.rows.stop}) of {self.vocab_size}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.join(self.part(x))
+
+    def join(self, part: torch.Tensor) -> torch.Tensor:
+        """Every rank's logits ``(*, vocab)`` from this rank's slice ``part (*, len(rows))`` (a collective)."""
         tp = dist.get_world_size(self.group)
         width = -(-self.vocab_size // tp)  # the ranks' slices padded to one width: all-gather takes equal parts
-        part = F.pad(self.part(x), (0, width - len(self.rows)))  # (*, width)
+        part = F.pad(part, (0, width - len(self.rows)))  # (*, width)
         joined = _all_gather(part.contiguous(), 0, self.group or dist.group.WORLD)  # (tp * *, width)
         return _unpad(joined.view(tp, *part.shape), self.vocab_size)
 

@@ -71,8 +71,8 @@ class ShardStep:
         self.plans = dist.new_group(backend=dist.get_backend(), timeout=PLAN_WAIT)
         self.reduce_seconds, self.step_seconds, self.steps = 0.0, 0.0, 0
         # the whole step in one native call where it takes the shards (the layers' all-reduces inside it), else op by op
-        self.weights = native_step.sharded_decode_weights(model, model.dtype)
-        self.group = dist.group.WORLD.group_name if self.weights is not None else None
+        self.weights = native_step.decode_weights(model, model.dtype)
+        self.group = native_step.reduce_group(model)
 
     @torch.inference_mode()
     def run(self, plan: torch.Tensor, logits: bool) -> tuple[torch.Tensor, torch.Tensor] | None:

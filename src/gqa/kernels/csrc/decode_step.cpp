@@ -28,7 +28,9 @@
 //                     (Gemma 3's sliding layers)]; empty lists: none of them. Gemma's layer: post_norms [2 per layer:
 //                     after attention, after the MLP] (norms1 then the input norm, norms2 the one before the MLP),
 //                     offset_norms (every norm scales by 1 + w, in float32), gelu (GELU-tanh gate), softcaps [per
-//                     layer: attention-logit soft-capping, 0 for none].
+//                     layer: attention-logit soft-capping, 0 for none]. reduce_group: a tensor-parallel rank's step
+//                     (its weights the rank's shards) — the name of the torch.distributed group whose all-reduce sums
+//                     each layer's o_proj and down_proj partial products inside the call (see decode_paged).
 
 #include <algorithm>
 #include <atomic>
@@ -53,7 +55,7 @@ namespace {
 
 using namespace gqa_cpu;
 
-// Seconds this process's decode_paged calls spent in their all-reduces (waiting for the slowest rank included):
+// Seconds this process's decode_model / decode_paged calls spent in their all-reduces (waiting for the slowest rank included):
 // gqa::reduce_seconds() reads it, for the share of a tensor-parallel step they take.
 std::atomic<double> reduce_seconds_total{0.0};
 
@@ -679,7 +681,7 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
   at::Tensor m = at::empty({st.B, st.F}, x.options());
   const bool reducing = !options.reduce_group.empty();
   TORCH_CHECK(!reducing || !options.post_norms.has_value(),
-              "gqa::decode_paged: reduce_group (tensor parallelism) takes Llama's layers, not Gemma's post norms");
+              "gqa::decode_model: reduce_group (tensor parallelism) takes Llama's layers, not Gemma's post norms");
   at::Tensor post_out =
       options.post_norms.has_value() || reducing ? at::empty({st.B, st.E}, x.options()) : at::Tensor();
   if (reducing) {
@@ -695,7 +697,7 @@ at::Tensor decode_model_impl(const at::Tensor& x, at::TensorList norms1, at::Ten
       }
     };
 #else
-    TORCH_CHECK(false, "gqa::decode_paged: reduce_group needs torch.distributed, which this torch was built without");
+    TORCH_CHECK(false, "gqa::decode_model: reduce_group needs torch.distributed, which this torch was built without");
 #endif
   }
   at::Tensor logits = at::empty({st.NL, st.V}, x.options());
@@ -758,7 +760,8 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
                         double qk_eps, at::IntArrayRef windows, at::IntArrayRef rotates,
                         c10::optional<at::TensorList> post_norms, bool offset_norms, bool gelu,
                         at::ArrayRef<double> softcaps, const c10::optional<at::Tensor>& cos_local,
-                        const c10::optional<at::Tensor>& sin_local, at::IntArrayRef kv_formats) {
+                        const c10::optional<at::Tensor>& sin_local, at::IntArrayRef kv_formats,
+                        c10::optional<c10::string_view> reduce_group) {
   const size_t L = norms1.size();
   TORCH_CHECK(L >= 1 && norms2.size() == L && weights.size() == 7 * L && formats.size() == 7 * L &&
                   qkv_biases.size() == 3 * L && key_caches.size() == L && value_caches.size() == L &&
@@ -770,7 +773,7 @@ at::Tensor decode_model(const at::Tensor& x, at::TensorList norms1, at::TensorLi
   return dispatch(x, norms1, norms2, eps, weights, formats, qkv_biases, cos, sin, caches, scale, final_norm,
                   final_eps, head, head_format, greedy, c10::nullopt,
                   LayerOptions{qk_norms, qk_eps, windows, rotates, post_norms, offset_norms, gelu, softcaps, cos_local,
-                               sin_local});
+                               sin_local, reduce_group.has_value() ? std::string(*reduce_group) : std::string()});
 }
 
 // decode_model over paged caches: key_pools / value_pools [(blocks, H_kv, block_size, D)] per layer, block_table
@@ -817,7 +820,7 @@ TORCH_LIBRARY_FRAGMENT(gqa, m) {
       "Tensor[] starts, Tensor(c!)[] cursors, float scale, Tensor final_norm, float final_eps, Tensor head, "
       "int head_format, Tensor(d!)? greedy=None, Tensor[]? qk_norms=None, float qk_eps=1e-6, int[] windows=[], "
       "int[] rotates=[], Tensor[]? post_norms=None, bool offset_norms=False, bool gelu=False, float[] softcaps=[], "
-      "Tensor? cos_local=None, Tensor? sin_local=None, int[] kv_formats=[]) -> Tensor");
+      "Tensor? cos_local=None, Tensor? sin_local=None, int[] kv_formats=[], str? reduce_group=None) -> Tensor");
   m.def(
       "decode_paged(Tensor x, Tensor[] norms1, Tensor[] norms2, float eps, Tensor[] weights, int[] formats, "
       "Tensor?[] qkv_biases, Tensor cos, Tensor sin, Tensor(a!)[] key_pools, Tensor(b!)[] value_pools, "
