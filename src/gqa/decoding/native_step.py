@@ -172,7 +172,8 @@ def reduce_group(model: torch.nn.Module) -> str | None:
 def _step_modules(model: torch.nn.Module) -> tuple:
     """Every module ``_decode_weights`` reads and each one's parameters and buffers, by direct ``_modules`` lookups: a
     tuple compared by identity, so a replaced module, weight or block buffer is seen."""
-    modules = [model._modules["lm_head"], model._modules["model"]._modules["norm"]]
+    head = model._modules["lm_head"]
+    modules = [head, *head._modules.values(), model._modules["model"]._modules["norm"]]  # a rank's head: its part
     for layer in model._modules["model"]._modules["layers"]._modules.values():
         m = layer._modules
         attn, mlp = m["self_attn"]._modules, m["mlp"]._modules

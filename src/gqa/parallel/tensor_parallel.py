@@ -319,7 +319,7 @@ def shard_model(
         install_quantized(model, quantized, dtype or torch.float32)
     head = None if cfg.tie_word_embeddings else vocab[HEAD]
     embed, lm_head = vocab_modules(vocab[EMBEDDING], head, shard.vocab_rows, cfg.vocab_size, dtype or torch.float32,
-                                   group)  # fmt: skip
+                                   _all_reduce, group)  # fmt: skip
     model.model.embed_tokens, model.lm_head = embed, lm_head
     for layer in model.model.layers:
         for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):

@@ -10,6 +10,8 @@ alone (``gather_logits``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,20 +29,21 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 
 class VocabParallelEmbedding(nn.Module):
     """``ids (*) -> (*, E)`` from this rank's rows ``rows`` of the table (``table``: an ``nn.Embedding`` or
-    ``QuantizedEmbedding`` of ``len(rows)`` rows), the ranks' lookups summed by one all-reduce over ``group``."""
+    ``QuantizedEmbedding`` of ``len(rows)`` rows), the ranks' lookups summed by ``all_reduce(partial, group)`` (the
+    tensor-parallel layers' own, ``tensor_parallel._all_reduce``: counted and timed with theirs)."""
 
-    def __init__(self, table: nn.Module, rows: range, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, table: nn.Module, rows: range, all_reduce: Callable, group: dist.ProcessGroup | None = None
+    ) -> None:
         super().__init__()
-        self.table, self.rows, self.group = table, rows, group
+        self.table, self.rows, self.all_reduce, self.group = table, rows, all_reduce, group
         self.embedding_dim = table.embedding_dim
 
     def extra_repr(self) -> str:
         return f"rows=[{self.rows.start}, {self.rows.stop})"
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from .tensor_parallel import _all_reduce
-
-        return _all_reduce(self.partial(ids), self.group)
+        return self.all_reduce(self.partial(ids), self.group)
 
     def partial(self, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of the lookup ``(*, E)``: the rows it holds, zeros for the other ids (their sum over the
@@ -102,11 +105,12 @@ def vocab_modules(
     rows: range,
     vocab_size: int,
     dtype: torch.dtype,
+    all_reduce: Callable,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[VocabParallelEmbedding, VocabParallelHead]:
     """This rank's embedding and output layer over its vocabulary rows: ``embedding`` and ``head`` are its slices
     ``(len(rows), E)`` of the tables (``head`` ``None``: tied, the embedding's own tensor); quantized slices stay
-    blocks (embedding rows given in ``dtype``)."""
+    blocks (embedding rows given in ``dtype``); ``all_reduce`` as ``VocabParallelEmbedding`` takes it."""
     tied = head is None
     head = embedding if tied else head
     if isinstance(embedding, QuantizedTensor):
@@ -120,4 +124,4 @@ def vocab_modules(
     else:
         part = Linear(head.shape[1], head.shape[0], bias=False, device="meta")
         part.weight = table.weight if tied and isinstance(table, nn.Embedding) else nn.Parameter(head, False)
-    return VocabParallelEmbedding(table, rows, group), VocabParallelHead(part, rows, vocab_size, group)
+    return VocabParallelEmbedding(table, rows, all_reduce, group), VocabParallelHead(part, rows, vocab_size, group)
