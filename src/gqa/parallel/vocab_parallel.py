@@ -73,10 +73,15 @@ class VocabParallelHead(nn.Module):
     def join(self, part: torch.Tensor) -> torch.Tensor:
         """Every rank's logits ``(*, vocab)`` from this rank's slice ``part (*, len(rows))`` (a collective)."""
         tp = dist.get_world_size(self.group)
-        width = -(-self.vocab_size // tp)  # the ranks' slices padded to one width: all-gather takes equal parts
-        part = F.pad(part, (0, width - len(self.rows)))  # (*, width)
-        joined = _all_gather(part.contiguous(), 0, self.group or dist.group.WORLD)  # (tp * *, width)
+        part = _padded(part, self.vocab_size, tp)  # (*, width)
+        joined = _all_gather(part, 0, self.group or dist.group.WORLD)  # (tp * *, width)
         return _unpad(joined.view(tp, *part.shape), self.vocab_size)
+
+
+def _padded(part: torch.Tensor, vocab_size: int, tp: int) -> torch.Tensor:
+    """A rank's logits ``part (*, n_r)`` padded to the widest rank's ``ceil(vocab_size / tp)`` (the collectives take
+    equal parts), contiguous."""
+    return F.pad(part, (0, -(-vocab_size // tp) - part.shape[-1])).contiguous()
 
 
 def _unpad(parts: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -92,8 +97,7 @@ def gather_logits(part: torch.Tensor, vocab_size: int, group: dist.ProcessGroup 
     """The whole logits ``(N, vocab_size)`` on rank 0 of ``group`` from every rank's slice ``part (N, n_r)`` (a
     collective: every rank calls it); ``None`` on the other ranks."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    width = -(-vocab_size // tp)
-    padded = F.pad(part, (0, width - part.shape[-1])).contiguous()  # (N, width)
+    padded = _padded(part, vocab_size, tp)  # (N, width)
     parts = [torch.empty_like(padded) for _ in range(tp)] if rank == 0 else None
     dist.gather(padded, parts, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return None if parts is None else _unpad(torch.stack(parts), vocab_size)
