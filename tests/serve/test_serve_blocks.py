@@ -92,6 +92,18 @@ def a_first(m: BlockManager, tokens: list[int]) -> int:
     return m._cached[block_hash(b"", tokens)]
 
 
+def test_a_resumed_sequence_is_counted_apart():
+    """A sequence taken up again after preemption finds its own blocks cached: its lookup goes to resumed_*, so the
+    prefix cache's hit rate (prefix_hits / prefix_queries) counts first admissions only, as vLLM's does."""
+    m = BlockManager(num_blocks=8, block_size=2)
+    a = m.allocate([1, 2, 3, 4, 5])
+    m.computed(a, 5)
+    m.free(a)  # preempted: its two full blocks stay cached
+    again = m.allocate([1, 2, 3, 4, 5, 6], resumed=True)
+    assert again.cached_tokens == 4
+    assert (m.prefix_hits, m.prefix_queries, m.resumed_hits, m.resumed_queries) == (0, 2, 2, 2)
+
+
 def test_out_of_blocks_takes_nothing():
     m = BlockManager(num_blocks=3, block_size=4)
     a = m.allocate(list(range(9)))  # 3 blocks

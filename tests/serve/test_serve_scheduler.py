@@ -114,6 +114,9 @@ def test_preemption_takes_the_latest_admitted_and_recomputes_it_from_its_tokens(
     start, end = done["recomputed"]
     assert start < had - 1 and end == had  # its last token's row (at least) computed again, then new ones
     assert s.blocks.num_free == 6
+    # the lookups counted as vLLM counts them: three first admissions (one full block each), b's readmission apart
+    assert s.blocks.prefix_queries == 3 and s.blocks.resumed_queries == (had - 1) // 2
+    assert s.blocks.resumed_hits == (start // 2)  # its blocks still cached, read again instead of computed
 
 
 def test_a_shared_prefix_is_computed_once():

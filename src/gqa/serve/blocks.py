@@ -69,8 +69,13 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # full block hash -> block id
         self._hash_of: dict[int, bytes] = {}  # block id -> its hash, for blocks in _cached
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody uses, least recently freed first
+        # Lookups as vLLM counts them: a sequence's first allocation in prefix_*, one resumed after preemption (its
+        # own blocks, computed before, are often still cached) in resumed_*, so a policy that preempts does not
+        # read as a better hit rate.
         self.prefix_hits = 0  # blocks shared from the prefix cache since creation
         self.prefix_queries = 0  # full prompt blocks of the sequences allocated (each hit or computed)
+        self.resumed_hits = 0
+        self.resumed_queries = 0
 
     @property
     def num_free(self) -> int:
@@ -80,11 +85,12 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, tokens: list[int], keep_free: int = 0) -> BlockTable:
+    def allocate(self, tokens: list[int], keep_free: int = 0, resumed: bool = False) -> BlockTable:
         """A table for a new sequence holding ``tokens`` (its prompt), sharing the cached blocks of its longest cached
         prefix of full blocks. At least the last prompt token is left uncached (its logits are needed), so a prompt of
         whole cached blocks recomputes its last block. Raises ``OutOfBlocks`` (and takes nothing) if the rest does not
-        fit with ``keep_free`` blocks still free after it."""
+        fit with ``keep_free`` blocks still free after it. ``resumed``: a preempted sequence taken up again (its
+        lookup counted apart, in ``resumed_hits`` / ``resumed_queries``)."""
         if not tokens:
             raise ValueError("a sequence needs at least one token")
         size = self.block_size
@@ -107,8 +113,13 @@ class BlockManager:
             self._take(block)
             table.blocks.append(block)
             table.hashes.append(h)
-        self.prefix_hits += len(shared)
-        self.prefix_queries += full  # counted once a sequence gets its blocks: a wait for room is not a lookup
+        # counted once a sequence gets its blocks: a wait for room is not a lookup
+        if resumed:
+            self.resumed_hits += len(shared)
+            self.resumed_queries += full
+        else:
+            self.prefix_hits += len(shared)
+            self.prefix_queries += full
         table.cached_tokens = len(shared) * size
         for _ in range(needed):
             table.blocks.append(self._new_block())

@@ -52,6 +52,8 @@ class EngineStats:
     steps: int
     draft_tokens: int  # proposed by prompt lookup and verified
     draft_tokens_accepted: int
+    prefix_cache_resumed_hits: int = 0  # the same two for requests taken up again after preemption
+    prefix_cache_resumed_queries: int = 0
     prefix_cache_disk_hits: int = 0  # prompt blocks read from the prefix cache on disk instead of computed
     prefix_cache_disk_writes: int = 0  # block files written to it
 
@@ -119,7 +121,8 @@ class Engine:
     def stats(self) -> EngineStats:
         s, b, d = self.scheduler, self.blocks, self.disk
         return EngineStats(len(s.waiting), len(s.running), b.num_blocks, b.num_free, b.block_size, b.prefix_hits,
-                           b.prefix_queries, **s.counts, prefix_cache_disk_hits=d.hits if d else 0,
+                           b.prefix_queries, **s.counts, prefix_cache_resumed_hits=b.resumed_hits,
+                           prefix_cache_resumed_queries=b.resumed_queries, prefix_cache_disk_hits=d.hits if d else 0,
                            prefix_cache_disk_writes=d.writes if d else 0)  # fmt: skip
 
     def close(self) -> None:

@@ -98,7 +98,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting[0]
             try:
-                r.table = self.blocks.allocate(r.tokens, keep_free=len(self.running) + 1 if self.running else 0)
+                keep = len(self.running) + 1 if self.running else 0
+                r.table = self.blocks.allocate(r.tokens, keep_free=keep, resumed=r.preemptions > 0)
             except OutOfBlocks:
                 return  # blocks come back as running requests finish
             except Exception as e:  # a fault admitting this request: it fails alone (its output at the next step)
