@@ -60,6 +60,21 @@ def test_a_busy_holder_is_passed_over():
     assert router.load[home] == 3 and router.by_prefix[home] == 2
 
 
+def test_a_burst_of_new_prefixes_is_split_by_cached_text_not_by_load():
+    """Requests arriving at once (none done): four prefixes drawn A A B A C D. Placing a new prefix on the least
+    loaded replica gave B, C and D to the one not busy with A's (3 prefixes against 1, more than its pool holds); while
+    the loads are within the balance bound a new prefix goes where the least text is cached (SGLang's router), 2
+    against 2."""
+    router = ReplicaRouter(2)
+    systems = {name: f"Instructions for product {name}: " + SYSTEM for name in "ABCD"}
+    homes: dict[str, set[int]] = {}
+    for n, name in enumerate("AABACD"):
+        homes.setdefault(name, set()).add(router.pick(chunk_keys(prompt_text(_chat(systems[name], f"q{n}")))))
+    assert all(len(h) == 1 for h in homes.values())
+    held = [sum(homes[name] == {i} for name in "ABCD") for i in range(2)]
+    assert held == [2, 2] and router.load == [4, 2]
+
+
 def test_a_small_shared_start_is_not_a_prefix_hit():
     """A short shared start weighs little against a replica's load, and below ``min_share`` it is not counted as a
     prefix hit."""

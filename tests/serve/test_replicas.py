@@ -211,7 +211,8 @@ def test_two_torchrun_nodes_serve_one_replica_each(llm, tmp_path):
     ("flags", "world", "message"),
     [(["--replicas", "0"], None, "--replicas must be >= 1"), (["--replicas", "2"], "3", "world of 2 processes"),
      (["--replicas", "2", "--tp", "2"], "2", "--tp with --replicas under torchrun"),
-     (["--replicas", "2", "--port", "70000"], None, "--port")],
+     (["--replicas", "2", "--port", "70000"], None, "--port"),
+     (["--replicas", "2", "--replica-balance", "-1"], None, "--replica-balance must be >= 0")],
 )  # fmt: skip
 def test_bad_replica_flags_exit_2_naming_the_flag(monkeypatch, capsys, flags, world, message):
     from gqa.cli import main

@@ -21,6 +21,7 @@ from ..options.common import (
     loading,
     model_label,
 )
+from ..serve.replica_routing import BALANCE_SLACK
 
 HELP = "serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache)"
 DESCRIPTION = HELP
@@ -49,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replica-routing", default="prefix", choices=("prefix", "least-loaded", "round-robin"),
         help="how --replicas' front picks a replica (default: prefix, then least loaded)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--replica-balance", type=int, default=BALANCE_SLACK, metavar="N",
+        help="prefix routing keeps sending a prefix's requests to the replica holding it until that replica has more "
+        f"than twice the least loaded one's requests and N more (default: {BALANCE_SLACK}; SGLang's router calls "
+        "this its balance thresholds): lower spreads load sooner, higher keeps more prefix-cache hits",
     )  # fmt: skip
     parser.add_argument(
         "--device", default="cpu", metavar="DEV",

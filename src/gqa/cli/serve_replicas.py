@@ -68,6 +68,8 @@ def check_replica_flags(ns: argparse.Namespace, replicas: int) -> None:
     """``ValueError`` naming the flag for what replicas cannot do."""
     if replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {replicas}")
+    if ns.replica_balance < 0:
+        raise ValueError(f"--replica-balance must be >= 0, got {ns.replica_balance}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and world != replicas:
         raise ValueError(f"--replicas {replicas} under torchrun needs a world of {replicas} processes, one per "
@@ -93,7 +95,7 @@ def _front(ns: argparse.Namespace, replicas: list[Replica], http: Callable) -> i
     from ..serve.replica_front import ReplicaFront
     from ..serve.replica_routing import ReplicaRouter
 
-    router = ReplicaRouter(len(replicas), ns.replica_routing)
+    router = ReplicaRouter(len(replicas), ns.replica_routing, balance_slack=ns.replica_balance)
     server_box: list = []
     all_down = threading.Event()
 

@@ -17,9 +17,10 @@ replica holds.
 Prefix routing (SGLang's cache-aware policy, simplified): a prompt whose longest match covers at least ``min_share``
 of its chunks goes to the replica holding that match, unless that replica is overloaded — its load (requests sent and
 not yet done) above both twice the least loaded one's and the least plus ``balance_slack`` — and then to the least
-loaded. A prompt no replica holds goes to the least loaded, ties to the one holding the fewest chunk keys (new
-prefixes spread the cached text, not only the load; a prompt shorter than a chunk goes to the one sent fewer
-requests). Keeping a prefix's requests together lets one replica's pool hold it while the other holds others; the
+loaded. A prompt no replica holds goes, while no replica is overloaded, to the one holding the fewest chunk keys (new
+prefixes spread the cached text: a burst of requests placed by load alone gave one replica three of four prefixes),
+else to the least loaded; a prompt shorter than a chunk goes to the least loaded, ties to the one sent fewer
+requests. Keeping a prefix's requests together lets one replica's pool hold it while the other holds others; the
 balance bound keeps a popular prefix from swamping its replica. Replicas marked down are never picked.
 """
 
@@ -30,12 +31,17 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 
-__all__ = ["CHARS_PER_TOKEN", "CHUNK_CHARS", "POLICIES", "ReplicaRouter", "chunk_keys", "prompt_text"]
+__all__ = ["BALANCE_SLACK", "CHARS_PER_TOKEN", "CHUNK_CHARS", "POLICIES", "ReplicaRouter", "chunk_keys", "prompt_text"]
 
 CHUNK_CHARS = 64  # ~16 tokens of English: about one KV block of the default --block-size
 POLICIES = ("prefix", "least-loaded", "round-robin")
 MAX_KEYS = 1 << 16  # chunk keys remembered per replica until its capacity is known (~4 MiB of text's worth)
 CHARS_PER_TOKEN = 4.0  # English text in a BPE vocabulary: what a pool of N token slots holds is ~4N characters
+# How far a prefix's holder may run ahead of the least loaded replica (requests) before its prefix's requests go
+# elsewhere. 2 broke affinity whenever 16 clients' random prefixes fell 11:5 between two replicas: each break copies a
+# ~400-token prefix into the other pool, evicting what that pool held (hit rate 0.72 against 0.90 with 8 on the
+# shared-prefix workload at 64 MiB; docs/performance.md). SGLang's router waits for an absolute gap of 32-64.
+BALANCE_SLACK = 8
 
 # the body fields that make a prompt, in the order they are rendered into it (tools and system first, as chat
 # templates put them; then the turns)
@@ -70,7 +76,7 @@ class ReplicaRouter:
     """Picks a replica for each request (module docstring) and counts why."""
 
     def __init__(
-        self, replicas: int, policy: str = "prefix", *, min_share: float = 0.5, balance_slack: int = 2,
+        self, replicas: int, policy: str = "prefix", *, min_share: float = 0.5, balance_slack: int = BALANCE_SLACK,
         max_keys: int = MAX_KEYS,
     ) -> None:  # fmt: skip
         if replicas < 1:
@@ -93,6 +99,8 @@ class ReplicaRouter:
         if not live:
             raise RuntimeError("no replica is up")
         choice, matched = None, 0
+        lightest = min(self.load[i] for i in live)
+        heaviest = max(self.load[i] for i in live)
         if self.policy == "round-robin":
             while not self.up[self._next % len(self.up)]:
                 self._next += 1
@@ -100,13 +108,13 @@ class ReplicaRouter:
         elif self.policy == "prefix" and keys:
             best = max(live, key=lambda i: (self.matched(i, keys), -self.load[i]))
             matched = self.matched(best, keys)
-            lightest = min(self.load[i] for i in live)
-            overloaded = self.load[best] > max(2 * lightest, lightest + self.balance_slack)
-            if matched >= self.min_share * len(keys) and not overloaded:
+            if matched >= self.min_share * len(keys) and not self._overloaded(self.load[best], lightest):
                 choice = best
             else:
                 matched = 0
-        if choice is None:  # a new long prompt: where the least text is cached; a short one: where fewest were sent
+                if not self._overloaded(heaviest, lightest):  # balanced: a new prefix where the least text is cached
+                    choice = min(live, key=lambda i: (len(self._keys[i]), self.load[i], self.sent_total[i], i))
+        if choice is None:  # the least loaded; ties: where the least text is cached (where fewest were sent)
             spread = (lambda i: len(self._keys[i])) if keys else (lambda i: self.sent_total[i])
             choice = min(live, key=lambda i: (self.load[i], spread(i), self.sent_total[i], i))
         self.load[choice] += 1
@@ -114,6 +122,10 @@ class ReplicaRouter:
         self.by_prefix[choice] += bool(matched)
         self._remember(choice, keys)
         return choice
+
+    def _overloaded(self, load: int, lightest: int) -> bool:
+        """A replica with ``load`` requests is too far ahead of the least loaded one (``lightest``) to take more."""
+        return load > max(2 * lightest, lightest + self.balance_slack)
 
     def done(self, replica: int) -> None:
         """A request sent to ``replica`` has ended (answered, failed or cancelled)."""
