@@ -92,6 +92,23 @@ def a_first(m: BlockManager, tokens: list[int]) -> int:
     return m._cached[block_hash(b"", tokens)]
 
 
+def test_a_shared_prefix_outlives_later_one_off_blocks():
+    """Reclaiming takes never-shared idle blocks first: a prefix two sequences read stays cached while one-off
+    prompts freed after it come and go (plain least-recently-freed order reclaimed the prefix first)."""
+    m = BlockManager(num_blocks=6, block_size=2)
+    system = [1, 2, 3, 4]
+    for tail in ([5, 6], [7, 8]):  # two requests over the same two-block prefix: the second one reads it
+        t = m.allocate([*system, *tail])
+        m.computed(t, 6)
+        m.free(t)
+    for n in range(3):  # then one-off prompts of two blocks, each freed before the next
+        t = m.allocate([10 + 4 * n, 11 + 4 * n, 12 + 4 * n, 13 + 4 * n])
+        m.computed(t, 4)
+        m.free(t)
+    again = m.allocate([*system, 9, 9])
+    assert again.cached_tokens == 4
+
+
 def test_a_resumed_sequence_is_counted_apart():
     """A sequence taken up again after preemption finds its own blocks cached: its lookup goes to resumed_*, so the
     prefix cache's hit rate (prefix_hits / prefix_queries) counts first admissions only, as vLLM's does."""

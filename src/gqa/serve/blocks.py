@@ -68,7 +68,13 @@ class BlockManager:
         self._fresh = list(range(num_blocks - 1, -1, -1))  # never used or reclaimed: popped from the end
         self._cached: dict[bytes, int] = {}  # full block hash -> block id
         self._hash_of: dict[int, bytes] = {}  # block id -> its hash, for blocks in _cached
-        self._idle: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody uses, least recently freed first
+        # Cached blocks nobody uses, least recently freed first, in two tiers: those never shared since they were
+        # computed (a prompt's own text, most of which no request will ask for) are reclaimed before those another
+        # sequence has read (a system prompt many requests share), so a burst of one-off prompts does not push a hot
+        # prefix out (a segmented LRU; plain LRU made a replica recompute its shared prefixes: docs/performance.md).
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        self._idle_shared: OrderedDict[int, None] = OrderedDict()
+        self._shared: set[int] = set()  # cached blocks read by a sequence other than the one that computed them
         # Lookups as vLLM counts them: a sequence's first allocation in prefix_*, one resumed after preemption (its
         # own blocks, computed before, are often still cached) in resumed_*, so a policy that preempts does not
         # read as a better hit rate.
@@ -80,7 +86,7 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         """Blocks a new sequence can get: never used, or cached but unused (reclaimable)."""
-        return len(self._fresh) + len(self._idle)
+        return len(self._fresh) + len(self._idle) + len(self._idle_shared)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -105,12 +111,14 @@ class BlockManager:
             shared.append((block, h))
             parent = h
         needed = self.blocks_needed(len(tokens)) - len(shared)
-        reclaimable = len(self._idle) - sum(1 for block, _ in shared if block in self._idle)
+        idle = len(self._idle) + len(self._idle_shared)
+        reclaimable = idle - sum(1 for block, _ in shared if block in self._idle or block in self._idle_shared)
         if needed + keep_free > len(self._fresh) + reclaimable:
             kept = f" ({keep_free} to keep free)" if keep_free else ""
             raise OutOfBlocks(f"{needed} blocks needed{kept}, {len(self._fresh) + reclaimable} free")
         for block, h in shared:
             self._take(block)
+            self._shared.add(block)
             table.blocks.append(block)
             table.hashes.append(h)
         # counted once a sequence gets its blocks: a wait for room is not a lookup
@@ -177,21 +185,23 @@ class BlockManager:
             raise RuntimeError(f"block {block} freed more often than taken")
         if self.refs[block] == 0:
             if block in self._hash_of:
-                self._idle[block] = None
+                (self._idle_shared if block in self._shared else self._idle)[block] = None
             else:
                 self._fresh.append(block)
 
     def _take(self, block: int) -> None:
         if self.refs[block] == 0:
             self._idle.pop(block, None)
+            self._idle_shared.pop(block, None)
         self.refs[block] += 1
 
     def _new_block(self) -> int:
         if self._fresh:
             block = self._fresh.pop()
-        elif self._idle:
-            block, _ = self._idle.popitem(last=False)  # reclaim the least recently freed cached block
+        elif self._idle or self._idle_shared:  # reclaim the least recently freed cached block, never-shared ones first
+            block, _ = (self._idle or self._idle_shared).popitem(last=False)
             del self._cached[self._hash_of.pop(block)]
+            self._shared.discard(block)
         else:
             raise OutOfBlocks("no free block")
         self.refs[block] = 1
