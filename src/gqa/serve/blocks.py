@@ -7,8 +7,8 @@ the model's ``H_kv`` heads only); a sequence owns a *block table*, the list of b
 Prefix caching: a *full* block is identified by a hash of its token ids chained with the hash of the block before it,
 so equal hashes mean equal whole prefixes. A new sequence whose prompt starts with blocks already in the cache shares
 them (their reference count goes up) and only the rest is computed; a chat template's system prompt is then read once.
-A block whose last user leaves stays cached while it is free: it is reused for a new prefix hit, or reclaimed (least
-recently freed first) when fresh blocks run out.
+A block whose last user leaves stays cached while it is free: it is reused for a new prefix hit, or reclaimed when
+fresh blocks run out — least recently freed first, blocks no other sequence has read before those one has.
 
     manager = BlockManager(num_blocks=1024, block_size=16)
     table = manager.allocate(prompt_ids)      # BlockTable: .blocks, .cached_tokens (a prefix-cache hit)
