@@ -99,8 +99,6 @@ class ReplicaRouter:
         if not live:
             raise RuntimeError("no replica is up")
         choice, matched = None, 0
-        lightest = min(self.load[i] for i in live)
-        heaviest = max(self.load[i] for i in live)
         if self.policy == "round-robin":
             while not self.up[self._next % len(self.up)]:
                 self._next += 1
@@ -108,6 +106,7 @@ class ReplicaRouter:
         elif self.policy == "prefix" and keys:
             best = max(live, key=lambda i: (self.matched(i, keys), -self.load[i]))
             matched = self.matched(best, keys)
+            lightest, heaviest = min(self.load[i] for i in live), max(self.load[i] for i in live)
             if matched >= self.min_share * len(keys) and not self._overloaded(self.load[best], lightest):
                 choice = best
             else:
