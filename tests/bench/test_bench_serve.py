@@ -134,3 +134,20 @@ def test_replicas_and_the_shared_prefix_workload(tmp_path, capsys):
     assert [r["tag"] for r in shared] == ["shared prefixes: one engine", "shared prefixes: 2 replicas, prefix routing"]
     for r in shared:
         assert 0 <= r["prefix_hit_rate"] <= 1 and r["differ_from_one_engine"] == 0 and r["loads"][0]["errors"] == []
+
+
+def test_the_eager_row_serves_with_enforce_eager_and_the_cli_turns_graphs_off():
+    """``gqa bench serve --eager``'s row starts ``gqa serve --enforce-eager``, which sets ``cuda_graphs=False``; by
+    default the flag is absent and the engine config keeps CUDA graphs."""
+    import argparse
+
+    from gqa.cli import serve as serve_cli
+
+    ns = argparse.Namespace(clients=[1], threads=2, device="cuda")
+    assert "--enforce-eager" not in bench_serve.server_argv("gqa", None, ns, 8123, 64)
+    ns.gqa_eager = True
+    assert "--enforce-eager" in bench_serve.server_argv("gqa", None, ns, 8123, 64)
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    assert serve_cli.engine_config(parser.parse_args([])).cuda_graphs is True
+    assert serve_cli.engine_config(parser.parse_args(["--enforce-eager"])).cuda_graphs is False

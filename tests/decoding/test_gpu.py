@@ -262,3 +262,32 @@ def test_cuda_engine_greedy_equals_hf_and_each_request_alone(tmp_path):
     for prompt, tokens in zip(prompts, together, strict=True):
         assert tokens == hf_greedy(ref, prompt, 8)
         assert serve_all(Engine(model, kv_cache_mib=4, block_size=16, prefill_chunk=32), [prompt], params) == [tokens]
+
+
+@needs_triton
+@torch.inference_mode()
+@pytest.mark.parametrize("kv_cache_dtype", [None, "q8_0"])
+def test_cuda_engine_decode_graphs_equal_the_eager_steps(tmp_path, kv_cache_dtype):
+    """The serving engine's decode steps replayed from CUDA graphs (``serve.step_graphs``; buckets 1, 2, 4, batches
+    of 3 padded to 4): the eager engine's greedy tokens (``cuda_graphs=False``) and, over a float pool, HF's."""
+    from gqa.serve.engine import Engine
+    from gqa.serve.sampling import SamplingParams
+
+    pytest.importorskip("transformers")
+    from helpers.families import family_model
+    from helpers.serving import hf_greedy, serve_all
+
+    ref = family_model("qwen2", tmp_path, head_dim=32)
+    model = gqa.load_model(tmp_path, dtype=torch.float32, device="cuda", tokenizer=False)
+    prompts = [[5, 9, 17, 33, 2, 8, 40, 41, 7], [11], list(range(20, 40)), [3, 4], [60, 61, 62, 63, 64]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    options = dict(kv_cache_mib=4, block_size=16, prefill_chunk=16, max_running=4, kv_cache_dtype=kv_cache_dtype)
+    graphed = Engine(model, **options)
+    assert graphed.runner.graphs is not None and graphed.runner.graphs.buckets == (1, 2, 4)
+    together = serve_all(graphed, prompts, params)
+    assert graphed.runner.graphs.replays >= 10
+    eager = Engine(model, **options, cuda_graphs=False)
+    assert eager.runner.graphs is None
+    assert together == serve_all(eager, prompts, params)
+    if kv_cache_dtype is None:
+        assert together == [hf_greedy(ref, prompt, 12) for prompt in prompts]

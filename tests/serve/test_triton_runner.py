@@ -36,7 +36,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in th
 
 @pytest.mark.skipif(bool(os.environ.get(CHILD)), reason="the child process itself")
 def test_triton_runner_in_interpreter_process():
-    run_interpreted(__file__, CHILD, min_passed=8)
+    run_interpreted(__file__, CHILD, min_passed=11)
 
 
 def _pools(num_blocks, H_kv, block_size, D, D_v, dtype, seed=0):
@@ -313,3 +313,77 @@ def test_the_engine_picks_the_runner_by_device(tiny):
     path, _ = tiny
     model = gqa.load_model(path, dtype=torch.float32, tokenizer=False)
     assert runner_for(model) is ModelRunner  # CPU: the native one
+
+
+def _graphed(model, **options) -> Engine:
+    """The engine with its decode steps replayed from recorded graphs (``step_graphs.RecordedStep``: CUDA graphs'
+    stand-in on CPU, reading the same static buffers)."""
+    import functools
+
+    from gqa.serve.triton_runner import TritonModelRunner
+
+    return Engine(model, runner=functools.partial(TritonModelRunner, graphs=True), **options)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kv_cache_dtype", [None, "q8_0"])
+def test_decode_steps_replay_graphs_and_give_the_eager_tokens(tmp_path, kv_cache_dtype):
+    """Five requests, at most four running (buckets 1, 2, 4: batches of 3 padded to 4): HF's greedy tokens (float
+    pool), the eager engine's (q8_0 pool), a request alone the same; decode steps went through the graphs, the
+    spare block was never handed out and every block came back."""
+    ref = family_model("qwen2", tmp_path, head_dim=32)
+    model = gqa.load_model(tmp_path, dtype=torch.float32, tokenizer=False)
+    prompts = [[5, 9, 17, 33, 2, 8, 40, 41, 7], [11], list(range(20, 40)), [3, 4], [60, 61, 62, 63, 64]]
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    options = dict(kv_cache_mib=1, block_size=4, prefill_chunk=8, max_running=4, kv_cache_dtype=kv_cache_dtype)
+    engine = _graphed(model, **options)
+    graphs = engine.runner.graphs
+    assert graphs.buckets == (1, 2, 4) and graphs.replays == 0
+    assert engine.cache.key[0].shape[0] == engine.blocks.num_blocks + 1  # the spare block, past the manager's
+    free = engine.blocks.num_free
+    together = serve_all(engine, prompts, params)
+    assert graphs.replays >= 6 and engine.blocks.num_free == free
+    if kv_cache_dtype is None:
+        assert together == [hf_greedy(ref, prompt, 7) for prompt in prompts]
+    else:
+        assert together == serve_all(_engine(model, **options), prompts, params)
+    assert serve_all(_graphed(model, **options), [prompts[2]], params) == [together[2]]  # bucket 1
+
+
+@needs_interpreter
+def test_a_graphed_step_writes_its_rows_and_the_spare_block_only(tmp_path):
+    """Three decode rows in the bucket of four: each row's K/V land in its own slot, the padding row's in the spare
+    block, no other slot of the pool changes; the logits are the eager step's for the same rows, and a second replay
+    with other rows reads the new inputs (a graph replays what its buffers hold)."""
+    from gqa.serve.config import EngineConfig
+    from gqa.serve.paged_cache import table_tensor
+    from gqa.serve.triton_runner import TritonModelRunner
+
+    family_model("llama", tmp_path)
+    model = gqa.load_model(tmp_path, dtype=torch.float32, tokenizer=False)
+    runner = TritonModelRunner(model, EngineConfig(kv_cache_mib=1, block_size=4, max_running=4), graphs=True)
+    cache, spare = runner.cache, runner.cache.num_blocks
+    g = torch.Generator().manual_seed(0)
+    for pool in cache.key + cache.value:
+        pool.copy_(torch.randn(pool.shape, generator=g))
+    ids, positions, tables = [7, 8, 9], [5, 0, 9], [[3, 1], [4], [10, 11, 12]]
+    eager_pools = [p.clone() for p in cache.key + cache.value]
+    before = [p.clone() for p in eager_pools]
+    logits, greedy = runner.graphs.run(ids, positions, tables)
+    after = cache.key + cache.value
+    written = {(1, 1), (4, 0), (12, 1)}  # (block, slot) of positions 5, 0, 9 through the tables, block_size 4
+    for old, new in zip(before, after, strict=True):
+        changed = {(b, s) for b, _, s in (old != new).any(-1).nonzero().tolist()}
+        assert {(b, s) for b, s in changed if b != spare} == written
+        assert changed - written <= {(spare, 0)}
+    # the same rows eagerly, over the pool as it was
+    for pool, old in zip(after, eager_pools, strict=True):
+        pool.copy_(old)
+    table = table_tensor(tables)
+    with torch.inference_mode():
+        runner._grow_ropes(10)
+        eager = runner._step(torch.tensor(ids), torch.tensor(positions), table, 10, None)
+    assert logits.shape == eager.shape and torch.allclose(logits, eager, atol=1e-5, rtol=1e-5)
+    assert torch.equal(greedy, eager.argmax(-1))
+    other, _ = runner.graphs.run([1, 2], [3, 6], [[5], [6, 7]])
+    assert other.shape[0] == 2 and not torch.allclose(other, logits[:2])

@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="greedy tokens per response in that comparison, one pass per value (default: --max-tokens; longer "
         "responses are where the budget binds)",
     )  # fmt: skip
+    parser.add_argument("--eager", action="store_true",
+                        help="--device cuda: one more gqa row served with --enforce-eager (every step eager) beside "
+                        "the default CUDA-graph decode steps, its responses compared")  # fmt: skip
     parser.add_argument("--speculate", type=int, default=0, metavar="K",
                         help="also serve gqa's loads with gqa serve --speculate K (prompt-lookup drafts)")  # fmt: skip
     parser.add_argument("--tp", type=int, nargs="+", default=[1], metavar="N",
@@ -158,6 +161,13 @@ def shaped_model(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> str
     return str(path)
 
 
+def differ_from_plain(rows: list[dict], row: dict) -> dict:
+    """``row`` with ``differ_from_plain``: how many of its responses differ from the plain ``gqa`` row's."""
+    plain = next(r for r in rows if r["tag"] == "gqa")
+    row["differ_from_plain"] = sum(a != b for a, b in zip(plain["texts"], row["texts"], strict=True))
+    return row
+
+
 def converted(model_path: str | None, kv_heads: int, out: Path) -> str:
     """The model as ``kv_heads`` KV heads (``gqa convert --method mean``), written once under ``out``."""
     dst = out / f"kv{kv_heads}"
@@ -223,17 +233,14 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     rows = [bench_engine(e, ns.model, ns, ns.kv_cache_mib, e) for e in engines]
     for tp in [t for t in dict.fromkeys(ns.tp) if t != 1] if "gqa" in engines else []:
         sharded = argparse.Namespace(**{**vars(ns), "gqa_tp": tp})
-        rows.append(bench_engine("gqa", ns.model, sharded, ns.kv_cache_mib, f"gqa, --tp {tp}"))
-        plain = next(r for r in rows if r["tag"] == "gqa")
-        rows[-1]["differ_from_plain"] = sum(a != b for a, b in zip(plain["texts"], rows[-1]["texts"], strict=True))
+        rows.append(differ_from_plain(rows, bench_engine("gqa", ns.model, sharded, ns.kv_cache_mib, f"gqa, --tp {tp}")))
         share = [ln for ln in (ns.out / f"gqa, --tp {tp}.log").read_text().splitlines() if "all-reduces" in ln]
         print(f"[bench serve] --tp {tp}: {rows[-1]['differ_from_plain']} responses differ from tp 1's; "
               f"{share[-1] if share else ''}", file=sys.stderr)  # fmt: skip
     for replicas in [r for r in dict.fromkeys(ns.replicas) if r != 1] if "gqa" in engines else []:
         spread = argparse.Namespace(**{**vars(ns), "gqa_replicas": replicas})
-        rows.append(bench_engine("gqa", ns.model, spread, ns.kv_cache_mib / replicas, f"gqa, --replicas {replicas}"))
-        plain = next(r for r in rows if r["tag"] == "gqa")
-        rows[-1]["differ_from_plain"] = sum(a != b for a, b in zip(plain["texts"], rows[-1]["texts"], strict=True))
+        row = bench_engine("gqa", ns.model, spread, ns.kv_cache_mib / replicas, f"gqa, --replicas {replicas}")
+        rows.append(differ_from_plain(rows, row))
         print(f"[bench serve] --replicas {replicas}: {rows[-1]['differ_from_plain']} responses differ from one "
               "engine's", file=sys.stderr)  # fmt: skip
     if ns.routing is not None and "gqa" in engines:
@@ -242,11 +249,16 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         rows += routing_rows(ns, max(max(ns.replicas), 2), ns.routing or ["prefix", "round-robin"])
     if ns.speculate and "gqa" in engines:
         drafting = argparse.Namespace(**{**vars(ns), "gqa_speculate": ns.speculate})
-        rows.append(bench_engine("gqa", ns.model, drafting, ns.kv_cache_mib, f"gqa, --speculate {ns.speculate}"))
-        plain = next(r for r in rows if r["tag"] == "gqa")
-        rows[-1]["differ_from_plain"] = sum(a != b for a, b in zip(plain["texts"], rows[-1]["texts"], strict=True))
+        row = bench_engine("gqa", ns.model, drafting, ns.kv_cache_mib, f"gqa, --speculate {ns.speculate}")
+        rows.append(differ_from_plain(rows, row))
         print(f"[bench serve] --speculate {ns.speculate}: {rows[-1]['differ_from_plain']} responses differ from gqa's "
               "without drafts (greedy verification is exact: 0)", file=sys.stderr)  # fmt: skip
+    if ns.eager and "gqa" in engines and ns.device != "cpu":
+        eager = argparse.Namespace(**{**vars(ns), "gqa_eager": True})
+        row = bench_engine("gqa", ns.model, eager, ns.kv_cache_mib, "gqa, --enforce-eager")
+        rows.append(differ_from_plain(rows, row))
+        print(f"[bench serve] --enforce-eager: {rows[-1]['differ_from_plain']} responses differ from the CUDA-graph "
+              "steps'", file=sys.stderr)  # fmt: skip
     if ns.structured and "gqa" in engines:
         rows.append(bench_engine("gqa", ns.model, ns, ns.kv_cache_mib, "gqa, json_schema", SCHEMA))
     for r in rows:

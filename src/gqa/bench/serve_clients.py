@@ -182,6 +182,8 @@ def server_argv(engine: str, model_path: str | None, ns: argparse.Namespace, por
             argv += ["--replicas", str(ns.gqa_replicas), "--replica-routing", getattr(ns, "gqa_routing", "prefix")]
         if getattr(ns, "gqa_speculate", 0):
             argv += ["--speculate", str(ns.gqa_speculate)]
+        if getattr(ns, "gqa_eager", False):
+            argv += ["--enforce-eager"]
         return argv + (["--model", model_path] if model_path else [])
     from ..loaders import default_model_path
 

@@ -62,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cpu (the native kernels) or cuda / cuda:N (the paged Triton kernel, KV pool in device memory; auto "
         "dtype is bf16 there, quantized weights are dequantized)",
     )  # fmt: skip
+    parser.add_argument(
+        "--enforce-eager", action="store_true",
+        help="on CUDA, run every step eagerly (default: steps of decode rows alone replay CUDA graphs captured at "
+        "start-up, one per batch size 1, 2, 4, 8, 16, 24, ... up to --max-running; vLLM's flag)",
+    )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one, printed at start)")
     parser.add_argument(
@@ -336,6 +341,10 @@ def load_served(settings: Settings, path: str | None, name: str):
         f"{cfg.max_position_embeddings}-token contexts; {engine.runner.pool_size.reason})",
         file=sys.stderr,
     )
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is not None:
+        print(f"gqa serve: CUDA graphs for decode batches of {', '.join(map(str, graphs.buckets))} rows, captured in "
+              f"{engine.runner.graph_seconds:.1f} s (--enforce-eager: none)", file=sys.stderr)  # fmt: skip
     if engine.disk is not None:
         print(f"gqa serve: prefix cache on disk: {engine.disk.store}", file=sys.stderr)
     if slots < cfg.max_position_embeddings:  # say it once, at start, not as a refusal per request
@@ -355,7 +364,8 @@ def engine_config(ns: argparse.Namespace):
 
     return EngineConfig(kv_cache_mib=ns.kv_cache_mib, block_size=ns.block_size, max_running=ns.max_running,
                         prefill_chunk=ns.prefill_chunk, speculate=ns.speculate,
-                        prefix_cache_dir=ns.prefix_cache_dir, prefix_cache_gib=ns.prefix_cache_gib)  # fmt: skip
+                        prefix_cache_dir=ns.prefix_cache_dir, prefix_cache_gib=ns.prefix_cache_gib,
+                        cuda_graphs=not getattr(ns, "enforce_eager", False))  # fmt: skip
 
 
 def model_router(settings: Settings, models: list[tuple[str, str | None]]):

@@ -6,6 +6,8 @@
 * ``paged_cache`` — the per-layer pools of K/V blocks;
 * ``scheduler`` — who runs in a step: admission, prompt chunks, finishing, preemption (no tensors);
 * ``runner`` — the KV pool and one native paged decode call per step;
+* ``triton_runner``, ``step_graphs`` — the GPU's step (the paged Triton kernel), its decode steps replayed from
+  CUDA graphs per batch-size bucket;
 * ``sampler``, ``sampling``, ``detokenizer`` — tokens for the sampled rows, per-request settings, incremental text;
 * ``structured`` — structured output: grammars (xgrammar) that mask a row's logits; ``schema_check``, the JSON
   schemas it takes; ``grammar_compiles``, the server's compiles on threads of their own, bounded in time;

@@ -21,7 +21,9 @@ class EngineConfig:
     in their own tokens (speculation.py; 0: off); ``kv_cache_dtype``: what the pool stores K/V as
     (``cache.kv.kv_kinds``: ``"q8_0"``, ``"q4_0"``, a ``(K, V)`` pair; ``None``: the model's ``kv_dtype``);
     ``prefix_cache_dir``: a directory that keeps prompts' full KV blocks across restarts (``prefix_disk``; ``None``:
-    off), at most ``prefix_cache_gib`` GiB of files, the least recently used deleted first."""
+    off), at most ``prefix_cache_gib`` GiB of files, the least recently used deleted first; ``cuda_graphs``: on CUDA,
+    steps of decode rows alone replay CUDA graphs captured at start-up per batch-size bucket (``step_graphs``;
+    ``False``: every step eager, vLLM's ``enforce_eager``)."""
 
     kv_cache_mib: float | None = None
     kv_cache_dtype: object = None
@@ -31,6 +33,7 @@ class EngineConfig:
     speculate: int = 0
     prefix_cache_dir: str | os.PathLike | None = None
     prefix_cache_gib: float = 4.0
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_running", "prefill_chunk"):
@@ -48,5 +51,7 @@ class EngineConfig:
         gib = self.prefix_cache_gib
         if not (isinstance(gib, (int, float)) and not isinstance(gib, bool) and math.isfinite(gib) and gib > 0):
             raise ValueError(f"prefix_cache_gib must be a positive number, got {gib!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.prefix_cache_dir is not None and not isinstance(self.prefix_cache_dir, (str, os.PathLike)):
             raise ValueError(f"prefix_cache_dir must be a path, got {self.prefix_cache_dir!r}")

@@ -35,7 +35,9 @@ def blocks_in_budget(
 
 class PagedKVCache:
     """``num_blocks`` blocks of ``block_size`` slots per layer, K and V, for ``dtype`` activations on ``device``,
-    stored as ``kv_dtype`` says (``cache.kv.kv_kinds``: ``None`` / ``"auto"`` is ``dtype`` itself)."""
+    stored as ``kv_dtype`` says (``cache.kv.kv_kinds``: ``None`` / ``"auto"`` is ``dtype`` itself). ``spare_blocks``
+    more follow them (ids ``num_blocks`` on), never in a request's table: a CUDA graph's padding rows write there
+    (``step_graphs``)."""
 
     def __init__(
         self,
@@ -47,13 +49,14 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         kv_dtype: KVDtypeChoice = None,
+        spare_blocks: int = 0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.kinds = kv_kinds(kv_dtype, dtype, "kv_cache_dtype")
         self.key, self.value = [], []
         for pools, kind in ((self.key, self.kinds[0]), (self.value, self.kinds[1])):
-            shape = (num_blocks, num_kv_heads, block_size, row_size(kind, head_dim))
+            shape = (num_blocks + spare_blocks, num_kv_heads, block_size, row_size(kind, head_dim))
             pools += [torch.zeros(shape, dtype=storage_dtype(kind), device=device) for _ in range(num_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
 
