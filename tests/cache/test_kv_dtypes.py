@@ -42,7 +42,8 @@ def test_the_table_sets_fewer_heads_beside_fewer_bits():
 
 
 def test_bad_names_and_shapes_are_refused_by_name():
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of fp32, bf16, fp16, q8_0, q4_0, got 'q5_k'"):
+    choices = "fp32, bf16, fp16, q8_0, q4_0, fp8_e4m3, fp8"
+    with pytest.raises(ValueError, match=f"kv_cache_dtype must be one of {choices}, got 'q5_k'"):
         kv_dtype("q5_k")
     with pytest.raises(ValueError, match="--kv-cache-dtype-k must be one of"):
         kv_dtype("int8", flag="--kv-cache-dtype-k")

@@ -263,14 +263,19 @@ def test_every_cache_holds_blocks_and_the_module_attends_to_them(path, monkeypat
 
 
 def test_bad_choices_name_the_argument():
-    with pytest.raises(ValueError, match="kv_dtype must be one of fp32, bf16, fp16, q8_0, q4_0, got 'q5_0'"):
+    with pytest.raises(
+        ValueError, match="kv_dtype must be one of fp32, bf16, fp16, q8_0, q4_0, fp8_e4m3, fp8, got 'q5_0'"
+    ):
         StaticKVCache(1, 2, 64, 8, kv_dtype="q5_0")
     with pytest.raises(ValueError, match="a q4_0 KV cache needs a head dim that is a multiple of 32, got 40"):
         StaticKVCache(1, 2, 40, 8, kv_dtype="q4_0")
     with pytest.raises(ValueError, match="kv_dtype bf16 differs from the model's dtype fp32"):
         StaticKVCache(1, 2, 64, 8, kv_dtype="bf16")
-    with pytest.raises(ValueError, match="fp8"):
-        StaticKVCache(1, 2, 64, 8, kv_dtype="fp8_e4m3")
+    for fp8 in ("fp8_e4m3", "fp8", ("q8_0", "fp8")):  # the CUDA kernels read fp8, the CPU ones do not
+        with pytest.raises(ValueError, match="kv_dtype fp8_e4m3 is read by the CUDA kernels only"):
+            StaticKVCache(1, 2, 64, 8, kv_dtype=fp8)
+    with pytest.raises(ValueError, match="kv_dtype fp8_e4m3 is read by the CUDA kernels only"):
+        gqa.load_model(kv_dtype="fp8", tokenizer=False)
     with pytest.raises(ValueError, match=r"a name or a \(K, V\) pair"):
         StaticKVCache(1, 2, 64, 8, kv_dtype=("q8_0", "q8_0", "q8_0"))
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
@@ -282,3 +287,35 @@ def test_blocks_take_their_bytes():
     assert static.nbytes == 2 * 3 * 100 * (2 * 34 + 2 * 18)
     assert static.key.dtype == torch.uint8 and static.kv_formats == (0, 1)
     assert StaticKVCache(2, 3, 64, 100, dtype=torch.bfloat16).nbytes == 2 * 3 * 100 * 64 * 2 * 2
+
+
+def e4m3_float64(x: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3 (the fn variant: no infinities, +-448 the largest) rounding written out in float64: 3 mantissa
+    bits, exponents from -6 (below: subnormal steps of 2^-9), ties to even, saturated at +-448; NaN stays."""
+    x = x.double()
+    a = x.abs().clamp(max=448.0)
+    exponent = torch.floor(torch.log2(a.clamp(min=2.0**-6)))  # the binade; subnormals share the smallest
+    step = torch.exp2(exponent - 3)
+    q = torch.round(a / step) * step  # torch.round: halves to even
+    return torch.copysign(q.clamp(max=448.0), x).where(~x.isnan(), x)
+
+
+def test_fp8_rows_round_to_the_nearest_e4m3_value():
+    """fp8_e4m3 rows (uint8 bytes, one a value): values over six decades, subnormals, exact ties, +-448 and beyond,
+    NaN — against the rounding written out in float64; keys stored rotated and read back within e4m3's step."""
+    kind = KV_DTYPES["fp8_e4m3"]
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 3, 200, generator=g) * torch.exp(6 * torch.rand(4, 3, 1, generator=g) - 4)
+    specials = [0.0, -0.0, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 1.0625, 1.1875, 448.0, 464.0, 1e6, -1e6, float("nan")]
+    x[0, 0, : len(specials)] = torch.tensor(specials)  # 1.0625 / 1.1875: ties (to 1.0 / 1.25), 464: past 448
+    stored = quantize(x, kind)
+    assert stored.dtype == torch.uint8 and stored.shape == x.shape
+    held = dequantize(stored, kind)
+    want = e4m3_float64(x)
+    assert torch.equal(held.double().isnan(), want.isnan()) and held[0, 0, 11].isnan()
+    assert torch.equal(held.double().nan_to_num(), want.nan_to_num())
+    assert held[0, 0, 5] == 1.0 and held[0, 0, 6] == 1.25 and held[0, 0, 8] == 448.0 and held[0, 0, 9] == 448.0
+    k = torch.randn(2, 64, generator=g)
+    back = held_values(as_stored(k, kind, key=True), kind, key=True)
+    assert ((back - k).norm() / k.norm()).item() < 2**-4  # e4m3's relative step is 2^-3: half of it at most
+    assert kv_kinds("fp8", torch.bfloat16) == (kind, kind) and kind.row_bytes(40) == 40 and kind.bits_per_value == 8

@@ -115,12 +115,12 @@ def test_auto_prefill_with_masks_never_copies_wrongly(dtype):
     assert rel_err(out, ref) < REL[dtype]
 
 
-def _models(dtype):
+def _models(dtype, hidden_size=96):
     transformers = pytest.importorskip("transformers")
     from gqa.models import CausalLM
     from gqa.models.config import ModelConfig
 
-    cfg = transformers.LlamaConfig(hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
+    cfg = transformers.LlamaConfig(hidden_size=hidden_size, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
                                    num_key_value_heads=2, vocab_size=300, max_position_embeddings=512,
                                    tie_word_embeddings=False, attn_implementation="sdpa")  # fmt: skip
     torch.manual_seed(0)
@@ -141,6 +141,22 @@ def test_graphed_decode_matches_eager_and_hf():
         ids = torch.tensor([prompt + new], device="cuda")
         greedy = hf(ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
         assert greedy == new
+
+
+@needs_triton
+@torch.inference_mode()
+@pytest.mark.parametrize("kv_dtype", ["q8_0", "fp8_e4m3", ("q8_0", "q4_0")])
+def test_graphed_decode_over_quantized_caches_matches_the_eager_step(kv_dtype):
+    """Quantized caches decode through CUDA graphs too (the new rows stored as blocks or fp8 bytes inside the graph):
+    the eager step's tokens (the model's attention over the caches: the split-KV kernel reading them in place)."""
+    if "fp8_e4m3" in kv_dtype and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9+")
+    _, model = _models(torch.float32, hidden_size=192)  # head dim 32: one block
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    graphed = model.generate(prompts, max_new_tokens=12, eos_token_ids=[], kv_dtype=kv_dtype)
+    eager = model.generate(prompts, max_new_tokens=12, eos_token_ids=[], kv_dtype=kv_dtype,
+                           step_fn=lambda t, c: model(t, caches=c))  # fmt: skip
+    assert graphed == eager
 
 
 @needs_triton
@@ -266,7 +282,7 @@ def test_cuda_engine_greedy_equals_hf_and_each_request_alone(tmp_path):
 
 @needs_triton
 @torch.inference_mode()
-@pytest.mark.parametrize("kv_cache_dtype", [None, "q8_0"])
+@pytest.mark.parametrize("kv_cache_dtype", [None, "q8_0", "fp8_e4m3"])
 def test_cuda_engine_decode_graphs_equal_the_eager_steps(tmp_path, kv_cache_dtype):
     """The serving engine's decode steps replayed from CUDA graphs (``serve.step_graphs``; buckets 1, 2, 4, batches
     of 3 padded to 4): the eager engine's greedy tokens (``cuda_graphs=False``) and, over a float pool, HF's."""
@@ -291,3 +307,40 @@ def test_cuda_engine_decode_graphs_equal_the_eager_steps(tmp_path, kv_cache_dtyp
     assert together == serve_all(eager, prompts, params)
     if kv_cache_dtype is None:
         assert together == [hf_greedy(ref, prompt, 12) for prompt in prompts]
+
+
+@needs_triton
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="fp8 needs compute 8.9+"
+)
+@pytest.mark.parametrize("k_name, v_name", [("fp8_e4m3", "fp8_e4m3"), ("fp8_e4m3", "q8_0"), ("q4_0", "fp8_e4m3")])
+def test_split_kv_and_paged_read_fp8_caches_on_cuda(k_name, v_name):
+    """fp8 e4m3 K and/or V (uint8 bytes, ``float8e4nv`` in the kernels) on the GPU: float64 attention over the values
+    the caches hold, through the split-KV kernel (a static cache) and the paged one (blocks through tables)."""
+    from helpers.kv_blocks import stored_as
+
+    from gqa.kernels.triton.paged import paged_attention
+
+    q, k, v = qkv(2, 18, 6, 1, 700, 64, torch.bfloat16)
+    key, k_format, k_values = stored_as(k, k_name, key=True)
+    value, v_format, v_values = stored_as(v, v_name)
+    out = split_kv_attention(q, key, value, k_format=k_format, v_format=v_format)
+    ref, _ = attention64(*cpu64(q, k_values, v_values))
+    assert rel_err(out, ref) < REL[torch.bfloat16]
+    blocks = -(-700 // 16)  # sequence b's position j in block b * blocks + j // 16, slot j % 16
+    key_pool, value_pool = (paged_from_static(t, 16) for t in (key, value))
+    tables = torch.arange(2 * blocks, device="cuda", dtype=torch.int32).view(2, blocks)
+    lengths = torch.tensor([700, 700], device="cuda")
+    paged = paged_attention(q[:, :, 0], key_pool, value_pool, tables, lengths, max_length=700, k_format=k_format,
+                            v_format=v_format)  # fmt: skip
+    assert rel_err(paged[:, :, None], ref) < REL[torch.bfloat16]
+
+
+def paged_from_static(t: torch.Tensor, block: int) -> torch.Tensor:
+    """A static cache's ``(B, H_kv, S, R)`` rows as a pool ``(B * blocks, H_kv, block, R)``: sequence ``b``'s
+    position ``j`` in block ``b * blocks + j // block`` at slot ``j % block``."""
+    B, H, S, R = t.shape
+    blocks = -(-S // block)
+    padded = t.new_zeros(B, H, blocks * block, R)
+    padded[:, :, :S] = t
+    return padded.view(B, H, blocks, block, R).transpose(1, 2).reshape(B * blocks, H, block, R)

@@ -476,7 +476,7 @@ def test_nan_query_row(num_splits):
     assert rel_err(out[~bad], ref[~bad]) < TOL[torch.float32]
 
 
-# a quantized cache: uint8 rows of q8_0 / q4_0 blocks ------------------------------------------------------------
+# a quantized cache: uint8 rows of q8_0 / q4_0 blocks or of fp8 e4m3 bytes ------------------------------------------
 
 QUANTIZED = {
     # id: (K kind, V kind, batch, H_q, H_kv, L, S, D, dtype, options); None: float rows
@@ -489,6 +489,12 @@ QUANTIZED = {
     "float-q4_0-mask": (None, "q4_0", (2,), 18, 6, 2, 130, 64, torch.float32, dict(mask=True, num_splits=2)),
     "q4_0-float": ("q4_0", None, (1,), 4, 2, 3, 100, 32, torch.float32, {}),
     "q8_0-q4_0-fp16": ("q8_0", "q4_0", (2,), 18, 6, 2, 200, 64, torch.float16, dict(is_causal=True, num_splits=2)),
+    "fp8-D64": ("fp8_e4m3", "fp8_e4m3", (2,), 18, 6, 3, 300, 64, torch.float32, dict(is_causal=True, num_splits=3)),
+    "fp8-D40-fp16-window-softcap-sinks": (
+        "fp8_e4m3", "fp8_e4m3", (1,), 18, 6, 3, 170, 40, torch.float16,
+        dict(is_causal=True, window=(64, None), softcap=20.0, sinks=True, num_splits=2),
+    ),
+    "fp8-q4_0-mask": ("fp8_e4m3", "q4_0", (2,), 6, 2, 1, 130, 32, torch.float32, dict(mask=True)),
 }  # fmt: skip
 
 
@@ -534,8 +540,10 @@ def test_quantized_rows_outside_the_window_and_past_the_cursor_are_never_read():
 def test_quantized_cache_arguments_are_checked():
     q, k, v = qkv((1,), 4, 2, 1, 32, 32)
     blocks = quantize(k, KV_DTYPES["q8_0"])
-    with pytest.raises(ValueError, match=r"k_format must be -1 .* or a block format code: 0 \(q8_0\)"):
-        split_kv_attention(q, blocks, v, k_format=2)
+    with pytest.raises(
+        ValueError, match=r"k_format must be -1 .* or a block format code: 0 \(q8_0\), .* 2 \(fp8_e4m3\)"
+    ):
+        split_kv_attention(q, blocks, v, k_format=3)
     with pytest.raises(ValueError, match="v_format"):
         split_kv_attention(q, k, v, v_format=True)
     with pytest.raises(ValueError, match=r"key must be uint8 rows of q8_0 blocks \(34 bytes each\)"):

@@ -144,6 +144,8 @@ QUANTIZED_POOLS = {
     "q4_0-D32-window-softcap-sinks": ("q4_0", "q4_0", 18, 6, 32, 5, 100, 5.0, True),
     "q8_0-q4_0": ("q8_0", "q4_0", 6, 2, 32, 16, None, None, False),
     "float-q8_0": (None, "q8_0", 6, 2, 64, 16, None, None, False),
+    "fp8-D64": ("fp8_e4m3", "fp8_e4m3", 18, 6, 64, 16, None, None, False),
+    "fp8-q8_0-D32-window-softcap-sinks": ("fp8_e4m3", "q8_0", 18, 6, 32, 5, 100, 5.0, True),
 }
 
 
@@ -326,10 +328,10 @@ def _graphed(model, **options) -> Engine:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("kv_cache_dtype", [None, "q8_0"])
+@pytest.mark.parametrize("kv_cache_dtype", [None, "fp8_e4m3"])
 def test_decode_steps_replay_graphs_and_give_the_eager_tokens(tmp_path, kv_cache_dtype):
     """Five requests, at most four running (buckets 1, 2, 4: batches of 3 padded to 4): HF's greedy tokens (float
-    pool), the eager engine's (q8_0 pool), a request alone the same; decode steps went through the graphs, the
+    pool), the eager engine's (fp8 pool), a request alone the same; decode steps went through the graphs, the
     spare block was never handed out and every block came back."""
     ref = family_model("qwen2", tmp_path, head_dim=32)
     model = gqa.load_model(tmp_path, dtype=torch.float32, tokenizer=False)
@@ -340,6 +342,8 @@ def test_decode_steps_replay_graphs_and_give_the_eager_tokens(tmp_path, kv_cache
     graphs = engine.runner.graphs
     assert graphs.buckets == (1, 2, 4) and graphs.replays == 0
     assert engine.cache.key[0].shape[0] == engine.blocks.num_blocks + 1  # the spare block, past the manager's
+    if kv_cache_dtype == "fp8_e4m3":  # a byte a value
+        assert engine.cache.key[0].dtype == torch.uint8 and engine.cache.key[0].shape[-1] == 32
     free = engine.blocks.num_free
     together = serve_all(engine, prompts, params)
     assert graphs.replays >= 6 and engine.blocks.num_free == free

@@ -1,10 +1,12 @@
-"""Attention over a quantized KV cache (``cache.kv``'s ``q8_0`` / ``q4_0`` blocks), read where it lies.
+"""Attention over a quantized KV cache (``cache.kv``'s ``q8_0`` / ``q4_0`` blocks, or CUDA's ``fp8_e4m3`` bytes),
+read where it lies.
 
 On CPU the native kernel (``kernels.ops.decode_attention`` with the blocks' formats) dequantizes a chunk of 64 keys
-at a time into float32 scratch in L1 and runs the same online softmax as over a float cache. Elsewhere (no kernels,
-autograd, another device) ``chunked_attention`` does the same in torch ops: 1024 keys at a time, a running max, sum
-and accumulator in float32, so no dequantized copy of the whole cache is ever made. Both see exactly the cache's
-stored values (a block's dequantized values are exact in float32).
+at a time into float32 scratch in L1 and runs the same online softmax as over a float cache. On CUDA a few new
+tokens (decode) go to the Triton split-KV kernel, which dequantizes a tile in registers. Elsewhere (no kernels,
+autograd, a long prompt on CUDA) ``chunked_attention`` does the same in torch ops: 1024 keys at a time, a running
+max, sum and accumulator in float32, so no dequantized copy of the whole cache is ever made. All see exactly the
+cache's stored values (a block's dequantized values are exact in float32).
 """
 
 from __future__ import annotations
@@ -50,7 +52,16 @@ def quantized_cache_attention(
     if sides is not None:
         attn_mask = merge_masks(attn_mask, window_mask(L, S, *sides, q.device))
     grad = torch.is_grad_enabled() and (q.requires_grad or (sinks is not None and sinks.requires_grad))
-    native = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kernels.available() and not grad
+    if q.device.type == "cuda" and not grad:
+        from ..kernels.triton.split_kv import split_kv_attention, supports
+
+        if supports(q, key, value, v_format=kinds[1].code) is None:
+            formats = dict(k_format=kinds[0].code, v_format=kinds[1].code)
+            return split_kv_attention(q, key, value, scale=scale, is_causal=is_causal, attn_mask=attn_mask,
+                                      softcap=softcap, sinks=sinks, **formats)  # fmt: skip
+    cpu_formats = not any(kind.fp8 for kind in kinds)  # the native kernels read q8_0 / q4_0 blocks, not fp8
+    native = (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kernels.available()
+              and not grad and cpu_formats)  # fmt: skip
     if not native:
         return chunked_attention(q, key, value, kinds, attn_mask, is_causal, scale, softcap=softcap, sinks=sinks)
     from ..kernels import ops

@@ -12,6 +12,7 @@ and per-row real lengths (``lengths``); the attention module uses them automatic
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -50,11 +51,14 @@ def check_positive(**counts: object) -> None:
             raise ValueError(f"{name} must be a positive int, got {n!r}")
 
 
-def kv_kinds(kv_dtype: KVDtypeChoice, dtype: torch.dtype, flag: str = "kv_dtype") -> tuple[KVDtype, KVDtype]:
-    """The K and V storage types of a cache of ``dtype`` activations: ``kv_dtype`` one name for both (``"auto"`` /
-    ``None``: ``dtype`` itself), or a ``(K, V)`` pair, as llama.cpp's ``-ctk`` / ``-ctv``. A float type must be
-    ``dtype`` (the caches store what the model computes; quantized ones are the way to fewer bytes): ``ValueError``
-    naming ``flag`` otherwise."""
+def kv_kinds(
+    kv_dtype: KVDtypeChoice, dtype: torch.dtype, flag: str = "kv_dtype", device: torch.device | str | None = None
+) -> tuple[KVDtype, KVDtype]:
+    """The K and V storage types of a cache of ``dtype`` activations on ``device`` (``None``: not known yet):
+    ``kv_dtype`` one name for both (``"auto"`` / ``None``: ``dtype`` itself), or a ``(K, V)`` pair, as llama.cpp's
+    ``-ctk`` / ``-ctv``. A float type must be ``dtype`` (the caches store what the model computes; quantized ones are
+    the way to fewer bytes), fp8 needs a CUDA device that has it (``check_fp8_device``): ``ValueError`` naming
+    ``flag`` otherwise."""
     pair = kv_dtype if isinstance(kv_dtype, tuple) else (kv_dtype, kv_dtype)
     if len(pair) != 2:
         raise ValueError(f"{flag} must be a name or a (K, V) pair of names, got {kv_dtype!r}")
@@ -65,7 +69,25 @@ def kv_kinds(kv_dtype: KVDtypeChoice, dtype: torch.dtype, flag: str = "kv_dtype"
                 f"{flag} {kind.name} differs from the model's dtype {DTYPE_NAMES.get(dtype, dtype)}: a float KV cache "
                 f"stores the model's dtype (load the model in {kind.name}), or pick q8_0 / q4_0"
             )
+        if kind.fp8 and device is not None:
+            check_fp8_device(torch.device(device), flag)
     return kinds  # type: ignore[return-value]
+
+
+def check_fp8_device(device: torch.device, flag: str = "kv_dtype") -> None:
+    """``ValueError`` naming ``flag`` unless an fp8 KV cache can be read on ``device``: a CUDA GPU of compute
+    capability 8.9 or more (Ada, Hopper and later: Triton's ``float8e4nv``), or CPU tensors under Triton's
+    interpreter (``TRITON_INTERPRET=1``, tests)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"{flag} fp8_e4m3 needs a GPU of compute capability 8.9 or more (Ada, Hopper), this "
+                             f"one is {major}.{minor}: use q8_0 or q4_0")  # fmt: skip
+        return
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return
+    raise ValueError(f"{flag} fp8_e4m3 is read by the CUDA kernels only (vLLM's fp8 cache); on {device.type} "
+                     "use q8_0 or q4_0")  # fmt: skip
 
 
 class _KVCache(nn.Module):
@@ -91,7 +113,7 @@ class _KVCache(nn.Module):
         super().__init__()
         check_positive(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
         value_dim = head_dim if value_dim is None else value_dim
-        self.kinds = kv_kinds(kv_dtype, dtype)
+        self.kinds = kv_kinds(kv_dtype, dtype, device=device if device is not None else "cpu")
         self.dtype, self.head_dim, self.value_dim = dtype, head_dim, value_dim
         B, H = batch_size, num_kv_heads
         k_kind, v_kind = self.kinds

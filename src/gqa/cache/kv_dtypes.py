@@ -5,7 +5,9 @@ A float type stores each value as it is. The block types store each head's ``D``
 along the head dimension, each with one fp16 scale, as llama.cpp's ``q8_0`` (32 int8 values: 34 bytes, 8.5 bits a
 value) and ``q4_0`` (32 4-bit values: 18 bytes, 4.5 bits) blocks do: a token's K or V row is quantized on its own
 when it is written, so a row never changes once stored, and the block is the unit the int8 dot-product kernels of
-the quantized weights already multiply.
+the quantized weights already multiply. ``fp8_e4m3`` (vLLM's ``--kv-cache-dtype fp8``; ``fp8`` names it too) stores
+each value as one float8 e4m3 byte (``torch.float8_e4m3fn``: 3 mantissa bits, finite up to +-448, beyond which
+values saturate), with no scale: read by the CUDA kernels only (Triton's ``float8e4nv``, compute capability 8.9+).
 """
 
 from __future__ import annotations
@@ -22,11 +24,17 @@ class KVDtype:
     name: str
     block: int
     block_bytes: int
-    code: int = -1  # a block type's format code in the native kernels (the quantized weights' numbering), -1: float
+    code: int = -1  # a stored format's code in the kernels (q8_0 / q4_0: the quantized weights' numbering), -1: float
 
     @property
     def quantized(self) -> bool:
-        return self.block > 1
+        """Whether the cache stores another format than the activations': uint8 rows of blocks or of fp8 bytes."""
+        return self.code >= 0
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the values are float8 bytes (CUDA kernels only)."""
+        return self.name.startswith("fp8")
 
     @property
     def bits_per_value(self) -> float:
@@ -45,14 +53,16 @@ KV_DTYPES: dict[str, KVDtype] = {
     "fp16": KVDtype("fp16", 1, 2),
     "q8_0": KVDtype("q8_0", 32, 34, 0),  # 32 int8 values + an fp16 scale
     "q4_0": KVDtype("q4_0", 32, 18, 1),  # 32 4-bit values (offset 8) + an fp16 scale
+    "fp8_e4m3": KVDtype("fp8_e4m3", 1, 1, 2),  # one float8 e4m3 byte a value, no scale
 }
+ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's --kv-cache-dtype fp8 is e4m3
 
 
 def kv_dtype(name: str, flag: str = "kv_cache_dtype") -> KVDtype:
     """The storage type called ``name``; ``ValueError`` naming ``flag`` and the choices for any other."""
-    if not isinstance(name, str) or name not in KV_DTYPES:
-        raise ValueError(f"{flag} must be one of {', '.join(KV_DTYPES)}, got {name!r}")
-    return KV_DTYPES[name]
+    if not isinstance(name, str) or ALIASES.get(name, name) not in KV_DTYPES:
+        raise ValueError(f"{flag} must be one of {', '.join([*KV_DTYPES, *ALIASES])}, got {name!r}")
+    return KV_DTYPES[ALIASES.get(name, name)]
 
 
 def check_head_dim(kv: KVDtype, head_dim: int) -> None:

@@ -1,5 +1,6 @@
 """A quantized KV cache's rows: ``(..., D)`` values <-> ``(..., D / 32 * block_bytes)`` uint8 blocks of llama.cpp's
-``q8_0`` / ``q4_0`` (``kv_dtypes``), and the torch dtype of a float cache.
+``q8_0`` / ``q4_0``, or ``(..., D)`` uint8 bytes of float8 e4m3 values (``kv_dtypes``), and the torch dtype of a float
+cache.
 
 ``quantize`` is what every cache calls on the tokens it is given: the native kernel on CPU (``gqa::quantize_kv``), the
 same arithmetic in torch elsewhere (``reference_quantize``: llama.cpp's ``quantize_row_*_ref``, float32, rounding
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 DTYPE_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
+FP8_MAX = 448.0  # the largest finite float8 e4m3 (torch.float8_e4m3fn) value
 
 
 def resolve_kv_dtype(kv: str | KVDtype | None, model_dtype: torch.dtype, flag: str = "kv_dtype") -> KVDtype:
@@ -51,8 +53,6 @@ def resolve_kv_dtype(kv: str | KVDtype | None, model_dtype: torch.dtype, flag: s
         if not model_dtype.is_floating_point:
             raise ValueError(f"{flag} 'auto' takes the model's dtype, and {model_dtype} is no float dtype")
         return KVDtype(str(model_dtype).removeprefix("torch."), 1, model_dtype.itemsize)  # float64, for references
-    if isinstance(kv, str) and kv.startswith("fp8"):
-        raise ValueError(f"{flag} {kv!r}: an fp8 KV cache is not built yet (CPU kernels read q8_0 and q4_0 blocks)")
     return kv_dtype(kv, flag)
 
 
@@ -62,7 +62,7 @@ def kv_formats(kinds: tuple[KVDtype, KVDtype]) -> tuple[int, ...]:
 
 
 def storage_dtype(kv: KVDtype) -> torch.dtype:
-    """The torch dtype of the cache's buffers: the float type itself, or uint8 for blocks."""
+    """The torch dtype of the cache's buffers: the float type itself, or uint8 for blocks and fp8 bytes."""
     if kv.quantized:
         return torch.uint8
     return FLOAT_DTYPES[kv.name] if kv.name in FLOAT_DTYPES else getattr(torch, kv.name)
@@ -102,7 +102,8 @@ def quantize(x: torch.Tensor, kv: KVDtype, *, rotated: bool = False) -> torch.Te
     """``x (..., D)`` as the blocks of ``kv`` ``(..., D / 32 * block_bytes)`` uint8, each row on its own;
     ``rotated``: ``rotate(x)``'s blocks (how keys are stored)."""
     check_head_dim(kv, x.shape[-1])
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and kernels.available():
+    native = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and not kv.fp8
+    if native and kernels.available():
         from ..kernels import ops
 
         return ops.quantize_kv(x.detach(), kv.code, rotated)
@@ -133,8 +134,11 @@ def _round_half_away(v: torch.Tensor) -> torch.Tensor:
 
 def reference_quantize(x: torch.Tensor, kv: KVDtype) -> torch.Tensor:
     """``quantize`` in torch ops: llama.cpp's reference quantizers, float32. A block holding a NaN or an infinity
-    gets a NaN scale (it reads back as NaN, as a float cache would hold it)."""
+    gets a NaN scale (it reads back as NaN, as a float cache would hold it). fp8: each value rounded to the nearest
+    e4m3 (ties to even), saturated at +-448 (as vLLM's cache writes do); NaN stays NaN."""
     check_head_dim(kv, x.shape[-1])
+    if kv.fp8:
+        return x.detach().float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     shape = x.shape
     blocks = x.detach().float().reshape(*shape[:-1], shape[-1] // 32, 32)  # (..., nb, 32)
     finite = torch.isfinite(blocks).all(-1, keepdim=True)
@@ -157,6 +161,8 @@ def reference_quantize(x: torch.Tensor, kv: KVDtype) -> torch.Tensor:
 
 def dequantize(blocks: torch.Tensor, kv: KVDtype, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values ``(..., D)`` of ``blocks (..., D / 32 * block_bytes)`` uint8 (any strides), in ``dtype``."""
+    if kv.fp8:
+        return blocks.contiguous().view(torch.float8_e4m3fn).to(dtype)
     nb = blocks.shape[-1] // kv.block_bytes
     b = blocks.reshape(*blocks.shape[:-1], nb, kv.block_bytes)
     d = b[..., :2].contiguous().view(torch.float16).float()  # (..., nb, 1)

@@ -115,8 +115,8 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     print()
     print(kv_cache_table(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, NAMES[ns.dtype]))
     print()
-    print("KV cache by storage type (q8_0/q4_0: llama.cpp's blocks of 32 values with an fp16 scale; gqa's caches store")
-    print("the float types for now):")
+    print("KV cache by storage type (--kv-cache-dtype; q8_0/q4_0: llama.cpp's blocks of 32 values with an fp16 scale;")
+    print("fp8_e4m3: vLLM's float8 byte a value, CUDA only):")
     print(kv_dtype_table(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, ns.kv_budget_gib))
     if ns.tp is not None:
         import torch

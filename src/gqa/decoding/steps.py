@@ -100,7 +100,7 @@ def select_step(
         from ..kernels.triton.split_kv import triton_available
         from .cuda_graphs import GraphedDecoder, graphs_apply
 
-        if triton_available() and not caches[0].quantized and graphs_apply(model, caches) is None:
+        if triton_available() and graphs_apply(model, caches) is None:
             decoder = GraphedDecoder(model, caches, compile=compile)
             return DecodeStep(f"cuda-graphs ({decoder.name} step)", decoder, fixed_batch=True)
     if compile:

@@ -73,7 +73,7 @@ def load_model(
             raise ValueError(f"quantize={quantize!r} runs on CPU without tensor parallelism only")
     from ..cache.kv import kv_kinds
 
-    kv_kinds(kv_dtype, dtype, "kv_dtype")  # a bad choice fails before anything is read, too
+    kv_kinds(kv_dtype, dtype, "kv_dtype", device)  # a bad choice fails before anything is read, too
     keep = auto and quantize is None and torch.device(device).type == "cpu"
     source = open_model(path)  # a GGUF file's header is read once, for the weights and the tokenizer
     cfg, state = read_model(source, keep_quantized=keep and kernels.vectorized())

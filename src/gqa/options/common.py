@@ -78,7 +78,7 @@ def add_tp_argument(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "q8_0", "q4_0")  # gqa.cache.kv_dtypes' names, and auto
+KV_CACHE_DTYPES = ("auto", "fp32", "bf16", "fp16", "q8_0", "q4_0", "fp8_e4m3", "fp8")  # kv_dtypes' names, and auto
 
 
 def add_kv_dtype_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +86,8 @@ def add_kv_dtype_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
         help="what the KV cache stores: auto (the model's dtype), or llama.cpp's q8_0 / q4_0 blocks of 32 values with "
-        "an fp16 scale (8.5 / 4.5 bits a value: 1.9x / 3.6x the tokens of bf16 in the same bytes)",
+        "an fp16 scale (8.5 / 4.5 bits a value: 1.9x / 3.6x the tokens of bf16 in the same bytes), or on CUDA "
+        "(compute capability 8.9+) fp8_e4m3 = fp8, vLLM's: a float8 byte a value, no scale (2x the tokens of bf16)",
     )  # fmt: skip
     for side in ("k", "v"):
         parser.add_argument(

@@ -53,7 +53,7 @@ class PagedKVCache:
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.kinds = kv_kinds(kv_dtype, dtype, "kv_cache_dtype")
+        self.kinds = kv_kinds(kv_dtype, dtype, "kv_cache_dtype", device)
         self.key, self.value = [], []
         for pools, kind in ((self.key, self.kinds[0]), (self.value, self.kinds[1])):
             shape = (num_blocks + spare_blocks, num_kv_heads, block_size, row_size(kind, head_dim))

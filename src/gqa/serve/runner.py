@@ -108,7 +108,7 @@ def pool_kinds(model: torch.nn.Module, config: EngineConfig) -> tuple[KVDtype, K
     """What the pool stores K and V as: ``config.kv_cache_dtype``, else the model's ``kv_dtype`` (``ValueError``
     naming ``kv_cache_dtype`` for a choice the model cannot take)."""
     choice = config.kv_cache_dtype if config.kv_cache_dtype is not None else getattr(model, "kv_dtype", None)
-    kinds = kv_kinds(choice, model.dtype, "kv_cache_dtype")
+    kinds = kv_kinds(choice, model.dtype, "kv_cache_dtype", model.device)
     for kind in kinds:
         if kind.quantized:
             kind.row_bytes(model.config.head_dim)  # ValueError: a head size the blocks do not tile

@@ -5,7 +5,7 @@ A row of ``D`` values is ``D / 32`` blocks; value ``c`` lies in block ``c // 32`
 fp16 scale ``d`` (two bytes, little-endian) then, for ``q8_0`` (34 bytes), 32 int8 ``q`` (``x = d * q``), for ``q4_0``
 (18 bytes), 16 bytes holding value ``i`` in the low nibble of byte ``i`` and value ``16 + i`` in its high nibble
 (``x = d * (q - 8)``). Each value's scale is gathered beside it (the tile's bytes are read from L1 again, not from
-memory).
+memory). An ``fp8_e4m3`` row is ``D`` bytes, each a float8 e4m3 value (``float8e4nv``: compute capability 8.9+).
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ import triton.language as tl
 @triton.jit
 def load_rows(rows, rows_ok, c, D, FORMAT: tl.constexpr):
     """Values ``c (BLOCK_D,)`` of the rows starting at pointers ``rows (BLOCK_N, 1)`` -> ``(BLOCK_N, BLOCK_D)``: the
-    float rows' own dtype for ``FORMAT`` -1, else float32 from ``q8_0`` (0) or ``q4_0`` (1) blocks; zeros where
-    ``rows_ok (BLOCK_N,)`` is false or ``c >= D``."""
+    float rows' own dtype for ``FORMAT`` -1, else float32 from ``q8_0`` (0) or ``q4_0`` (1) blocks or ``fp8_e4m3``
+    bytes (2); zeros where ``rows_ok (BLOCK_N,)`` is false or ``c >= D``."""
     ok = rows_ok[:, None] & (c[None, :] < D)
     if FORMAT == -1:
         x = tl.load(rows + c[None, :], mask=ok, other=0.0)
+    elif FORMAT == 2:
+        x = tl.load(rows + c[None, :], mask=ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
         i = (c % 32)[None, :]
         if FORMAT == 0:

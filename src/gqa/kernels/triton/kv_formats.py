@@ -1,6 +1,7 @@
 """The K/V storage the Triton kernels read, as their ``k_format`` / ``v_format`` arguments say it (``KVDtype.code``):
 -1 float rows in the query's dtype, 0 uint8 rows of llama.cpp ``q8_0`` blocks, 1 of ``q4_0`` blocks (a quantized
-cache's layout, ``cache.kv_dtypes``: ``D / 32`` blocks of a little-endian fp16 scale and 32 values). The kernels
+cache's layout, ``cache.kv_dtypes``: ``D / 32`` blocks of a little-endian fp16 scale and 32 values), 2 uint8 rows of
+``D`` float8 e4m3 bytes. The kernels
 dequantize a tile of keys in registers (``kv_blocks``); here the host side checks a cache tensor against its format
 and gives the shape of the values it holds. Import does not import triton.
 """
@@ -40,8 +41,8 @@ def format_refusal(name: str, t: torch.Tensor, kind: KVDtype | None) -> str | No
     if kind is None:
         return None
     if t.dtype != torch.uint8 or t.dim() < 3 or t.shape[-1] % kind.block_bytes or t.shape[-1] == 0:
-        return (f"{name} must be uint8 rows of {kind.name} blocks ({kind.block_bytes} bytes each) for format "
-                f"{kind.code}, got {t.dtype} {shape_str(t)}")  # fmt: skip
+        unit = "bytes" if kind.fp8 else f"blocks ({kind.block_bytes} bytes each)"
+        return f"{name} must be uint8 rows of {kind.name} {unit} for format {kind.code}, got {t.dtype} {shape_str(t)}"
     return None
 
 
