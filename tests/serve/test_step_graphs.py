@@ -55,6 +55,8 @@ def test_a_batch_replays_its_bucket_and_tier_with_padding_rows_in_the_spare_bloc
     # one warm-up run per graph, largest first, every row a padding row
     assert step.calls == [(4, 100), (4, 64), (4, 16), (2, 100), (2, 64), (2, 16), (1, 100), (1, 64), (1, 16)]
     assert graphs.takes(4, 100) and not graphs.takes(5, 10) and not graphs.takes(1, 101)
+    shared = graphs.logits.data_ptr()  # one output buffer for every graph, as large as the largest bucket
+    assert graphs.logits.shape == (4, 4) and graphs.greedy.shape == (4,)
     step.calls.clear()
     logits, greedy = graphs.run([7, 8, 9], [5, 20, 3], [[3, 1], [4, 5], [6]])
     assert step.calls == [(4, 64)]  # 3 rows -> 4; position 20 -> the tier of 64
@@ -64,6 +66,7 @@ def test_a_batch_replays_its_bucket_and_tier_with_padding_rows_in_the_spare_bloc
     assert padding[:3].tolist() == [0, 0, PAD]  # token 0 at position 0 in the spare block
     logits, greedy = graphs.run([1], [99], [[2] * 7])  # a replay reads what was copied since
     assert step.calls[-1] == (1, 100) and logits.tolist() == [[1, 99, 2, 100]] and greedy.tolist() == [10]
+    assert graphs.logits.data_ptr() == shared
     with pytest.raises(ValueError, match="the largest graph takes 4 rows of 100 tokens"):
         graphs.run([1] * 5, [0] * 5, [[1]] * 5)
 

@@ -123,13 +123,29 @@ class DecodeGraphs:
         self.inputs = torch.zeros(self.buckets[-1], 2 + width, dtype=torch.long, device=device)
         self.inputs[:, 2:] = pad_block
         self.replays = 0
+        self.step = step
+        # every graph writes its outputs into these (made by the first warm-up, outside any capture): one logits
+        # buffer for all, not one per graph (64 rows x a 128k vocabulary is 32 MiB a graph)
+        self.logits: torch.Tensor | None = None
+        self.greedy: torch.Tensor | None = None
         make = RecordedStep if recorded else CudaStep
         pool = None if recorded else torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], RecordedStep | CudaStep] = {}
         for b in sorted(self.buckets, reverse=True):  # largest first: the others reuse its memory
             for length in sorted(self.lengths, reverse=True):
-                rows = self.inputs[:b]
-                self.graphs[b, length] = make(partial(step, rows[:, 0], rows[:, 1], rows[:, 2:], length), device, pool)
+                self.graphs[b, length] = make(partial(self._rows, b, length), device, pool)
+
+    def _rows(self, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step over the static inputs' first ``b`` rows, its outputs copied into the shared buffers' first
+        ``b``."""
+        rows = self.inputs[:b]
+        logits, greedy = self.step(rows[:, 0], rows[:, 1], rows[:, 2:], length)
+        if self.logits is None:
+            self.logits = logits.new_empty(self.buckets[-1], *logits.shape[1:])
+            self.greedy = greedy.new_empty(self.buckets[-1])
+        self.logits[:b].copy_(logits)
+        self.greedy[:b].copy_(greedy)
+        return self.logits[:b], self.greedy[:b]
 
     def takes(self, rows: int, longest: int) -> bool:
         """Whether a graph takes ``rows`` decode rows whose longest sequence is ``longest`` tokens."""
