@@ -120,9 +120,10 @@ def _models(dtype, hidden_size=96):
     from gqa.models import CausalLM
     from gqa.models.config import ModelConfig
 
-    cfg = transformers.LlamaConfig(hidden_size=hidden_size, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
-                                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=512,
-                                   tie_word_embeddings=False, attn_implementation="sdpa")  # fmt: skip
+    cfg = transformers.LlamaConfig(hidden_size=hidden_size, intermediate_size=160, num_hidden_layers=3,
+                                   num_attention_heads=6, num_key_value_heads=2, vocab_size=300,
+                                   max_position_embeddings=512, tie_word_embeddings=False,
+                                   attn_implementation="sdpa")  # fmt: skip
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).to("cuda", dtype).eval()
     ours = CausalLM.from_state(ModelConfig.from_hf(cfg.to_dict() | {"model_type": "llama"}), hf.state_dict())

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in th
 
 @pytest.mark.skipif(bool(os.environ.get(CHILD)), reason="the child process itself")
 def test_triton_runner_in_interpreter_process():
-    run_interpreted(__file__, CHILD, min_passed=11)
+    run_interpreted(__file__, CHILD, min_passed=14)
 
 
 def _pools(num_blocks, H_kv, block_size, D, D_v, dtype, seed=0):
@@ -391,3 +391,39 @@ def test_a_graphed_step_writes_its_rows_and_the_spare_block_only(tmp_path):
     assert torch.equal(greedy, eager.argmax(-1))
     other, _ = runner.graphs.run([1, 2], [3, 6], [[5], [6, 7]])
     assert other.shape[0] == 2 and not torch.allclose(other, logits[:2])
+
+
+@needs_interpreter
+def test_graphs_of_several_length_tiers_and_splits_give_transformers_tokens(tmp_path, monkeypatch):
+    """Tiers of 16, 64 and 128 keys and attention splits of 32 (both shrunk from 2,048 and 512 to fit the tiny
+    model's context): sequences that cross tiers and splits while they decode get transformers' greedy tokens, and
+    each tier's graphs were replayed."""
+    from gqa.kernels.triton import paged
+    from gqa.serve import step_graphs
+
+    monkeypatch.setattr(step_graphs, "FIRST_TIER", 16)
+    monkeypatch.setattr(paged, "CHUNK", 32)
+    ref = family_model("qwen2", tmp_path, head_dim=32)
+    model = gqa.load_model(tmp_path, dtype=torch.float32, tokenizer=False)
+    prompts = [list(range(20, 60)), [5, 9, 17, 33, 2, 8, 40, 41, 7]]  # decoding from 40 and 9 tokens on
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    engine = _graphed(model, kv_cache_mib=1, block_size=4, prefill_chunk=64, max_running=2)
+    graphs = engine.runner.graphs
+    assert graphs.lengths == (16, 64, 128)
+    together = serve_all(engine, prompts, params)
+    assert together == [hf_greedy(ref, prompt, 30) for prompt in prompts]
+    short = serve_all(engine, [[3, 4]], SamplingParams(max_tokens=10, ignore_eos=True))  # alone, within 16 keys
+    assert short == [hf_greedy(ref, [3, 4], 10)]
+    assert {length for _, length in graphs.used} == {16, 64, 128}
+
+
+@needs_interpreter
+def test_fp8_never_reaches_the_cpu_kernels(tmp_path):
+    """fp8 caches exist on CPU only under Triton's interpreter (here): the CPU engine refuses an fp8 pool by name,
+    and ``generate`` over fp8 static caches decodes without the native step (which reads q8_0 / q4_0 only)."""
+    family_model("qwen2", tmp_path, head_dim=32)
+    model = gqa.load_model(tmp_path, dtype=torch.float32, tokenizer=False)
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8_e4m3 is read by the CUDA kernels only"):
+        Engine(model, kv_cache_mib=1, kv_cache_dtype="fp8")
+    out = model.generate([[5, 9, 17, 33]], max_new_tokens=4, eos_token_ids=[], kv_dtype="fp8")
+    assert len(out[0]) == 4

@@ -53,6 +53,8 @@ def applies(model: torch.nn.Module, input_ids: torch.Tensor, caches: list | None
         return False
     if first.quantized and not whole_model(model):  # the call per layer (decode_attend) reads float caches only
         return False
+    if any(kind.fp8 for kind in first.kinds):  # the native kernels read q8_0 / q4_0 blocks, not fp8
+        return False
     return first.dtype == model.dtype and first.key.shape[0] == input_ids.shape[0] and first.seq_len < first.capacity
 
 

@@ -104,14 +104,19 @@ def batch_rows(work: list[tuple[Request, int, int]]) -> tuple[list[int], list[in
     return ids, positions, tables, wanted
 
 
-def pool_kinds(model: torch.nn.Module, config: EngineConfig) -> tuple[KVDtype, KVDtype]:
+def pool_kinds(model: torch.nn.Module, config: EngineConfig, native: bool | None = None) -> tuple[KVDtype, KVDtype]:
     """What the pool stores K and V as: ``config.kv_cache_dtype``, else the model's ``kv_dtype`` (``ValueError``
-    naming ``kv_cache_dtype`` for a choice the model cannot take)."""
+    naming ``kv_cache_dtype`` for a choice the model cannot take). ``native``: the CPU kernels read the pool (default:
+    a model on CPU), which read q8_0 / q4_0 blocks but not fp8."""
     choice = config.kv_cache_dtype if config.kv_cache_dtype is not None else getattr(model, "kv_dtype", None)
     kinds = kv_kinds(choice, model.dtype, "kv_cache_dtype", model.device)
     for kind in kinds:
         if kind.quantized:
             kind.row_bytes(model.config.head_dim)  # ValueError: a head size the blocks do not tile
+    native = model.device.type == "cpu" if native is None else native
+    if native and any(kind.fp8 for kind in kinds):
+        raise ValueError("kv_cache_dtype fp8_e4m3 is read by the CUDA kernels only (vLLM's fp8 cache); the CPU engine "
+                         "reads q8_0 or q4_0")  # fmt: skip
     return kinds
 
 

@@ -2,22 +2,24 @@
 
 An eager serving step on a GPU is launch-bound: SmolLM2's 30 layers are ~15 kernels each, and the host takes longer
 to launch them than the GPU to run them (25-41 ms a step on an H100 against 4.2-5.0 ms for the same model's
-CUDA-graph decode). A step whose rows are all decode rows (one token each, no draft) has a fixed shape once its row
-count is rounded up to a bucket: ``DecodeGraphs`` captures, at start-up, the step over static input buffers for each
-bucket (``graph_buckets``: 1, 2, 4, 8, then every 8 up to ``max_running``) and later copies a step's token ids,
-positions and block tables into those buffers and replays the bucket's graph. Prompt chunks, draft rows and batches
-beyond the largest bucket run eagerly.
+CUDA-graph decode). A step whose every row wants its next token (decode rows; a draft's rows, each a token at its own
+position) has a fixed shape once its row count is rounded up to a bucket: ``DecodeGraphs`` captures, at start-up,
+the step over static input buffers for each bucket (``graph_buckets``: 1, 2, 4, 8, then every 8 up to
+``max_running``) and later copies a step's token ids, positions and block tables into those buffers and replays the
+bucket's graph. Prompt chunks, batches beyond the largest bucket and sequences beyond ``MAX_GRAPH_LENGTH`` tokens
+(vLLM's ``max_seq_len_to_capture``; there attention, not launching, takes the time) run eagerly.
 
 What keeps the shapes fixed:
 - the rows past a batch's own (the bucket's padding) are token 0 at position 0 with a one-block table holding the
   pool's spare block (``PagedKVCache(spare_blocks=1)``, a block no request's table holds): they write their K/V
   there and attend to it alone, so the real rows and the pool's other blocks never see them;
 - the attention kernel is launched for a fixed number of keys, its splits at fixed multiples of its chunk as in an
-  eager step, so a row's attention is the eager step's bit for bit; a graph launched for the longest sequence the
-  model and the pool allow (128k keys for Llama 3) would run hundreds of empty programs per row and head for a short
-  one, so each bucket has a graph per length tier (``length_tiers``: 2,048 keys, then x4 up to that longest), and a
-  step replays the shortest tier its longest row fits;
-- RoPE reads its tables, grown to the longest tier before capture (no host-side growth during a step).
+  eager step, so a row's attention is the eager step's bit for bit; launched for the longest sequence a graph takes
+  it would run empty programs per row and head for a short one, so each bucket has a graph per length tier
+  (``length_tiers``: 2,048 keys, then x4 up to the longest), and a step replays the shortest tier its longest row fits;
+- RoPE reads its tables, grown to the longest tier before capture (no host-side growth during a step); the runner
+  keeps the tables and the fused weights the graphs read alive as long as they are (a table grown later elsewhere
+  is a new tensor).
 
 Capture runs the step once eagerly first (compiling the Triton kernels and creating cuBLAS's workspaces, on a side
 stream as PyTorch asks) over the padding rows only; the graphs share one memory pool, captured largest first so
@@ -28,6 +30,7 @@ to copy its inputs there gives wrong tokens on CPU as it would on a GPU.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -38,6 +41,7 @@ __all__ = ["DecodeGraphs", "RecordedStep", "bucket_for", "graph_buckets", "lengt
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 FIRST_TIER = 2048  # keys of the shortest length tier
+MAX_GRAPH_LENGTH = 8192  # longer sequences step eagerly (vLLM's max_seq_len_to_capture): attention dominates there
 
 
 def graph_buckets(max_rows: int) -> tuple[int, ...]:
@@ -48,10 +52,12 @@ def graph_buckets(max_rows: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def length_tiers(longest: int, first: int = FIRST_TIER) -> tuple[int, ...]:
-    """The sequence lengths a graph is captured for: ``first``, 4 times that, ... below ``longest``, and ``longest``."""
+def length_tiers(longest: int, first: int | None = None) -> tuple[int, ...]:
+    """The sequence lengths a graph is captured for: ``first`` (default ``FIRST_TIER``), 4 times that, ... below
+    ``longest``, and ``longest``."""
     if isinstance(longest, bool) or not isinstance(longest, int) or longest < 1:
         raise ValueError(f"longest must be a positive integer, got {longest!r}")
+    first = FIRST_TIER if first is None else first
     tiers = []
     while first < longest:
         tiers.append(first)
@@ -91,7 +97,8 @@ class CudaStep:
                 fn()
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            # on the side stream: torch's default capture stream belongs to the device current at its first use
+            with torch.cuda.graph(self.graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                 self.outputs = fn()
 
     def replay(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,6 +130,7 @@ class DecodeGraphs:
         self.inputs = torch.zeros(self.buckets[-1], 2 + width, dtype=torch.long, device=device)
         self.inputs[:, 2:] = pad_block
         self.replays = 0
+        self.used: Counter[tuple[int, int]] = Counter()  # replays per (bucket, length tier)
         self.step = step
         # every graph writes its outputs into these (made by the first warm-up, outside any capture): one logits
         # buffer for all, not one per graph (64 rows x a 128k vocabulary is 32 MiB a graph)
@@ -173,4 +181,5 @@ class DecodeGraphs:
         self.inputs[:b, : 2 + used].copy_(torch.from_numpy(host), non_blocking=True)
         logits, greedy = self.graphs[b, length].replay()
         self.replays += 1
+        self.used[b, length] += 1
         return logits[:n].clone(), greedy[:n].cpu()

@@ -28,7 +28,7 @@ from .paged_cache import PagedKVCache, blocks_in_budget, table_tensor
 from .pool_size import DEVICE_MEMORY_SHARE, PoolSize
 from .request import EngineError, Request
 from .runner import batch_rows, pool_kinds, pool_size, serving_window
-from .step_graphs import DecodeGraphs, graph_buckets, length_tiers
+from .step_graphs import MAX_GRAPH_LENGTH, DecodeGraphs, graph_buckets, length_tiers
 
 __all__ = ["TritonModelRunner", "default_device_kv_cache_mib"]
 
@@ -44,7 +44,7 @@ class TritonModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *, graphs: bool | None = None) -> None:
         self.check_model(model)
         self.model, cfg = model, model.config
-        kinds = pool_kinds(model, config)
+        kinds = pool_kinds(model, config, native=False)
         self.pool_size = device_pool_size(model, config)
         mib = self.pool_size.nbytes / 2**20
         num_blocks = blocks_in_budget(mib, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size, kinds)
@@ -128,9 +128,10 @@ class TritonModelRunner:
 
     @property
     def graph_length(self) -> int:
-        """The longest sequence a graphed step takes: the model's context, at most the pool's tokens."""
+        """The longest sequence a graphed step takes: the model's context, at most the pool's tokens and
+        ``step_graphs.MAX_GRAPH_LENGTH``."""
         cache = self.cache
-        return min(self.model.config.max_position_embeddings, cache.num_blocks * cache.block_size)
+        return min(self.model.config.max_position_embeddings, cache.num_blocks * cache.block_size, MAX_GRAPH_LENGTH)
 
     @torch.inference_mode()
     def _capture(self, config: EngineConfig) -> None:
@@ -144,6 +145,10 @@ class TritonModelRunner:
             logits = self._step(ids, pos, table, length, None)
             return logits, logits.argmax(-1)
 
+        # what the graphs read by address, kept alive for their life: RoPE's tables (a longer sequence elsewhere
+        # grows a table into a new tensor; these keep the same values for every position they hold) and the fused
+        # weights (rebuilt as new tensors if the model's weights change: the graphs keep the weights they captured)
+        self._captured = (step_weights(self.model), [(r.cos_cached, r.sin_cached) for r in step_ropes(self.model)])
         began = time.perf_counter()
         self.graphs = DecodeGraphs(step, buckets=graph_buckets(config.max_running), lengths=length_tiers(longest),
                                    width=-(-longest // block_size), pad_block=self.cache.num_blocks,

@@ -63,6 +63,8 @@ def kv_skip(engine: str, dtype: str, kv: str) -> str | None:
     kind = kv_kind(engine, dtype, kv)
     if kind is None:
         return f"a float KV cache stores the activations' dtype, {str(cache_dtype(dtype)).removeprefix('torch.')}"
+    if kind.fp8:
+        return "an fp8 KV cache is read by the CUDA kernels only"
     if kind.quantized and engine == "hf":
         return "transformers' caches are float here (its QuantizedCache needs quanto/HQQ, other formats)"
     if kind.quantized and engine == "gqa-compile":

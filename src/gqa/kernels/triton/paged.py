@@ -63,6 +63,8 @@ def _check(query, key_pool, value_pool, tables, lengths, max_length, k_kind, v_k
         return f"tables must be int32/int64 (N={N}, max_blocks), got {tables.dtype} {shape_str(tables)}"
     if lengths.dtype not in (torch.int32, torch.int64) or lengths.shape != (N,):
         return f"lengths must be int32/int64 (N={N},), got {lengths.dtype} {shape_str(lengths)}"
+    if tables.stride(1) != 1 or lengths.stride(0) != 1:
+        return "tables need a contiguous last dim and lengths a contiguous one (rows may be strided)"
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
         return f"max_length must be a positive int, got {max_length!r}"
     if max_length > tables.shape[1] * block_size:
