@@ -111,8 +111,10 @@ def test_chat_stream_stop_string_and_seeded_sampling(client):
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert json.loads(get(server.url + "/health")[1]) == {"status": "ok"}
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)  # counted, whatever ran before
     m = wait_idle(server)
     assert m["gqa_kv_blocks_used"] == 0 and m["gqa_kv_blocks_free"] > 0 and m["gqa_generation_tokens_total"] > 0
+    assert m["gqa_steps_total"] > 0 and m["gqa_cuda_graph_steps_total"] == 0  # CPU: no graphs
 
 
 @pytest.mark.parametrize(

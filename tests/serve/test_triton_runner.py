@@ -347,6 +347,7 @@ def test_decode_steps_replay_graphs_and_give_the_eager_tokens(tmp_path, kv_cache
     free = engine.blocks.num_free
     together = serve_all(engine, prompts, params)
     assert graphs.replays >= 6 and engine.blocks.num_free == free
+    assert engine.stats().cuda_graph_steps == graphs.replays < engine.stats().steps  # prompts stepped eagerly
     if kv_cache_dtype is None:
         assert together == [hf_greedy(ref, prompt, 7) for prompt in prompts]
     else:

@@ -56,6 +56,7 @@ class EngineStats:
     prefix_cache_resumed_queries: int = 0
     prefix_cache_disk_hits: int = 0  # prompt blocks read from the prefix cache on disk instead of computed
     prefix_cache_disk_writes: int = 0  # block files written to it
+    cuda_graph_steps: int = 0  # steps replayed from a CUDA graph (the GPU runner's decode steps)
 
 
 class Engine:
@@ -120,10 +121,12 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s, b, d = self.scheduler, self.blocks, self.disk
+        graphs = getattr(self.runner, "graphs", None)  # the GPU runner's CUDA graphs
         return EngineStats(len(s.waiting), len(s.running), b.num_blocks, b.num_free, b.block_size, b.prefix_hits,
                            b.prefix_queries, **s.counts, prefix_cache_resumed_hits=b.resumed_hits,
                            prefix_cache_resumed_queries=b.resumed_queries, prefix_cache_disk_hits=d.hits if d else 0,
-                           prefix_cache_disk_writes=d.writes if d else 0)  # fmt: skip
+                           prefix_cache_disk_writes=d.writes if d else 0,
+                           cuda_graph_steps=graphs.replays if graphs is not None else 0)  # fmt: skip
 
     def close(self) -> None:
         """Finish the engine's background work: the prefix cache's files being written."""
