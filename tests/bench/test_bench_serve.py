@@ -151,3 +151,12 @@ def test_the_eager_row_serves_with_enforce_eager_and_the_cli_turns_graphs_off():
     serve_cli.add_arguments(parser)
     assert serve_cli.engine_config(parser.parse_args([])).cuda_graphs is True
     assert serve_cli.engine_config(parser.parse_args(["--enforce-eager"])).cuda_graphs is False
+
+
+def test_server_line_reads_the_last_marked_line_of_a_rows_log(tmp_path):
+    """What ``--tp``'s all-reduce share and the CUDA graphs' capture are read from: the server's own log lines."""
+    captured = "gqa serve: CUDA graphs for decode batches of 1, 2 rows"
+    (tmp_path / "gqa.log").write_text(f"gqa serve: loading\n{captured}\n")
+    assert bench_serve.server_line(tmp_path, "gqa", "CUDA graphs") == captured
+    assert bench_serve.server_line(tmp_path, "gqa", "all-reduces") == ""
+    assert bench_serve.server_line(tmp_path, "gqa, --tp 2", "all-reduces") == ""  # no log: nothing, no error

@@ -161,6 +161,13 @@ def shaped_model(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> str
     return str(path)
 
 
+def server_line(out: Path, tag: str, marker: str) -> str:
+    """The last line of row ``tag``'s server log (``out / f"{tag}.log"``) that holds ``marker``, or ``""``."""
+    path = out / f"{tag}.log"
+    lines = [ln for ln in path.read_text().splitlines() if marker in ln] if path.is_file() else []
+    return lines[-1] if lines else ""
+
+
 def differ_from_plain(rows: list[dict], row: dict) -> dict:
     """``row`` with ``differ_from_plain``: how many of its responses differ from the plain ``gqa`` row's."""
     plain = next(r for r in rows if r["tag"] == "gqa")
@@ -234,9 +241,9 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     for tp in [t for t in dict.fromkeys(ns.tp) if t != 1] if "gqa" in engines else []:
         sharded = argparse.Namespace(**{**vars(ns), "gqa_tp": tp})
         rows.append(differ_from_plain(rows, bench_engine("gqa", ns.model, sharded, ns.kv_cache_mib, f"gqa, --tp {tp}")))
-        share = [ln for ln in (ns.out / f"gqa, --tp {tp}.log").read_text().splitlines() if "all-reduces" in ln]
-        print(f"[bench serve] --tp {tp}: {rows[-1]['differ_from_plain']} responses differ from tp 1's; "
-              f"{share[-1] if share else ''}", file=sys.stderr)  # fmt: skip
+        share = server_line(ns.out, f"gqa, --tp {tp}", "all-reduces")
+        print(f"[bench serve] --tp {tp}: {rows[-1]['differ_from_plain']} responses differ from tp 1's; {share}",
+              file=sys.stderr)  # fmt: skip
     for replicas in [r for r in dict.fromkeys(ns.replicas) if r != 1] if "gqa" in engines else []:
         spread = argparse.Namespace(**{**vars(ns), "gqa_replicas": replicas})
         row = bench_engine("gqa", ns.model, spread, ns.kv_cache_mib / replicas, f"gqa, --replicas {replicas}")
@@ -253,6 +260,10 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         rows.append(differ_from_plain(rows, row))
         print(f"[bench serve] --speculate {ns.speculate}: {rows[-1]['differ_from_plain']} responses differ from gqa's "
               "without drafts (greedy verification is exact: 0)", file=sys.stderr)  # fmt: skip
+    if "gqa" in engines and ns.device != "cpu":  # what the server captured at start
+        plain = next(r for r in rows if r["tag"] == "gqa")
+        plain["cuda_graphs"] = server_line(ns.out, "gqa", "CUDA graphs")
+        print(f"[bench serve] {plain['cuda_graphs']}", file=sys.stderr)
     if ns.eager and "gqa" in engines and ns.device != "cpu":
         eager = argparse.Namespace(**{**vars(ns), "gqa_eager": True})
         row = bench_engine("gqa", ns.model, eager, ns.kv_cache_mib, "gqa, --enforce-eager")
