@@ -15,7 +15,7 @@ import torch
 
 from .. import kernels
 from ..cache.kv_dtypes import KVDtype
-from ..cache.quantize import dequantize, rotate
+from ..cache.quantize import dequantize, native_reads, rotate
 from .checks import check_window
 from .masks import group_mask, merge_masks, soft_cap, window_mask
 
@@ -59,9 +59,8 @@ def quantized_cache_attention(
             formats = dict(k_format=kinds[0].code, v_format=kinds[1].code)
             return split_kv_attention(q, key, value, scale=scale, is_causal=is_causal, attn_mask=attn_mask,
                                       softcap=softcap, sinks=sinks, **formats)  # fmt: skip
-    cpu_formats = not any(kind.fp8 for kind in kinds)  # the native kernels read q8_0 / q4_0 blocks, not fp8
     native = (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and kernels.available()
-              and not grad and cpu_formats)  # fmt: skip
+              and not grad and native_reads(kinds))  # fmt: skip
     if not native:
         return chunked_attention(q, key, value, kinds, attn_mask, is_causal, scale, softcap=softcap, sinks=sinks)
     from ..kernels import ops

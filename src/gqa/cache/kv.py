@@ -12,7 +12,6 @@ and per-row real lengths (``lengths``); the attention module uses them automatic
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -84,7 +83,9 @@ def check_fp8_device(device: torch.device, flag: str = "kv_dtype") -> None:
             raise ValueError(f"{flag} fp8_e4m3 needs a GPU of compute capability 8.9 or more (Ada, Hopper), this "
                              f"one is {major}.{minor}: use q8_0 or q4_0")  # fmt: skip
         return
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from ..kernels.triton.split_kv import interpreted
+
+    if device.type == "cpu" and interpreted():
         return
     raise ValueError(f"{flag} fp8_e4m3 is read by the CUDA kernels only (vLLM's fp8 cache); on {device.type} "
                      "use q8_0 or q4_0")  # fmt: skip

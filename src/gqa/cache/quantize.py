@@ -31,6 +31,7 @@ __all__ = [
     "dequantize",
     "held_values",
     "kv_formats",
+    "native_reads",
     "quantize",
     "reference_quantize",
     "resolve_kv_dtype",
@@ -59,6 +60,11 @@ def resolve_kv_dtype(kv: str | KVDtype | None, model_dtype: torch.dtype, flag: s
 def kv_formats(kinds: tuple[KVDtype, KVDtype]) -> tuple[int, ...]:
     """The native kernels' codes of K's and V's storage (``KVDtype.code``), ``()`` where both are float."""
     return tuple(kind.code for kind in kinds) if any(kind.quantized for kind in kinds) else ()
+
+
+def native_reads(kinds: tuple[KVDtype, KVDtype]) -> bool:
+    """Whether the native CPU kernels read K and V stored as ``kinds``: floats and q8_0 / q4_0 blocks, not fp8."""
+    return not any(kind.fp8 for kind in kinds)
 
 
 def storage_dtype(kv: KVDtype) -> torch.dtype:

@@ -24,6 +24,7 @@ import torch
 
 from .. import kernels
 from ..cache.kv import StaticKVCache
+from ..cache.quantize import native_reads
 from ..cache.window import SlotRows, WindowKVCache
 from ..kernels import ops
 from ..models.linear import Linear, linears
@@ -53,7 +54,7 @@ def applies(model: torch.nn.Module, input_ids: torch.Tensor, caches: list | None
         return False
     if first.quantized and not whole_model(model):  # the call per layer (decode_attend) reads float caches only
         return False
-    if any(kind.fp8 for kind in first.kinds):  # the native kernels read q8_0 / q4_0 blocks, not fp8
+    if not native_reads(first.kinds):  # fp8: CUDA's
         return False
     return first.dtype == model.dtype and first.key.shape[0] == input_ids.shape[0] and first.seq_len < first.capacity
 

@@ -18,6 +18,7 @@ import torch
 from .. import kernels
 from ..cache.kv import kv_kinds
 from ..cache.kv_dtypes import KVDtype
+from ..cache.quantize import native_reads
 from ..decoding import native_step
 from ..kernels import ops
 from .config import EngineConfig
@@ -114,7 +115,7 @@ def pool_kinds(model: torch.nn.Module, config: EngineConfig, native: bool | None
         if kind.quantized:
             kind.row_bytes(model.config.head_dim)  # ValueError: a head size the blocks do not tile
     native = model.device.type == "cpu" if native is None else native
-    if native and any(kind.fp8 for kind in kinds):
+    if native and not native_reads(kinds):
         raise ValueError("kv_cache_dtype fp8_e4m3 is read by the CUDA kernels only (vLLM's fp8 cache); the CPU engine "
                          "reads q8_0 or q4_0")  # fmt: skip
     return kinds

@@ -1,9 +1,8 @@
 """The K/V storage the Triton kernels read, as their ``k_format`` / ``v_format`` arguments say it (``KVDtype.code``):
 -1 float rows in the query's dtype, 0 uint8 rows of llama.cpp ``q8_0`` blocks, 1 of ``q4_0`` blocks (a quantized
 cache's layout, ``cache.kv_dtypes``: ``D / 32`` blocks of a little-endian fp16 scale and 32 values), 2 uint8 rows of
-``D`` float8 e4m3 bytes. The kernels
-dequantize a tile of keys in registers (``kv_blocks``); here the host side checks a cache tensor against its format
-and gives the shape of the values it holds. Import does not import triton.
+``D`` float8 e4m3 bytes. The kernels dequantize a tile of keys in registers (``kv_blocks``); here the host side checks
+a cache tensor against its format and gives the shape of the values it holds. Import does not import triton.
 """
 
 from __future__ import annotations
