@@ -349,3 +349,20 @@ def test_generate_with_a_quantized_kv_cache_and_a_float_one_of_another_dtype(cap
     assert code == 0 and out.strip()
     code, _, err = run_cli(capsys, "generate", "Hi", "--dtype", "fp32", "--kv-cache-dtype", "bf16")
     assert code == 2 and "--kv-cache-dtype bf16 differs from the model's dtype fp32" in err
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels not built on this machine")
+def test_a_refused_kv_cache_dtype_is_named_by_the_flag_that_asked_for_it(capsys):
+    """fp8 is refused on CPU; the error names the per-side flag the user gave (both, when both asked), else the
+    common one."""
+    expected = {
+        ("--kv-cache-dtype-k", "fp8"): "--kv-cache-dtype-k fp8_e4m3 is read by the CUDA kernels only",
+        ("--kv-cache-dtype-v", "fp8_e4m3"): "--kv-cache-dtype-v fp8_e4m3 is read by the CUDA kernels only",
+        ("--kv-cache-dtype", "fp8"): "--kv-cache-dtype fp8_e4m3 is read by the CUDA kernels only",
+        ("--kv-cache-dtype-k", "fp8", "--kv-cache-dtype-v", "fp8"): "--kv-cache-dtype-k / --kv-cache-dtype-v fp8_e4m3",
+    }
+    for flags, message in expected.items():
+        code, _, err = run_cli(capsys, "generate", "Hi", "--max-new-tokens", "2", *flags)
+        assert code == 2 and message in err, (flags, err)
+    code, _, err = run_cli(capsys, "generate", "Hi", "--kv-cache-dtype-k", "q8_0", "--kv-cache-dtype-v", "fp8")
+    assert code == 2 and "--kv-cache-dtype-v fp8_e4m3" in err and "--kv-cache-dtype-k" not in err

@@ -105,7 +105,7 @@ def generate_text(ns: argparse.Namespace) -> int:
     if ns.dtype == "auto":  # say what auto means here; quantized GGUF blocks show in --stats
         shown = {v: k for k, v in DTYPES.items()}[auto_dtype()] + " (auto)"
     what = f"{model_label(ns.model)} as {shown}" + (f", quantized to {quantize}" if quantize else "")
-    with kv_flag_errors(), loading(what, quiet=not lead):
+    with kv_flag_errors(ns), loading(what, quiet=not lead):
         model = load_model(ns.model, dtype=dtype, tensor_parallel=getattr(ns, "sharded", False), quantize=quantize,
                            kv_dtype=kv_dtype_choice(ns))  # fmt: skip
     chosen: list = []  # the decode step select_step picked (--stats)

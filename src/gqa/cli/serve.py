@@ -316,7 +316,7 @@ def load_served(settings: Settings, path: str | None, name: str):
 
     ns, device, dtype, template = settings.ns, settings.device, settings.dtype, settings.template
     sharded = getattr(ns, "sharded", False)  # rank 0 of a tensor-parallel server (serve_tp)
-    with kv_flag_errors(), loading(f"{model_label(path)} as {ns.dtype} on {device}"):
+    with kv_flag_errors(ns), loading(f"{model_label(path)} as {ns.dtype} on {device}"):
         model = load_model(path, dtype="auto" if ns.dtype == "auto" and device.type == "cpu" else dtype,
                            device=device, kv_dtype=kv_dtype_choice(ns), tensor_parallel=sharded)  # fmt: skip
     if template is not None:

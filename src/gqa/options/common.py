@@ -103,12 +103,25 @@ def kv_dtype_choice(ns: argparse.Namespace) -> str | tuple[str, str]:
     return k if k == v else (k, v)
 
 
+def kv_flag_named(ns: argparse.Namespace, name: str) -> str:
+    """The flag that chose the kv dtype ``name`` (a canonical name, as errors give it): the per-side flag(s) that
+    asked for it, else ``--kv-cache-dtype``."""
+    from ..cache.kv_dtypes import ALIASES  # torch-free, but not needed for --help
+
+    chosen = {side: getattr(ns, f"kv_cache_dtype_{side}", None) for side in ("k", "v")}
+    sides = [f"--kv-cache-dtype-{side}" for side, v in chosen.items() if v and ALIASES.get(v, v) == name]
+    return " / ".join(sides) or "--kv-cache-dtype"
+
+
 @contextmanager
-def kv_flag_errors() -> Iterator[None]:
-    """``load_model``'s ``ValueError`` about its ``kv_dtype`` argument, told with the flag's name."""
+def kv_flag_errors(ns: argparse.Namespace) -> Iterator[None]:
+    """``load_model``'s ``ValueError`` about its ``kv_dtype`` argument, told with the flag that asked for the type
+    (``--kv-cache-dtype-k fp8`` is named as that flag, not as ``--kv-cache-dtype``)."""
     try:
         yield
     except ValueError as e:
-        if str(e).startswith("kv_dtype "):
-            raise ValueError("--kv-cache-dtype" + str(e)[len("kv_dtype") :]) from None
+        text = str(e)
+        if text.startswith("kv_dtype "):
+            name = text.split()[1]
+            raise ValueError(kv_flag_named(ns, name) + text[len("kv_dtype") :]) from None
         raise
