@@ -125,76 +125,120 @@ inline void quantize_query_int16(const float* q, int64_t D, int16_t* q16, float*
   }
 }
 
-// One key block's 32 values as int16 (q8_0: q; q4_0: q - 8) and its scale.
-inline __m512i kv_block_int16(const uint8_t* blk, int64_t format) {
-  const uint8_t* qs = blk + 2;
-  if (format == KV_Q8_0) return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m = _mm_set1_epi8(0x0F);
-  const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
-  return _mm512_cvtepi8_epi16(_mm256_sub_epi8(both, _mm256_set1_epi8(8)));
-}
-
-// r[i] lane j -> r[j] lane i: a 16 x 16 transpose of int32 (unpacks of 32 and 64 bits, then of 128-bit lanes).
-inline void transpose16_epi32(__m512i* r) {
-  __m512i t[16], u[16], v[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm512_shuffle_i32x4(u[i], u[i + 4], 0x88);
-    v[i + 4] = _mm512_shuffle_i32x4(u[i], u[i + 4], 0xDD);
-    v[i + 8] = _mm512_shuffle_i32x4(u[i + 8], u[i + 12], 0x88);
-    v[i + 12] = _mm512_shuffle_i32x4(u[i + 8], u[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(v[i], v[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(v[i], v[i + 8], 0xDD);
-  }
-}
-
-// The n (<= CHUNK) keys of a chunk, rows[c] key c's row of blocks, as int16 tiles for chunk_scores_int16: per group
-// of 16 keys and block b, 16 vectors whose lane i holds key i's pair p of values (two int16) — keys along the lanes,
-// so that a score needs no sum across lanes — at kt + ((g * nb + b) * 16 + p) * 16 int32; dk[b * CHUNK + c] the
-// blocks' scales. Keys past n are zeros.
-inline void key_tiles_int16(const uint8_t* const* rows, int64_t format, int64_t nb, int64_t n, int32_t* kt, float* dk) {
-  const int64_t bb = kv_block_bytes(format);
-  for (int64_t g = 0; g * 16 < n; ++g) {
-    const int64_t m = std::min<int64_t>(16, n - g * 16);
-    for (int64_t b = 0; b < nb; ++b) {
-      __m512i r[16];
-      for (int64_t i = 0; i < 16; ++i) {
-        if (i >= m) {
-          r[i] = _mm512_setzero_si512();
-          continue;
-        }
-        const uint8_t* blk = rows[g * 16 + i] + b * bb;
-        dk[b * CHUNK + g * 16 + i] = kv_half(blk);
-        r[i] = kv_block_int16(blk, format);
-      }
-      transpose16_epi32(r);
-      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kt + ((g * nb + b) * 16 + p) * 16, r[p]);
+// The tiles hold a block's 32 values as 16 int32 lanes of two int16 each, in the order the bytes give them without
+// a widening pass: tile t of a block pairs values (a_t, a_t + 2) — q8_0: a = 4p + e for dword p (4 bytes) of the
+// block and e = 0 (its even bytes) or 1 (its odd ones), t = 2p + e; q4_0 (nibbles, byte j holding values j and
+// 16 + j): a = 4p + e + 16h, h = 0 (low nibbles) or 1 (high ones), t = 4p + 2h + e, and q4_0's values are taken
+// unsigned (q, not q - 8): the -8 goes into the sum's starting value, -8 * sum_j q16_j, so the integer sums are
+// exactly those of q16 . (q - 8). pairs[b * 16 + t] is the query's (a_t, a_t + 2) as one int32 (the low half the
+// first); offs[b] the block's starting value.
+inline void query_pairs_int16(const int16_t* q16, int64_t D, int64_t format, int32_t* pairs, int32_t* offs) {
+  auto pair = [](int16_t lo, int16_t hi) {
+    return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(lo)) |
+                                (static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16));
+  };
+  for (int64_t b = 0; b < D / KV_BLOCK; ++b) {
+    const int16_t* q = q16 + b * KV_BLOCK;
+    int32_t* out = pairs + b * 16;
+    int32_t sum = 0;
+    for (int j = 0; j < KV_BLOCK; ++j) sum += q[j];
+    offs[b] = format == KV_Q4_0 ? -8 * sum : 0;
+    for (int t = 0; t < 16; ++t) {
+      const int a = format == KV_Q8_0 ? 4 * (t / 2) + t % 2 : 4 * (t / 4) + (t % 4) / 2 * 16 + t % 2;
+      out[t] = pair(q[a], q[a + 2]);
     }
   }
 }
 
-// s[c] = sum_b dq[b] * dk[b * CHUNK + c] * (q16_b . k16[c]_b) for the n keys of key_tiles_int16's tiles `kt`.
-inline void chunk_scores_int16(const int16_t* q16, const float* dq, const int32_t* kt, const float* dk, int64_t nb,
-                               int64_t n, float* s) {
-  const int32_t* qpairs = reinterpret_cast<const int32_t*>(q16);  // the query's values two by two, as the tiles'
+// The n (<= CHUNK) keys of a chunk, rows[c] key c's row of blocks, as int16 tiles for chunk_scores_int16: per group
+// of 16 keys and block b, 16 vectors whose lane i holds key i's pair t of values (query_pairs_int16's order) — keys
+// along the lanes, so that a score needs no sum across lanes — at kt + ((g * nb + b) * 16 + t) * 16 int32; dk[b *
+// CHUNK + c] the blocks' scales. Keys past n read as zeros (scale 0). The keys' dwords are brought along the lanes
+// by unpacks of 32 and 64 bits and one 128-bit shuffle (q8_0: each vector first holds two keys' 32 bytes, q4_0 four
+// keys' 16), then split into their even and odd bytes (q4_0: nibbles) as int16 by shifts and masks.
+inline void key_tiles_int16(const uint8_t* const* rows, int64_t format, int64_t nb, int64_t n, int32_t* kt, float* dk) {
+  static const uint8_t zeros[34] = {};
+  const int64_t bb = kv_block_bytes(format);
+  for (int64_t g = 0; g * 16 < n; ++g) {
+    const int64_t m = std::min<int64_t>(16, n - g * 16);
+    const uint8_t* key[16];
+    for (int64_t i = 0; i < 16; ++i) key[i] = i < m ? rows[g * 16 + i] : zeros;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t off = b * bb;
+      const auto at = [&](int64_t i) { return key[i] + (key[i] == zeros ? 0 : off); };
+      alignas(32) uint16_t halves[16];
+      for (int64_t i = 0; i < 16; ++i) std::memcpy(&halves[i], at(i), 2);
+      _mm512_storeu_ps(dk + b * CHUNK + g * 16,
+                       _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(halves))));
+      int32_t* tile = kt + (g * nb + b) * 256;
+      __m512i u[8];
+      if (format == KV_Q8_0) {
+        // z[i] = keys x | y (32 bytes each) with x, y chosen so that the unpacks leave keys 0..15 in order
+        __m512i z[8], t[8];
+        for (int i = 0; i < 8; ++i) {
+          const int x = i < 4 ? i : i + 4, y = x + 4;
+          z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at(x) + 2))),
+                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at(y) + 2)), 1);
+        }
+        for (int i = 0; i < 4; ++i) {
+          t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+          t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+        }
+        // v[j]: dword j' of 4 keys per 128-bit lane (j' = j for lanes 0, 2; j + 4 for lanes 1, 3)
+        __m512i v[8];
+        for (int i = 0; i < 2; ++i) {
+          v[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+          v[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+          v[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+          v[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+        }
+        for (int j = 0; j < 4; ++j) {
+          u[j] = _mm512_shuffle_i32x4(v[j], v[j + 4], 0x88);      // dword j of keys 0..15
+          u[j + 4] = _mm512_shuffle_i32x4(v[j], v[j + 4], 0xDD);  // dword j + 4
+        }
+        for (int p = 0; p < 8; ++p) {
+          _mm512_storeu_si512(tile + (2 * p) * 16, _mm512_srai_epi16(_mm512_slli_epi16(u[p], 8), 8));
+          _mm512_storeu_si512(tile + (2 * p + 1) * 16, _mm512_srai_epi16(u[p], 8));
+        }
+      } else {
+        // z[i] = keys i, 4 + i, 8 + i, 12 + i (16 bytes each), then two rounds of unpacks: dword p of keys 0..15
+        __m512i z[4], t[4];
+        for (int i = 0; i < 4; ++i) {
+          __m512i r = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at(i) + 2)));
+          r = _mm512_inserti32x4(r, _mm_loadu_si128(reinterpret_cast<const __m128i*>(at(4 + i) + 2)), 1);
+          r = _mm512_inserti32x4(r, _mm_loadu_si128(reinterpret_cast<const __m128i*>(at(8 + i) + 2)), 2);
+          z[i] = _mm512_inserti32x4(r, _mm_loadu_si128(reinterpret_cast<const __m128i*>(at(12 + i) + 2)), 3);
+        }
+        t[0] = _mm512_unpacklo_epi32(z[0], z[1]), t[1] = _mm512_unpackhi_epi32(z[0], z[1]);
+        t[2] = _mm512_unpacklo_epi32(z[2], z[3]), t[3] = _mm512_unpackhi_epi32(z[2], z[3]);
+        u[0] = _mm512_unpacklo_epi64(t[0], t[2]), u[1] = _mm512_unpackhi_epi64(t[0], t[2]);
+        u[2] = _mm512_unpacklo_epi64(t[1], t[3]), u[3] = _mm512_unpackhi_epi64(t[1], t[3]);
+        const __m512i low4 = _mm512_set1_epi16(0x000F);
+        for (int p = 0; p < 4; ++p) {
+          _mm512_storeu_si512(tile + (4 * p) * 16, _mm512_and_si512(u[p], low4));
+          _mm512_storeu_si512(tile + (4 * p + 1) * 16, _mm512_and_si512(_mm512_srli_epi16(u[p], 8), low4));
+          _mm512_storeu_si512(tile + (4 * p + 2) * 16, _mm512_and_si512(_mm512_srli_epi16(u[p], 4), low4));
+          _mm512_storeu_si512(tile + (4 * p + 3) * 16, _mm512_srli_epi16(u[p], 12));
+        }
+      }
+    }
+  }
+}
+
+// s[c] = sum_b dq[b] * dk[b * CHUNK + c] * (offs[b] + pairs_b . tiles_b[c]) for the n keys of key_tiles_int16's tiles
+// `kt` (query_pairs_int16's pairs and starting values).
+inline void chunk_scores_int16(const int32_t* pairs, const int32_t* offs, const float* dq, const int32_t* kt,
+                               const float* dk, int64_t nb, int64_t n, float* s) {
   for (int64_t g = 0; g * 16 < n; ++g) {
     __m512 total = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const int32_t* tile = kt + (g * nb + b) * 256;
-      __m512i acc = _mm512_setzero_si512();
-      for (int p = 0; p < 16; ++p)
-        acc = _mm512_dpwssd_epi32(acc, _mm512_loadu_si512(tile + p * 16), _mm512_set1_epi32(qpairs[b * 16 + p]));
+      __m512i part[4] = {_mm512_set1_epi32(offs[b]), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                         _mm512_setzero_si512()};
+      for (int t = 0; t < 16; ++t)
+        part[t % 4] = _mm512_dpwssd_epi32(part[t % 4], _mm512_loadu_si512(tile + t * 16),
+                                          _mm512_set1_epi32(pairs[b * 16 + t]));
+      const __m512i acc = _mm512_add_epi32(_mm512_add_epi32(part[0], part[1]), _mm512_add_epi32(part[2], part[3]));
       const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(dk + b * CHUNK + g * 16));
       total = _mm512_fmadd_ps(scaled, _mm512_set1_ps(dq[b]), total);
     }
@@ -452,6 +496,7 @@ struct GroupedAttention {
   struct Scratch {
     std::vector<float> qf, scores, alpha, ones, kbuf, vbuf, dq, dk;
     std::vector<int16_t> q16;
+    std::vector<int32_t> qpairs, qoffs;  // the queries' int16 pairs in the key tiles' order (query_pairs_int16)
   };
 
   // Task `task` = (head, split): the partial result of head `task / splits` over its split of the keys.
@@ -542,7 +587,12 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
       sc.q16.resize(R * D);
       sc.dq.resize(R * nb);
       sc.dk.assign(nb * CHUNK, 0.0f);
-      for (int64_t r = 0; r < R; ++r) quantize_query_int16(qf + r * D, D, sc.q16.data() + r * D, sc.dq.data() + r * nb);
+      sc.qpairs.resize(R * D / 2);
+      sc.qoffs.resize(R * nb);
+      for (int64_t r = 0; r < R; ++r) {
+        quantize_query_int16(qf + r * D, D, sc.q16.data() + r * D, sc.dq.data() + r * nb);
+        query_pairs_int16(sc.q16.data() + r * D, D, k_format, sc.qpairs.data() + r * D / 2, sc.qoffs.data() + r * nb);
+      }
     }
   }
 #endif
@@ -586,8 +636,8 @@ void GroupedAttention<T>::task(int64_t task, Scratch& sc) const {
       for (int64_t c = 0; c < n; ++c) rows[c] = block_row(k_blocks, ks, c0 + c);
       key_tiles_int16(rows, k_format, nb, n, kt, sc.dk.data());
       for (int64_t r = 0; r < R; ++r)
-        chunk_scores_int16(sc.q16.data() + r * D, sc.dq.data() + r * nb, kt, sc.dk.data(), nb, n,
-                           sc.scores.data() + r * CHUNK);
+        chunk_scores_int16(sc.qpairs.data() + r * D / 2, sc.qoffs.data() + r * nb, sc.dq.data() + r * nb, kt,
+                           sc.dk.data(), nb, n, sc.scores.data() + r * CHUNK);
 #endif
     } else if (k_quantized) {
       for (int64_t c = 0; c < n; ++c) dequantize_kv_row(block_row(k_blocks, ks, c0 + c), D, k_format, sc.kbuf.data() + c * D);
