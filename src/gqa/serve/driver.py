@@ -158,7 +158,7 @@ class Driver:
     def refusal(self, e: Exception, field: str) -> ApiError:
         """What starting a request raised, as the API's error: the engine refusing it names ``field``."""
         if isinstance(e, EngineError):
-            return ApiError(str(e), param=field)
+            return ApiError(str(e), param=e.param or field)
         if isinstance(e, QueueFull):
             return ApiError(f"the server is busy ({e}); retry later", 429)
         return engine_failure(e)

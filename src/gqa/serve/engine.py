@@ -146,10 +146,12 @@ class Engine:
             raise EngineError(f"token ids must be in [0, {V})")
         outside = [t for t, _ in params.logit_bias if t >= V]
         if outside:
-            raise EngineError(f"logit_bias names token ids outside the vocabulary of {V}: {outside[:5]}")
+            raise EngineError(f"logit_bias names token ids outside the vocabulary of {V}: {outside[:5]}", "logit_bias")
         outside = [t for t in params.stop_token_ids if t >= V]
         if outside:
-            raise EngineError(f"stop_token_ids names token ids outside the vocabulary of {V}: {outside[:5]}")
+            raise EngineError(
+                f"stop_token_ids names token ids outside the vocabulary of {V}: {outside[:5]}", "stop_token_ids"
+            )
         if params.structured is not None:
             self.compile(params)
         context = self.config.max_position_embeddings

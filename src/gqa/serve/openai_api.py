@@ -8,6 +8,7 @@ import codecs
 import dataclasses
 import json
 import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ def to_json(body: object) -> str:
     return text
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's (its deprecated "function": no functions)
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy decoding (as vLLM)
 MAX_CHOICES = 16  # the most answers (``n``) one request asks for
 MAX_ID_DIGITS = 18  # a token id written out (``logit_bias``' keys): any larger is no vocabulary's
@@ -100,7 +102,8 @@ JSON_TYPES = {
     "a string": lambda v: isinstance(v, str),
     "a boolean": lambda v: isinstance(v, bool),
     "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    # finite, and within a float's range (a 400-digit integer would overflow float() later)
+    "a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= sys.float_info.max,
     "an array": lambda v: isinstance(v, list),
     "an object": lambda v: isinstance(v, dict),
 }
@@ -121,6 +124,8 @@ def _get(body: dict, name: str, kind: str, default: Any = None, *, required: boo
 def json_type(value: object) -> str:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if type(value) is int and abs(value) > sys.float_info.max:
+        return f"an integer of {len(str(abs(value)))} digits, beyond a number's range"
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "an object"}.get(type(value), type(value).__name__)  # fmt: skip
 
@@ -290,6 +295,7 @@ def _common(
         raise ApiError(f"'n' must be in [1, {MAX_CHOICES}], got {n}", param="n")
     max_tokens = _get(body, "max_tokens", "an integer", None)
     max_tokens = _get(body, "max_completion_tokens", "an integer", max_tokens)  # the newer name wins (as vLLM)
+    max_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if max_tokens is None:
         if room.left() < 1:
             where, limit = ("context", room.context) if room.prompt >= room.context else ("KV cache", room.pool)
@@ -297,7 +303,7 @@ def _common(
                            param=room.field)  # fmt: skip
         max_tokens = min(default_max_tokens or room.left(), room.left())
     if max_tokens < 1:
-        raise ApiError(f"'max_tokens' must be >= 1, got {max_tokens}", param="max_tokens")
+        raise ApiError(f"'{max_field}' must be >= 1, got {max_tokens}", param=max_field)
     stop = body.get("stop")
     if stop is None:
         stop = ()
@@ -440,6 +446,9 @@ def chat_prompt(body: dict, tokenizer, prefill: str = "") -> tuple[list[int], To
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(f"messages[{i}] must be an object with a 'role'", param="messages")
+        if m["role"] not in CHAT_ROLES:
+            raise ApiError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role'][:40]!r}",
+                           param="messages")  # fmt: skip
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls = m["tool_calls"]
             objects = isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
@@ -466,7 +475,10 @@ def chat_prompt(body: dict, tokenizer, prefill: str = "") -> tuple[list[int], To
         text = tokenizer.render_chat(plain, tools=None if tools is None else tools.tools)
     except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
         raise ApiError(f"the chat template refused the messages: {e}", param="messages") from e
-    return tokenizer.encode(text + prefill, add_special_tokens=False), tools  # the template writes any BOS itself
+    try:
+        return tokenizer.encode(text + prefill, add_special_tokens=False), tools  # the template writes any BOS itself
+    except (UnicodeError, ValueError, TypeError) as e:  # e.g. a lone surrogate, which no UTF-8 holds
+        raise ApiError(f"'messages' cannot be tokenized: {e}", param="messages") from e
 
 
 def new_id(prefix: str) -> str:

@@ -26,7 +26,13 @@ TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
 
 
 class EngineError(ValueError):
-    """A request the engine cannot take (too long for the context or the cache, bad token ids)."""
+    """A request the engine cannot take (too long for the context or the cache, bad token ids). ``param``: the
+    request field at fault where the engine knows it (``logit_bias``, ``stop_token_ids``), else the API's prompt
+    field is named."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestState(enum.Enum):
