@@ -273,7 +273,7 @@ class FakeTokenizer:
 def test_generate_says_what_it_loads_on_stderr_and_keeps_stdout_for_the_text(capsys, monkeypatch):
     loaded = []
 
-    def load_model(path, dtype, tensor_parallel=False, quantize=None, kv_dtype="auto"):
+    def load_model(path, dtype, tensor_parallel=False, quantize=None, kv_dtype="auto", device="cpu"):
         loaded.append((path, dtype))
         return SimpleNamespace(tokenizer=FakeTokenizer())
 
@@ -366,3 +366,20 @@ def test_a_refused_kv_cache_dtype_is_named_by_the_flag_that_asked_for_it(capsys)
         assert code == 2 and message in err, (flags, err)
     code, _, err = run_cli(capsys, "generate", "Hi", "--kv-cache-dtype-k", "q8_0", "--kv-cache-dtype-v", "fp8")
     assert code == 2 and "--kv-cache-dtype-v fp8_e4m3" in err and "--kv-cache-dtype-k" not in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--temperature", "1", "--seed", str(2**64)), "--seed must be in [-2**63, 2**64), got 18446744073709551616"),
+        (("--raw", "--system", "You are a pirate"), "--system is a chat template's system message: it has no effect"),
+        (("--device", "tpu"), "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+        (("--device", "cuda:7"), "--device cuda:7: "),  # no CUDA here, or not that many devices
+        (("--temperature", "1", "--min-p", "-0.5"), "min_p must be in [0, 1], got -0.5"),
+    ],
+)
+def test_generate_refuses_flags_it_cannot_honour_before_loading(capsys, flags, message):
+    """Each exits 2 naming the flag, before any model is loaded (was: an overflow message without the flag, and
+    --system silently dropped by --raw)."""
+    code, _, err = run_cli(capsys, "generate", "Hi", *flags)
+    assert code == 2 and message in err and "Loading" not in err, err

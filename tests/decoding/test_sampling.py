@@ -15,12 +15,18 @@ from gqa.models import CausalLM
 from gqa.models.config import ModelConfig
 
 
-def reference_allowed(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None):
-    """Float64 reference: ``(allowed (B, V) bool, probs (B, V) restricted and renormalised)``."""
+def reference_allowed(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None, min_p: float | None = None
+):
+    """Float64 reference: ``(allowed (B, V) bool, probs (B, V) restricted and renormalised)``; min-p first, on the
+    temperature-scaled probabilities (vLLM's order), then top-k, then top-p."""
     x = logits.double() / temperature
     allowed = torch.ones_like(x, dtype=torch.bool)
+    if min_p:
+        p = x.softmax(-1)
+        allowed = p >= min_p * p.amax(-1, keepdim=True)
     if top_k is not None and top_k < x.shape[-1]:
-        allowed = x >= x.topk(top_k, -1).values[:, -1:]
+        allowed &= x >= x.masked_fill(~allowed, -torch.inf).topk(top_k, -1).values[:, -1:]
     if top_p is not None:
         sorted_p, order = x.masked_fill(~allowed, -torch.inf).softmax(-1).sort(-1, descending=True)
         allowed = torch.zeros_like(allowed).scatter(-1, order, sorted_p.cumsum(-1) - sorted_p < top_p)
@@ -63,11 +69,18 @@ def test_nucleus_is_the_set_a_full_sort_gives(scale, top_k, top_p):
         assert (~close).sum() >= 12  # nuclei of a few tokens: most rows checked exactly
 
 
-@pytest.mark.parametrize(("top_k", "top_p"), [(None, None), (None, 0.8), (3, None), (3, 0.8), (1, None)])
-def test_samples_follow_the_restricted_distribution(top_k, top_p):
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "min_p"),
+    [(None, None, None), (None, 0.8, None), (3, None, None), (3, 0.8, None), (1, None, None), (None, None, 0.2),
+     (None, None, 0.05), (2, 0.9, 0.3), (None, 0.95, 0.1), (None, None, 1.0)],
+)  # fmt: skip
+def test_samples_follow_the_restricted_distribution(top_k, top_p, min_p):
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0, -3.0]]).expand(200_000, 6)
-    _, probs = reference_allowed(logits[:1], 0.7, top_k, top_p)
-    drawn = sample_next(logits, temperature=0.7, top_k=top_k, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    allowed, probs = reference_allowed(logits[:1], 0.7, top_k, top_p, min_p)
+    if min_p in (0.05, 0.2, 1.0):  # (p / p_max: 1, 0.24, 0.117, 0.014, 0.057, 0.0008): 4, 2 and 1 tokens kept
+        assert int(allowed.sum()) == {0.05: 4, 0.2: 2, 1.0: 1}[min_p]
+    drawn = sample_next(logits, temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p,
+                        generator=torch.Generator().manual_seed(0))  # fmt: skip
     freq = torch.bincount(drawn, minlength=6).double() / len(drawn)
     assert torch.all(freq[probs[0] == 0] == 0)  # never a token outside the set
     torch.testing.assert_close(freq, probs[0], atol=4e-3, rtol=0)  # ~4 binomial SDs at p = 0.5

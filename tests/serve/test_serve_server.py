@@ -165,6 +165,8 @@ def test_models_health_and_metrics(server, client):
          "messages[0].role must be one of system, developer, user, assistant, tool, got 'wizard'"),
         ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
          "max_completion_tokens": 0}, 400, "max_completion_tokens", "'max_completion_tokens' must be >= 1"),
+        ("completions", {"model": MODEL, "prompt": "hi", "min_p": 1.5}, 400, "min_p", r"'min_p' must be in [0, 1]"),
+        ("completions", {"model": MODEL, "prompt": "hi", "min_p": "0.1"}, 400, "min_p", "must be a number"),
         ("completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs", "in [0, 20]"),
         ("completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs", "must be an integer"),
         ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
@@ -280,6 +282,19 @@ def test_logit_bias_and_penalties_through_the_openai_client(server, client):
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                        frequency_penalty=1.0, presence_penalty=0.5)  # fmt: skip
     assert r.usage.completion_tokens >= 1
+
+
+def test_min_p_through_the_openai_client(client):
+    """vLLM's ``min_p`` (in ``extra_body``): at 1 only the likeliest token stays, so a hot sampled answer is the
+    greedy one; a small one at the same seed samples what the plain request samples more often than not, and a
+    sample that differs from the greedy answer somewhere shows the setting reached the sampler."""
+    messages = [{"role": "user", "content": "Write a short poem about rain."}]
+    greedy = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    hot = {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 2.0, "seed": 3}
+    plain = client.chat.completions.create(**hot)
+    cut = client.chat.completions.create(**hot, extra_body={"min_p": 1.0})
+    assert cut.choices[0].message.content == greedy.choices[0].message.content
+    assert plain.choices[0].message.content != greedy.choices[0].message.content  # (sampled at T = 2: not greedy)
 
 
 def test_logprobs_through_the_openai_client_are_the_models_log_softmax(client):

@@ -15,6 +15,7 @@ from ..options.common import (
     kv_flag_errors,
     loading,
     model_label,
+    torch_device,
 )
 from ..options.defaults import QUANT_FORMATS
 
@@ -44,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode through torch.compile (compiled once per cache size, kept on disk; ~10 s per process even when "
         "cached). Off by default: the native CPU decode step is as fast without the wait",
     )  # fmt: skip
+    parser.add_argument(
+        "--device", default="cpu", metavar="DEV",
+        help="cpu (the native kernels) or cuda / cuda:N (the model in device memory, each token a CUDA graph replay "
+        "where triton is installed; auto dtype is bf16 there, quantized weights are dequantized)",
+    )  # fmt: skip
     parser.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
     parser.add_argument("--system", default=None, help="system message for the chat template (default: none)")
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="stop after N new tokens")
@@ -58,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--top-p", type=float, default=None, metavar="P",
         help="with T > 0: sample from the most likely tokens that make up probability P (default: off)",
     )  # fmt: skip
+    parser.add_argument(
+        "--min-p", type=float, default=None, metavar="P",
+        help="with T > 0: keep only tokens at least P times as likely as the likeliest (llama.cpp's and vLLM's "
+        "min-p, after the temperature; default: off)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=None, help="with T > 0: random seed (default: unseeded)")
     parser.add_argument(
         "--stats", action="store_true",
@@ -67,9 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def warn_ignored_sampling(ns: argparse.Namespace) -> None:
-    """Greedy decoding (``--temperature 0``) ignores ``--top-k``, ``--top-p`` and ``--seed``: say so on stderr."""
-    ignored = [flag for flag, value in (("--top-k", ns.top_k), ("--top-p", ns.top_p), ("--seed", ns.seed)) if
-               value is not None]  # fmt: skip
+    """Greedy decoding (``--temperature 0``) ignores ``--top-k``, ``--top-p``, ``--min-p`` and ``--seed``: say so on
+    stderr."""
+    given = (("--top-k", ns.top_k), ("--top-p", ns.top_p), ("--min-p", ns.min_p), ("--seed", ns.seed))
+    ignored = [flag for flag, value in given if value is not None]
     if ns.temperature == 0 and ignored:
         print(
             f"gqa generate: warning: {' and '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect at "
@@ -79,12 +91,18 @@ def warn_ignored_sampling(ns: argparse.Namespace) -> None:
 
 
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    from ..decoding.sampling import check_sampling
+    from ..decoding.sampling import SEED_RANGE, check_sampling
     from .parallel import run_on_ranks
 
-    check_sampling(ns.temperature, ns.top_k, ns.top_p)  # before the model is loaded
+    check_sampling(ns.temperature, ns.top_k, ns.top_p, ns.min_p)  # before the model is loaded
     if ns.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {ns.max_new_tokens}")
+    if ns.seed is not None and not SEED_RANGE[0] <= ns.seed < SEED_RANGE[1]:
+        raise ValueError(f"--seed must be in [-2**63, 2**64), got {ns.seed}")
+    if ns.raw and ns.system is not None:
+        raise ValueError("--system is a chat template's system message: it has no effect with --raw")
+    if torch_device(ns.device).type != "cpu" and getattr(ns, "tp", 1) > 1:
+        raise ValueError(f"--tp runs on CPU processes (gloo): it does not take --device {ns.device}")
     warn_ignored_sampling(ns)
     return run_on_ranks(ns, generate_text)
 
@@ -100,14 +118,16 @@ def generate_text(ns: argparse.Namespace) -> int:
 
     lead = is_lead()
     dtype = ns.dtype if ns.dtype == "auto" else DTYPES[ns.dtype]
+    device = torch_device(getattr(ns, "device", "cpu"))
     quantize = getattr(ns, "quantize", None)
     shown = ns.dtype
     if ns.dtype == "auto":  # say what auto means here; quantized GGUF blocks show in --stats
-        shown = {v: k for k, v in DTYPES.items()}[auto_dtype()] + " (auto)"
+        shown = {v: k for k, v in DTYPES.items()}[auto_dtype(device)] + " (auto)"
     what = f"{model_label(ns.model)} as {shown}" + (f", quantized to {quantize}" if quantize else "")
+    what += "" if device.type == "cpu" else f" on {device}"
     with kv_flag_errors(ns), loading(what, quiet=not lead):
         model = load_model(ns.model, dtype=dtype, tensor_parallel=getattr(ns, "sharded", False), quantize=quantize,
-                           kv_dtype=kv_dtype_choice(ns))  # fmt: skip
+                           kv_dtype=kv_dtype_choice(ns), device=device)  # fmt: skip
     chosen: list = []  # the decode step select_step picked (--stats)
     tok = model.tokenizer
     if ns.raw:
@@ -128,6 +148,7 @@ def generate_text(ns: argparse.Namespace) -> int:
         temperature=ns.temperature,
         top_k=ns.top_k,
         top_p=ns.top_p,
+        min_p=ns.min_p,
         seed=ns.seed,
         eos_token_ids=tok.eos_token_ids,
         compile=getattr(ns, "compile", False),

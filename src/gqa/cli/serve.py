@@ -20,6 +20,7 @@ from ..options.common import (
     kv_flag_errors,
     loading,
     model_label,
+    torch_device,
 )
 from ..serve.replica_routing import BALANCE_SLACK
 
@@ -131,24 +132,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with several models: the loaded models' weights and KV pools take at most GIB together; the least "
         "recently used are unloaded to make room (a larger model is served alone; default: no bound)",
     )  # fmt: skip
-
-
-def serve_device(text: str):
-    """``--device`` as a torch device: cpu, or a CUDA device that exists here; else ``ValueError`` naming the flag."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {text!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu, cuda or cuda:N, got {text!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {text}: no CUDA device on this machine")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
 
 
 def api_key_of(ns: argparse.Namespace) -> str | None:
@@ -284,7 +267,7 @@ def serving_settings(ns: argparse.Namespace) -> tuple[Settings, list[tuple[str, 
             template = ns.chat_template.read_text()
         except (OSError, UnicodeError) as e:
             raise ValueError(f"--chat-template {ns.chat_template}: cannot read it ({e})") from None
-    device = serve_device(ns.device)
+    device = torch_device(ns.device)
     if device.type == "cuda":  # the Triton runner takes float weights: auto is bf16, quantized ones are dequantized
         dtype = DTYPES["bf16"] if ns.dtype == "auto" else DTYPES[ns.dtype]
     else:

@@ -69,6 +69,7 @@ def generate_stream(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     seed: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
     pad_token_id: int | None = None,
@@ -88,10 +89,11 @@ def generate_stream(
     and on CUDA a captured CUDA graph of the step (``gqa.decoding.cuda_graphs``) where triton is installed: which one
     ``decoding.steps.select_step`` decides, after the prompt, and ``on_step`` is told (``gqa generate --stats``).
     ``kv_dtype``: what the caches store (``CausalLM.new_caches``; ``None``: ``model.kv_dtype``); a quantized cache
-    decodes natively or eagerly, not compiled nor in a CUDA graph.
+    decodes natively on CPU and in a CUDA graph on CUDA, never compiled.
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``: how a token is chosen (``sampling.sample_next``; 0: greedy).
     """
     cfg = model.config
-    check_sampling(temperature, top_k, top_p)  # before the prompt is run, not at the first sampled token
+    check_sampling(temperature, top_k, top_p, min_p)  # before the prompt is run, not at the first sampled token
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if compile and step_fn is not None:
@@ -136,7 +138,9 @@ def generate_stream(
             uniforms = None  # one number per row and step, whichever rows are still computed
             if temperature > 0:
                 uniforms = torch.rand(B, generator=generator, device=model.device)[rows]
-            picked = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, uniforms=uniforms)
+            picked = sample_next(
+                logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, uniforms=uniforms
+            )
         token = torch.full((B,), pad_id, dtype=torch.long, device=model.device)
         token[rows] = picked
         token.masked_fill_(finished, pad_id)
@@ -167,6 +171,7 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     seed: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
@@ -192,6 +197,7 @@ def generate(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
         seed=seed,
         eos_token_ids=eos_token_ids,
         step_fn=step_fn,

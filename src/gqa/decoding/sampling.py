@@ -1,6 +1,7 @@
-"""Sampling the next token: greedy, or from the temperature-scaled distribution cut to the top-k tokens and then to
-the nucleus (top-p), each row inverting its own uniform number, so a row's token depends on its logits and number
-alone — not on the rows beside it (the serving engine samples a batch's rows in one call and relies on it)."""
+"""Sampling the next token: greedy, or from the temperature-scaled distribution cut by min-p (the tokens at least
+``min_p`` times as likely as the likeliest), to the top-k tokens and then to the nucleus (top-p), each row inverting
+its own uniform number, so a row's token depends on its logits and number alone — not on the rows beside it (the
+serving engine samples a batch's rows in one call and relies on it)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,23 @@ import math
 
 import torch
 
-__all__ = ["check_sampling", "sample_next"]
+__all__ = ["SEED_RANGE", "check_sampling", "sample_next"]
+
+# The seeds torch.Generator.manual_seed takes: [-2**63, 2**64) (a negative seed is taken modulo 2**64)
+SEED_RANGE = (-(2**63), 2**64)
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ``ValueError`` for a temperature that is not a finite number >= 0 (NaN included), ``top_k < 1`` or
-    ``top_p`` outside ``(0, 1]``."""
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, min_p: float | None = None) -> None:
+    """Raise ``ValueError`` for a temperature that is not a finite number >= 0 (NaN included), ``top_k < 1``,
+    ``top_p`` outside ``(0, 1]`` or ``min_p`` outside ``[0, 1]``."""
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:  # NaN fails the comparison too
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
 
 
 def sample_next(
@@ -28,12 +34,14 @@ def sample_next(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next tokens ``(B,)`` from ``logits (B, vocab)``: argmax when ``temperature == 0``, else a sample from the
-    temperature-scaled distribution restricted to the ``top_k`` most likely tokens and then to the smallest set whose
-    probability reaches ``top_p``.
+    temperature-scaled distribution restricted to the tokens at least ``min_p`` times as likely as the likeliest one
+    (vLLM's and llama.cpp's min-p, applied after the temperature as vLLM does; 0 or ``None``: off), then to the
+    ``top_k`` most likely and then to the smallest set whose probability reaches ``top_p``.
 
     A row's sample inverts its cumulative distribution at its own number of ``uniforms (B,)`` in [0, 1) (drawn from
     ``generator`` when not given): it depends on that row's logits and number alone, not on the rows beside it.
@@ -42,11 +50,13 @@ def sample_next(
     ------
     ValueError : a row whose logits hold a NaN or are all -inf (no distribution to sample from).
     """
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p, min_p)
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits / temperature
+    if min_p:  # p < min_p * p_max, i.e. logit < max + log(min_p): out (the likeliest always stays)
+        logits = logits.masked_fill(logits < logits.amax(-1, keepdim=True) + math.log(min_p), float("-inf"))
     V = logits.shape[-1]
     limit = V if top_k is None else min(top_k, V)
     if uniforms is None:

@@ -103,6 +103,24 @@ def kv_dtype_choice(ns: argparse.Namespace) -> str | tuple[str, str]:
     return k if k == v else (k, v)
 
 
+def torch_device(text: str, flag: str = "--device"):
+    """``--device`` as a torch device: cpu, or a CUDA device that exists here; else ``ValueError`` naming the flag."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{flag} must be cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{flag} must be cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{flag} {text}: no CUDA device on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{flag} {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def kv_flag_named(ns: argparse.Namespace, name: str) -> str:
     """The flag that chose the kv dtype ``name`` (a canonical name, as errors give it): the per-side flag(s) that
     asked for it, else ``--kv-cache-dtype``."""

@@ -316,12 +316,15 @@ def _common(
     temperature = float(_get(body, "temperature", "a number", 1.0))
     top_p = _get(body, "top_p", "a number", None)
     top_k = _get(body, "top_k", "an integer", None)
+    min_p = _get(body, "min_p", "a number", None)  # vLLM's and llama-server's
     if not 0 <= temperature <= 2:
         raise ApiError(f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
     if temperature < GREEDY_BELOW:
         temperature = 0.0
     if top_p is not None and not 0 < top_p <= 1:
         raise ApiError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise ApiError(f"'min_p' must be in [0, 1], got {min_p}", param="min_p")
     if top_k is not None and top_k < 1 and top_k != -1:
         raise ApiError(f"'top_k' must be >= 1 (or -1: off), got {top_k}", param="top_k")
     seed = _get(body, "seed", "an integer", None)
@@ -350,7 +353,8 @@ def _common(
     try:
         params = SamplingParams(
             max_tokens=max_tokens, temperature=temperature, top_p=None if top_p is None else float(top_p),
-            top_k=None if top_k in (None, -1) else top_k, stop=tuple(stop), seed=seed,
+            top_k=None if top_k in (None, -1) else top_k, min_p=None if min_p is None else float(min_p),
+            stop=tuple(stop), seed=seed,
             ignore_eos=bool(_get(body, "ignore_eos", "a boolean", False)), min_tokens=min_tokens,
             stop_token_ids=_stop_token_ids(body), structured=structured, **penalties,
         )  # fmt: skip

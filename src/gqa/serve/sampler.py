@@ -67,13 +67,13 @@ def sample_rows(rows: list[tuple[Request, torch.Tensor]]) -> list[int | Exceptio
     out: list[int | Exception] = [0] * len(rows)
     settings: dict[tuple, list[int]] = {}
     for i, (r, _) in enumerate(rows):
-        settings.setdefault((r.params.temperature, r.params.top_k, r.params.top_p), []).append(i)
-    for (temperature, top_k, top_p), idx in settings.items():
+        settings.setdefault((r.params.temperature, r.params.top_k, r.params.top_p, r.params.min_p), []).append(i)
+    for (temperature, top_k, top_p, min_p), idx in settings.items():
         x = torch.stack([rows[i][1] for i in idx])  # (n, vocab), on the runner's device
         u = None  # greedy rows (here for their penalties) draw nothing
         if temperature > 0:
             u = torch.cat([torch.rand(1, generator=rows[i][0].generator) for i in idx]).to(x.device)  # (n,)
-        how = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        how = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
         try:
             got: list[int | Exception] = sample_next(x, uniforms=u, **how).tolist()
         except Exception:  # a bad row: sample each alone, so only the bad ones fail

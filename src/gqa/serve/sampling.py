@@ -5,22 +5,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ..decoding.sampling import check_sampling
+from ..decoding.sampling import SEED_RANGE, check_sampling
 from .structured import StructuredOutput
 
 __all__ = ["MAX_LOGPROBS", "SEED_RANGE", "SamplingParams"]
 
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's top_logprobs limit)
 
-# The seeds torch.Generator.manual_seed takes: [-2**63, 2**64) (a negative seed is taken modulo 2**64)
-SEED_RANGE = (-(2**63), 2**64)
-
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded: greedy when ``temperature == 0``, else sampled from a generator seeded with
     ``seed`` (fresh randomness without one); ``stop``: strings that end the output (not included in it);
-    ``max_tokens``: new tokens at most; ``ignore_eos``: go on past the end-of-sequence token.
+    ``max_tokens``: new tokens at most; ``ignore_eos``: go on past the end-of-sequence token. Sampling keeps the
+    tokens at least ``min_p`` times as likely as the likeliest (vLLM's and llama.cpp's min-p; 0: off), then the
+    ``top_k`` most likely, then the nucleus of ``top_p`` (``decoding.sampling.sample_next``).
 
     Logit adjustments before sampling (or the greedy choice), OpenAI's and vLLM's: ``frequency_penalty`` and
     ``presence_penalty`` (in [-2, 2]) subtract ``count * frequency + (count > 0) * presence`` from each token's logit,
@@ -41,6 +40,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     seed: int | None = None
     ignore_eos: bool = False
@@ -66,7 +66,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if self.top_p is not None and self.top_p >= 1.0:
             object.__setattr__(self, "top_p", None)  # 1.0 keeps every token
-        check_sampling(float(self.temperature), self.top_k, self.top_p)
+        if self.min_p is not None and self.min_p <= 0.0:
+            object.__setattr__(self, "min_p", None)  # 0 keeps every token
+        check_sampling(float(self.temperature), self.top_k, self.top_p, self.min_p)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
