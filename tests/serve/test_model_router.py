@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -137,6 +138,17 @@ def gqa_serve(capsys, *args: str) -> tuple[int, str]:
          "--served-model-name: given 1 time(s) for 2 --model"),
         (("--models-dir", "{root}", "--model", "{tiny}"), "two models are named 'tiny'"),
         (("--models-dir", "{empty}"), "holds no .gguf file and no HF folder"),
+        # refused at start, not at every request once the server is up (several models load on demand)
+        (("--model", "{tiny}", "--model", "{tiny2}", "--kv-cache-dtype-k", "fp8"),
+         "--kv-cache-dtype-k fp8_e4m3 is read by the CUDA kernels only"),
+        (("--model", "{tiny}", "--model", "{tiny2}", "--kv-cache-dtype", "fp16"),
+         "--kv-cache-dtype fp16 differs from the model's dtype"),
+        (("--model", "{tiny}", "--model", "{tiny2}", "--max-body-mib", "inf"),
+         "--max-body-mib must be a positive number of MiB, got inf"),
+        (("--model", "{tiny}", "--model", "{tiny2}", "--kv-cache-mib", "inf"),
+         "--kv-cache-mib must be a positive number of MiB, got inf"),
+        (("--model", "{tiny}", "--chat-template", "{blank}"), "the file is empty"),
+        (("--model", "{tiny}", "--port", "{busy}"), "cannot listen on 127.0.0.1:{busy}"),
     ],
 )  # fmt: skip
 def test_bad_model_flags_exit_2_naming_the_flag(capsys, tmp_path, args, message):
@@ -144,8 +156,15 @@ def test_bad_model_flags_exit_2_naming_the_flag(capsys, tmp_path, args, message)
     for name in ("tiny", "tiny2"):  # config.json alone: the flags are checked before anything loads
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text("{}")
-    folders = {"tiny": tmp_path / "tiny", "tiny2": tmp_path / "tiny2", "root": tmp_path, "empty": tmp_path / "empty"}
-    code, err = gqa_serve(capsys, *(a.format(**folders) for a in args))
+    (tmp_path / "blank.jinja").write_text(" \n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        folders = {"tiny": tmp_path / "tiny", "tiny2": tmp_path / "tiny2", "root": tmp_path,
+                   "empty": tmp_path / "empty", "blank": tmp_path / "blank.jinja",
+                   "busy": taken.getsockname()[1]}  # fmt: skip
+        code, err = gqa_serve(capsys, *(a.format(**folders) for a in args))
+    message = message.format(**folders)
     assert code == 2 and message in err and "Traceback" not in err, err
 
 
@@ -320,9 +339,21 @@ def test_the_api_key_is_asked_before_the_models_are_named():
     async def listed(http: httpx.AsyncClient) -> httpx.Response:
         return await http.get("/v1/models", headers={"Authorization": "Bearer k"})
 
-    anonymous, cards = run_router(router, [unknown, listed])
+    async def one(http: httpx.AsyncClient) -> httpx.Response:
+        return await http.get("/v1/models/b", headers={"Authorization": "Bearer k"})
+
+    async def missing(http: httpx.AsyncClient) -> httpx.Response:
+        return await http.get("/v1/models/x", headers={"Authorization": "Bearer k"})
+
+    async def unasked(http: httpx.AsyncClient) -> httpx.Response:
+        return await http.get("/v1/models/b")
+
+    anonymous, cards, card, absent, nameless = run_router(router, [unknown, listed, one, missing, unasked])
     assert anonymous.status_code == 401 and "x" not in anonymous.text
     assert [c["id"] for c in cards.json()["data"]] == ["a", "b"]
+    assert card.status_code == 200 and card.json()["id"] == "b" and card.json()["loaded"] is False
+    assert absent.status_code == 404 and absent.json()["error"]["code"] == "model_not_found"
+    assert nameless.status_code == 401
 
 
 # -- the policy alone ------------------------------------------------------------------------------------------------

@@ -110,6 +110,9 @@ def test_chat_stream_stop_string_and_seeded_sampling(client):
 
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-4' does not exist"):
+        client.models.retrieve("gpt-4")
     assert json.loads(get(server.url + "/health")[1]) == {"status": "ok"}
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)  # counted, whatever ran before
     m = wait_idle(server)

@@ -235,6 +235,7 @@ def serving_app(ns: argparse.Namespace):
 
 def serving_settings(ns: argparse.Namespace) -> tuple[Settings, list[tuple[str, str | None]]]:
     """The flags read and checked (``ValueError`` naming one), and the models to serve (``served_models``)."""
+    from ..cache.kv import kv_kinds
     from ..hardware import auto_dtype
     from ..options.dtypes import DTYPES
     from ..serve.config import MAX_DRAFT
@@ -245,16 +246,16 @@ def serving_settings(ns: argparse.Namespace) -> tuple[Settings, list[tuple[str, 
                              ("--prefill-chunk", ns.prefill_chunk, 1)):  # fmt: skip
         if value < low or (flag == "--port" and value > 65535):
             raise ValueError(f"{flag} must be {'in [0, 65535]' if flag == '--port' else f'>= {low}'}, got {value}")
-    if ns.kv_cache_mib is not None and not ns.kv_cache_mib > 0:
-        raise ValueError(f"--kv-cache-mib must be > 0, got {ns.kv_cache_mib}")
+    if ns.kv_cache_mib is not None and not (math.isfinite(ns.kv_cache_mib) and ns.kv_cache_mib > 0):
+        raise ValueError(f"--kv-cache-mib must be a positive number of MiB, got {ns.kv_cache_mib}")
     if not 0 <= ns.speculate <= MAX_DRAFT:
         raise ValueError(f"--speculate must be in [0, {MAX_DRAFT}], got {ns.speculate}")
     if not (math.isfinite(ns.prefix_cache_gib) and ns.prefix_cache_gib > 0):
         raise ValueError(f"--prefix-cache-gib must be > 0, got {ns.prefix_cache_gib}")
     if ns.prefix_cache_dir is not None:
         writable_directory(ns.prefix_cache_dir, "--prefix-cache-dir")  # before the model is loaded
-    if not ns.max_body_mib > 0:
-        raise ValueError(f"--max-body-mib must be > 0, got {ns.max_body_mib}")
+    if not (math.isfinite(ns.max_body_mib) and ns.max_body_mib > 0):
+        raise ValueError(f"--max-body-mib must be a positive number of MiB, got {ns.max_body_mib}")
     if ns.max_loaded is not None and ns.max_loaded < 1:
         raise ValueError(f"--max-loaded must be >= 1, got {ns.max_loaded}")
     if ns.max_loaded_gib is not None and not (math.isfinite(ns.max_loaded_gib) and ns.max_loaded_gib > 0):
@@ -267,12 +268,37 @@ def serving_settings(ns: argparse.Namespace) -> tuple[Settings, list[tuple[str, 
             template = ns.chat_template.read_text()
         except (OSError, UnicodeError) as e:
             raise ValueError(f"--chat-template {ns.chat_template}: cannot read it ({e})") from None
+        if not template.strip():
+            raise ValueError(f"--chat-template {ns.chat_template}: the file is empty")
     device = torch_device(ns.device)
     if device.type == "cuda":  # the Triton runner takes float weights: auto is bf16, quantized ones are dequantized
         dtype = DTYPES["bf16"] if ns.dtype == "auto" else DTYPES[ns.dtype]
     else:
         dtype = auto_dtype() if ns.dtype == "auto" else DTYPES[ns.dtype]
+    with kv_flag_errors(ns):  # here, not at a model's first request (several models load on demand)
+        kv_kinds(kv_dtype_choice(ns), dtype, "kv_dtype", device)
+    if getattr(ns, "listen_fd", None) is None and os.environ.get("RANK", "0") == "0":  # (a replica is handed its
+        check_listen(ns.host, ns.port)  # socket; under torchrun only rank 0 listens)
     return Settings(ns, device, dtype, template, api_key), models
+
+
+def check_listen(host: str, port: int) -> None:
+    """``ValueError`` naming the flag unless ``--host`` resolves and ``--port`` is free on it — before the model is
+    loaded (uvicorn would find out after, and exit 3 with its own log line)."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e})") from None
+    if port == 0:
+        return
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closed port's TIME_WAIT
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror})") from None
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ a count or a memory budget would be exceeded (``loaded_models``).
     POST /v1/...     routed by the JSON body's ``model`` (the body is read here and replayed to the model's app, so
                      every route of ``build_app`` works unchanged, streaming included); an unknown model is a 404
                      naming the served ones, a body without ``model`` a 400 naming the field
-    GET  /v1/models  every served model, ``"loaded": true/false``
+    GET  /v1/models  every served model, ``"loaded": true/false`` (``/v1/models/{id}``: one of them)
     GET  /health     ok while every loaded model's engine runs; ``models``: each one's state
     GET  /metrics    the loaded models' metrics with a ``model`` label, and the loads and unloads
     other requests   (no body to route by: ``GET /v1/responses/{id}``) the loaded models' apps, most recently used
@@ -124,6 +124,10 @@ class ModelRouter:
                     raise self._unauthorized()
                 answer = {"/health": self._health, "/metrics": self._metrics, "/v1/models": self._models}[path]
                 response = await answer()
+            elif path.startswith("/v1/models/") and method in ("GET", "HEAD"):
+                if not self._authorized(scope):
+                    raise self._unauthorized()
+                response = self._model_card(path.removeprefix("/v1/models/"))
             elif method == "POST":
                 body = await read_body(receive, self.max_body_bytes)
                 name = self._model_of(scope, body)
@@ -339,10 +343,18 @@ class ModelRouter:
             return JSONResponse({"status": "engine stopped", "models": states}, status_code=503)
         return JSONResponse({"status": "ok", "models": states})
 
+    def _card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self._started, "owned_by": "gqa",
+                "loaded": self._state(name) == "loaded"}  # fmt: skip
+
     async def _models(self) -> Response:
-        cards = [{"id": name, "object": "model", "created": self._started, "owned_by": "gqa",
-                  "loaded": self._state(name) == "loaded"} for name in self.models]  # fmt: skip
-        return JSONResponse({"object": "list", "data": cards})
+        return JSONResponse({"object": "list", "data": [self._card(name) for name in self.models]})
+
+    def _model_card(self, name: str) -> Response:
+        if name not in self.models:
+            raise ApiError(f"the model '{name}' does not exist; this server has {list(self.models)}", 404, "model",
+                           code="model_not_found")  # fmt: skip
+        return JSONResponse(self._card(name))
 
     async def _metrics(self) -> Response:
         own = {

@@ -3,7 +3,7 @@
     POST /v1/chat/completions, POST /v1/completions   (``"stream": true``: server-sent events, ``data: [DONE]`` last)
     POST /v1/messages, POST /v1/messages/count_tokens (Anthropic's Messages API: ``messages_routes``)
     POST /v1/responses, GET|DELETE /v1/responses/{id} (OpenAI's Responses API: ``responses_routes``)
-    GET  /v1/models, GET /health, GET /metrics          (Prometheus text)
+    GET  /v1/models, /v1/models/{id}, GET /health, GET /metrics          (Prometheus text)
 
 What every API does with the engine (the body, the key, grammars, starting, reading and aborting answers) is
 ``driver.Driver``'s; this module holds the OpenAI chat and completions routes and puts the app together.
@@ -87,11 +87,21 @@ def build_app(
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    card = {"id": model_name, "object": "model", "created": started, "owned_by": "gqa"}
+
     async def models(request: Request) -> Response:
         if not driver.authorized(request):
             return fail(ApiError("a valid API key is required (Authorization: Bearer KEY)", 401))
-        card = {"id": model_name, "object": "model", "created": started, "owned_by": "gqa"}
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request: Request) -> Response:  # the openai client's models.retrieve
+        if not driver.authorized(request):
+            return fail(ApiError("a valid API key is required (Authorization: Bearer KEY)", 401))
+        name = request.path_params["name"]
+        if name != model_name:
+            return fail(ApiError(f"the model '{name}' does not exist; this server has {[model_name]}", 404, "model",
+                                 code="model_not_found"))  # fmt: skip
+        return JSONResponse(card)
 
     async def metrics(request: Request) -> Response:
         s = engine.stats()
@@ -306,6 +316,7 @@ def build_app(
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/v1/models", models),
+        Route("/v1/models/{name:path}", model),
         Route("/v1/completions", completion, methods=["POST"]),
         Route("/v1/chat/completions", chat_completion, methods=["POST"]),
         *MessagesRoutes(driver).routes,
