@@ -69,12 +69,27 @@ def test_input_items_render_as_the_chat_they_translate_to(tokenizer):
         ({"input": "x", "tools": [WEATHER], "tool_choice": 5}, "tool_choice", "'tool_choice' must be"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}, "tool_choice": "x",
           "tools": [WEATHER]}, "tool_choice", "'tool_choice' must be"),
+        # fields that change the answer and are not served here: refused by name (they were accepted and ignored)
+        ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 3}, "include",
+         "'include' is not supported"),
+        ({"input": "x", "top_logprobs": 3}, "top_logprobs", "'top_logprobs' is not supported"),
+        ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "'prompt' is not supported"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation", "'conversation' is not supported"),
+        ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "'reasoning' is not supported"),
+        ({"input": "x", "truncation": "auto"}, "truncation", "'truncation' is not supported"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_their_field(tokenizer, body, param, message):
     with pytest.raises(ApiError, match=message.replace("[", r"\[")) as e:
         api.parse(api.translate(body), tokenizer, [MODEL], 8192)
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_fields_at_their_off_values_are_accepted(tokenizer):
+    """What clients send by default (the openai SDK leaves them out; others send the off values) still serves."""
+    body = {"input": "x", "include": [], "top_logprobs": 0, "reasoning": {"effort": None}, "truncation": "disabled",
+            "prompt": None, "conversation": None}  # fmt: skip
+    assert api.parse(api.translate(body), tokenizer, [MODEL], 8192).prompt_ids
 
 
 def test_the_store_keeps_the_newest_within_its_bounds():

@@ -142,6 +142,26 @@ def _format(body: dict) -> dict[str, Any] | None:
     return {"type": spec["type"]}
 
 
+# Responses fields that change the answer or its shape and that this server does not serve, with the values that
+# mean "off": anything else is refused with a 400 naming the field, never served as if it had not been asked
+UNSERVED: dict[str, tuple] = {
+    "include": ([],),  # message.output_text.logprobs, reasoning.encrypted_content, ...: no extra output here
+    "top_logprobs": (0,),
+    "prompt": (),  # a stored prompt template (OpenAI's dashboard)
+    "conversation": (),  # a stored conversation (previous_response_id is served)
+    "reasoning": ({}, {"effort": None}, {"effort": None, "summary": None}),  # no reasoning models here
+    "truncation": ("disabled",),
+    "max_tool_calls": (),
+}
+
+
+def _refuse_unserved(body: dict) -> None:
+    for name, off in UNSERVED.items():
+        value = body.get(name)
+        if value is not None and not any(value == o and type(value) is type(o) for o in off):
+            raise ApiError(f"'{name}' is not supported by this server (got {json.dumps(value)[:80]})", param=name)
+
+
 def translate(body: object, history: list[dict[str, Any]] | None = None) -> Translated:
     """The request ``body`` as a chat request; ``history``: the previous response's conversation."""
     if not isinstance(body, dict):
@@ -150,6 +170,7 @@ def translate(body: object, history: list[dict[str, Any]] | None = None) -> Tran
         raise ApiError("'input' is required", param="input")
     if body.get("background"):
         raise ApiError("'background' responses are not supported", param="background")
+    _refuse_unserved(body)
     conversation = [*(history or []), *_messages(body["input"])]
     instructions = _get(body, "instructions", "a string")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
