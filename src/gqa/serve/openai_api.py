@@ -64,7 +64,23 @@ MAX_ID_DIGITS = 18  # a token id written out (``logit_bias``' keys): any larger 
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "suffix": ("",),
     "best_of": (1,),  # completions serve it (``parse_completion``); chat refuses it
+    "echo": (False,),  # completions serve it; chat (vLLM's echo of the last message) refuses it
     "functions": ([],),
+    # vLLM's and llama-server's sampling and prompt fields that change the answer
+    "typical_p": (1, 1.0),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "mirostat": (0,),
+    "tfs_z": (1, 1.0),
 }
 # vLLM's structured_outputs keys (the kind of StructuredOutput each means), and its older one-key fields for them
 STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
@@ -393,7 +409,7 @@ def parse_completion(
     score_only = score_only and body.get("max_completion_tokens") is None
     if score_only:  # the prompt scored, nothing generated (evaluation harnesses): checked as one new token would be
         body = body | {"max_tokens": 1}
-    fields = _common(body, models, Room(context, pool, len(ids), "prompt"), 16, served=("best_of",))
+    fields = _common(body, models, Room(context, pool, len(ids), "prompt"), 16, served=("best_of", "echo"))
     ranking = _best_of(body, fields)
     if not echo:
         return ParsedRequest(ids, **fields, **ranking)
