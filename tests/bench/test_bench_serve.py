@@ -47,6 +47,11 @@ def test_prompts_are_distinct_and_bad_flags_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "serve", "--kv-cache-dtype", "q5_0", "--out", str(tmp_path)])
     assert e.value.code == 2 and "argument --kv-cache-dtype: invalid choice: 'q5_0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # before any row runs (the conversion refused it after the baseline rows)
+        main(["bench", "serve", "--kv-heads", "3", "2", "0", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--kv-heads 2 0: each must divide the model's 9 query heads" in err
+    assert not list(tmp_path.iterdir())  # nothing served, nothing written
 
 
 def test_structured_loads_are_served_and_their_answers_validated(tmp_path, capsys):

@@ -84,6 +84,7 @@ def test_info_compares_kv_cache_with_mha_and_mqa():
     [
         (("info", "--model", "/nonexistent/model.gguf"), "no such file or folder"),
         (("info", "--kv-budget-gib", "0"), "--kv-budget-gib: must be a positive number of GiB"),
+        (("info", "--tp", "0"), "--tp must be >= 1, got 0"),
         (("generate", "hi", "--top-p", "2"), "top_p must be in"),
         (("generate", "hi", "--max-new-tokens", "9000"), "exceeds the model's context"),
         (("serve", "--device", "tpu"), "--device must be cpu, cuda or cuda:N"),

@@ -327,6 +327,12 @@ def test_convert_healing_arguments(src, tmp_path):
         (["--heal-minutes", "nan", "--heal-text", "stdlib"], "--heal-minutes must be a positive number, got nan"),
         (["--heal-steps", "-1", "--heal-text", "stdlib"], "--heal-steps must be >= 0, got -1"),
         (["--heal-text", "stdlib"], "--heal-text is only used with --heal-steps N (N > 0) or --heal-minutes M"),
+        # any healing flag without healing (they were ignored, --heal-text alone was refused)
+        (
+            ["--heal-lr", "-1", "--heal-local-share", "2", "--heal-train", "all"],
+            "--heal-lr, --heal-train, --heal-local-share are only used with --heal-steps N (N > 0) or --heal-minutes M",
+        ),
+        (["--heal-seed", "5"], "--heal-seed is only used with --heal-steps N"),
         (["--heal-steps", "5", "--heal-text", "stdlib", "--heal-lr", "0"], "heal lr must be a positive number"),
         (["--heal-steps", "5", "--heal-text", "stdlib", "--heal-batch", "0"], "heal batch_size must be >= 1"),
         (["--heal-steps", "5", "--heal-text", "/nonexistent/heal.txt"], "No such file"),

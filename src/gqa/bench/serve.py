@@ -224,6 +224,13 @@ def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error(f"--model {ns.model}: no such file or folder (a .gguf file or an HF folder)")
     if ns.shape is not None:
         ns.model = shaped_model(parser, ns)
+    if ns.kv_heads:  # checked before any row runs (gqa convert would refuse it after the baseline rows)
+        from ..loaders import read_config
+
+        heads = read_config(ns.model).num_heads
+        bad = [k for k in ns.kv_heads if not (1 <= k <= heads and heads % k == 0)]
+        if bad:
+            parser.error(f"--kv-heads {' '.join(map(str, bad))}: each must divide the model's {heads} query heads")
     engines = list(dict.fromkeys(ns.engines))
     if "llama-server" in engines and ns.llama_server is None:
         print("[bench serve] skipping llama-server: no --llama-server PATH", file=sys.stderr)

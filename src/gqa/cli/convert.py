@@ -165,9 +165,15 @@ def heal_settings(ns: argparse.Namespace) -> tuple[HealConfig | None, str | None
         raise ValueError(f"--heal-steps must be >= 0, got {ns.heal_steps}")
     if ns.heal_minutes is not None and not (math.isfinite(ns.heal_minutes) and ns.heal_minutes > 0):
         raise ValueError(f"--heal-minutes must be a positive number, got {ns.heal_minutes}")
-    if ns.heal_steps == 0 and ns.heal_minutes is None:
-        if ns.heal_text is not None:
-            raise ValueError("--heal-text is only used with --heal-steps N (N > 0) or --heal-minutes M")
+    if ns.heal_steps == 0 and ns.heal_minutes is None:  # no healing: a healing flag given would be ignored
+        d = HealConfig(steps=1)
+        defaults = {"heal_text": None, "heal_lr": None, "heal_seq_len": d.seq_len, "heal_batch": d.batch_size,
+                    "heal_train": d.train, "heal_local_share": d.local_share, "heal_seed": d.seed,
+                    "heal_sharding": d.sharding, "heal_precision": d.precision}  # fmt: skip
+        given = ["--" + name.replace("_", "-") for name, off in defaults.items() if getattr(ns, name, off) != off]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} only used with --heal-steps N "
+                             "(N > 0) or --heal-minutes M")  # fmt: skip
         return None, None
     steps = ns.heal_steps or UNLIMITED_STEPS  # --heal-minutes alone: the time is the limit
     config = HealConfig(

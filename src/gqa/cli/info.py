@@ -88,6 +88,8 @@ def _positive_gib(text: str) -> float:
 def run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from ..loaders.lazy import open_lazy
 
+    if ns.tp is not None and ns.tp < 1:  # before loading; check_tp below checks it against the model's heads
+        raise ValueError(f"--tp must be >= 1, got {ns.tp}")
     with loading(model_label(ns.model)):
         lazy = open_lazy(ns.model)  # the config and every tensor's shape, no weight read
     cfg = lazy.config
