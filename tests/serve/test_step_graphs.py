@@ -78,3 +78,18 @@ def test_engine_config_names_a_bad_cuda_graphs_setting(value):
     assert EngineConfig().cuda_graphs is True
     with pytest.raises(ValueError, match=f"cuda_graphs must be True or False, got {value!r}"):
         EngineConfig(cuda_graphs=value)
+
+
+def test_graphed_decoding_refuses_quantized_weights_on_cuda():
+    """A CPU-quantized model moved to CUDA keeps ``QuantizedLinear``s, whose CUDA path reads their blocks back on the
+    host: no graph can hold that (a device-to-host copy while capturing), so ``graphs_apply`` says why not."""
+    from types import SimpleNamespace
+
+    from gqa.decoding.cuda_graphs import graphs_apply
+    from gqa.models.quantized import QuantizedLinear
+
+    layer = QuantizedLinear.__new__(QuantizedLinear)
+    torch.nn.Module.__init__(layer)
+    model = SimpleNamespace(device=torch.device("cuda"), modules=lambda: iter([layer]))
+    assert "quantized weights" in graphs_apply(model, None)
+    assert graphs_apply(SimpleNamespace(device=torch.device("cpu")), None) == "device cpu (CUDA only)"

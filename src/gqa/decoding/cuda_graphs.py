@@ -25,6 +25,7 @@ from ..cache.kv import StaticKVCache
 from ..cache.quantize import as_stored
 from ..kernels.triton.split_kv import split_kv_attention
 from ..models.linear import linears
+from ..models.quantized import QuantizedLinear
 from .fused_step import fused_applies, fused_step, step_ropes, step_weights
 
 
@@ -33,6 +34,8 @@ def graphs_apply(model: torch.nn.Module, caches: list | None) -> str | None:
     else why not."""
     if model.device.type != "cuda":
         return f"device {model.device.type} (CUDA only)"
+    if any(isinstance(m, QuantizedLinear) for m in model.modules()):  # their CUDA path reads the blocks on the host
+        return "quantized weights (QuantizedLinear: load the model on CUDA to have them dequantized)"
     if getattr(model, "shard", None) is not None:
         return "tensor parallelism"
     if caches is not None and not all(isinstance(c, StaticKVCache) for c in caches):
@@ -78,7 +81,10 @@ def static_step(model: torch.nn.Module, tokens: torch.Tensor, caches: list[Stati
 
 class GraphedDecoder:
     """``step(tokens (B, 1), caches) -> logits (B, 1, vocab)`` for ``gqa.decoding.generate``: ``static_step`` run
-    eagerly once, then captured into a CUDA graph and replayed for every later token over the same caches."""
+    eagerly once, then captured into a CUDA graph and replayed for every later token over the same caches. Warm-up
+    and capture run on one side stream of the model's device (made current around every call: Triton launches on
+    the current device), and the RoPE tables the graph reads by address are kept alive here (a table grown later by
+    another caller is a new tensor)."""
 
     def __init__(self, model: torch.nn.Module, caches: list[StaticKVCache], *, compile: bool = False) -> None:
         reason = graphs_apply(model, caches)
@@ -90,30 +96,34 @@ class GraphedDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.steps = 0
-        for rope in step_ropes(model):  # every position the caches can reach, in every table, before capture
+        ropes = [*step_ropes(model), *([model.model.rope] if getattr(model.model, "rope", None) is not None else [])]
+        for rope in ropes:  # every position the caches can reach, in every table, before capture
             if rope.cos_cached.shape[0] < caches[0].capacity:
                 rope.cos_sin(torch.tensor([caches[0].capacity - 1], device=model.device))
+        self.tables = [(rope.cos_cached, rope.sin_cached) for rope in ropes]
+        with torch.cuda.device(model.device):
+            self.side = torch.cuda.Stream()
 
     def __call__(self, tokens: torch.Tensor, caches: list[StaticKVCache]) -> torch.Tensor:
         if caches is not self.caches:
             raise ValueError("this GraphedDecoder was captured over other caches")
         if self.caches[0].seq_len >= self.caches[0].capacity:
             raise ValueError(f"StaticKVCache overflow: all {self.caches[0].capacity} slots are written")
-        self.tokens.copy_(tokens)
-        self.steps += 1
-        if self.graph is None and self.steps == 1:  # eager: compiles the Triton kernels, creates library handles
-            side = torch.cuda.Stream(device=self.tokens.device)
-            side.wait_stream(torch.cuda.current_stream(self.tokens.device))
-            with torch.cuda.stream(side):
-                logits = self.step(self.tokens, self.caches)
-            torch.cuda.current_stream(self.tokens.device).wait_stream(side)
-            return logits
-        if self.graph is None:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self.step(self.tokens, self.caches)
-        self.graph.replay()
-        return self.logits.clone()
+        with torch.cuda.device(self.tokens.device):
+            self.tokens.copy_(tokens)
+            self.steps += 1
+            if self.graph is None and self.steps == 1:  # eager: compiles the Triton kernels, creates library handles
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
+                    logits = self.step(self.tokens, self.caches)
+                torch.cuda.current_stream().wait_stream(self.side)
+                return logits
+            if self.graph is None:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, stream=self.side, capture_error_mode="thread_local"):
+                    self.logits = self.step(self.tokens, self.caches)
+            self.graph.replay()
+            return self.logits.clone()
 
 
 def _step_for(model: torch.nn.Module, compile: bool):

@@ -22,10 +22,10 @@ What keeps the shapes fixed:
   is a new tensor).
 
 Capture runs the step once eagerly first (compiling the Triton kernels and creating cuBLAS's workspaces, on a side
-stream as PyTorch asks) over the padding rows only; the graphs share one memory pool, captured largest first so
-that the smaller ones reuse its memory. On CPU (tests, with Triton's interpreter) ``RecordedStep`` stands in for a
-CUDA graph: it runs the step's closure again at each replay, reading the same static buffers, so a step that forgot
-to copy its inputs there gives wrong tokens on CPU as it would on a GPU.
+stream as PyTorch asks) over the padding rows only; the graphs share one memory pool and that one stream, captured
+largest first so that the smaller ones reuse its memory. On CPU (tests, with Triton's interpreter) ``RecordedStep``
+stands in for a CUDA graph: it runs the step's closure again at each replay, reading the same static buffers, so a
+step that forgot to copy its inputs there gives wrong tokens on CPU as it would on a GPU.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ class RecordedStep:
     """A CUDA graph's stand-in on CPU: ``replay()`` runs ``fn`` again (over the same static buffers) and returns its
     outputs. Made as a graph is: ``fn`` runs once first (the warm-up)."""
 
-    def __init__(self, fn: Callable[[], tuple[torch.Tensor, torch.Tensor]], device: torch.device, pool: object) -> None:
+    def __init__(
+        self, fn: Callable[[], tuple[torch.Tensor, torch.Tensor]], device: torch.device, pool: object, stream: object
+    ) -> None:
         fn()
         self.fn = fn
 
@@ -83,15 +85,18 @@ class RecordedStep:
 
 
 class CudaStep:
-    """``fn`` captured in a CUDA graph on ``device`` after one eager warm-up run on a side stream; ``replay()``
-    relaunches every kernel and returns the outputs captured (static tensors, rewritten by each replay). Other
-    threads may use the GPU meanwhile (another model of the same server): the capture refuses only this thread's
-    unsafe calls."""
+    """``fn`` captured in a CUDA graph on ``device`` after one eager warm-up run on the side stream ``side``;
+    ``replay()`` relaunches every kernel and returns the outputs captured (static tensors, rewritten by each replay).
+    Graphs that share ``pool`` share ``side`` too: the caching allocator reuses a freed block only on the stream it
+    was allocated on (torch.cuda.graph's docs: pass the same stream to every capture into one pool). Other threads
+    may use the GPU meanwhile (another model of the same server): the capture refuses only this thread's unsafe
+    calls."""
 
-    def __init__(self, fn: Callable[[], tuple[torch.Tensor, torch.Tensor]], device: torch.device, pool: object) -> None:
+    def __init__(
+        self, fn: Callable[[], tuple[torch.Tensor, torch.Tensor]], device: torch.device, pool: object, side: object
+    ) -> None:
         self.device = device
         with torch.cuda.device(device):
-            side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 fn()
@@ -137,11 +142,14 @@ class DecodeGraphs:
         self.logits: torch.Tensor | None = None
         self.greedy: torch.Tensor | None = None
         make = RecordedStep if recorded else CudaStep
-        pool = None if recorded else torch.cuda.graph_pool_handle()
+        pool = side = None
+        if not recorded:  # one pool and one capture stream for all the graphs
+            with torch.cuda.device(device):
+                pool, side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         self.graphs: dict[tuple[int, int], RecordedStep | CudaStep] = {}
         for b in sorted(self.buckets, reverse=True):  # largest first: the others reuse its memory
             for length in sorted(self.lengths, reverse=True):
-                self.graphs[b, length] = make(partial(self._rows, b, length), device, pool)
+                self.graphs[b, length] = make(partial(self._rows, b, length), device, pool, side)
 
     def _rows(self, b: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step over the static inputs' first ``b`` rows, its outputs copied into the shared buffers' first

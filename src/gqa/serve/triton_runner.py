@@ -14,6 +14,7 @@ kernel reads them where they lie. Runs on CPU tensors under ``TRITON_INTERPRET=1
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 
@@ -84,13 +85,15 @@ class TritonModelRunner:
         graphs = self.graphs
         if graphs is not None and wanted == list(range(N)) and graphs.takes(N, max(positions) + 1):
             return graphs.run(ids, positions, tables)
-        host = torch.tensor([ids, positions], dtype=torch.long)
-        ids_t, pos = host.to(device, non_blocking=True)  # (N,) each
-        table = table_tensor(tables).to(device, non_blocking=True)  # (N, max_blocks)
-        self._grow_ropes(max(positions) + 1)
-        picked = torch.tensor(wanted, dtype=torch.long, device=device)
-        logits = self._step(ids_t, pos, table, max(positions) + 1, picked)  # (n, vocab)
-        return logits, logits.argmax(-1).cpu()
+        # the engine's thread may have another device current: Triton launches on the current one
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            host = torch.tensor([ids, positions], dtype=torch.long)
+            ids_t, pos = host.to(device, non_blocking=True)  # (N,) each
+            table = table_tensor(tables).to(device, non_blocking=True)  # (N, max_blocks)
+            self._grow_ropes(max(positions) + 1)
+            picked = torch.tensor(wanted, dtype=torch.long, device=device)
+            logits = self._step(ids_t, pos, table, max(positions) + 1, picked)  # (n, vocab)
+            return logits, logits.argmax(-1).cpu()
 
     def _step(
         self, ids: torch.Tensor, pos: torch.Tensor, table: torch.Tensor, max_length: int, picked: torch.Tensor | None
