@@ -70,9 +70,10 @@ def test_input_items_render_as_the_chat_they_translate_to(tokenizer):
         ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}, "tool_choice": "x",
           "tools": [WEATHER]}, "tool_choice", "'tool_choice' must be"),
         # fields that change the answer and are not served here: refused by name (they were accepted and ignored)
-        ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 3}, "include",
-         "'include' is not supported"),
-        ({"input": "x", "top_logprobs": 3}, "top_logprobs", "'top_logprobs' is not supported"),
+        ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include",
+         "'include' item \"reasoning.encrypted_content\" is not supported by this server"),
+        ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs",
+         "'top_logprobs' must be in [0, 20]"),
         ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "'prompt' is not supported"),
         ({"input": "x", "conversation": "conv_1"}, "conversation", "'conversation' is not supported"),
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "'reasoning' is not supported"),
@@ -160,6 +161,37 @@ def test_text_answers_are_chat_completions_own_and_streams_reassemble_them(clien
         client.responses.retrieve(final.id)
     cut = client.responses.create(**greedy(input="Count from one to fifty.", max_output_tokens=3))
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+
+
+def test_logprobs_are_chat_completions_own_whole_and_streamed(client):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: each output token's logprob and its
+    alternatives, the same as ``/v1/chat/completions`` gives for the same conversation; streamed, the deltas' logprobs
+    join to the same list, and each delta's tokens spell its text."""
+    ask = greedy(
+        instructions="Answer in one word.",
+        input="Name a colour.",
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )  # (an answer that ends: the stream helper wants response.completed)
+    r = client.responses.create(**ask)
+    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a colour."}]
+    c = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2,
+                                       messages=messages)  # fmt: skip
+    mine = r.output[0].content[0].logprobs
+    theirs = c.choices[0].logprobs.content
+    assert 0 < len(mine) == len(theirs) <= r.usage.output_tokens  # (the end-of-sequence token: counted, not listed)
+    for a, b in zip(mine, theirs, strict=True):
+        assert (a.token, a.logprob, a.bytes) == (b.token, b.logprob, b.bytes)
+        assert [(t.token, t.logprob) for t in a.top_logprobs] == [(t.token, t.logprob) for t in b.top_logprobs]
+        assert len(a.top_logprobs) == 2
+    with client.responses.stream(**ask) as stream:
+        deltas = [e for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert [lp.token for d in deltas for lp in d.logprobs] == [lp.token for lp in mine]
+    assert all("".join(lp.token for lp in d.logprobs) == d.delta for d in deltas)  # (plain ASCII words here)
+    assert [lp.logprob for lp in final.output[0].content[0].logprobs] == [lp.logprob for lp in mine]
+    plain = client.responses.create(**greedy(input="Name a colour."))
+    assert plain.output[0].content[0].logprobs == []  # not asked: none
 
 
 def test_function_call_round_trip_over_previous_response_id(client):

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,8 +146,6 @@ def _format(body: dict) -> dict[str, Any] | None:
 # Responses fields that change the answer or its shape and that this server does not serve, with the values that
 # mean "off": anything else is refused with a 400 naming the field, never served as if it had not been asked
 UNSERVED: dict[str, tuple] = {
-    "include": ([],),  # message.output_text.logprobs, reasoning.encrypted_content, ...: no extra output here
-    "top_logprobs": (0,),
     "prompt": (),  # a stored prompt template (OpenAI's dashboard)
     "conversation": (),  # a stored conversation (previous_response_id is served)
     "reasoning": ({}, {"effort": None}, {"effort": None, "summary": None}),  # no reasoning models here
@@ -155,11 +154,28 @@ UNSERVED: dict[str, tuple] = {
 }
 
 
+LOGPROBS = "message.output_text.logprobs"  # the one ``include`` item served: the output text's tokens' logprobs
+
+
 def _refuse_unserved(body: dict) -> None:
     for name, off in UNSERVED.items():
         value = body.get(name)
         if value is not None and not any(value == o and type(value) is type(o) for o in off):
             raise ApiError(f"'{name}' is not supported by this server (got {json.dumps(value)[:80]})", param=name)
+    include = _get(body, "include", "an array", [])
+    for item in include:
+        if item != LOGPROBS:
+            raise ApiError(f"'include' item {json.dumps(item)[:80]} is not supported by this server (only "
+                           f"'{LOGPROBS}')", param="include")  # fmt: skip
+
+
+def _logprobs(body: dict) -> dict[str, Any]:
+    """``include: ["message.output_text.logprobs"]`` and ``top_logprobs`` (0-20 alternatives, OpenAI's; given
+    alone it asks for the logprobs too) as chat's ``logprobs`` / ``top_logprobs``."""
+    top = _get(body, "top_logprobs", "an integer", 0)
+    if LOGPROBS not in (body.get("include") or []) and not top:
+        return {}
+    return {"logprobs": True, "top_logprobs": top}
 
 
 def translate(body: object, history: list[dict[str, Any]] | None = None) -> Translated:
@@ -174,7 +190,7 @@ def translate(body: object, history: list[dict[str, Any]] | None = None) -> Tran
     conversation = [*(history or []), *_messages(body["input"])]
     instructions = _get(body, "instructions", "a string")
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + conversation
-    chat = {"messages": messages, **_tools(body)}
+    chat = {"messages": messages, **_tools(body), **_logprobs(body)}
     response_format = _format(body)
     if response_format is not None:
         chat["response_format"] = response_format
@@ -211,8 +227,8 @@ def parse(t: Translated, tokenizer, models: list[str], context: int, pool: int |
     return parsed
 
 
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
 
 
@@ -225,11 +241,12 @@ def status_of(answer: Answer) -> str:
     return "incomplete" if answer.reason == "length" else "completed"
 
 
-def output_items(answer: Answer) -> list[dict[str, Any]]:
-    """The whole answer's output: a message with its text (also when it made no call and wrote nothing), then its
-    function calls."""
+def output_items(answer: Answer, logprobs: list | None = None) -> list[dict[str, Any]]:
+    """The whole answer's output: a message with its text (also when it made no call and wrote nothing) and its
+    tokens' ``logprobs`` (chat's ``logprobs.content`` items, where asked), then its function calls."""
     status = status_of(answer)
-    items = [message_item(new_id("msg"), answer.content, status)] if answer.content or not answer.calls else []
+    message = [message_item(new_id("msg"), answer.content, status, logprobs)]
+    items = message if answer.content or not answer.calls else []
     return items + [call_item(new_id("fc"), *call, status) for call in answer.calls]
 
 
@@ -268,13 +285,16 @@ class ResponseEvents:
     ``deltas`` (an output item added as the answer begins it — a message with one output_text part, or a function
     call — and its text or arguments as they come; the one before is done when the next begins) and ``end`` (the
     last item done, then response.completed or response.incomplete with the whole response, whose ``output`` holds
-    the items as streamed). ``output``: the items so far."""
+    the items as streamed). ``output``: the items so far. ``logprobs(entries)``, where the request asked for them,
+    turns the engine's token logprobs into the items a text delta carries (the tokens fed since the last one)."""
 
-    def __init__(self, response: dict[str, Any]) -> None:
+    def __init__(self, response: dict[str, Any], logprobs: Callable[[list], list] | None = None) -> None:
         self.response = response  # the response in progress (its output empty)
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being written
         self.sequence = 0
+        self.logprobs = logprobs
+        self.pending: list = []  # token logprobs not sent yet (their text held back, or no text delta since)
 
     def _event(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -285,8 +305,10 @@ class ResponseEvents:
         return [self._event("response.created", response=self.response),
                 self._event("response.in_progress", response=self.response)]  # fmt: skip
 
-    def deltas(self, deltas: list[Text | CallStarted | MoreArguments]) -> list[str]:
+    def deltas(self, deltas: list[Text | CallStarted | MoreArguments], entries: Sequence = ()) -> list[str]:
+        """The events of ``deltas``; ``entries``: the logprobs of the tokens they came from."""
         events = []
+        self.pending += entries
         for d in deltas:
             if isinstance(d, Text):
                 if self.open is None or self.open["type"] != "message":
@@ -294,9 +316,11 @@ class ResponseEvents:
                     part = {"type": "output_text", "text": "", "annotations": []}
                     events.append(self._event("response.content_part.added", **self._at(), content_index=0, part=part))
                 self.open["content"][0]["text"] += d.text
+                sent = self._take_logprobs()
                 events.append(self._event("response.output_text.delta", **self._at(), content_index=0, delta=d.text,
-                                          logprobs=[]))  # fmt: skip
+                                          logprobs=sent))  # fmt: skip
                 continue
+            self.pending = []  # a call's tokens: logprobs go with the message text only
             if isinstance(d, CallStarted):
                 events += self._add(call_item(new_id("fc"), d.id, d.name, "", "in_progress"))
             if d.arguments:
@@ -323,6 +347,15 @@ class ResponseEvents:
         return self._event("response.failed", response=self.response | {"status": "failed", "output": self.output,
                                                                           "error": error})  # fmt: skip
 
+    def _take_logprobs(self) -> list:
+        """The pending tokens' logprob items, added to the open message's part (none where none were asked)."""
+        if self.logprobs is None or not self.pending:
+            self.pending = []
+            return []
+        items, self.pending = self.logprobs(self.pending), []
+        self.open["content"][0]["logprobs"] += items
+        return items
+
     def _at(self) -> dict[str, Any]:
         return {"item_id": self.open["id"], "output_index": len(self.output) - 1}
 
@@ -339,9 +372,10 @@ class ResponseEvents:
             return events
         item["status"] = status
         if item["type"] == "message":
+            self._take_logprobs()  # tokens whose text never came (a stop string's): theirs too, as whole
             part = item["content"][0]
             events.append(self._event("response.output_text.done", **self._at(), content_index=0, text=part["text"],
-                                      logprobs=[]))  # fmt: skip
+                                      logprobs=part["logprobs"]))  # fmt: skip
             events.append(self._event("response.content_part.done", **self._at(), content_index=0, part=part))
         else:
             events.append(self._event("response.function_call_arguments.done", **self._at(), name=item["name"],

@@ -6,7 +6,7 @@ shape; an unknown ``previous_response_id`` or id is a 404. A stream that fails a
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -16,7 +16,7 @@ from starlette.routing import Route
 from . import responses_api as api
 from .answers import AnswerDeltas, whole_answer
 from .driver import ClientLeft, Driver, JSONResponse, close, engine_failure, fail, merged
-from .openai_api import ApiError, ParsedRequest
+from .openai_api import ApiError, ParsedRequest, logprobs_body
 from .request import RequestOutput
 from .response_store import ResponseStore
 
@@ -69,9 +69,17 @@ class ResponsesRoutes:
         except ApiError as e:
             return fail(e)
         answer = whole_answer(parsed, got, d.tokenizer)
-        body = api.response_body(rid, created, parsed.model, t.echo, api.output_items(answer), answer)
+        logprobs = self._logprobs(parsed)
+        entries = None if logprobs is None else logprobs([e for out in got for e in out.logprobs or ()])
+        body = api.response_body(rid, created, parsed.model, t.echo, api.output_items(answer, entries), answer)
         self.keep(t, body)
         return JSONResponse(body)
+
+    def _logprobs(self, parsed: ParsedRequest) -> Callable[[list], list] | None:
+        """Token logprobs -> the ``output_text.logprobs`` items (chat's ``logprobs.content`` items), where asked."""
+        if parsed.params.logprobs is None:
+            return None
+        return lambda entries: logprobs_body(entries, self.driver.tokenizer, chat=True)["content"]
 
     def keep(self, t: api.Translated, body: dict[str, Any]) -> None:
         if t.store:
@@ -98,7 +106,8 @@ class ResponsesRoutes:
         self, rid: str, created: int, t: api.Translated, parsed: ParsedRequest, firsts: list[RequestOutput],
         outputs: list,
     ) -> AsyncIterator[str]:  # fmt: skip
-        events = api.ResponseEvents(api.response_body(rid, created, parsed.model, t.echo, [], None))
+        events = api.ResponseEvents(api.response_body(rid, created, parsed.model, t.echo, [], None),
+                                    self._logprobs(parsed))  # fmt: skip
         deltas = AnswerDeltas(parsed, self.driver.tokenizer)
         answers = merged(firsts, outputs)
         try:
@@ -110,7 +119,7 @@ class ResponsesRoutes:
                         f"the request failed in the engine: {out.error}", 500)  # fmt: skip
                     yield events.failed(why.message)
                     break
-                for e in events.deltas(deltas.feed(out)):
+                for e in events.deltas(deltas.feed(out), out.logprobs or ()):
                     yield e
                 if out.finished:
                     last, body = events.end(deltas.end)
