@@ -1,12 +1,12 @@
 """Tensor-parallel serving's memory split (issue 71's target): each rank's peak resident memory against one process's.
 
-    python benchmarks/tp_memory.py [FILE.gguf] [--tp 1 2] [--kv-cache-mib 256] [--requests 4]
+    python benchmarks/tp_memory.py [FILE.gguf] [--tp 1 2] [--kv-cache-mib 256|default] [--requests 4]
 
 For each ``--tp``, ``gqa serve --model FILE --tp N`` (default: the embedded SmolLM2; dtype auto: a GGUF's quantized
 weights stay blocks, each rank holding its shard of them; the KV pool of ``--kv-cache-mib`` split over the ranks by KV
-heads) answers ``--requests`` greedy completions, then each process's peak resident memory (``VmHWM``: weights + KV
-pool + runtime) is read: the server process (rank 0) and every rank under it. Prints a markdown table and one JSON
-line per ``--tp``.
+heads; ``default``: the pool ``gqa serve`` sizes itself, as a user without the flag gets it) answers ``--requests``
+greedy completions, then each process's peak resident memory (``VmHWM``: weights + KV pool + runtime) is read: the
+server process (rank 0) and every rank under it. Prints a markdown table and one JSON line per ``--tp``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", type=Path, nargs="?", help="GGUF file or HF folder (default: the embedded SmolLM2)")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--kv-cache-mib", type=float, default=256)
+    p.add_argument("--kv-cache-mib", default="256", help="MiB, or 'default': the server's own pool size")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     ns = p.parse_args(argv)
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         for tp in ns.tp:
             port = free_port()
             model = ["--model", str(ns.model)] if ns.model else []
-            argv = [sys.executable, "-m", "gqa", "serve", *model, "--tp", str(tp), "--port", str(port),
-                    "--kv-cache-mib", str(ns.kv_cache_mib)]  # fmt: skip
+            pool = [] if ns.kv_cache_mib == "default" else ["--kv-cache-mib", str(float(ns.kv_cache_mib))]
+            argv = [sys.executable, "-m", "gqa", "serve", *model, "--tp", str(tp), "--port", str(port), *pool]
             server = ServerProcess(argv, port, Path(tmp) / f"tp{tp}.log")
             try:
                 texts = [complete(port, server.model, ns.max_tokens) for _ in range(ns.requests)]
