@@ -285,20 +285,23 @@ def serving_settings(ns: argparse.Namespace) -> tuple[Settings, list[tuple[str, 
 def check_listen(host: str, port: int) -> None:
     """``ValueError`` naming the flag unless ``--host`` resolves and ``--port`` is free on it — before the model is
     loaded (uvicorn would find out after, and exit 3 with its own log line)."""
+    import errno
     import socket
 
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn picks it
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        socket.getaddrinfo(host, port, family=family, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         raise ValueError(f"--host {host}: cannot resolve it ({e})") from None
     if port == 0:
         return
-    with socket.socket(family, kind, proto) as probe:
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closed port's TIME_WAIT
         try:
-            probe.bind(address)
+            probe.bind((host, port))
         except OSError as e:
-            raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror})") from None
+            flag = f"--port {port}" if e.errno == errno.EADDRINUSE else f"--host {host}"  # (in use / not here)
+            raise ValueError(f"{flag}: cannot listen on {host}:{port} ({e.strerror})") from None
 
 
 @dataclass(frozen=True)
