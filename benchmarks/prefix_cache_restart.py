@@ -83,6 +83,14 @@ class Server:
         conn.close()
         return first, text
 
+    def disk_hits(self) -> float:
+        """``gqa_prefix_cache_disk_hits_total``: prompt blocks this server read from the directory."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("gqa_prefix_cache_disk_hits_total "):
+                    return float(line.split()[1])
+        raise RuntimeError("no gqa_prefix_cache_disk_hits_total in /metrics")
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(120)
@@ -101,14 +109,17 @@ def restart_rounds(args: argparse.Namespace) -> None:
             files = len(os.listdir(directory))
             second = Server(flags)
             restarted, text_restarted = second.first_token(prompt, args.max_tokens)
+            read = second.disk_hits()  # what makes "restarted" a read from disk: blocks counted as read there
             again, text_again = second.first_token(prompt, args.max_tokens)
             second.stop()
+        if not read:
+            raise SystemExit(f"the restarted server read no block from the directory ({files} files there)")
         if not text == text_restarted == text_again:
             raise SystemExit(f"the texts differ: {text!r} / {text_restarted!r} / {text_again!r}")
         for name, t in (("cold", cold), ("restarted", restarted), ("again", again)):
             times[name].append(t)
-        print(f"round {round_}: cold {cold * 1e3:.0f} ms, restarted {restarted * 1e3:.0f} ms ({files} block files), "
-              f"again {again * 1e3:.0f} ms", file=sys.stderr)  # fmt: skip
+        print(f"round {round_}: cold {cold * 1e3:.0f} ms, restarted {restarted * 1e3:.0f} ms ({files} block files, "
+              f"{read:.0f} read), again {again * 1e3:.0f} ms", file=sys.stderr)  # fmt: skip
     cold = statistics.median(times["cold"])
     print(f"prompt ~{args.tokens} tokens, medians over {args.rounds} rounds:")
     for name, ts in times.items():

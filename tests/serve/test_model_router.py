@@ -348,7 +348,12 @@ def test_the_api_key_is_asked_before_the_models_are_named():
     async def unasked(http: httpx.AsyncClient) -> httpx.Response:
         return await http.get("/v1/models/b")
 
-    anonymous, cards, card, absent, nameless = run_router(router, [unknown, listed, one, missing, unasked])
+    async def stored(http: httpx.AsyncClient) -> httpx.Response:  # no model loaded: would 404, naming the models
+        return await http.get("/v1/responses/resp_1")
+
+    anonymous, cards, card, absent, nameless, unnamed = run_router(router, [unknown, listed, one, missing, unasked,
+                                                                            stored])  # fmt: skip
+    assert unnamed.status_code == 401 and "'a'" not in unnamed.text
     assert anonymous.status_code == 401 and "x" not in anonymous.text
     assert [c["id"] for c in cards.json()["data"]] == ["a", "b"]
     assert card.status_code == 200 and card.json()["id"] == "b" and card.json()["loaded"] is False

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -166,13 +167,19 @@ def damage(path, how: str) -> None:
         data[-40] ^= 1  # a payload byte
     elif how == "header":
         data = data.replace(b'"payload":64', b'"payload":65')
+    elif how == "nested":  # a header json cannot parse without RecursionError (was: every running request failed)
+        nested = b"[" * 20_000
+        data = data[:8] + struct.pack("<I", len(nested)) + nested + bytes(68)
+    elif how == "long":  # longer than any block file: never read into memory
+        data += bytes(1 << 17)
     path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize(
     ("how", "reason"),
-    [("truncated", "truncated"), ("tampered", "checksum mismatch"), ("header", "a header for another block")],
-)
+    [("truncated", "truncated"), ("tampered", "checksum mismatch"), ("header", "a header for another block"),
+     ("nested", "an unreadable header (RecursionError)"), ("long", "the file changed while read or is too long")],
+)  # fmt: skip
 def test_a_damaged_file_is_ignored_with_one_warning_and_deleted(tmp_path, caplog, how, reason):
     s = store(tmp_path)
     s.write(H1, payload(1))
@@ -249,6 +256,23 @@ def test_a_write_that_fails_midway_leaves_no_file(tmp_path, monkeypatch, caplog)
 def test_engine_config_names_a_bad_prefix_cache_setting(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         EngineConfig(**options)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels not built on this machine")
+def test_a_tensor_parallel_shard_takes_no_prefix_cache(tmp_path):
+    """Rank 0 holds its KV heads alone: its blocks on disk would restore those and leave the other ranks' stale, so
+    the engine refuses the directory for a shard (the CLI refused it; the Python API did not)."""
+    from gqa.models import CausalLM
+    from gqa.models.config import ModelConfig
+    from gqa.serve.engine import Engine
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=8, eos_token_id=[1])  # fmt: skip
+    model = CausalLM(cfg).eval()
+    Engine(model, kv_cache_mib=1, prefix_cache_dir=tmp_path / "one")  # a whole model: taken
+    model.shard = object()  # what parallel.tensor_parallel puts on a rank's model
+    with pytest.raises(ValueError, match="prefix_cache_dir does not take a tensor-parallel shard"):
+        Engine(model, kv_cache_mib=1, prefix_cache_dir=tmp_path / "two")
 
 
 def test_a_directory_that_cannot_be_one_is_refused_by_name(tmp_path):

@@ -85,6 +85,9 @@ class Engine:
         self.blocks = BlockManager(self.cache.num_blocks, config.block_size)
         self.disk = None  # the prefix cache on disk (prefix_disk.py), with config.prefix_cache_dir
         if config.prefix_cache_dir is not None:
+            if getattr(model, "shard", None) is not None:  # rank 0's blocks hold its KV heads alone
+                raise ValueError("prefix_cache_dir does not take a tensor-parallel shard: rank 0 would store and "
+                                 "restore its own KV heads only, the other ranks' blocks left stale")  # fmt: skip
             self.disk = DiskPrefixCache.open(config.prefix_cache_dir, config.prefix_cache_gib, model, self.cache,
                                              self.blocks)  # fmt: skip
         if eos_token_ids is None:

@@ -192,6 +192,8 @@ class ModelRouter:
             if answer and answer[0]["type"] == "http.response.start" and answer[0]["status"] != 404:
                 break
         if not answer:
+            if not self._authorized(scope):  # the models are named to a client with the key only
+                raise self._unauthorized()
             raise ApiError(f"{scope['method']} {scope['path']}: not found (no model is loaded; this server has "
                            f"{list(self.models)})", 404)  # fmt: skip
         for message in answer:

@@ -39,6 +39,10 @@ __all__ = ["MAGIC", "SUFFIX", "VERSION", "PrefixStore", "writable_directory"]
 
 MAGIC = b"GQAKVBLK"
 VERSION = 1  # of the file format and of what the key covers: a change makes every older file foreign
+# Of how the stored K/V bytes are computed (bump it with any change to them under the same dtype names: q8_0 keys
+# became rotated, for one): part of every key, so that blocks an older gqa wrote are foreign, never read as valid
+KV_BYTES = 2
+_HEADER_MAX = 1 << 16  # a block file's header is a few hundred bytes; a file longer than its payload by more is damage
 SUFFIX = ".kv"
 # The checksum finds damage (a truncated or changed file), not forgery — whoever can write the directory can write a
 # matching checksum of any kind —, so it is zlib's CRC-32: 1.8 GB/s where blake2b did 0.38 on a 2-core EPYC, and a
@@ -59,7 +63,7 @@ class PrefixStore:
             raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
         self.directory = Path(directory)
         self.max_bytes, self.block_bytes = max_bytes, block_bytes
-        self.fields = {"version": VERSION, **fields}
+        self.fields = {"version": VERSION, "kv_bytes": KV_BYTES, **fields}
         self.identity = hashlib.blake2b(_canonical(self.fields), digest_size=16).digest()
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()  # file name -> bytes, least recently used first
@@ -129,15 +133,24 @@ class PrefixStore:
                 self._add(name, size)
         try:
             with open(path, "rb") as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)
-                got = f.readinto(data)
+                size = os.fstat(f.fileno()).st_size
+                if size > self.block_bytes + _HEADER_MAX:  # not read into memory: no block file is that long
+                    data, got = bytearray(), -1
+                else:
+                    data = bytearray(size)
+                    got = f.readinto(data)
         except FileNotFoundError:  # evicted meanwhile (by another process): a miss, not damage
             self._forget(name)
             return None
         except OSError as e:
             log.warning("prefix cache: cannot read %s: %s", path, e)
             return None
-        problem = "the file changed while read" if got != len(data) else self._problem(data, block_hash)
+        try:  # any failure to make sense of the file is damage: it costs this lookup, never the engine's step
+            problem = (
+                "the file changed while read or is too long" if got != len(data) else self._problem(data, block_hash)
+            )
+        except Exception as e:  # (a header of nested brackets raises RecursionError in json)
+            problem = f"an unreadable header ({type(e).__name__})"
         if problem is not None:
             gone = self._delete(name)
             log.warning("prefix cache: ignoring %s (%s); %s", path, problem, "deleted" if gone else "cannot delete it")
