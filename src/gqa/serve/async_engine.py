@@ -70,6 +70,16 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    async def aclose(self, timeout: float = 30.0) -> None:
+        """``stop`` without blocking the event loop (the thread finishes its step and flushes its prefix blocks
+        meanwhile). The join runs on a worker thread that holds the thread object only, which lets go of this engine
+        as it ends: nothing of the model is left referenced when the caller frees memory after."""
+        self._stop = True
+        self._wake.set()
+        thread = self._thread
+        if thread.is_alive():
+            await asyncio.to_thread(thread.join, timeout)
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop

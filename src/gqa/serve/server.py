@@ -19,7 +19,6 @@ finish (up to ``graceful_seconds``; what is left is cancelled), then the engine 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -304,8 +303,8 @@ def build_app(
         engine.start()
         try:
             yield
-        finally:  # off the event loop: the engine finishes its step and flushes its prefix blocks (a model unloaded
-            await asyncio.to_thread(engine.stop)  # by the router: the other models' requests go on meanwhile)
+        finally:  # off the event loop (a model the router unloads: the other models' requests go on meanwhile)
+            await engine.aclose()
 
     async def completion(request: Request) -> Response:
         return await completions(request, chat=False)
