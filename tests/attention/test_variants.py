@@ -301,3 +301,28 @@ def test_bad_options_are_refused_by_name(kwargs, error, words):
     q, k, v = qkv()
     with pytest.raises(error, match=words):
         gqa.grouped_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("L", [1, 3])  # decode-like shapes (the native kernel's) and a short chunk
+def test_a_learned_additive_mask_gets_its_gradient(L):
+    """A bias that needs a gradient (ALiBi / T5-style, q/k/v frozen) is never sent to an inference kernel: ``auto``
+    takes a differentiable path and its gradient is the float64 reference's; ``fused`` refuses by name (it ran and the
+    bias' gradient was silently None)."""
+    from tests.helpers.reference import attention64
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 18, L, 32, generator=g), torch.randn(2, 6, 20, 32, generator=g), torch.randn(
+        2, 6, 20, 32, generator=g)  # fmt: skip
+    bias = (0.1 * torch.randn(1, 18, L, 20, generator=g)).requires_grad_()
+    gqa.grouped_attention(q, k, v, bias, is_causal=True).sum().backward()
+    ref = bias.detach().double().requires_grad_()
+    attention64(q.double(), k.double(), v.double(), ref, is_causal=True)[0].sum().backward()
+    assert bias.grad is not None
+    torch.testing.assert_close(bias.grad.double(), ref.grad, atol=1e-5, rtol=1e-4)
+    if L == 1:
+        with pytest.raises(ValueError, match="backend 'fused' cannot run this call: inputs that need gradients"):
+            gqa.grouped_attention(q, k, v, bias, is_causal=True, backend="fused")
+    if L == 1 and gqa.kernels.available():
+        with torch.no_grad():  # no gradient wanted: the kernel takes it again
+            gqa.grouped_attention(q, k, v, bias, is_causal=True)
+        assert gqa.last_backend() == "fused"

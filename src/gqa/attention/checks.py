@@ -27,15 +27,23 @@ def flat_view(t: torch.Tensor, tail: int) -> torch.Tensor | None:
 
 
 def kernel_refusal(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dropout_p: float, return_weights: bool
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    dropout_p: float,
+    return_weights: bool,
+    attn_mask: torch.Tensor | None = None,
 ) -> str | None:
     """Why an inference decode kernel (the native CPU one, the Triton one) cannot take these tensors, or ``None``:
-    no weights, dropout or gradients, no empty inputs, K/V with contiguous rows and batch dims mergeable as a view."""
+    no weights, dropout or gradients (of the inputs or of an additive ``attn_mask``, a learned bias), no empty inputs,
+    K/V with contiguous rows and batch dims mergeable as a view."""
     if return_weights or dropout_p > 0.0:
         return "attention weights / dropout"
     if query.numel() == 0 or key.numel() == 0:
         return "empty inputs (no query or no key)"
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    needs = (query, key, value) + (() if attn_mask is None else (attn_mask,))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in needs):
         return "inputs that need gradients (no backward)"
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         return "key/value whose last dim is not contiguous"

@@ -51,7 +51,8 @@ def quantized_cache_attention(
     sides = check_window(window)
     if sides is not None:
         attn_mask = merge_masks(attn_mask, window_mask(L, S, *sides, q.device))
-    grad = torch.is_grad_enabled() and (q.requires_grad or (sinks is not None and sinks.requires_grad))
+    needs = (q, *(t for t in (sinks, attn_mask) if t is not None))  # (an additive mask may be a learned bias)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in needs)
     if q.device.type == "cuda" and not grad:
         from ..kernels.triton.split_kv import split_kv_attention, supports
 

@@ -109,7 +109,8 @@ def choose_backend(
     if (
         rows <= FUSED_ROWS
         and fused_is_fast(query.dtype)
-        and fused.supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights) is None
+        and fused.supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights, attn_mask=attn_mask)
+        is None
     ):
         return "fused"
     if return_weights or dropout_p > 0.0 or rows <= DECODE_ROWS:
@@ -127,9 +128,10 @@ def choose_backend(
     return "sdpa" if native else "grouped"
 
 
-def triton_runs(query, key, value, dropout_p: float, return_weights: bool) -> bool:
+def triton_runs(query, key, value, dropout_p: float, return_weights: bool, attn_mask=None) -> bool:
     """Whether the split-KV kernel runs these tensors (triton installed, device, dtype, sizes, strides)."""
-    return split_kv.supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights) is None
+    return split_kv.supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights,
+                             attn_mask=attn_mask) is None  # fmt: skip
 
 
 def _cuda_backend(query, key, value, shape, attn_mask, dropout_p, is_causal, scale, return_weights, variant=False,
@@ -152,8 +154,9 @@ def _cuda_backend(query, key, value, shape, attn_mask, dropout_p, is_causal, sca
         is_causal=is_causal,
         dropout_p=dropout_p,
         return_weights=return_weights,
-        needs_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)),
-        triton=triton_runs(query, key, value, dropout_p, return_weights),
+        needs_grad=torch.is_grad_enabled()
+        and any(t.requires_grad for t in (query, key, value, *(() if attn_mask is None else (attn_mask,)))),
+        triton=triton_runs(query, key, value, dropout_p, return_weights, attn_mask),
         variant=variant,
         sinks_grad=sinks_grad,
         flex=variant and flex.supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights) is None,

@@ -26,13 +26,14 @@ def supports(
     *,
     dropout_p: float,
     return_weights: bool,
+    attn_mask: torch.Tensor | None = None,
 ) -> str | None:
     """``None`` if the kernel can run this call, else the reason it cannot."""
     if query.device.type != "cpu":
         return f"device {query.device.type} (CPU only)"
     if query.dtype not in DTYPES:
         return f"dtype {query.dtype} (float32 and bfloat16 only)"
-    reason = kernel_refusal(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
+    reason = kernel_refusal(query, key, value, dropout_p=dropout_p, return_weights=return_weights, attn_mask=attn_mask)
     if reason is not None:
         return reason
     if not kernels.available():
@@ -54,7 +55,7 @@ def fused_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
-    reason = supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
+    reason = supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights, attn_mask=attn_mask)
     if reason is None and sinks_need_grad(sinks):
         reason = "sinks that require grad (inference only)"
     if reason is not None:

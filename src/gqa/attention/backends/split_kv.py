@@ -25,7 +25,7 @@ def triton_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, None]:
-    reason = supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
+    reason = supports(query, key, value, dropout_p=dropout_p, return_weights=return_weights, attn_mask=attn_mask)
     if reason is None and sinks_need_grad(sinks):
         reason = "sinks that require grad (inference only)"
     if reason is not None:

@@ -101,6 +101,7 @@ def supports(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     v_format: int = FLOAT,
+    attn_mask: torch.Tensor | None = None,
 ) -> str | None:
     """``None`` if the kernel can run this call, else the reason it cannot (``v_format``: what ``value`` stores,
     ``kv_formats``)."""
@@ -115,7 +116,7 @@ def supports(
     head_dim = max(query.shape[-1], values_per_row(value, block_kind("v_format", v_format)))
     if head_dim > MAX_HEAD_DIM:
         return f"head dim {head_dim} (at most {MAX_HEAD_DIM})"
-    return kernel_refusal(query, key, value, dropout_p=dropout_p, return_weights=return_weights)
+    return kernel_refusal(query, key, value, dropout_p=dropout_p, return_weights=return_weights, attn_mask=attn_mask)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -231,7 +232,7 @@ def split_kv_attention(
     window = check_window(window)
     softcap = check_softcap(softcap)
     check_sinks(sinks, shape, query)
-    reason = supports(query, key, value, v_format=v_format)
+    reason = supports(query, key, value, v_format=v_format, attn_mask=attn_mask)
     if reason is not None:
         raise ValueError(f"the triton split-KV kernel cannot run this call: {reason}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
