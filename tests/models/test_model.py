@@ -198,6 +198,23 @@ def test_state_dict_saves_with_safetensors_save_file(tmp_path, tied, input_major
     torch.testing.assert_close(back(ids), model(ids), rtol=0, atol=0)
 
 
+def test_the_default_quantized_models_state_dict_saves_and_loads_back(tmp_path):
+    """``gqa.load_model()``'s default (the GGUF's blocks kept): its tied head holds the embeddings' blocks; the
+    state dict stores them once (save_file refused the shared tensor) and ``load_state_dict`` restores both."""
+    from safetensors.torch import load_file, save_file
+
+    model = gqa.load_model()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    save_file(model.state_dict(), tmp_path / "model.safetensors")
+    state = load_file(tmp_path / "model.safetensors")
+    assert not [k for k in state if k.startswith("lm_head.")] and "model.embed_tokens.blocks" in state
+    back = gqa.load_model()
+    back.model.embed_tokens.blocks.zero_()  # (the head shares them)
+    back.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids), model(ids), rtol=0, atol=0)
+
+
 def test_generate_takes_tensor_prompts():
     model = tiny_model()
     ids = [3, 14, 15, 9, 2, 6]

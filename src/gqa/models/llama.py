@@ -240,19 +240,36 @@ def decoder_layer(cfg: ModelConfig, rope: RoPE, layer: int, local_rope: RoPE | N
 
 
 def _savable_state(module: CausalLM, state: dict, prefix: str, local_metadata: dict) -> None:
-    """``state_dict`` post-hook: drop the tied ``lm_head.weight`` and make strided weight views contiguous."""
+    """``state_dict`` post-hook: drop the tied head (``lm_head.weight``; a quantized head's ``lm_head.blocks``, the
+    embeddings' own tensor) and make strided weight views contiguous."""
     if module.config.tie_word_embeddings:
         state.pop(prefix + "lm_head.weight", None)
+        head, embed = prefix + "lm_head.", prefix + "model.embed_tokens."
+        for name in [n for n in state if n.startswith(head)]:
+            twin = state.get(embed + name[len(head) :])
+            if isinstance(twin, torch.Tensor) and _same_memory(state[name], twin):
+                del state[name]
     for name, tensor in state.items():
         if name.startswith(prefix) and not isinstance(tensor, nn.Parameter) and not tensor.is_contiguous():
             state[name] = tensor.contiguous()
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _tied_head_from_embeddings(module: CausalLM, state: dict, prefix: str, *args: object) -> None:
-    """``load_state_dict`` pre-hook: with tied embeddings, ``lm_head.weight`` is the embedding matrix."""
+    """``load_state_dict`` pre-hook: with tied embeddings, the head's tensors (``lm_head.weight``, a quantized
+    head's ``lm_head.blocks``) are the embeddings' of the same name."""
+    if not module.config.tie_word_embeddings:
+        return
     embeddings = state.get(prefix + "model.embed_tokens.weight")
-    if module.config.tie_word_embeddings and embeddings is not None:
+    if embeddings is not None:
         state.setdefault(prefix + "lm_head.weight", embeddings)
+    for name in module.lm_head.state_dict():
+        twin = state.get(prefix + "model.embed_tokens." + name)
+        if twin is not None:
+            state.setdefault(prefix + "lm_head." + name, twin)
 
 
 def set_left_padding(caches: list[StaticKVCache], pad: torch.Tensor | list[int]) -> None:
