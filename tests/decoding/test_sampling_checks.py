@@ -5,6 +5,7 @@ line, with exit code 2 before the model loads."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -63,3 +64,23 @@ def test_finite_temperatures_still_sample():
     assert torch.equal(sample_next(logits), logits.argmax(-1))
     drawn = sample_next(logits, temperature=0.7, top_k=5, top_p=0.9, generator=torch.Generator().manual_seed(1))
     assert drawn.shape == (2,) and bool(((drawn >= 0) & (drawn < 10)).all())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"max_new_tokens": 2.0}, "max_new_tokens must be an int >= 1, got 2.0"),
+     ({"eos_token_ids": "x"}, "eos_token_ids must be token ids (ints), got 'x'"),
+     ({"temperature": 1.0, "top_k": 2.5}, "top_k must be an int >= 1, got 2.5"),
+     ({"temperature": 1.0, "seed": 2**70}, "seed must be an int in [-2**63, 2**64), got 1180591620717411303424")],
+)  # fmt: skip
+def test_generate_names_a_bad_argument(kwargs, message):
+    """Each was an error from deep inside (``max_len must be ...``, ``'str' object``, ``topk(): argument 'k'``,
+    ``Overflow when unpacking long long``); a single int for ``eos_token_ids`` is one id."""
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=8, eos_token_id=[1])  # fmt: skip
+    model = CausalLM(cfg).eval()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        generate(model, [3, 4, 5], **{"max_new_tokens": 2, **kwargs})
+    assert generate(model, [3, 4, 5], max_new_tokens=2, eos_token_ids=7) == generate(
+        model, [3, 4, 5], max_new_tokens=2, eos_token_ids=[7]
+    )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sampling import check_sampling, sample_next
+from .sampling import SEED_RANGE, check_sampling, sample_next
 from .steps import DecodeStep, select_step
 
 if TYPE_CHECKING:  # a type only: models.llama's CausalLM.generate imports this module
@@ -60,6 +60,19 @@ def _prompt_batch(prompts: object) -> tuple[list[list[int]], bool]:
 DROP_FINISHED_AT = 0.75
 
 
+def _token_ids(ids: object, name: str) -> list[int]:
+    """``ids`` (token ids, or one id) as a list of ints; ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        return [ids]
+    try:
+        out = list(ids)  # type: ignore[call-overload]
+    except TypeError:
+        out = None
+    if out is None or any(isinstance(t, bool) or not isinstance(t, int) for t in out):
+        raise ValueError(f"{name} must be token ids (ints), got {ids!r}")
+    return out
+
+
 @torch.inference_mode()
 def generate_stream(
     model: CausalLM,
@@ -94,11 +107,14 @@ def generate_stream(
     """
     cfg = model.config
     check_sampling(temperature, top_k, top_p, min_p)  # before the prompt is run, not at the first sampled token
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_RANGE[0] <= seed <
+                             SEED_RANGE[1]):  # fmt: skip
+        raise ValueError(f"seed must be an int in [-2**63, 2**64), got {seed!r}")
     if compile and step_fn is not None:
         raise ValueError("pass either compile=True or a step_fn, not both")
-    eos = list(cfg.eos_token_id if eos_token_ids is None else eos_token_ids)
+    eos = _token_ids(cfg.eos_token_id if eos_token_ids is None else eos_token_ids, "eos_token_ids")
     pad_id = pad_token_id if pad_token_id is not None else (cfg.pad_token_id if cfg.pad_token_id is not None else 0)
     ids, pads = _left_pad(_prompt_batch(prompts)[0], pad_id, model.device)
     B, P = ids.shape
@@ -187,7 +203,7 @@ def generate(
     ``on_step`` and ``kv_dtype`` as in ``generate_stream``.
     """
     batch, single = _prompt_batch(prompts)
-    eos = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
+    eos = set(_token_ids(model.config.eos_token_id if eos_token_ids is None else eos_token_ids, "eos_token_ids"))
     out: list[list[int]] = [[] for _ in batch]
     done = [False] * len(batch)
     for token in generate_stream(

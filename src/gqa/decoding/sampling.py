@@ -20,8 +20,8 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None, m
     ``top_p`` outside ``(0, 1]`` or ``min_p`` outside ``[0, 1]``."""
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1, got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:  # NaN fails the comparison too
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if min_p is not None and not 0.0 <= min_p <= 1.0:
