@@ -139,7 +139,7 @@ MODULE_CASES = [
         "cache batch mismatch",
         lambda: gqa.GroupedQueryAttention(64, 8, 2)(torch.randn(3, 1, 64), cache=gqa.StaticKVCache(2, 2, 8, 4)),
         ValueError,
-        r"key must have shape \(2, 2, L, 8\) for this cache, got \(3, 2, 1, 8\)",
+        r"cache holds 2 rows, x \(3, 1, 64\) has 3",  # (checked before the projections and RoPE)
     ),
     (
         "cache heads mismatch",

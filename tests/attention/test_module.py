@@ -83,3 +83,17 @@ def test_float_and_bool_masks_and_position_ids():
     # RoPE encodes relative positions: a uniform shift changes nothing, uneven gaps do
     torch.testing.assert_close(attn(x, position_ids=pos), attn(x), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(attn(x, position_ids=torch.tensor([0, 1, 2, 9, 30])), attn(x), atol=1e-3)
+
+
+def test_inputs_of_another_dtype_and_a_cache_of_another_batch_are_named():
+    """A half input to float32 weights raised torch's "expected m1 and m2 to have the same dtype" from inside the
+    projection; a cache of 3 rows for 2 inputs was blamed on ``position_ids`` (which the caller never gave)."""
+    attn = gqa.GroupedQueryAttention(64, 4, 2)
+    with pytest.raises(ValueError, match=r"x is torch.float16, the module's weights torch.float32"):
+        attn(torch.randn(2, 5, 64).half())
+    with pytest.raises(ValueError, match=r"kv_input is torch.bfloat16, the module's weights torch.float32"):
+        attn(torch.randn(2, 5, 64), kv_input=torch.randn(2, 7, 64).bfloat16())
+    roped = gqa.GroupedQueryAttention(192, 6, 2, rope=gqa.RoPE(32))
+    with pytest.raises(ValueError, match=r"cache holds 3 rows, x \(2, 5, 192\) has 2"):
+        roped(torch.randn(2, 5, 192), cache=gqa.StaticKVCache(3, 2, 32, 8))
+    assert roped(torch.randn(3, 5, 192), cache=gqa.StaticKVCache(3, 2, 32, 8)).shape == (3, 5, 192)

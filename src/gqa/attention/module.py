@@ -191,7 +191,16 @@ class GroupedQueryAttention(nn.Module):
                 )
             if x.dim() != 3:
                 raise ValueError(f"with a cache, x must have shape (B, L, {self.embed_dim}), got {shape_str(x)}")
+            if cache.start.shape[0] != x.shape[0]:  # (before its positions are taken for RoPE)
+                raise ValueError(f"cache holds {cache.start.shape[0]} rows, x {shape_str(x)} has {x.shape[0]}")
         key_in, value_in = self._kv_inputs(x, kv_input)
+        weight = getattr(self.q_proj, "weight", None)
+        if torch.is_autocast_enabled(x.device.type):  # autocast casts the projections' inputs itself
+            weight = None
+        for name, t in (("x", x), ("kv_input", key_in), ("kv_input", value_in)):
+            if isinstance(weight, torch.Tensor) and weight.is_floating_point() and t.dtype != weight.dtype:
+                raise ValueError(f"{name} is {t.dtype}, the module's weights {weight.dtype}: convert one "
+                                 f"(module.to({t.dtype}) or {name}.to({weight.dtype}))")  # fmt: skip
         L = x.shape[-2]
 
         if key_in is x and value_in is x:  # self-attention: one pass over the three projections
