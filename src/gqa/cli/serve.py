@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--prefix-cache-gib", type=float, default=4.0, metavar="N",
-        help="at most N GiB of files in --prefix-cache-dir, the least recently used deleted first",
+        help="at most N GiB of files in --prefix-cache-dir per served model, the least recently used deleted first",
     )  # fmt: skip
     parser.add_argument(
         "--api-key", default=None,
