@@ -42,8 +42,7 @@ def kernel_refusal(
         return "attention weights / dropout"
     if query.numel() == 0 or key.numel() == 0:
         return "empty inputs (no query or no key)"
-    needs = (query, key, value) + (() if attn_mask is None else (attn_mask,))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in needs):
+    if need_grad(query, key, value, attn_mask):
         return "inputs that need gradients (no backward)"
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         return "key/value whose last dim is not contiguous"
@@ -202,7 +201,12 @@ def check_softcap(softcap: object) -> float | None:
 
 def sinks_need_grad(sinks: torch.Tensor | None) -> bool:
     """Whether ``sinks`` would need a gradient from this call (the inference kernels give none)."""
-    return sinks is not None and sinks.requires_grad and torch.is_grad_enabled()
+    return need_grad(sinks)
+
+
+def need_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether any of ``tensors`` (``None``s skipped) would need a gradient from this call."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def check_sinks(sinks: object, shape: AttnShape, query: torch.Tensor) -> None:

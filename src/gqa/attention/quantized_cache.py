@@ -16,7 +16,7 @@ import torch
 from .. import kernels
 from ..cache.kv_dtypes import KVDtype
 from ..cache.quantize import dequantize, native_reads, rotate
-from .checks import check_window
+from .checks import check_window, need_grad
 from .masks import group_mask, merge_masks, soft_cap, window_mask
 
 __all__ = ["chunked_attention", "quantized_cache_attention"]
@@ -51,8 +51,7 @@ def quantized_cache_attention(
     sides = check_window(window)
     if sides is not None:
         attn_mask = merge_masks(attn_mask, window_mask(L, S, *sides, q.device))
-    needs = (q, *(t for t in (sinks, attn_mask) if t is not None))  # (an additive mask may be a learned bias)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in needs)
+    grad = need_grad(q, sinks, attn_mask)  # (an additive mask may be a learned bias)
     if q.device.type == "cuda" and not grad:
         from ..kernels.triton.split_kv import split_kv_attention, supports
 

@@ -65,8 +65,7 @@ class AsyncEngine:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is left and end the thread."""
-        self._stop = True
-        self._wake.set()
+        self._ask_to_stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -74,11 +73,14 @@ class AsyncEngine:
         """``stop`` without blocking the event loop (the thread finishes its step and flushes its prefix blocks
         meanwhile). The join runs on a worker thread that holds the thread object only, which lets go of this engine
         as it ends: nothing of the model is left referenced when the caller frees memory after."""
-        self._stop = True
-        self._wake.set()
+        self._ask_to_stop()
         thread = self._thread
         if thread.is_alive():
             await asyncio.to_thread(thread.join, timeout)
+
+    def _ask_to_stop(self) -> None:
+        self._stop = True
+        self._wake.set()
 
     @property
     def alive(self) -> bool:

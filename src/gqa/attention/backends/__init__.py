@@ -14,7 +14,7 @@ import torch
 
 from ... import kernels
 from ...kernels.triton import split_kv
-from ..checks import AttnShape
+from ..checks import AttnShape, need_grad
 from . import flex, fused
 from .cuda_routing import CudaCall, device_capability, flash_supports, route_cuda
 from .grouped import grouped_attention_rows
@@ -154,8 +154,7 @@ def _cuda_backend(query, key, value, shape, attn_mask, dropout_p, is_causal, sca
         is_causal=is_causal,
         dropout_p=dropout_p,
         return_weights=return_weights,
-        needs_grad=torch.is_grad_enabled()
-        and any(t.requires_grad for t in (query, key, value, *(() if attn_mask is None else (attn_mask,)))),
+        needs_grad=need_grad(query, key, value, attn_mask),
         triton=triton_runs(query, key, value, dropout_p, return_weights, attn_mask),
         variant=variant,
         sinks_grad=sinks_grad,
